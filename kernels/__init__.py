@@ -1,0 +1,1 @@
+"""In-repo TileLang GDN kernels (import name: qlabench_kernels)."""

@@ -1,0 +1,87 @@
+"""FLA (flash-linear-attention) Triton path, forced: its low-level chunked fwd/bwd.
+
+FLA 0.6 routes the high-level ``chunk_gated_delta_rule`` to FlashQLA when ``flash_qla`` is
+importable; we set ``FLA_FLASH_QLA=0`` and call ``fla.ops.gated_delta_rule.chunk``'s
+``chunk_gated_delta_rule_fwd`` / ``_bwd`` directly, so the Triton kernels are what is timed.
+
+Conventions equal the canonical ones (q, k [1,T,H_qk,K]; v [1,T,H_v,V]; g log-space fp32
+[1,T,H_v]; state [N,H_v,K,V] fp32), so no conversion is needed. Varlen: FLA derives chunk
+indices from ``cu_seqlens`` with a host sync; ``prepare`` computes them once from the one int64
+``cu_seqlens`` tensor and passes them in, so fwd and bwd capture in a CUDA graph.
+
+Low-level returns: fwd ``(g_cumsum (log2 units), o, A, final_state, h0, g_input)``;
+bwd ``(dq, dk [1,T,H_qk,K] group-summed, dv, dbeta, dg (raw g), dh0, dA_log, ddt_bias)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .base import Backend, Prepared
+
+CHUNK = 64
+
+
+class FLABackend(Backend):
+    name = "fla"
+    directions = ("fwd", "bwd", "fwdbwd")
+    module = "fla"
+
+    def available(self):
+        os.environ["FLA_FLASH_QLA"] = "0"
+        return super().available()
+
+    def version(self) -> str:
+        try:
+            from importlib.metadata import version
+            return version("fla-core")
+        except Exception:
+            return super().version()
+
+    def supports(self, point, direction):
+        ok, why = super().supports(point, direction)
+        if not ok:
+            return ok, why
+        if point.head_dim > 256:
+            return False, f"FLA's chunked kernels take head_dim <= 256 (got {point.head_dim})"
+        return True, ""
+
+    def prepare(self, x, direction):
+        os.environ["FLA_FLASH_QLA"] = "0"
+        from fla.ops.gated_delta_rule.chunk import (
+            chunk_gated_delta_rule_bwd,
+            chunk_gated_delta_rule_fwd,
+        )
+        from fla.ops.utils import prepare_chunk_indices
+
+        cu = x.cu_seqlens  # the one int64 tensor, reused by every call
+        ci = prepare_chunk_indices(cu, CHUNK)
+
+        def fwd():
+            return chunk_gated_delta_rule_fwd(
+                q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta, scale=x.scale, initial_state=x.h0,
+                output_final_state=x.output_final_state, cu_seqlens=cu, chunk_indices=ci)
+
+        if direction == "fwd":
+            return Prepared(fn=fwd)
+
+        def bwd(gc, A):
+            return chunk_gated_delta_rule_bwd(
+                q=x.q, k=x.k, v=x.v, g=gc, beta=x.beta, A=A, scale=x.scale,
+                initial_state=x.h0, do=x.do, dht=x.dht, cu_seqlens=cu, chunk_indices=ci)
+
+        if direction == "bwd":
+            gc, _, A, *_ = fwd()  # saved tensors of a forward, outside the timed region
+            return Prepared(fn=lambda: bwd(gc, A))
+
+        def fwdbwd():
+            gc, _, A, *_ = fwd()
+            return bwd(gc, A)
+
+        return Prepared(fn=fwdbwd)
+
+    def outputs_to_canonical(self, raw, x, direction):
+        if direction == "fwd":
+            return {"o": raw[1], "final_state": raw[3]}
+        dq, dk, dv, db, dg, dh0 = raw[:6]
+        return {"dq": dq, "dk": dk, "dv": dv, "dbeta": db, "dg": dg, "dh0": dh0}

@@ -1,0 +1,91 @@
+"""FlashInfer ``gdn_prefill.chunk_gated_delta_rule`` (SM90 CUTLASS "flat" kernel), forward only.
+
+Conversions (done once in ``prepare``, outside the timed region):
+
+- q [1,T,H_qk,K] -> [T,H_qk,K]; k likewise; v [1,T,H_v,V] -> [T,H_v,V] (views, no batch dim)
+- g (log-space) -> ``alpha = exp(g)`` fp32 [T,H_v] (FlashInfer's gate is linear-space)
+- beta [1,T,H_v] -> [T,H_v] fp32
+- state: canonical [N,H_v,K,V] -> FlashInfer [N,H_v,V,K] (``transpose(-1,-2)``) in, and back out
+- ``cu_seqlens`` int64 (its SM90 launcher checks int64)
+- outputs written into preallocated buffers that are poisoned with NaN before the checked call
+
+Constraints: head_dim 128 only on SM90; no backward; ``use_qk_l2norm_in_kernel`` is ignored by
+the kernel (our q, k are already normalised).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Backend, Prepared
+from .flashqla import cuda_cc
+
+
+def to_flashinfer(x) -> dict:
+    """Canonical inputs -> FlashInfer's conventions (pure torch; tested on CPU)."""
+    T, hq, hv, d = x.q.shape[1], x.q.shape[2], x.v.shape[2], x.q.shape[3]
+    return {
+        "q": x.q.reshape(T, hq, d), "k": x.k.reshape(T, hq, d), "v": x.v.reshape(T, hv, d),
+        "g": x.g.reshape(T, hv).exp().contiguous(),
+        "beta": x.beta.reshape(T, hv).float().contiguous(),
+        "initial_state": (None if x.h0 is None else x.h0.transpose(-1, -2).contiguous()),
+        "cu_seqlens": x.cu_seqlens.to(torch.int64),
+        "scale": x.scale,
+    }
+
+
+def state_from_flashinfer(st: torch.Tensor) -> torch.Tensor:
+    """[N,H,V,K] -> canonical [N,H,K,V]."""
+    return st.transpose(-1, -2)
+
+
+class FlashInferBackend(Backend):
+    name = "flashinfer"
+    directions = ("fwd",)
+    module = "flashinfer"
+
+    def version(self) -> str:
+        try:
+            from importlib.metadata import version
+            return version("flashinfer-python")
+        except Exception:
+            return "unknown"
+
+    def available(self):
+        cc = cuda_cc()
+        if cc is None:
+            return False, "no CUDA device (torch.cuda.is_available() is False)"
+        if cc[0] != 9:
+            return False, f"FlashInfer's GDN prefill kernel here targets SM90; GPU is sm_{cc[0]}{cc[1]}"
+        return super().available()
+
+    def supports(self, point, direction):
+        if direction != "fwd":
+            return False, "FlashInfer has no GDN backward (gdn_prefill is forward-only)"
+        if point.head_dim != 128:
+            return False, f"FlashInfer's SM90 GDN kernel takes head_dim 128 only (got {point.head_dim})"
+        if point.dtype not in ("bf16", "fp16"):
+            return False, f"FlashInfer takes bf16/fp16 q, k, v (dtype={point.dtype})"
+        return True, ""
+
+    def prepare(self, x, direction):
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule
+
+        a = to_flashinfer(x)
+        T, hv, d = x.v.shape[1], x.v.shape[2], x.v.shape[3]
+        out = torch.full((T, hv, d), float("nan"), dtype=x.v.dtype, device=x.v.device)
+        st = torch.full((x.N, hv, d, d), float("nan"), dtype=torch.float32, device=x.v.device)
+
+        def fn():
+            return chunk_gated_delta_rule(
+                q=a["q"], k=a["k"], v=a["v"], g=a["g"], beta=a["beta"], scale=a["scale"],
+                initial_state=a["initial_state"], output_final_state=x.output_final_state,
+                cu_seqlens=a["cu_seqlens"], output=out, output_state=st)
+
+        return Prepared(fn=fn, extra={"out": out, "state": st})
+
+    def outputs_to_canonical(self, raw, x, direction):
+        o, st = (raw if isinstance(raw, tuple) else (raw, None))
+        T, hv, d = x.v.shape[1], x.v.shape[2], x.v.shape[3]
+        return {"o": o.reshape(1, T, hv, d),
+                "final_state": None if st is None else state_from_flashinfer(st)}

@@ -1,0 +1,163 @@
+"""Pure-torch Gated DeltaNet references (run on CPU or GPU) and the ``reference`` backend.
+
+Recurrence per v-head (FLA's layout, state S in R^{K x V}; alpha_t = exp(g_t), g_t <= 0):
+
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale * q_t)
+
+Two forms that must agree:
+
+- :func:`gdn_recurrent` — token by token (fp32/fp64). Exact but slow; tiny cases and cross-checks.
+- :func:`gdn_chunked` — chunk 64 (WY / UT form, as in the chunked kernels), vectorised over
+  heads, differentiable: gradients of the reference come from autograd through this form.
+
+Shapes (B = 1, varlen via ``cu_seqlens``): q, k [1, T, H_qk, K]; v [1, T, H_v, V];
+g, beta [1, T, H_v]; h0 [N, H_v, K, V]. GVA: v-head j reads q/k head j // (H_v / H_qk).
+Returns o [1, T, H_v, V] and final state [N, H_v, K, V] in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Backend, Prepared
+
+CHUNK = 64
+
+
+def _expand_qk(x: torch.Tensor, h_v: int) -> torch.Tensor:
+    """[T, H_qk, K] -> [T, H_v, K] with contiguous groups (head j <- j // G)."""
+    g = h_v // x.shape[1]
+    return x.repeat_interleave(g, dim=1) if g > 1 else x
+
+
+def _bounds(cu_seqlens: torch.Tensor | None, T: int) -> list[tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(0, T)]
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def gdn_recurrent(q, k, v, g, beta, scale=None, h0=None, cu_seqlens=None,
+                  dtype=torch.float64):
+    """Token-by-token recurrence. Returns (o [1,T,H_v,V], ht [N,H_v,K,V])."""
+    T, h_v, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
+    scale = K ** -0.5 if scale is None else scale
+    qe = _expand_qk(q[0].to(dtype), h_v)
+    ke = _expand_qk(k[0].to(dtype), h_v)
+    vv, gg, bb = v[0].to(dtype), g[0].to(dtype), beta[0].to(dtype)
+    bounds = _bounds(cu_seqlens, T)
+    o = torch.zeros(T, h_v, V, dtype=dtype, device=q.device)
+    hts = []
+    for n, (s, e) in enumerate(bounds):
+        S = (h0[n].to(dtype).clone() if h0 is not None
+             else torch.zeros(h_v, K, V, dtype=dtype, device=q.device))
+        for t in range(s, e):
+            kt = ke[t]                                         # [H, K]
+            S = S * gg[t].exp()[:, None, None]
+            err = vv[t] - torch.einsum("hk,hkv->hv", kt, S)     # v - S^T k
+            S = S + bb[t][:, None, None] * kt[:, :, None] * err[:, None, :]
+            o[t] = torch.einsum("hk,hkv->hv", qe[t] * scale, S)
+        hts.append(S)
+    return o[None], torch.stack(hts)
+
+
+def _chunked_seq(q, k, v, g, beta, S, scale, chunk):
+    """One sequence: q,k [L,H,K] (expanded), v [L,H,V], g,beta [L,H], S [H,K,V]."""
+    L = q.shape[0]
+    outs = []
+    for s in range(0, L, chunk):
+        e = min(s + chunk, L)
+        c = e - s
+        qc, kc, vc = (x[s:e].transpose(0, 1) for x in (q, k, v))    # [H,c,*]
+        gc = g[s:e].transpose(0, 1).cumsum(-1)                       # [H,c] inclusive cumsum
+        bc = beta[s:e].transpose(0, 1)                               # [H,c]
+        diff = gc[:, :, None] - gc[:, None, :]                       # g_i - g_j
+        tril_incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        gamma = torch.where(tril_incl, diff, torch.full_like(diff, float("-inf"))).exp()
+        kk = kc @ kc.transpose(-1, -2)
+        strict = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
+        Lm = torch.where(strict, bc[:, :, None] * gamma * kk, torch.zeros_like(kk))
+        eye = torch.eye(c, dtype=q.dtype, device=q.device).expand_as(Lm)
+        A = torch.linalg.solve_triangular(eye + Lm, eye, upper=False, unitriangular=True)
+        w = A @ ((bc * gc.exp())[..., None] * kc)
+        u = A @ (bc[..., None] * vc)
+        v_new = u - w @ S
+        o = scale * ((gc.exp()[..., None] * qc) @ S + ((qc @ kc.transpose(-1, -2)) * gamma) @ v_new)
+        outs.append(o.transpose(0, 1))
+        g_last = gc[:, -1]
+        S = g_last.exp()[:, None, None] * S + kc.transpose(-1, -2) @ (
+            (g_last[:, None] - gc).exp()[..., None] * v_new)
+    return torch.cat(outs, 0), S
+
+
+def gdn_chunked(q, k, v, g, beta, scale=None, h0=None, cu_seqlens=None,
+                dtype=torch.float32, chunk: int = CHUNK):
+    """Chunked (WY) form, differentiable. Returns (o [1,T,H_v,V], ht [N,H_v,K,V])."""
+    T, h_v, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
+    scale = K ** -0.5 if scale is None else scale
+    qe = _expand_qk(q[0].to(dtype), h_v)
+    ke = _expand_qk(k[0].to(dtype), h_v)
+    vv, gg, bb = v[0].to(dtype), g[0].to(dtype), beta[0].to(dtype)
+    os_, hts = [], []
+    for n, (s, e) in enumerate(_bounds(cu_seqlens, T)):
+        S = (h0[n].to(dtype) if h0 is not None
+             else torch.zeros(h_v, K, V, dtype=dtype, device=q.device))
+        if e > s:
+            o, S = _chunked_seq(qe[s:e], ke[s:e], vv[s:e], gg[s:e], bb[s:e], S, scale, chunk)
+            os_.append(o)
+        hts.append(S)
+    return torch.cat(os_, 0)[None], torch.stack(hts)
+
+
+def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
+                      dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Reference gradients by autograd through :func:`gdn_chunked`.
+
+    Returns dq, dk [1,T,H_qk,K] (summed over each GVA group), dv [1,T,H_v,V], dg, dbeta
+    [1,T,H_v] (dg for the raw, un-cumsummed g) and dh0 [N,H_v,K,V] (when h0 is given)."""
+    leaves = {n: t.detach().to(dtype).requires_grad_(True)
+              for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("h0", h0))
+              if t is not None}
+    o, ht = gdn_chunked(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                        scale, leaves.get("h0"), cu_seqlens, dtype=dtype)
+    loss = (o * do.to(dtype)).sum()
+    if dht is not None:
+        loss = loss + (ht * dht.to(dtype)).sum()
+    names = list(leaves)
+    grads = torch.autograd.grad(loss, [leaves[n] for n in names])
+    out = {"d" + n: gr for n, gr in zip(names, grads)}
+    return out
+
+
+class ReferenceBackend(Backend):
+    """The torch reference as a backend: runs anywhere, measures nothing of interest on a GPU
+    but proves the harness path end to end on a CPU machine."""
+
+    name = "reference"
+    directions = ("fwd", "bwd", "fwdbwd")
+
+    def version(self) -> str:
+        return f"torch-{torch.__version__}"
+
+    def available(self):
+        return True, ""
+
+    def supports(self, point, direction):
+        return True, ""
+
+    def prepare(self, inputs, direction) -> Prepared:
+        x = inputs
+        if direction == "fwd":
+            def fn():
+                return gdn_chunked(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens)
+        else:
+            def fn():
+                return gdn_chunked_grads(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0,
+                                         x.cu_seqlens, x.do, x.dht)
+        return Prepared(fn=fn)
+
+    def outputs_to_canonical(self, raw, inputs, direction):
+        if direction == "fwd":
+            o, ht = raw
+            return {"o": o, "final_state": ht}
+        return dict(raw)

@@ -1,0 +1,62 @@
+"""The in-repo TileLang kernels (``kernels/``, import name ``qlabench_kernels``).
+
+Conventions equal the canonical ones (FLA's); one compilation per head configuration, sequence
+layout at run time. Backward: see ``qlabench_kernels`` — rows say ``unsupported`` until the
+backward kernel exists.
+"""
+
+from __future__ import annotations
+
+from .base import Backend, Prepared
+
+
+class TileLangBackend(Backend):
+    name = "tilelang"
+    directions = ("fwd", "bwd", "fwdbwd")
+    module = "qlabench_kernels"
+
+    def version(self) -> str:
+        try:
+            import qlabench_kernels as qk
+            return getattr(qk, "__version__", "0")
+        except Exception:
+            return "unknown"
+
+    def available(self):
+        ok, why = super().available()
+        if not ok:
+            return ok, why
+        try:
+            import tilelang  # noqa: F401
+        except Exception as e:
+            return False, f"cannot import tilelang: {type(e).__name__}: {str(e)[:160]}"
+        import qlabench_kernels as qk
+        if not hasattr(qk, "chunk_gdn_fwd"):
+            return False, "qlabench_kernels has no forward kernel yet"
+        return True, ""
+
+    def supports(self, point, direction):
+        import qlabench_kernels as qk
+        if point.head_dim != 128:
+            return False, f"in-repo kernels are built for head_dim 128 (got {point.head_dim})"
+        if point.dtype != "bf16":
+            return False, f"in-repo kernels take bf16 q, k, v (dtype={point.dtype})"
+        if direction != "fwd" and not hasattr(qk, "chunk_gdn_bwd"):
+            return False, "in-repo backward kernel not built yet"
+        return True, ""
+
+    def prepare(self, x, direction):
+        import qlabench_kernels as qk
+
+        def fwd():
+            return qk.chunk_gdn_fwd(x.q, x.k, x.v, x.g, x.beta, scale=x.scale,
+                                    initial_state=x.h0, output_final_state=x.output_final_state,
+                                    cu_seqlens=x.cu_seqlens)
+
+        if direction == "fwd":
+            return Prepared(fn=fwd)
+        raise NotImplementedError("backward kernel not built")
+
+    def outputs_to_canonical(self, raw, x, direction):
+        o, ht = raw[0], raw[1]
+        return {"o": o, "final_state": ht}

@@ -1,0 +1,133 @@
+"""``qlabench run|list|validate`` (and, as they land, compare|report|reproduce|profile|merge)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import config as C
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Benchmark Gated DeltaNet chunked-prefill kernels: sweeps -> Parquet rows.")
+console = Console()
+err = Console(stderr=True)
+
+
+def _load(path: Path) -> C.Sweep:
+    try:
+        return C.load(path)
+    except C.ConfigError as e:
+        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _backend_list(arg: Optional[str], sweep: C.Sweep) -> list[str]:
+    if not arg:
+        return list(sweep.backends)
+    names = [b.strip() for b in arg.split(",") if b.strip()]
+    bad = [b for b in names if b not in C.BACKENDS]
+    if bad:
+        err.print(f"error: --backends: unknown backend(s) {', '.join(bad)}; known: "
+                  f"{', '.join(C.BACKENDS)}", highlight=False)
+        raise typer.Exit(2)
+    return names
+
+
+@app.command()
+def validate(config: Path = typer.Argument(..., help="sweep YAML")):
+    """Check a sweep config; print the number of points and rows."""
+    from .sweep import points
+    s = _load(config)
+    pts = points(s)
+    console.print(f"{config}: ok — {len(pts)} points × {len(s.backends)} backends × "
+                  f"{len(s.directions)} directions = {len(pts) * len(s.backends) * len(s.directions)} rows")
+
+
+@app.command("list")
+def list_points(config: Path = typer.Argument(..., help="sweep YAML")):
+    """Print the points a sweep expands to."""
+    from .sweep import points
+    s = _load(config)
+    pts = points(s)
+    t = Table(title=f"{s.name}: {len(pts)} points")
+    for c in ("#", "model", "h_qk/h_v", "layout", "seqlens", "tokens"):
+        t.add_column(c)
+    for p in pts:
+        sl = " ".join(map(str, p.seqlens))
+        t.add_row(str(p.index), p.model, p.tp_label, p.layout_label,
+                  sl if len(sl) < 50 else sl[:47] + "...", str(p.total_tokens))
+    console.print(t)
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(..., help="sweep YAML (e.g. configs/smoke.yaml)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: the config's `out`)"),
+    backends: Optional[str] = typer.Option(None, "--backends", help="comma list overriding the config's backends"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="only the first N points"),
+    resume: bool = typer.Option(False, "--resume", help="skip rows already in --out (same key and backend version)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the plan; write nothing"),
+    plot: bool = typer.Option(True, "--plot/--no-plot", help="write latency PNGs into --out"),
+):
+    """Run a sweep: every backend checked against the reference, then timed; one Parquet row each."""
+    s = _load(config)
+    names = _backend_list(backends, s)
+    from .sweep import points
+    pts = points(s)[:limit] if limit else points(s)
+    out_dir = out or Path(s.out.format(name=s.name))
+    if dry_run:
+        from . import backends as B
+        t = Table(title=f"plan: {len(pts)} points × {names} × {s.directions} -> {out_dir}")
+        t.add_column("backend")
+        t.add_column("available")
+        t.add_column("reason")
+        for n in names:
+            ok, why = B.get(n).available()
+            t.add_row(n, "yes" if ok else "no", why)
+        console.print(t)
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import plots, results, runner
+    total = len(pts) * len(s.directions)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=not sys.stdout.isatty(),
+                  disable=not sys.stdout.isatty()) as prog:
+        task = prog.add_task("starting", total=total)
+        state = {"n": 0}
+
+        def progress(desc):
+            if state["n"]:
+                prog.advance(task)
+            state["n"] += 1
+            prog.update(task, description=desc)
+
+        try:
+            summary = runner.run(s, out_dir, config_name=str(config), backend_names=names,
+                                 limit=limit, resume=resume, progress=progress,
+                                 log=(lambda m: prog.console.print(m, highlight=False, markup=False))
+                                 if sys.stdout.isatty() else (lambda m: print(m, flush=True)))
+        except runner.RecipeMismatch as e:
+            err.print(f"error: {e}", highlight=False)
+            raise typer.Exit(2) from None
+        prog.update(task, completed=total)
+    df = results.latest(results.load(out_dir))
+    made = plots.run_figures(df, out_dir) if plot else []
+    console.print(f"run {summary.run_id}: {summary.counts or 'nothing new'}"
+                  + (f", {summary.skipped_done} rows already done" if summary.skipped_done else "")
+                  + f" -> {out_dir}/parts" + (f"; figures: {', '.join(str(m) for m in made)}" if made else ""))
+
+
+def main():  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()

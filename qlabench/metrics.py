@@ -1,0 +1,182 @@
+"""FLOP/byte model, derived throughput columns, NVML GPM utilisation and SM clocks.
+
+FLOP model (matmul FLOPs = 2·M·N·K, per token per v-head, chunk C = 64, K = V = d):
+
+- forward (FLA's chunked algorithm): KKᵀ 2Cd, w = A·(βe^gK) 2Cd, u = A·(βV) 2Cd, w·h 2d², Kᵀ·v_new
+  2d², Q·h 2d², QKᵀ 2Cd, P·v_new 2Cd  →  ``2(5Cd + 3d²)`` = 180,224 at d = 128.
+- backward (FLA's kernel sequence): recompute w,u,h 98,304 + dv_local 32,768 + dhu 98,304 +
+  dqkwg 147,456 + WY backward 131,072 = 507,904 at d = 128; in general
+  ``recompute 2(2Cd + 2d²) + dv_local 2(2Cd) + dhu 2(3d²) + dqkwg 2(3Cd + 3d²) + wy 2(8Cd)``.
+
+One algorithm's count is used for every backend of a direction, so TFLOP/s compare like with like
+("useful" FLOPs at FLA's algebra), not each library's own arithmetic.
+
+Minimum bytes = API inputs and outputs touched once: q, k (per qk-head) and v, o (per v-head) in
+the operand dtype; g, β fp32 per v-head; h0 and the final state fp32 d² per (sequence, v-head).
+The backward reads q, k, v, dO, g, β, h0, dht and writes dq, dk, dv, dg, dβ, dh0.
+"""
+
+from __future__ import annotations
+
+import time
+
+CHUNK = 64
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# Datasheet leads for the H200 SXM, used only when a run has not measured its own ceilings.
+H200_PEAK_TFLOPS = 790.0   # dense bf16 measured-ish ceiling used by the published analysis
+H200_PEAK_GBPS = 4300.0
+
+
+def fwd_flops_per_token_head(d: int = 128, c: int = CHUNK) -> int:
+    return 2 * (5 * c * d + 3 * d * d)
+
+
+def bwd_flops_per_token_head(d: int = 128, c: int = CHUNK) -> int:
+    recompute = 2 * (2 * c * d + 2 * d * d)
+    dv_local = 2 * (2 * c * d)
+    dhu = 2 * (3 * d * d)
+    dqkwg = 2 * (3 * c * d + 3 * d * d)
+    wy = 2 * (8 * c * d)
+    return recompute + dv_local + dhu + dqkwg + wy
+
+
+def flops(direction: str, total_tokens: int, h_v: int, d: int = 128) -> float:
+    per = {"fwd": fwd_flops_per_token_head(d),
+           "bwd": bwd_flops_per_token_head(d),
+           "fwdbwd": fwd_flops_per_token_head(d) + bwd_flops_per_token_head(d)}[direction]
+    return float(per) * total_tokens * h_v
+
+
+def min_bytes(direction: str, total_tokens: int, h_qk: int, h_v: int, num_seqs: int,
+              d: int = 128, dtype: str = "bf16", initial_state: bool = True,
+              final_state: bool = True) -> float:
+    e = DTYPE_BYTES[dtype]
+    T = total_tokens
+    qk = 2 * T * h_qk * d * e
+    vo = 2 * T * h_v * d * e
+    gb = 2 * T * h_v * 4
+    st = num_seqs * h_v * d * d * 4
+    fwd = qk + vo + gb + st * (int(initial_state) + int(final_state))
+    if direction == "fwd":
+        return float(fwd)
+    # backward: read q,k,v,dO,g,beta,h0,dht; write dq,dk,dv,dg,dbeta,dh0
+    bwd = (qk + vo + gb + st * (int(initial_state) + int(final_state))) + \
+          (qk + T * h_v * d * e + gb + st * int(initial_state))
+    if direction == "bwd":
+        return float(bwd)
+    return float(fwd + bwd)
+
+
+def derive(direction: str, latency_ms: float | None, total_tokens: int, h_qk: int, h_v: int,
+           num_seqs: int, d: int = 128, dtype: str = "bf16", peak_tflops: float | None = None,
+           peak_gbps: float | None = None, initial_state: bool = True,
+           final_state: bool = True) -> dict:
+    """TFLOP/s, GB/s, arithmetic intensity and % of the roofline bound for one row."""
+    f = flops(direction, total_tokens, h_v, d)
+    b = min_bytes(direction, total_tokens, h_qk, h_v, num_seqs, d, dtype, initial_state,
+                  final_state)
+    pt = peak_tflops or H200_PEAK_TFLOPS
+    pb = peak_gbps or H200_PEAK_GBPS
+    bound_ms = max(f / (pt * 1e12), b / (pb * 1e9)) * 1e3
+    out = {"flops": f, "min_bytes": b, "intensity_flop_per_byte": f / b,
+           "roofline_ms": bound_ms, "tflops": None, "gbps": None, "pct_roofline": None}
+    if latency_ms and latency_ms > 0:
+        s = latency_ms * 1e-3
+        out["tflops"] = f / s / 1e12
+        out["gbps"] = b / s / 1e9
+        out["pct_roofline"] = 100.0 * bound_ms / latency_ms
+    return out
+
+
+# ----------------------------------------------------------------------------- NVML
+
+
+def _nvml():
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:
+        return None
+
+
+def clocks(index: int = 0) -> dict:
+    """Current SM clock (MHz) and throttle reason bitmask; empty dict without NVML."""
+    nv = _nvml()
+    if nv is None:
+        return {}
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+        mhz = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
+        try:
+            reasons = nv.nvmlDeviceGetCurrentClocksEventReasons(h)
+        except Exception:
+            reasons = nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)
+        return {"sm_clock_mhz": int(mhz), "throttle_reasons": int(reasons)}
+    except Exception:
+        return {}
+
+
+# Reasons that mean the clock was pulled down by heat or power (not idle / app settings).
+THROTTLE_MASK = 0x0000000000000004 | 0x0000000000000008 | 0x0000000000000020 | \
+    0x0000000000000040 | 0x0000000000000080   # SW power cap, HW slowdown, SW/HW thermal, power brake
+
+
+def throttled(reasons: int | None) -> bool:
+    return bool(reasons) and bool(int(reasons) & THROTTLE_MASK)
+
+
+GPM_FIELDS = ("sm_util_pct", "sm_occupancy_pct", "tensor_util_pct", "dram_bw_util_pct")
+
+
+def gpm_sample(replay, min_window_s: float = 0.12, index: int = 0) -> dict:
+    """NVML GPM metrics over a window of at least ``min_window_s`` of ``replay()`` calls.
+
+    Returns the four GPM fields, ``gpm_window_ms`` and ``gpm_reason`` (why the fields are null,
+    when they are)."""
+    out: dict = {f: None for f in GPM_FIELDS}
+    out["gpm_window_ms"] = None
+    nv = _nvml()
+    if nv is None:
+        out["gpm_reason"] = "nvidia-ml-py (pynvml) not importable or NVML init failed"
+        return out
+    try:
+        import torch
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+        sup = nv.nvmlGpmQueryDeviceSupport(h)
+        if not sup.isSupportedDevice:
+            out["gpm_reason"] = "NVML GPM not supported on this device"
+            return out
+        s1, s2 = nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc()
+        torch.cuda.synchronize()
+        nv.nvmlGpmSampleGet(h, s1)
+        t0 = time.perf_counter()
+        while True:
+            replay()
+            torch.cuda.synchronize()
+            if time.perf_counter() - t0 >= min_window_s:
+                break
+        nv.nvmlGpmSampleGet(h, s2)
+        window = time.perf_counter() - t0
+        mg = nv.c_nvmlGpmMetricsGet_t()
+        mg.version = nv.NVML_GPM_METRICS_GET_VERSION
+        ids = [nv.NVML_GPM_METRIC_SM_UTIL, nv.NVML_GPM_METRIC_SM_OCCUPANCY,
+               nv.NVML_GPM_METRIC_ANY_TENSOR_UTIL, nv.NVML_GPM_METRIC_DRAM_BW_UTIL]
+        mg.numMetrics = len(ids)
+        mg.sample1, mg.sample2 = s1, s2
+        for i, m in enumerate(ids):
+            mg.metrics[i].metricId = m
+        nv.nvmlGpmMetricsGet(mg)
+        for i, f in enumerate(GPM_FIELDS):
+            out[f] = float(mg.metrics[i].value)
+        out["gpm_window_ms"] = window * 1e3
+        out["gpm_reason"] = ""
+        try:
+            nv.nvmlGpmSampleFree(s1)
+            nv.nvmlGpmSampleFree(s2)
+        except Exception:
+            pass
+    except Exception as e:
+        out["gpm_reason"] = f"GPM failed: {type(e).__name__}: {str(e)[:160]}"
+    return out

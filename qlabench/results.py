@@ -1,0 +1,202 @@
+"""Row schema and durable storage: one Parquet part per finished row, written atomically.
+
+Layout of an output directory::
+
+    OUT/parts/<run_id>-<n>-<backend>-<direction>.parquet   one row each (the truth)
+    OUT/runs/<run_id>.json                                  run metadata + environment
+    OUT/*.png                                               derived figures
+
+``pandas.read_parquet(OUT/parts)`` (or :func:`load`) reads every row of every run in it.
+Resume key: (point key, backend, direction, backend version); a key whose stored rows were made
+from a different input recipe is refused instead of mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+STATUSES = ("ok", "unavailable", "unsupported", "incorrect", "oom", "crashed", "timeout",
+            "skipped")
+#: statuses a resume re-tries (the library or device may be there now)
+RETRY_STATUSES = ("unavailable",)
+OUTPUTS = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+_f, _i, _s, _b = pa.float64(), pa.int64(), pa.string(), pa.bool_()
+SCHEMA = pa.schema(
+    [
+        # identity
+        ("run_id", _s), ("git_sha", _s), ("config", _s), ("point_index", _i), ("point_key", _s),
+        ("recipe_hash", _s), ("model", _s), ("tp", _s), ("h_qk", _i), ("h_v", _i),
+        ("head_dim", _i), ("seqlens", pa.list_(_i)), ("layout", _s), ("total_tokens", _i),
+        ("num_seqs", _i), ("dtype", _s), ("gate_recipe", _s), ("gate_zero_frac", _f),
+        ("initial_state", _b), ("output_final_state", _b),
+        ("direction", _s), ("backend", _s), ("backend_version", _s),
+        ("gpu_name", _s), ("gpu_index", _i), ("started_at", _s),
+        # outcome
+        ("status", _s), ("reason", _s),
+        # timing
+        ("latency_ms", _f), ("p10_ms", _f), ("p90_ms", _f), ("iqr_ms", _f), ("mean_ms", _f),
+        ("rse", _f), ("samples_ms", pa.list_(_f)), ("n_samples", _i), ("timing_mode", _s),
+        ("timing_fallback", _s), ("stop_reason", _s), ("calls_per_sample", _i), ("l2", _s),
+        ("compile_s", _f), ("wall_s", _f),
+        ("sm_clock_mhz_before", _f), ("sm_clock_mhz_after", _f), ("throttled", _b),
+        # correctness (per output)
+        *[(f"rel_l2_{o}", _f) for o in OUTPUTS],
+        *[(f"max_abs_{o}", _f) for o in OUTPUTS],
+        ("max_rel_l2", _f),
+        # derived
+        ("flops", _f), ("min_bytes", _f), ("intensity_flop_per_byte", _f), ("roofline_ms", _f),
+        ("tflops", _f), ("gbps", _f), ("pct_roofline", _f),
+        ("sm_util_pct", _f), ("sm_occupancy_pct", _f), ("tensor_util_pct", _f),
+        ("dram_bw_util_pct", _f), ("gpm_window_ms", _f), ("gpm_reason", _s),
+        ("ctas", _i), ("ctas_per_sm", _f), ("kernels_per_call", _i), ("top_kernel", _s),
+    ]
+)
+COLUMNS = [f.name for f in SCHEMA]
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def git_sha(cwd: str | None = None) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=cwd or os.getcwd(),
+                             capture_output=True, text=True, timeout=5)
+        sha = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=cwd or os.getcwd(), capture_output=True, text=True, timeout=5)
+        return sha + ("-dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        return "unknown"
+
+
+def environment() -> dict:
+    """Versions and machine facts for the run metadata."""
+    env: dict = {"hostname": socket.gethostname(), "python": platform.python_version(),
+                 "platform": platform.platform()}
+    try:
+        import torch
+        env["torch"] = torch.__version__
+        env["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            env.update(gpu_name=p.name, sm_count=p.multi_processor_count,
+                       gpu_mem_gib=round(p.total_memory / 2**30, 1),
+                       gpu_count=torch.cuda.device_count())
+    except Exception as e:
+        env["torch"] = f"error: {e}"
+    from importlib.metadata import PackageNotFoundError, version
+    for dist in ("triton", "tilelang", "flash-linear-attention", "fla-core", "flash-qla",
+                 "flashinfer-python", "nvidia-ml-py", "pydantic", "pandas", "pyarrow"):
+        try:
+            env[dist] = version(dist)
+        except PackageNotFoundError:
+            env[dist] = None
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:
+        env["driver"] = None
+    return env
+
+
+class ResultStore:
+    def __init__(self, out_dir: str | Path):
+        self.out = Path(out_dir)
+        self.parts = self.out / "parts"
+        self.runs = self.out / "runs"
+
+    def ensure(self) -> None:
+        self.parts.mkdir(parents=True, exist_ok=True)
+        self.runs.mkdir(parents=True, exist_ok=True)
+
+    def write_meta(self, run_id: str, meta: dict) -> Path:
+        self.ensure()
+        p = self.runs / f"{run_id}.json"
+        tmp = p.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(meta, indent=1, default=str))
+        os.replace(tmp, p)
+        return p
+
+    def append(self, row: dict) -> Path:
+        """Write one row durably: temp file, fsync, atomic rename."""
+        self.ensure()
+        full = {c: row.get(c) for c in COLUMNS}
+        table = pa.Table.from_pylist([full], schema=SCHEMA)
+        name = (f"{row['run_id']}-{row['point_index']:04d}-{row['backend']}-"
+                f"{row['direction']}.parquet")
+        p = self.parts / name
+        tmp = self.parts / f".{name}.tmp"
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+        return p
+
+    def load(self) -> pd.DataFrame:
+        return load(self.out)
+
+    def done_keys(self) -> dict[tuple, str]:
+        """(point_key, backend, direction, backend_version) -> recipe_hash of finished rows."""
+        df = self.load()
+        if df.empty:
+            return {}
+        df = df[~df["status"].isin(RETRY_STATUSES)]
+        return {(r.point_key, r.backend, r.direction, r.backend_version): r.recipe_hash
+                for r in df.itertuples()}
+
+    def recipes(self) -> dict[tuple, str]:
+        """(point_key, direction) -> recipe_hash over all stored rows."""
+        df = self.load()
+        if df.empty:
+            return {}
+        return {(r.point_key, r.direction): r.recipe_hash for r in df.itertuples()}
+
+
+def load(path: str | Path) -> pd.DataFrame:
+    """All rows under a results directory (or a single Parquet file)."""
+    p = Path(path)
+    if p.is_file():
+        return pq.read_table(p).to_pandas()
+    parts_dir = p / "parts" if (p / "parts").is_dir() else p
+    files = sorted(f for f in parts_dir.glob("*.parquet") if not f.name.startswith("."))
+    if not files:
+        return pd.DataFrame(columns=COLUMNS)
+    tables = [pq.read_table(f) for f in files]
+    return pa.concat_tables(tables, promote_options="default").to_pandas()
+
+
+def load_meta(path: str | Path) -> dict[str, dict]:
+    p = Path(path) / "runs"
+    out = {}
+    for f in sorted(p.glob("*.json")):
+        try:
+            out[f.stem] = json.loads(f.read_text())
+        except Exception:
+            continue
+    return out
+
+
+KEY = ["point_key", "backend", "direction"]
+
+
+def latest(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (point, backend, direction): the most recent non-retry row."""
+    if df.empty:
+        return df
+    d = df.sort_values(["started_at", "run_id"])
+    return d.drop_duplicates(KEY, keep="last").sort_values(["point_index", "backend", "direction"])

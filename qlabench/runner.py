@@ -1,0 +1,274 @@
+"""The flow: Sweep -> points -> inputs -> backends -> correctness gate -> timing -> rows.
+
+Data flows one way. For each point and direction the reference is computed once (lazily, only
+if some backend will run), every backend is checked against it before it is timed, and each row
+is written durably before the next one starts.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import backends as B
+from . import metrics, timing
+from .config import Sweep
+from .results import ResultStore, environment, git_sha, new_run_id
+from .sweep import Point, points
+from .workloads import Inputs, make
+
+FWD_OUTPUTS = ("o", "final_state")
+BWD_OUTPUTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+class RecipeMismatch(Exception):
+    """--resume found rows for the same key made from a different input recipe."""
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    out_dir: Path
+    counts: dict = field(default_factory=dict)
+    skipped_done: int = 0
+    rows: list = field(default_factory=list)
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(‖out − ref‖ / ‖ref‖, max |out − ref|) computed in fp64; NaN/inf -> inf."""
+    a = out.detach().to(torch.float64).reshape(-1)
+    b = ref.detach().to(torch.float64).reshape(-1).to(a.device)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: got {tuple(out.shape)}, reference {tuple(ref.shape)}")
+    if not torch.isfinite(a).all():
+        return float("inf"), float("inf")
+    diff = a - b
+    denom = b.norm().item()
+    rel = diff.norm().item() / denom if denom > 0 else diff.norm().item()
+    return rel, diff.abs().max().item()
+
+
+def reference_outputs(x: Inputs, direction: str, impl: str, dtype: str) -> dict:
+    from .backends.reference import gdn_chunked, gdn_chunked_grads, gdn_recurrent
+    dt = torch.float64 if dtype == "fp64" else torch.float32
+    with torch.no_grad() if direction == "fwd" else torch.enable_grad():
+        if direction == "fwd":
+            fn = gdn_recurrent if impl == "recurrent" else gdn_chunked
+            o, ht = fn(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens, dtype=dt)
+            return {"o": o, "final_state": ht}
+        return gdn_chunked_grads(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens,
+                                 x.do, x.dht, dtype=dt)
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill soon-to-be-reused caching-allocator memory with NaN so that an output a kernel
+    forgets to write is NaN, not a stale right answer from an earlier call."""
+    if not torch.cuda.is_available() or nbytes <= 0:
+        return
+    try:
+        t = torch.full((nbytes // 4 + 1,), float("nan"), dtype=torch.float32, device="cuda")
+        del t
+    except torch.OutOfMemoryError:
+        pass
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name: str,
+             be_version: str, gpu_name: str) -> dict:
+    return {
+        "run_id": run_id, "git_sha": sha, "config": cfg, "point_index": p.index,
+        "point_key": p.key, "recipe_hash": p.recipe_hash, "model": p.model, "tp": p.tp_label,
+        "h_qk": p.h_qk, "h_v": p.h_v, "head_dim": p.head_dim, "seqlens": list(p.seqlens),
+        "layout": p.layout_label, "total_tokens": p.total_tokens, "num_seqs": p.num_seqs,
+        "dtype": p.dtype, "gate_recipe": f"zero{p.gate_zero_frac:g}/seed{p.gate_seed}",
+        "gate_zero_frac": p.gate_zero_frac, "initial_state": p.initial_state,
+        "output_final_state": p.output_final_state, "direction": direction,
+        "backend": be_name, "backend_version": be_version, "gpu_name": gpu_name,
+        "gpu_index": torch.cuda.current_device() if torch.cuda.is_available() else None,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "reason": "",
+    }
+
+
+def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: Sweep,
+                    row: dict, expected_out_bytes: int) -> dict:
+    """Prepare, check, time one backend on one point × direction. Fills and returns ``row``."""
+    t_wall = time.perf_counter()
+    try:
+        prep = be.prepare(x, direction)
+    except B.Unsupported as e:
+        row.update(status="unsupported", reason=str(e))
+        return row
+    poison_allocator(2 * expected_out_bytes)
+    t0 = time.perf_counter()
+    raw = prep.fn()
+    _sync()
+    row["compile_s"] = time.perf_counter() - t0
+    outs = be.outputs_to_canonical(raw, x, direction)
+    del raw
+    names = FWD_OUTPUTS if direction == "fwd" else BWD_OUTPUTS
+    worst, bad = 0.0, []
+    for n in names:
+        if n not in ref or ref[n] is None:
+            continue
+        if outs.get(n) is None:
+            bad.append(f"{n} missing")
+            continue
+        rel, mx = rel_err(outs[n], ref[n])
+        row[f"rel_l2_{n}"], row[f"max_abs_{n}"] = rel, mx
+        worst = max(worst, rel)
+        if not rel <= sweep.thresholds.get(n):
+            bad.append(f"{n} rel_l2={rel:.3g} > {sweep.thresholds.get(n):g}")
+    del outs
+    row["max_rel_l2"] = worst
+    if bad:
+        row.update(status="incorrect", reason="; ".join(bad))
+        row["wall_s"] = time.perf_counter() - t_wall
+        return row
+
+    gpu = torch.cuda.is_available() and sweep.timing.mode != "cpu"
+    graph = None
+    if gpu:
+        c0 = metrics.clocks()
+        tr, graph = timing.measure_gpu(prep.fn, sweep.timing, prep.graph_safe)
+        c1 = metrics.clocks()
+        row["sm_clock_mhz_before"] = c0.get("sm_clock_mhz")
+        row["sm_clock_mhz_after"] = c1.get("sm_clock_mhz")
+        row["throttled"] = metrics.throttled(c0.get("throttle_reasons")) or \
+            metrics.throttled(c1.get("throttle_reasons"))
+    else:
+        tr = timing.measure_cpu(prep.fn, sweep.timing.model_copy(update={"mode": "cpu"}))
+    st = tr.stats()
+    row.update(latency_ms=st["latency_ms"], p10_ms=st["p10_ms"], p90_ms=st["p90_ms"],
+               iqr_ms=st["iqr_ms"], mean_ms=st["mean_ms"], rse=st["rse"],
+               samples_ms=tr.samples_ms, n_samples=tr.n_samples, timing_mode=tr.timing_mode,
+               timing_fallback=tr.fallback_reason, stop_reason=tr.stop_reason,
+               calls_per_sample=tr.calls_per_sample, l2=tr.l2)
+    if gpu and sweep.timing.gpm:
+        replay = graph.replay if graph is not None else prep.fn
+        row.update(metrics.gpm_sample(replay))
+    if gpu:
+        try:
+            from .profile import kernel_breakdown
+            kb = kernel_breakdown(prep.fn)
+            if kb:
+                top = kb[0]
+                row["top_kernel"] = top["name"][:200]
+                row["ctas"] = top.get("ctas")
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                row["ctas_per_sm"] = (top["ctas"] / sms) if top.get("ctas") else None
+                row["kernels_per_call"] = sum(k["calls"] for k in kb)
+        except Exception as e:  # profiling is a bonus; never fails a row
+            row["reason"] = (row.get("reason") or "") + f" profile failed: {type(e).__name__}"
+    row["status"] = "ok"
+    row["wall_s"] = time.perf_counter() - t_wall
+    return row
+
+
+def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=None,
+        limit: int | None = None, resume: bool = False, progress=None, log=print) -> RunSummary:
+    store = ResultStore(out_dir)
+    pts = points(sweep)
+    if limit is not None:
+        pts = pts[:limit]
+    names = list(backend_names or sweep.backends)
+    bes = {n: B.get(n) for n in names}
+    avail = {n: be.available() for n, be in bes.items()}
+    versions = {n: (be.version() if avail[n][0] else "unavailable") for n, be in bes.items()}
+
+    done = store.done_keys() if resume else {}
+    if resume:
+        for (pk, direction), rh in store.recipes().items():
+            for p in pts:
+                if p.key == pk and rh != p.recipe_hash:
+                    raise RecipeMismatch(
+                        f"{out_dir}: rows for point {p.describe()} ({direction}) were made from "
+                        f"a different input recipe ({rh} vs {p.recipe_hash}: gate, seed, dtype or "
+                        "state flags changed); use a new --out directory instead of --resume")
+
+    run_id = new_run_id()
+    sha = git_sha(str(Path(__file__).resolve().parent.parent))
+    gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    meta = {"run_id": run_id, "git_sha": sha, "config": config_name,
+            "sweep": sweep.model_dump(mode="json"), "backends": names,
+            "backend_versions": versions, "availability": {n: list(a) for n, a in avail.items()},
+            "env": environment(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "points": len(pts), "device": device()}
+    store.write_meta(run_id, meta)
+
+    summary = RunSummary(run_id, Path(out_dir))
+    dev = device()
+    for p in pts:
+        for direction in sweep.directions:
+            todo = []
+            for n in names:
+                key = (p.key, n, direction, versions[n])
+                if key in done:
+                    summary.skipped_done += 1
+                    continue
+                todo.append(n)
+            if not todo:
+                continue
+            if progress is not None:
+                progress(f"{p.describe()} {direction}")
+            x = None
+            ref = None
+            for n in todo:
+                be = bes[n]
+                row = base_row(run_id, sha, config_name, p, direction, n, versions[n], gpu_name)
+                ok, why = avail[n]
+                if ok:
+                    ok, why = be.supports(p, direction)
+                    status = "unsupported"
+                else:
+                    status = "unavailable"
+                if not ok:
+                    row.update(status=status, reason=why)
+                else:
+                    try:
+                        if x is None:
+                            x = make(p, dev, with_grads=direction != "fwd")
+                            ref = reference_outputs(x, direction, sweep.reference.impl,
+                                                    sweep.reference.dtype)
+                        out_bytes = (x.v.numel() * 2 + (x.h0.numel() * 4 if x.h0 is not None
+                                                        else 0)) * (1 if direction == "fwd" else 3)
+                        row = measure_backend(be, x, direction, ref, sweep, row, out_bytes)
+                    except Exception as e:
+                        status = "oom" if _is_oom(e) else "crashed"
+                        tb = traceback.format_exc(limit=4)
+                        row.update(status=status, reason=f"{type(e).__name__}: {str(e)[:300]}"
+                                   f" | {tb[-600:]}")
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
+                store.append(row)
+                summary.rows.append(row)
+                summary.counts[row["status"]] = summary.counts.get(row["status"], 0) + 1
+                lat = row.get("latency_ms")
+                log(f"[{row['status']:>11}] {p.describe():<36} {direction:<6} {n:<10} "
+                    + (f"{lat:9.4f} ms" if lat is not None else " " * 12)
+                    + (f"  err={row['max_rel_l2']:.2e}" if row.get("max_rel_l2") is not None
+                       else "")
+                    + (f"  ({row['reason'][:90]})" if row.get("reason") else ""))
+            del x, ref
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    meta["counts"] = summary.counts
+    store.write_meta(run_id, meta)
+    return summary

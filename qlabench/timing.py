@@ -1,0 +1,216 @@
+"""The one place latency is measured. Backends hand over a callable; this module times it.
+
+Modes (recorded per row in ``timing_mode``; rows of different modes are never compared):
+
+- ``graph-batch`` (default, the published method, like triton's ``do_bench_cudagraph``): ``n``
+  calls unrolled in one CUDA graph; each replay gives one sample = replay time / n. With
+  ``l2: warm`` the L2 is flushed before each replay (outside the graph), so only the first call
+  of a replay starts cold. With ``l2: cold`` a flush is captured *inside* the graph before every
+  call, and the time of a graph holding the flushes alone is subtracted.
+- ``graph-single``: one call per graph replay; a per-call distribution (adds graph launch
+  overhead, visible on kernels under ~150 us).
+- ``events``: per-call CUDA events around eager calls (includes host work); a fallback when a
+  library cannot be captured, recorded as such.
+- ``cpu``: wall clock around synchronous calls (the CPU reference path).
+
+Stopping rule: at least ``min_samples``; stop once the relative standard error of the mean of
+the samples falls below ``rse_target``, or ``budget_s`` or ``max_samples`` is reached. All samples
+are kept.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import Timing
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024  # > 5x the H200's 50 MB L2
+
+
+@dataclass
+class TimingResult:
+    samples_ms: list[float]
+    timing_mode: str
+    l2: str
+    calls_per_sample: int = 1
+    stop_reason: str = ""
+    fallback_reason: str = ""
+    flush_ms: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.samples_ms)
+
+    def stats(self) -> dict:
+        s = sorted(self.samples_ms)
+        if not s:
+            return {"latency_ms": None, "p10_ms": None, "p90_ms": None, "iqr_ms": None,
+                    "mean_ms": None, "rse": None}
+        q = statistics.quantiles(s, n=20, method="inclusive") if len(s) > 1 else [s[0]] * 19
+        mean = statistics.fmean(s)
+        sd = statistics.stdev(s) if len(s) > 1 else 0.0
+        return {
+            "latency_ms": statistics.median(s),
+            "p10_ms": q[1], "p90_ms": q[17], "iqr_ms": q[14] - q[4],
+            "mean_ms": mean,
+            "rse": (sd / math.sqrt(len(s)) / mean) if mean > 0 else None,
+        }
+
+
+def _rse(samples: list[float]) -> float:
+    if len(samples) < 2:
+        return float("inf")
+    m = statistics.fmean(samples)
+    return statistics.stdev(samples) / math.sqrt(len(samples)) / m if m > 0 else float("inf")
+
+
+def _collect(sample: Callable[[], float], opts: Timing) -> tuple[list[float], str]:
+    samples: list[float] = []
+    t0 = time.perf_counter()
+    while True:
+        samples.append(sample())
+        n = len(samples)
+        if n >= opts.max_samples:
+            return samples, "max_samples"
+        if n >= opts.min_samples:
+            if _rse(samples) < opts.rse_target:
+                return samples, "rse"
+            if time.perf_counter() - t0 > opts.budget_s:
+                return samples, "budget"
+
+
+def measure_cpu(fn: Callable, opts: Timing) -> TimingResult:
+    for _ in range(opts.warmup):
+        fn()
+
+    def one() -> float:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    samples, why = _collect(one, opts)
+    return TimingResult(samples, "cpu", "n/a", 1, why)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+class _Flusher:
+    def __init__(self):
+        import torch
+        self.buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+    def __call__(self):
+        self.buf.zero_()
+
+
+def _events():
+    import torch
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def _capture(body: Callable[[], None]):
+    """Capture ``body`` into a CUDA graph on a side stream (after a warm-up there)."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    torch.cuda.synchronize()
+    return g
+
+
+def _time_replays(g, n_calls: int, opts: Timing, flush: _Flusher | None,
+                  subtract_ms: float = 0.0) -> tuple[list[float], str]:
+    import torch
+    for _ in range(2):
+        g.replay()
+    torch.cuda.synchronize()
+
+    def one() -> float:
+        if flush is not None:
+            flush()
+        a, b = _events()
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        return (a.elapsed_time(b) - subtract_ms) / n_calls
+
+    return _collect(one, opts)
+
+
+def estimate_call_ms(fn: Callable, reps: int = 3) -> float:
+    import torch
+    torch.cuda.synchronize()
+    a, b = _events()
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def measure_gpu(fn: Callable, opts: Timing, graph_safe: bool = True) -> tuple[TimingResult, object]:
+    """Time ``fn`` on the current CUDA device. Returns the result and the graph used (or None),
+    so the caller can replay it for utilisation sampling."""
+    import torch
+
+    for _ in range(opts.warmup):
+        fn()
+    torch.cuda.synchronize()
+    est = max(estimate_call_ms(fn), 1e-3)
+    mode = opts.mode
+    fallback = ""
+    flusher = _Flusher()
+    if mode in ("graph-batch", "graph-single") and not graph_safe:
+        fallback, mode = "backend marks its call as not graph-capturable", "events"
+
+    if mode in ("graph-batch", "graph-single"):
+        n = 1 if mode == "graph-single" else (
+            opts.calls_per_graph or int(min(100, max(1, round(opts.graph_ms / est)))))
+        cold = opts.l2 == "cold"
+        try:
+            def body():
+                for _ in range(n):
+                    if cold:
+                        flusher()
+                    fn()
+            g = _capture(body)
+            flush_ms = 0.0
+            if cold:
+                gf = _capture(lambda: [flusher() for _ in range(n)])
+                fl, _ = _time_replays(gf, 1, opts.model_copy(update={"min_samples": 5,
+                                                                      "max_samples": 20}), None)
+                flush_ms = statistics.median(fl)
+            samples, why = _time_replays(g, n, opts, None if cold else flusher, flush_ms)
+            return TimingResult(samples, mode, opts.l2, n, why,
+                                flush_ms=(flush_ms / n if cold else None)), g
+        except Exception as e:  # capture failed: fall back to events, say so
+            torch.cuda.synchronize()
+            fallback = f"graph capture failed: {type(e).__name__}: {str(e)[:160]}"
+            mode = "events"
+
+    def one() -> float:
+        if opts.l2 == "cold":
+            flusher()
+        a, b = _events()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+
+    samples, why = _collect(one, opts)
+    return TimingResult(samples, "events", opts.l2, 1, why, fallback_reason=fallback), None
