@@ -15,8 +15,8 @@ from . import config as C
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Benchmark Gated DeltaNet chunked-prefill kernels: sweeps -> Parquet rows.")
-console = Console()
-err = Console(stderr=True)
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _load(path: Path) -> C.Sweep:
@@ -116,6 +116,13 @@ def run(
         except runner.RecipeMismatch as e:
             err.print(f"error: {e}", highlight=False)
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err.print("interrupted: every finished row is saved; rerun with --resume to go on",
+                      highlight=False)
+            df = results.latest(results.load(out_dir))
+            if plot and not df.empty:
+                plots.run_figures(df, out_dir)
+            raise typer.Exit(130) from None
         prog.update(task, completed=total)
     df = results.latest(results.load(out_dir))
     made = plots.run_figures(df, out_dir) if plot else []

@@ -1,0 +1,88 @@
+"""Offline compilation of every forward kernel for one head configuration.
+
+    python -m qlabench_kernels.compile --hqk 2 --hv 8 [--hqk 16 --hv 64 ...] [--target JSON] [--list]
+
+compiles (nvcc, no GPU needed) each kernel variant and so fills TileLang's disk cache
+($TILELANG_CACHE_DIR, default ~/.tilelang/cache); a later run on the GPU with the same
+target (default {"kind":"cuda","arch":"sm_90a"}) loads the cached binaries.
+
+Compiled per head configuration (h_qk, h_v):
+    prep(h_qk, h_v)
+    fwd_o(h_qk, h_v, has_init, has_ht)     for has_init, has_ht in {0,1}²
+    seg_state(h_qk, h_v)                   (sequence splitting)
+    fixup(h_v, has_h0)                     for has_h0 in {0,1} (sequence splitting)
+T, N and the sequence layout are runtime values: nothing recompiles per shape.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+from ._common import target_key
+
+
+def kernel_variants(h_qk: int, h_v: int, full: bool = True):
+    """[(name, getter, args)] for every kernel compiled for (h_qk, h_v).
+
+    full=False gives one variant per code path (what the CPU compile test builds).
+    """
+    from .fixup import get_fixup_kernel
+    from .fwd_o import get_fwd_o_kernel
+    from .prep import get_prep_kernel
+    from .seg_state import get_seg_state_kernel
+
+    out = [("prep", get_prep_kernel, (h_qk, h_v))]
+    flags = [(1, 1), (1, 0), (0, 1), (0, 0)] if full else [(1, 1)]
+    for hi, hh in flags:
+        out.append((f"fwd_o[init={hi},ht={hh}]", get_fwd_o_kernel, (h_qk, h_v, bool(hi), bool(hh), 64)))
+    out.append(("seg_state", get_seg_state_kernel, (h_qk, h_v, 64)))
+    for h0 in [1, 0] if full else [1]:
+        out.append((f"fixup[h0={h0}]", get_fixup_kernel, (h_v, bool(h0), 32)))
+    return out
+
+
+def precompile(h_qk: int, h_v: int, target=None, full: bool = True, verbose: bool = False):
+    """Compile every kernel for (h_qk, h_v); returns {name: compile seconds}."""
+    tk = target_key(target)
+    times_s = {}
+    for name, getter, args in kernel_variants(h_qk, h_v, full):
+        t0 = time.perf_counter()
+        getter(*args, target_k=tk)
+        times_s[name] = time.perf_counter() - t0
+        if verbose:
+            print(f"  {name:24s} {times_s[name]:7.1f} s", flush=True)
+    return times_s
+
+
+def kernel_sources(h_qk: int, h_v: int, target=None, full: bool = False):
+    """{name: generated CUDA source} for each kernel of (h_qk, h_v) (compiles if needed)."""
+    tk = target_key(target)
+    return {name: getter(*args, target_k=tk).get_kernel_source() for name, getter, args in kernel_variants(h_qk, h_v, full)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hqk", type=int, action="append", required=True, help="q/k heads (repeat for several configs)")
+    ap.add_argument("--hv", type=int, action="append", required=True, help="v heads, paired with --hqk in order")
+    ap.add_argument("--target", default=None, help='TileLang target as JSON, default {"kind":"cuda","arch":"sm_90a"}')
+    ap.add_argument("--list", action="store_true", help="only list the kernel variants")
+    args = ap.parse_args(argv)
+    if len(args.hqk) != len(args.hv):
+        ap.error(f"--hqk given {len(args.hqk)} times but --hv {len(args.hv)} times; pass them in pairs")
+    target = json.loads(args.target) if args.target and args.target.startswith("{") else args.target
+    for hq, hv in zip(args.hqk, args.hv):
+        if hv % hq:
+            ap.error(f"--hv {hv} is not a multiple of --hqk {hq}")
+        print(f"head config h_qk={hq} h_v={hv}:", flush=True)
+        if args.list:
+            for name, _, a in kernel_variants(hq, hv):
+                print(f"  {name} {a}")
+            continue
+        t = precompile(hq, hv, target, verbose=True)
+        print(f"  total {sum(t.values()):.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/bin/bash
+# One device call on the lent H200: install, GPU tests, then the sweeps named in $SWEEPS
+# (config[:outdir[:extra args]] separated by spaces), each under a time limit so that the
+# results are always packed into $OUT before the call ends.
+#   SWEEPS="configs/h200_fwd_quick.yaml:runs/quick" TESTS=1 bash scripts/h200_session.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source .devsite/setup.sh || exit 1
+export FLA_FLASH_QLA=0
+T0=$(date +%s)
+log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+cat "$OUT/nvidia-smi.csv"
+if [ "${TESTS:-0}" = 1 ]; then
+  log "gpu tests"
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+fi
+for spec in ${SWEEPS:-}; do
+  IFS=: read -r cfg dir extra <<< "$spec"
+  budget=$(( ${DEADLINE_S:-540} - ($(date +%s) - T0) ))
+  [ "$budget" -lt 20 ] && { log "no time left for $cfg"; break; }
+  log "sweep $cfg -> $dir (budget ${budget}s) $extra"
+  mkdir -p "$dir"
+  timeout --signal=INT --kill-after=15 "$budget" qlabench run "$cfg" --out "$dir" --resume $extra 2>&1 | tee -a "$OUT/sweep.log"
+done
+log "packing"
+for spec in ${SWEEPS:-}; do
+  IFS=: read -r cfg dir extra <<< "$spec"
+  [ -d "$dir" ] && tar czf "$OUT/$(basename "$dir").tgz" "$dir"
+done
+ls -la "$OUT"
