@@ -91,6 +91,8 @@ def chunk_gdn_fwd_lowlevel(
     cu_seqlens=None,
     split_tokens=None,
     target=None,
+    o=None,
+    final_state=None,
 ):
     """Forward with its intermediates.
 
@@ -98,6 +100,8 @@ def chunk_gdn_fwd_lowlevel(
         split_tokens: None = automatic (:func:`plan_split`), 0 = never split, or a segment
             length in tokens (a multiple of 64).
         target: TileLang target (default sm_90a).
+        o, final_state: optional preallocated outputs ([1,T,Hv,128] bf16, [N,Hv,128,128] fp32),
+            e.g. poisoned with NaN by a test to check every element is written.
 
     Returns a dict:
         o [1,T,Hv,128] bf16; final_state [N,Hv,128,128] fp32 or None;
@@ -124,8 +128,13 @@ def chunk_gdn_fwd_lowlevel(
     if split_tokens and split_tokens % CHUNK != 0:
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")
 
-    o = torch.empty(1, T, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    ht = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32) if output_final_state else None
+    if o is None:
+        o = torch.empty(1, T, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    ht = None
+    if output_final_state:
+        ht = final_state
+        if ht is None:
+            ht = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
     out = dict(gcs=gcs, a_beta=a_beta, ctab=ctab, cu_chunks=cu_chunks, split_tokens=int(split_tokens or 0))
 
     if split_tokens:

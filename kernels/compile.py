@@ -58,7 +58,9 @@ def precompile(h_qk: int, h_v: int, target=None, full: bool = True, verbose: boo
 def kernel_sources(h_qk: int, h_v: int, target=None, full: bool = False):
     """{name: generated CUDA source} for each kernel of (h_qk, h_v) (compiles if needed)."""
     tk = target_key(target)
-    return {name: getter(*args, target_k=tk).get_kernel_source() for name, getter, args in kernel_variants(h_qk, h_v, full)}
+    return {
+        name: getter(*args, target_k=tk).get_kernel_source() for name, getter, args in kernel_variants(h_qk, h_v, full)
+    }
 
 
 def main(argv=None):

@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from ._common import HEAD_DIM, check_heads, compile_program, target_key
+from ._common import HEAD_DIM, compile_program, target_key
 
 
 def fixup_program(h_v: int, has_h0: bool, block_v: int = 32):
@@ -62,7 +62,7 @@ def fixup_program(h_v: int, has_h0: bool, block_v: int = 32):
     return gdn_fixup
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_fixup_kernel(h_v: int, has_h0: bool, block_v: int = 32, target_k=None):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
     return compile_program(fixup_program(h_v, has_h0, block_v), target=target)

@@ -124,7 +124,8 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: in
                 for i, j in T.Parallel(C, BV):
                     vd_sh[i, j] = T.cast(vd_frag[i, j], "bfloat16")
                     vp_sh[i, j] = T.cast(
-                        T.if_then_else(i < ln, T.exp(glast - g_sh[i]) * vd_frag[i, j], T.float32(0)), "bfloat16"
+                        T.if_then_else(i < ln, T.exp(glast - g_sh[i]) * vd_frag[i, j], T.float32(0)),
+                        "bfloat16",
                     )
                 for i, j in T.Parallel(C, C):
                     p_sh[i, j] = T.cast(
@@ -150,7 +151,7 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: in
     return gdn_fwd_o
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_fwd_o_kernel(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, target_k=None):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
     return compile_program(fwd_o_program(h_qk, h_v, has_init, has_ht, block_v), target=target)

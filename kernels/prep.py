@@ -18,7 +18,6 @@ Layouts (chunk-slot space, see ``_common.chunk_table``; slot c covers rows c*64 
     a_beta [Hv, NCS*64, 64] bf16   (out) A · diag(β), row i of slot c at [hv, c*64 + i, :]
 """
 
-
 import functools
 
 import torch
@@ -89,7 +88,7 @@ def prep_program(h_qk: int, h_v: int):
     return gdn_prep
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_prep_kernel(h_qk: int, h_v: int, target_k=None):
     import json
 

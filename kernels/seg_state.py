@@ -89,7 +89,8 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64):
                 glast = g_sh[ln - 1]
                 for i, j in T.Parallel(C, BV):
                     vp_sh[i, j] = T.cast(
-                        T.if_then_else(i < ln, T.exp(glast - g_sh[i]) * vd_frag[i, j], T.float32(0)), "bfloat16"
+                        T.if_then_else(i < ln, T.exp(glast - g_sh[i]) * vd_frag[i, j], T.float32(0)),
+                        "bfloat16",
                     )
                 for i, j in T.Parallel(D, BV):
                     s_frag[i, j] = s_frag[i, j] * T.exp(glast)
@@ -104,7 +105,7 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64):
     return gdn_seg_state
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_seg_state_kernel(h_qk: int, h_v: int, block_v: int = 64, target_k=None):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
     return compile_program(seg_state_program(h_qk, h_v, block_v), target=target)

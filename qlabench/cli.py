@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -27,7 +26,7 @@ def _load(path: Path) -> C.Sweep:
         raise typer.Exit(2) from None
 
 
-def _backend_list(arg: Optional[str], sweep: C.Sweep) -> list[str]:
+def _backend_list(arg: str | None, sweep: C.Sweep) -> list[str]:
     if not arg:
         return list(sweep.backends)
     names = [b.strip() for b in arg.split(",") if b.strip()]
@@ -68,9 +67,9 @@ def list_points(config: Path = typer.Argument(..., help="sweep YAML")):
 @app.command()
 def run(
     config: Path = typer.Argument(..., help="sweep YAML (e.g. configs/smoke.yaml)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: the config's `out`)"),
-    backends: Optional[str] = typer.Option(None, "--backends", help="comma list overriding the config's backends"),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="only the first N points"),
+    out: Path | None = typer.Option(None, "--out", help="output directory (default: the config's `out`)"),
+    backends: str | None = typer.Option(None, "--backends", help="comma list overriding the config's backends"),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="only the first N points"),
     resume: bool = typer.Option(False, "--resume", help="skip rows already in --out (same key and backend version)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan; write nothing"),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="write latency PNGs into --out"),

@@ -69,7 +69,7 @@ class Model(_Strict):
     head_dim: Annotated[int, Field(gt=0)] = 128
 
     @model_validator(mode="after")
-    def _gva(self) -> "Model":
+    def _gva(self) -> Model:
         if self.h_v % self.h_qk:
             raise ValueError(
                 f"h_v={self.h_v} is not a multiple of h_qk={self.h_qk} "
@@ -100,7 +100,7 @@ class RandomSplit(_Strict):
     seed: int = 42
 
     @model_validator(mode="after")
-    def _fits(self) -> "RandomSplit":
+    def _fits(self) -> RandomSplit:
         if self.num_seqs > self.total:
             raise ValueError(f"num_seqs={self.num_seqs} exceeds total={self.total}")
         return self
@@ -175,7 +175,7 @@ class Timing(_Strict):
     gpm: bool = True
 
     @model_validator(mode="after")
-    def _order(self) -> "Timing":
+    def _order(self) -> Timing:
         if self.max_samples < self.min_samples:
             raise ValueError(f"max_samples={self.max_samples} < min_samples={self.min_samples}")
         return self

@@ -20,7 +20,9 @@ def _r(x):
 
 
 def reference(q, k, v, g, beta, scale=None, h0=None, cu=None, dtype=torch.float64):
-    """Token recurrence per sequence: S_t = e^{g_t}(I − β_t k_t k_tᵀ)S_{t−1} + β_t k_t v_tᵀ, o_t = S_tᵀ(scale q_t).
+    """Token recurrence per sequence, fp64 by default.
+
+    S_t = e^{g_t}(I − β_t k_t k_tᵀ)S_{t−1} + β_t k_t v_tᵀ,  o_t = S_tᵀ(scale q_t).
 
     Shapes as chunk_gdn_fwd. Returns o [1,T,Hv,128] (dtype) and ht [N,Hv,128,128] (dtype).
     """
@@ -187,7 +189,7 @@ def emu_pipeline(q, k, v, g, beta, scale=None, h0=None, cu=None, split_tokens=0)
     chunk_gdn_fwd_lowlevel's (o fp32, final_state fp32, and each stage's output)."""
     from .._common import chunk_table, default_cu_seqlens, segment_table
 
-    T, h_v = q.shape[1], v.shape[2]
+    T = q.shape[1]
     scale = D**-0.5 if scale is None else scale
     cu = default_cu_seqlens(T, q.device) if cu is None else cu.to(device=q.device, dtype=torch.int64)
     N = cu.numel() - 1

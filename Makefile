@@ -1,0 +1,25 @@
+# Thin wrappers over the CLI and pytest.
+PY ?= python3
+
+.PHONY: install test lint smoke bench-quick bench-fwd bench-bwd
+install:            ## CPU machine: torch (CPU build) first, then the package with dev extras
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[dev]"
+
+test:               ## the test suite (GPU tests skip without CUDA)
+	$(PY) -m pytest -q
+
+lint:
+	ruff check qlabench kernels tests
+
+smoke:
+	qlabench run configs/smoke.yaml
+
+bench-quick:
+	qlabench run configs/h200_fwd_quick.yaml --resume
+
+bench-fwd:
+	qlabench run configs/h200_fwd.yaml --resume
+
+bench-bwd:
+	qlabench run configs/h200_bwd.yaml --resume

@@ -1,0 +1,295 @@
+"""Correctness and timing check of the TileLang GDN forward on a Hopper GPU.
+
+    python kernels/dev/check_fwd.py [--quick] [--no-time] [--cases NAME,...]
+
+For each case: runs chunk_gdn_fwd_lowlevel, compares o / final state with an fp32 token
+recurrence (rel L2), and every stage with its torch emulation fed the kernel's own inputs
+(prep: gcs, a_beta; seg_state: e_end, m_tr; fixup: h_start; fwd_o: o, ht) so a mismatch
+points at one kernel. Then times the whole forward with CUDA-graph replay (median) for
+several split settings, plus per-stage event times. Each case runs in try/except.
+Writes check_fwd.json and check_fwd.txt to $OUT when set.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _import_pkg():
+    try:
+        import qlabench_kernels as pkg  # noqa: F401
+    except ImportError:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "qlabench_kernels",
+            ROOT / "kernels" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "kernels")],
+        )
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["qlabench_kernels"] = mod
+        spec.loader.exec_module(mod)
+    import qlabench_kernels as pkg
+    from qlabench_kernels.dev import emulate as emu
+
+    return pkg, emu
+
+
+LINES = []
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    LINES.append(s)
+
+
+def make_inputs(seqlens, h_qk, h_v, seed=0, dev="cuda", with_h0=True):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    T, N, D = sum(seqlens), len(seqlens), 128
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, device=dev)
+
+    q = torch.nn.functional.normalize(rn(1, T, h_qk, D), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(rn(1, T, h_qk, D), dim=-1).to(torch.bfloat16)
+    v = rn(1, T, h_v, D).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(rn(1, T, h_v) + 3.0) * 0.5
+    g[..., h_v - max(1, h_v // 4) :] = 0.0  # 25% of v-heads: g = 0 (no decay)
+    beta = torch.sigmoid(rn(1, T, h_v))
+    h0 = rn(N, h_v, D, D) * 0.1 if with_h0 else None
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(seqlens), 0).tolist()], dtype=torch.int32, device=dev)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, cu=cu)
+
+
+def reference_fp32(x, scale=128**-0.5):
+    """fp32 token recurrence on the GPU, batched over v-heads."""
+    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "h0", "cu"))
+    T, h_qk, h_v = q.shape[1], q.shape[2], v.shape[2]
+    G = h_v // h_qk
+    qh = q[0].float().repeat_interleave(G, dim=1) * scale
+    kh = k[0].float().repeat_interleave(G, dim=1)
+    vh, eg, bb = v[0].float(), torch.exp(g[0].float()), beta[0].float()
+    o = torch.empty(T, h_v, 128, device=q.device)
+    hts = []
+    cl = cu.tolist()
+    for n in range(len(cl) - 1):
+        S = torch.zeros(h_v, 128, 128, device=q.device) if h0 is None else h0[n].float().clone()
+        for t in range(cl[n], cl[n + 1]):
+            S.mul_(eg[t][:, None, None])
+            kS = torch.bmm(kh[t][:, None, :], S)[:, 0]
+            S.baddbmm_(kh[t][:, :, None], (bb[t][:, None] * (vh[t] - kS))[:, None, :])
+            o[t] = torch.bmm(qh[t][:, None, :], S)[:, 0]
+        hts.append(S)
+    return o[None], torch.stack(hts)
+
+
+def graph_time_ms(fn, reps=20, inner=None):
+    """Median per-call ms over CUDA-graph replays (``inner`` calls captured per graph)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = time.perf_counter() - t0
+    if inner is None:
+        inner = max(1, min(20, int(0.01 / max(est, 1e-6))))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / inner)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def stage_times_ms(pkg, x, split_tokens, reps=10):
+    """Per-stage event times (eager, after warm-up) by re-running each launcher on saved inputs."""
+    from qlabench_kernels.fixup import run_fixup
+    from qlabench_kernels.fwd_o import run_fwd_o
+    from qlabench_kernels.prep import run_prep
+    from qlabench_kernels.seg_state import run_seg_state
+
+    r = pkg.chunk_gdn_fwd_lowlevel(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens
+    )
+    scale = 128**-0.5
+    stages = {"prep": lambda: run_prep(x["k"], x["g"], x["beta"], r["ctab"])}
+    if r["split_tokens"]:
+        stages["seg_state"] = lambda: run_seg_state(
+            x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"]
+        )
+        stages["fixup"] = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])
+        init = r["h_start"]
+    else:
+        init = x["h0"]
+    stages["fwd_o"] = lambda: run_fwd_o(
+        x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, scale, r["o"], r["final_state"]
+    )
+    out = {}
+    for name, fn in stages.items():
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        ts.sort()
+        out[name] = ts[len(ts) // 2]
+    return out
+
+
+def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages=True):
+    log(
+        f"\n=== {name}: h_qk={h_qk} h_v={h_v} seqlens={seqlens if len(seqlens) <= 8 else len(seqlens)} "
+        f"split={split_tokens}"
+    )
+    x = make_inputs(seqlens, h_qk, h_v)
+    t0 = time.perf_counter()
+    r = pkg.chunk_gdn_fwd_lowlevel(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=split_tokens
+    )
+    torch.cuda.synchronize()
+    log(
+        f"first call (incl. compile/cache load) {time.perf_counter() - t0:.1f} s; "
+        f"split_tokens used = {r['split_tokens']}"
+    )
+    rec = dict(case=name, h_qk=h_qk, h_v=h_v, seqlens=list(seqlens), split_tokens=r["split_tokens"])
+    rec["nan_o"] = int(torch.isnan(r["o"].float()).sum())
+    rec["nan_ht"] = int(torch.isnan(r["final_state"]).sum())
+    ref_o, ref_h = reference_fp32(x)
+    rec["rel_o"] = emu.rel_l2(r["o"].float(), ref_o)
+    rec["rel_ht"] = emu.rel_l2(r["final_state"], ref_h)
+    log(
+        f"vs recurrence: rel_o={rec['rel_o']:.3e} rel_ht={rec['rel_ht']:.3e} "
+        f"nan_o={rec['nan_o']} nan_ht={rec['nan_ht']}"
+    )
+    if stages:
+        ctab = r["ctab"]
+        nvalid = int((ctab[:, 2] >= 0).sum()) * 64
+        gcs_e, a_e = emu.emu_prep(x["k"], x["g"], x["beta"], ctab)
+        rec["stage_prep_gcs"] = emu.rel_l2(r["gcs"][:, :nvalid], gcs_e[:, :nvalid])
+        rec["stage_prep_a"] = emu.rel_l2(r["a_beta"][:, :nvalid].float(), a_e[:, :nvalid].float())
+        del gcs_e, a_e
+        init = x["h0"]
+        if r["split_tokens"]:
+            e_e, m_e = emu.emu_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"])
+            used = torch.isfinite(e_e).flatten(1).all(1)
+            if bool(used.any()):
+                rec["stage_seg_e"] = emu.rel_l2(r["e_end"][used], e_e[used])
+                rec["stage_seg_m"] = emu.rel_l2(r["m_tr"][used].float(), m_e[used])
+            hs_e = emu.emu_fixup(r["m_tr"], r["e_end"], r["cu_segs"], x["h0"])
+            used = torch.isfinite(hs_e).flatten(1).all(1)
+            rec["stage_fixup"] = emu.rel_l2(r["h_start"][used], hs_e[used])
+            init = r["h_start"]
+        o_e, h_e = emu.emu_fwd_o(
+            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, 128**-0.5, len(seqlens)
+        )
+        rec["stage_fwd_o_o"] = emu.rel_l2(r["o"].float(), o_e)
+        rec["stage_fwd_o_ht"] = emu.rel_l2(r["final_state"], h_e)
+        log("stages vs emulation: " + " ".join(f"{k[6:]}={v:.2e}" for k, v in rec.items() if k.startswith("stage_")))
+    ok = rec["rel_o"] < 1e-2 and rec["rel_ht"] < 1e-2 and rec["nan_o"] == 0 and rec["nan_ht"] == 0
+    rec["ok"] = ok
+    log("RESULT", "PASS" if ok else "FAIL")
+    results.append(rec)
+    return x
+
+
+def time_case(pkg, name, x, splits, results):
+    for sp in splits:
+        try:
+
+            def fn(sp=sp):
+                return pkg.chunk_gdn_fwd_lowlevel(
+                    x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=sp
+                )
+
+            ms = graph_time_ms(fn)
+            st = stage_times_ms(pkg, x, sp)
+            used = fn()["split_tokens"]
+            log(
+                f"TIME {name:28s} split={str(sp):5s}(used {used:5d}) graph median {ms:8.3f} ms | "
+                + " ".join(f"{k}={v:.3f}" for k, v in st.items())
+            )
+            results.append(dict(case=name, split_tokens=sp, used_split=used, latency_ms=ms, stage_ms=st))
+        except Exception:  # noqa: BLE001
+            log(f"TIME {name} split={sp} FAILED:\n" + "".join(traceback.format_exc().splitlines(True)[-8:]))
+
+
+CASES = [
+    # name, seqlens, h_qk, h_v, split for the correctness run, time?, splits to time
+    ("mixed_2_8", (1, 63, 64, 65, 1000, 4097), 2, 8, 0, False, []),
+    ("mixed_2_8_split1024", (1, 63, 64, 65, 1000, 4097), 2, 8, 1024, False, []),
+    ("mixed_1_3_split512", (5, 700, 64, 2000), 1, 3, 512, False, []),
+    ("2_8_1x32768", (32768,), 2, 8, None, True, [None, 0, 1024, 2048, 4096]),
+    ("16_64_1x32768", (32768,), 16, 64, None, True, [None, 8192, 16384]),
+    ("16_64_4x8192", (8192,) * 4, 16, 64, None, True, [None]),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="skip the per-stage emulation on the big cases")
+    ap.add_argument("--no-time", action="store_true", help="correctness only")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    args = ap.parse_args()
+    pkg, emu = _import_pkg()
+    log(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+    results, timings = [], []
+    want = set(filter(None, args.cases.split(",")))
+    for name, seqlens, hq, hv, split, do_time, splits in CASES:
+        if want and name not in want:
+            continue
+        try:
+            big = sum(seqlens) * hv > 300000
+            x = check_case(pkg, emu, name, seqlens, hq, hv, split, results, stages=not (args.quick and big))
+            if do_time and not args.no_time:
+                time_case(pkg, name, x, splits, timings)
+            del x
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            log(f"CASE {name} CRASHED:\n" + "".join(traceback.format_exc().splitlines(True)[-12:]))
+            results.append(dict(case=name, ok=False, crashed=True))
+    log("\n=== summary")
+    for r in results:
+        log(
+            f"{r['case']:24s} {'PASS' if r.get('ok') else 'FAIL'} rel_o={r.get('rel_o', float('nan')):.2e} "
+            f"rel_ht={r.get('rel_ht', float('nan')):.2e}"
+        )
+    for t in timings:
+        log(f"{t['case']:24s} split={str(t['split_tokens']):5s} {t['latency_ms']:.3f} ms")
+    out = os.environ.get("OUT")
+    if out:
+        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(out) / "check_fwd.json").write_text(json.dumps(dict(results=results, timings=timings), indent=1))
+        (pathlib.Path(out) / "check_fwd.txt").write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

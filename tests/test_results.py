@@ -1,0 +1,105 @@
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from qlabench import config as C
+from qlabench import results, runner
+from qlabench.cli import app
+
+CFG = {"name": "t", "models": [{"name": "m", "h_qk": 1, "h_v": 2, "head_dim": 16}],
+       "seqlens": [[17], [5, 9]], "directions": ["fwd"], "backends": ["reference"],
+       "reference": {"impl": "recurrent", "dtype": "fp64"},
+       "timing": {"min_samples": 2, "max_samples": 3, "budget_s": 0.1}}
+
+
+def test_parquet_round_trip(tmp_path):
+    s = C.parse(CFG)
+    runner.run(s, tmp_path, log=lambda m: None)
+    df = pd.read_parquet(tmp_path / "parts")
+    assert len(df) == 2 and set(df["status"]) == {"ok"}
+    r = df.sort_values("point_index").iloc[1]
+    assert list(r["seqlens"]) == [5, 9] and r["num_seqs"] == 2 and r["total_tokens"] == 14
+    assert len(r["samples_ms"]) == r["n_samples"] >= 2
+    assert r["latency_ms"] > 0 and r["rel_l2_o"] < 1e-5 and r["rel_l2_final_state"] < 1e-5
+    assert r["timing_mode"] == "cpu"
+    assert list(df.columns) == results.COLUMNS
+    meta = results.load_meta(tmp_path)
+    assert len(meta) == 1 and next(iter(meta.values()))["env"]["torch"]
+
+
+def test_resume_skips_done_and_adding_backend_keeps_rows(tmp_path):
+    s = C.parse(CFG)
+    runner.run(s, tmp_path, log=lambda m: None)
+    summ = runner.run(s, tmp_path, resume=True, log=lambda m: None)
+    assert summ.skipped_done == 2 and not summ.rows
+    s2 = C.parse({**CFG, "backends": ["reference", "fla"]})
+    summ = runner.run(s2, tmp_path, resume=True, log=lambda m: None)
+    assert summ.skipped_done == 2 and {r["backend"] for r in summ.rows} == {"fla"}
+    df = results.load(tmp_path)
+    assert len(df) == 4 and not df.duplicated(["point_key", "backend", "direction"]).any()
+
+
+def test_unavailable_rows_are_retried_on_resume(tmp_path):
+    s = C.parse({**CFG, "backends": ["flashinfer"]})
+    runner.run(s, tmp_path, log=lambda m: None)
+    summ = runner.run(s, tmp_path, resume=True, log=lambda m: None)
+    if summ.rows:  # no GPU here: unavailable again, with the reason
+        assert all(r["status"] == "unavailable" and r["reason"] for r in summ.rows)
+
+
+def test_resume_refuses_changed_recipe(tmp_path):
+    runner.run(C.parse(CFG), tmp_path, log=lambda m: None)
+    changed = C.parse({**CFG, "gate": {"zero_frac": 0.5, "seed": 0}})
+    with pytest.raises(runner.RecipeMismatch):
+        runner.run(changed, tmp_path, resume=True, log=lambda m: None)
+
+
+def test_incorrect_backend_gets_no_latency(tmp_path, monkeypatch):
+    from qlabench.backends.reference import ReferenceBackend
+
+    orig = ReferenceBackend.outputs_to_canonical
+
+    def wrong(self, raw, x, d):
+        out = orig(self, raw, x, d)
+        out["o"] = out["o"] * 1.1
+        return out
+
+    monkeypatch.setattr(ReferenceBackend, "outputs_to_canonical", wrong)
+    runner.run(C.parse(CFG), tmp_path, log=lambda m: None)
+    df = results.load(tmp_path)
+    assert set(df["status"]) == {"incorrect"} and df["latency_ms"].isna().all()
+    assert df["reason"].str.contains("o rel_l2").all()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cli_smoke_writes_rows_and_png(tmp_path):
+    r = CliRunner().invoke(app, ["run", str(ROOT / "configs/smoke.yaml"), "--out", str(tmp_path),
+                                 "--limit", "2"])
+    assert r.exit_code == 0, r.output
+    df = results.load(tmp_path)
+    ok = df[df["status"] == "ok"]
+    assert len(ok) >= 4 and ok["latency_ms"].notna().all() and ok["max_rel_l2"].notna().all()
+    assert (tmp_path / "latency_fwd.png").stat().st_size > 10_000
+
+
+def test_cli_gpu_sweep_on_cpu_gives_unavailable_rows(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    r = CliRunner().invoke(app, ["run", str(ROOT / "configs/h200_fwd.yaml"), "--out",
+                                 str(tmp_path), "--limit", "2"])
+    assert r.exit_code == 0, r.output
+    df = results.load(tmp_path)
+    assert len(df) == 8 and set(df["status"]) == {"unavailable"}
+    assert df["reason"].str.len().gt(10).all()
+    assert "Traceback" not in r.output
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    r = CliRunner().invoke(app, ["run", str(ROOT / "configs/smoke.yaml"), "--out",
+                                 str(tmp_path / "o"), "--dry-run"])
+    assert r.exit_code == 0 and not (tmp_path / "o").exists()
