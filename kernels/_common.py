@@ -32,6 +32,16 @@ def default_target():
         return env
 
 
+def chunk_loop_stages() -> int:
+    """Software-pipelining depth of the chunk loops in fwd_o and seg_state.
+
+    0 (default) = plain loop with synchronous loads (the variant reasoned through most);
+    2 = ``T.Pipelined``: TileLang turns the loads into TMA with a producer warpgroup
+    (256 threads, auto warp specialisation). Set with $QLABENCH_GDN_STAGES, read per call.
+    """
+    return int(os.environ.get("QLABENCH_GDN_STAGES", "0"))
+
+
 def target_key(target) -> str:
     """Hashable form of a target (dict or string) for in-process kernel caches."""
     if target is None:

@@ -11,6 +11,7 @@ Compiled per head configuration (h_qk, h_v):
     fwd_o(h_qk, h_v, has_init, has_ht)     for has_init, has_ht in {0,1}²
     seg_state(h_qk, h_v)                   (sequence splitting)
     fixup(h_v, has_h0)                     for has_h0 in {0,1} (sequence splitting)
+    fwd_o and seg_state again with a pipelined chunk loop (stages=2, $QLABENCH_GDN_STAGES=2)
 T, N and the sequence layout are runtime values: nothing recompiles per shape.
 """
 
@@ -34,9 +35,12 @@ def kernel_variants(h_qk: int, h_v: int, full: bool = True):
 
     out = [("prep", get_prep_kernel, (h_qk, h_v))]
     flags = [(1, 1), (1, 0), (0, 1), (0, 0)] if full else [(1, 1)]
-    for hi, hh in flags:
-        out.append((f"fwd_o[init={hi},ht={hh}]", get_fwd_o_kernel, (h_qk, h_v, bool(hi), bool(hh), 64)))
-    out.append(("seg_state", get_seg_state_kernel, (h_qk, h_v, 64)))
+    stages = [0, 2] if full else [0]
+    for st in stages:
+        sfx = "" if st == 0 else f",stages={st}"
+        for hi, hh in flags:
+            out.append((f"fwd_o[init={hi},ht={hh}{sfx}]", get_fwd_o_kernel, (h_qk, h_v, bool(hi), bool(hh), 64, st)))
+        out.append((f"seg_state[{sfx[1:]}]" if sfx else "seg_state", get_seg_state_kernel, (h_qk, h_v, 64, st)))
     for h0 in [1, 0] if full else [1]:
         out.append((f"fixup[h0={h0}]", get_fixup_kernel, (h_v, bool(h0), 32)))
     return out

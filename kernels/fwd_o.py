@@ -36,10 +36,10 @@ import json
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+from ._common import CHUNK, HEAD_DIM, check_heads, chunk_loop_stages, compile_program, target_key
 
 
-def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64):
+def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, num_stages: int = 0):
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -101,7 +101,7 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: in
             else:
                 T.clear(s_frag)
 
-            for ci in T.serial(nchunks):
+            for ci in T.Pipelined(nchunks, num_stages=num_stages) if num_stages else T.serial(nchunks):
                 t0 = bos + ci * C
                 ln = T.min(eos - t0, C)
                 r0 = (cslot + ci) * C
@@ -152,19 +152,23 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: in
 
 
 @functools.cache
-def get_fwd_o_kernel(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, target_k=None):
+def get_fwd_o_kernel(
+    h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, num_stages: int = 0, target_k=None
+):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(fwd_o_program(h_qk, h_v, has_init, has_ht, block_v), target=target)
+    return compile_program(fwd_o_program(h_qk, h_v, has_init, has_ht, block_v, num_stages), target=target)
 
 
-def run_fwd_o(q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, target=None):
+def run_fwd_o(q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_stages=None, target=None):
     """Launch the fused recurrence + output kernel; writes ``o`` (and ``ht`` if given) in place.
 
     h_init: [R, Hv, 128, 128] fp32 or None.  ht: [N, Hv, 128, 128] fp32 or None.
     """
     h_qk, h_v = q.shape[2], v.shape[2]
     has_init, has_ht = h_init is not None, ht is not None
-    kern = get_fwd_o_kernel(h_qk, h_v, has_init, has_ht, block_v, target_key(target))
+    if num_stages is None:
+        num_stages = chunk_loop_stages()
+    kern = get_fwd_o_kernel(h_qk, h_v, has_init, has_ht, block_v, num_stages, target_key(target))
     dummy = None
     if h_init is None or ht is None:
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)

@@ -17,10 +17,10 @@ Outputs: e_end [NS, Hv, 128, 128] fp32 (E), m_tr [NS, Hv, 128, 128] bf16 (M, row
 import functools
 import json
 
-from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+from ._common import CHUNK, HEAD_DIM, check_heads, chunk_loop_stages, compile_program, target_key
 
 
-def seg_state_program(h_qk: int, h_v: int, block_v: int = 64):
+def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 0):
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -70,7 +70,7 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64):
             for i, j in T.Parallel(D, BV):
                 s_frag[i, j] = T.if_then_else(c0 + j - D == i, T.float32(1), T.float32(0))
 
-            for ci in T.serial(nchunks):
+            for ci in T.Pipelined(nchunks, num_stages=num_stages) if num_stages else T.serial(nchunks):
                 t0 = bos + ci * C
                 ln = T.min(eos - t0, C)
                 r0 = (cslot + ci) * C
@@ -106,15 +106,17 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64):
 
 
 @functools.cache
-def get_seg_state_kernel(h_qk: int, h_v: int, block_v: int = 64, target_k=None):
+def get_seg_state_kernel(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 0, target_k=None):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(seg_state_program(h_qk, h_v, block_v), target=target)
+    return compile_program(seg_state_program(h_qk, h_v, block_v, num_stages), target=target)
 
 
-def run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, block_v=64, target=None):
+def run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, block_v=64, num_stages=None, target=None):
     """Launch pass 1; fills e_end [NS,Hv,128,128] fp32 and m_tr [NS,Hv,128,128] bf16 in place
     (rows of segments that are the last of their sequence are left untouched)."""
     h_qk, h_v = k.shape[2], v.shape[2]
-    kern = get_seg_state_kernel(h_qk, h_v, block_v, target_key(target))
+    if num_stages is None:
+        num_stages = chunk_loop_stages()
+    kern = get_seg_state_kernel(h_qk, h_v, block_v, num_stages, target_key(target))
     kern(k, v, gcs, a_beta, stab, e_end, m_tr)
     return e_end, m_tr

@@ -130,6 +130,41 @@ def run(
                   + f" -> {out_dir}/parts" + (f"; figures: {', '.join(str(m) for m in made)}" if made else ""))
 
 
+@app.command()
+def compare(
+    base: Path = typer.Argument(..., help="baseline results directory (or Parquet file)"),
+    new: Path = typer.Argument(..., help="new results directory (or Parquet file)"),
+    threshold: float = typer.Option(0.05, "--threshold", help="relative slowdown that counts (0.05 = 5%)"),
+    alpha: float = typer.Option(0.01, "--alpha", help="significance level of the test on samples"),
+    out: Path | None = typer.Option(None, "--out", help="write the verdicts here (.json or .csv)"),
+):
+    """Compare two runs row by row; exit 1 if any row is slower beyond threshold and test."""
+    from .compare import compare_cmd
+    raise typer.Exit(compare_cmd(base, new, threshold=threshold, alpha=alpha, out=out))
+
+
+@app.command()
+def report(
+    results_dirs: list[Path] = typer.Argument(..., help="one or more results directories"),
+    out: Path = typer.Option(Path("site"), "--out", help="output folder for the static HTML dashboard"),
+):
+    """Static HTML dashboard (no server) over one or more results directories."""
+    from .report import report_cmd
+    raise typer.Exit(report_cmd(results_dirs, out))
+
+
+@app.command()
+def reproduce(
+    name: str = typer.Argument("flashqla-h200", help="published table set (configs/published/NAME)"),
+    direction: str = typer.Option("fwd", "--direction", help="fwd | bwd"),
+    from_: Path | None = typer.Option(None, "--from", help="read measured rows from here instead of running"),
+    out: Path = typer.Option(Path("runs/reproduce"), "--out", help="where to write the side-by-side table and figure"),
+):
+    """Published speedup table vs measured, side by side, with a summary."""
+    from .reproduce import reproduce_cmd
+    raise typer.Exit(reproduce_cmd(name, direction, from_, out))
+
+
 def main():  # pragma: no cover
     app()
 

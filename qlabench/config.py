@@ -204,6 +204,10 @@ class Sweep(_Strict):
     reference: Reference = Reference()
     seed: int = 0
     out: str = "runs/{name}"
+    #: run points in a supervised worker process (crash/hang isolation)
+    isolate: bool = True
+    #: a row (inputs + reference + compile + check + timing) taking longer is killed: ``timeout``
+    row_timeout_s: Annotated[float, Field(gt=0)] = 900.0
 
     @field_validator("backends")
     @classmethod

@@ -7,6 +7,7 @@ is written durably before the next one starts.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -181,8 +182,71 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
     return row
 
 
+@dataclass
+class Task:
+    """One point × direction and the backends still to measure on it."""
+
+    point: Point
+    direction: str
+    backends: list[str]
+    ctx: dict  # run_id, sha, config, versions, avail, gpu_name
+
+
+def row_for(task: Task, backend: str) -> dict:
+    c = task.ctx
+    return base_row(c["run_id"], c["sha"], c["config"], task.point, task.direction, backend,
+                    c["versions"][backend], c["gpu_name"])
+
+
+def measure_task(sweep: Sweep, task: Task, emit) -> None:
+    """Measure every backend of ``task``; ``emit(kind, payload)`` gets ("start", backend) before
+    each backend and ("row", row) after it. Runs in the worker (or in-process)."""
+    p, direction = task.point, task.direction
+    dev = device()
+    x = ref = None
+    os.environ["QLABENCH_FAULT_POINT"] = str(p.index)  # read by the test-only ``faulty`` backend
+    for n in task.backends:
+        emit("start", n)
+        be = B.get(n)
+        row = row_for(task, n)
+        ok, why = task.ctx["avail"][n]
+        if ok:
+            ok, why = be.supports(p, direction)
+            status = "unsupported"
+        else:
+            status = "unavailable"
+        if not ok:
+            row.update(status=status, reason=why)
+        else:
+            try:
+                if x is None:
+                    x = make(p, dev, with_grads=direction != "fwd")
+                    ref = reference_outputs(x, direction, sweep.reference.impl,
+                                            sweep.reference.dtype)
+                out_bytes = (x.v.numel() * 2 + (x.h0.numel() * 4 if x.h0 is not None else 0)) \
+                    * (1 if direction == "fwd" else 3)
+                row = measure_backend(be, x, direction, ref, sweep, row, out_bytes)
+            except Exception as e:
+                status = "oom" if _is_oom(e) else "crashed"
+                tb = traceback.format_exc(limit=4)
+                row.update(status=status, reason=f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}")
+                if status == "oom":
+                    x = ref = None  # free what we hold; the next backend rebuilds
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        emit("row", row)
+    del x, ref
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=None,
-        limit: int | None = None, resume: bool = False, progress=None, log=print) -> RunSummary:
+        limit: int | None = None, resume: bool = False, progress=None, log=print,
+        isolate: bool | None = None) -> RunSummary:
+    """Run a sweep into ``out_dir``. With ``isolate`` (default: the sweep's ``isolate``), points
+    run in a supervised worker process: a crash or a hang costs one row, not the sweep."""
+    from .supervisor import InProcess, Supervisor, deferred_signals
+
     store = ResultStore(out_dir)
     pts = points(sweep)
     if limit is not None:
@@ -211,64 +275,41 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
             "env": environment(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "points": len(pts), "device": device()}
     store.write_meta(run_id, meta)
+    ctx = {"run_id": run_id, "sha": sha, "config": config_name, "versions": versions,
+           "avail": avail, "gpu_name": gpu_name}
 
     summary = RunSummary(run_id, Path(out_dir))
-    dev = device()
-    for p in pts:
-        for direction in sweep.directions:
-            todo = []
-            for n in names:
-                key = (p.key, n, direction, versions[n])
-                if key in done:
-                    summary.skipped_done += 1
+    isolate = sweep.isolate if isolate is None else isolate
+    execu = Supervisor(sweep, Path(out_dir) / "logs", log=log) if isolate else InProcess(sweep)
+
+    def on_row(row: dict) -> None:
+        with deferred_signals():
+            store.append(row)
+        summary.rows.append(row)
+        summary.counts[row["status"]] = summary.counts.get(row["status"], 0) + 1
+        lat = row.get("latency_ms")
+        log(f"[{row['status']:>11}] {Point.describe_row(row):<36} {row['direction']:<6} "
+            f"{row['backend']:<10} " + (f"{lat:9.4f} ms" if lat is not None else " " * 12)
+            + (f"  err={row['max_rel_l2']:.2e}" if row.get("max_rel_l2") is not None else "")
+            + (f"  ({row['reason'][:90]})" if row.get("reason") else ""))
+
+    try:
+        for p in pts:
+            for direction in sweep.directions:
+                todo = []
+                for n in names:
+                    if (p.key, n, direction, versions[n]) in done:
+                        summary.skipped_done += 1
+                        continue
+                    todo.append(n)
+                if not todo:
                     continue
-                todo.append(n)
-            if not todo:
-                continue
-            if progress is not None:
-                progress(f"{p.describe()} {direction}")
-            x = None
-            ref = None
-            for n in todo:
-                be = bes[n]
-                row = base_row(run_id, sha, config_name, p, direction, n, versions[n], gpu_name)
-                ok, why = avail[n]
-                if ok:
-                    ok, why = be.supports(p, direction)
-                    status = "unsupported"
-                else:
-                    status = "unavailable"
-                if not ok:
-                    row.update(status=status, reason=why)
-                else:
-                    try:
-                        if x is None:
-                            x = make(p, dev, with_grads=direction != "fwd")
-                            ref = reference_outputs(x, direction, sweep.reference.impl,
-                                                    sweep.reference.dtype)
-                        out_bytes = (x.v.numel() * 2 + (x.h0.numel() * 4 if x.h0 is not None
-                                                        else 0)) * (1 if direction == "fwd" else 3)
-                        row = measure_backend(be, x, direction, ref, sweep, row, out_bytes)
-                    except Exception as e:
-                        status = "oom" if _is_oom(e) else "crashed"
-                        tb = traceback.format_exc(limit=4)
-                        row.update(status=status, reason=f"{type(e).__name__}: {str(e)[:300]}"
-                                   f" | {tb[-600:]}")
-                        if torch.cuda.is_available():
-                            torch.cuda.empty_cache()
-                store.append(row)
-                summary.rows.append(row)
-                summary.counts[row["status"]] = summary.counts.get(row["status"], 0) + 1
-                lat = row.get("latency_ms")
-                log(f"[{row['status']:>11}] {p.describe():<36} {direction:<6} {n:<10} "
-                    + (f"{lat:9.4f} ms" if lat is not None else " " * 12)
-                    + (f"  err={row['max_rel_l2']:.2e}" if row.get("max_rel_l2") is not None
-                       else "")
-                    + (f"  ({row['reason'][:90]})" if row.get("reason") else ""))
-            del x, ref
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    meta["counts"] = summary.counts
-    store.write_meta(run_id, meta)
+                if progress is not None:
+                    progress(f"{p.describe()} {direction}")
+                execu.run_task(Task(p, direction, todo, ctx), on_row)
+    finally:
+        execu.close()
+        meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        meta["counts"] = summary.counts
+        store.write_meta(run_id, meta)
     return summary

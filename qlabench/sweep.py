@@ -69,6 +69,10 @@ class Point:
     def describe(self) -> str:
         return f"{self.model} ({self.tp_label}) {self.layout_label}"
 
+    @staticmethod
+    def describe_row(row: dict) -> str:
+        return f"{row['model']} ({row['tp']}) {row['layout']}"
+
 
 def points(sweep: Sweep) -> list[Point]:
     out: list[Point] = []

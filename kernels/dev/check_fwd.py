@@ -1,6 +1,6 @@
 """Correctness and timing check of the TileLang GDN forward on a Hopper GPU.
 
-    python kernels/dev/check_fwd.py [--quick] [--no-time] [--cases NAME,...]
+    python kernels/dev/check_fwd.py [--quick] [--no-time] [--cases NAME,...] [--stages 0,2]
 
 For each case: runs chunk_gdn_fwd_lowlevel, compares o / final state with an fp32 token
 recurrence (rel L2), and every stage with its torch emulation fed the kernel's own inputs
@@ -253,29 +253,36 @@ CASES = [
 ]
 
 
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip the per-stage emulation on the big cases")
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    ap.add_argument("--stages", default="0,2", help="chunk-loop variants to run (QLABENCH_GDN_STAGES values)")
     args = ap.parse_args()
     pkg, emu = _import_pkg()
     log(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     results, timings = [], []
     want = set(filter(None, args.cases.split(",")))
-    for name, seqlens, hq, hv, split, do_time, splits in CASES:
-        if want and name not in want:
-            continue
-        try:
-            big = sum(seqlens) * hv > 300000
-            x = check_case(pkg, emu, name, seqlens, hq, hv, split, results, stages=not (args.quick and big))
-            if do_time and not args.no_time:
-                time_case(pkg, name, x, splits, timings)
-            del x
-            torch.cuda.empty_cache()
-        except Exception:  # noqa: BLE001
-            log(f"CASE {name} CRASHED:\n" + "".join(traceback.format_exc().splitlines(True)[-12:]))
-            results.append(dict(case=name, ok=False, crashed=True))
+    stage_list = [int(x) for x in args.stages.split(",")]
+    for st in stage_list:
+        os.environ["QLABENCH_GDN_STAGES"] = str(st)
+        log(f"\n##### chunk-loop variant QLABENCH_GDN_STAGES={st}")
+        for name, seqlens, hq, hv, split, do_time, splits in CASES:
+            if want and name not in want:
+                continue
+            tag = f"{name}@st{st}"
+            try:
+                big = sum(seqlens) * hv > 300000
+                x = check_case(pkg, emu, tag, seqlens, hq, hv, split, results, stages=not (args.quick and big))
+                if do_time and not args.no_time:
+                    time_case(pkg, tag, x, splits, timings)
+                del x
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001
+                log(f"CASE {tag} CRASHED:\n" + "".join(traceback.format_exc().splitlines(True)[-12:]))
+                results.append(dict(case=tag, ok=False, crashed=True))
     log("\n=== summary")
     for r in results:
         log(

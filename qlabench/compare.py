@@ -1,0 +1,286 @@
+"""Run vs baseline, row by row: ratio of medians, a test on the stored samples, a verdict, an exit code.
+
+Rows are paired by key (point_key × backend × direction), taking the latest row per key on each
+side (:func:`qlabench.results.latest`). For each pair:
+
+- ``ratio`` = median(new samples) / median(base samples) (falls back to ``latency_ms`` when a side
+  has no samples); > 1 means the new run is slower.
+- ``p_value``: **two-sided** Mann–Whitney U on the two sample lists (``scipy.stats.mannwhitneyu``).
+  Two-sided, not one-sided ``greater``, because the verdict is symmetric (faster *and* slower are
+  reported) and the side to test would otherwise be chosen after looking at the ratio — testing
+  ``greater`` only when the ratio is above 1 is a two-sided test at 2·alpha in disguise. Using the
+  two-sided p against alpha keeps the stated false-alarm rate for the CI gate.
+- ``ratio_lo``/``ratio_hi``: percentile bootstrap interval (level 1 − alpha) of the median ratio,
+  resampling each side's samples (seeded, so a report is reproducible). Shown for reading, not used
+  in the verdict.
+
+Verdicts: ``slower`` when ratio > 1 + threshold **and** p < alpha; ``faster`` when
+ratio < 1 / (1 + threshold) and p < alpha; ``same`` otherwise; ``incomparable`` when the two rows
+cannot be compared — either status is not ``ok``, ``timing_mode`` / ``l2`` / ``gpu_name`` /
+input recipe differ, or there are too few samples for the test to ever reach alpha — with the
+reason in the ``reason`` column.
+
+Why both gates: samples within one run are many and tight (graph replays, ~1% spread), so the test
+alone flags 1% drifts that come and go between runs (clocks, other tenants); the threshold alone
+flags noise on short points with a few wide samples. A regression has to be large *and* clear.
+
+Exit codes of :func:`compare_cmd`: 1 if any row is ``slower``; 0 otherwise; 2 on bad input (a path
+missing, unreadable or without rows, required columns missing, no key in common, bad ``--out``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from . import results
+
+REQUIRED = ("point_key", "backend", "direction", "status", "latency_ms", "samples_ms",
+            "timing_mode", "gpu_name")
+KEY = results.KEY
+VERDICTS = ("slower", "faster", "same", "incomparable")
+#: columns copied from the rows for display (new side wins, base side fills in)
+_INFO = ("model", "tp", "layout", "total_tokens", "point_index", "h_qk", "h_v")
+BOOTSTRAP_N = 1000
+
+
+class BadInput(Exception):
+    """Input a user can fix; the message names the path."""
+
+
+def _samples(row: Mapping) -> np.ndarray:
+    s = row.get("samples_ms")
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        lat = row.get("latency_ms")
+        return np.array([lat], float) if lat is not None and np.isfinite(lat) else np.array([])
+    a = np.asarray(list(s), dtype=float)
+    return a[np.isfinite(a)]
+
+
+def _val(row: Mapping, col: str):
+    v = row.get(col)
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return v
+
+
+def min_two_sided_p(n: int, m: int) -> float:
+    """Smallest two-sided Mann–Whitney p-value n and m untied samples can give: 2 / C(n+m, n)."""
+    if n < 1 or m < 1:
+        return 1.0
+    return min(1.0, 2.0 / math.comb(n + m, n))
+
+
+def bootstrap_ratio_ci(a: np.ndarray, b: np.ndarray, level: float, n_boot: int = BOOTSTRAP_N,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of median(b) / median(a) at ``level`` (e.g. 0.99)."""
+    rng = np.random.default_rng(seed)
+    ma = np.median(a[rng.integers(0, len(a), (n_boot, len(a)))], axis=1)
+    mb = np.median(b[rng.integers(0, len(b), (n_boot, len(b)))], axis=1)
+    r = mb / ma
+    q = (1 - level) / 2
+    return float(np.quantile(r, q)), float(np.quantile(r, 1 - q))
+
+
+def judge(base: Mapping, new: Mapping, threshold: float = 0.05, alpha: float = 0.01) -> dict:
+    """Verdict for one pair of rows (dict-like, the schema's columns).
+
+    Returns ``{base_ms, new_ms, ratio, ratio_lo, ratio_hi, p_value, n_base, n_new, verdict,
+    reason}``; ``ratio`` is new/base (> 1: slower)."""
+    from scipy.stats import mannwhitneyu
+
+    out = {"base_ms": _val(base, "latency_ms"), "new_ms": _val(new, "latency_ms"),
+           "ratio": None, "ratio_lo": None, "ratio_hi": None, "p_value": None,
+           "n_base": 0, "n_new": 0, "verdict": "incomparable", "reason": ""}
+    why = []
+    for side, r in (("base", base), ("new", new)):
+        st = _val(r, "status")
+        if st != "ok":
+            rr = _val(r, "reason")
+            why.append(f"{side} status {st}" + (f" ({str(rr)[:60]})" if rr else ""))
+    for col, label in (("timing_mode", "timing_mode"), ("l2", "l2"), ("gpu_name", "gpu"),
+                       ("recipe_hash", "input recipe")):
+        a, b = _val(base, col), _val(new, col)
+        if a is not None and b is not None and a != b:
+            why.append(f"{label} {a} vs {b}")
+    if why:
+        out["reason"] = "; ".join(why)
+        return out
+    a, b = _samples(base), _samples(new)
+    out["n_base"], out["n_new"] = len(a), len(b)
+    if not len(a) or not len(b) or np.median(a) <= 0:
+        out["reason"] = "no latency samples"
+        return out
+    ratio = float(np.median(b) / np.median(a))
+    out["ratio"] = ratio
+    if min_two_sided_p(len(a), len(b)) >= alpha:
+        out["reason"] = (f"too few samples for a test at alpha={alpha:g} "
+                         f"(base {len(a)}, new {len(b)})")
+        return out
+    p = float(mannwhitneyu(b, a, alternative="two-sided").pvalue)
+    out["p_value"] = p
+    out["ratio_lo"], out["ratio_hi"] = bootstrap_ratio_ci(a, b, 1 - alpha)
+    if p < alpha and ratio > 1 + threshold:
+        out["verdict"] = "slower"
+    elif p < alpha and ratio < 1 / (1 + threshold):
+        out["verdict"] = "faster"
+    else:
+        out["verdict"] = "same"
+        if abs(ratio - 1) > threshold:
+            out["reason"] = f"beyond threshold but p={p:.2g} >= alpha"
+        elif p < alpha:
+            out["reason"] = "significant but within threshold"
+    return out
+
+
+def check_columns(df: pd.DataFrame, path: Path | str) -> None:
+    missing = [c for c in REQUIRED if c not in df.columns]
+    if missing:
+        raise BadInput(f"{path}: not a qlabench results table (missing column(s) "
+                       f"{', '.join(missing)})")
+
+
+def load_side(path: Path) -> pd.DataFrame:
+    """Rows of a results directory or Parquet file; :class:`BadInput` with the path on trouble."""
+    path = Path(path)
+    if not path.exists():
+        raise BadInput(f"{path}: no such file or directory")
+    try:
+        df = results.load(path)
+    except Exception as e:  # unreadable Parquet, permissions, ...
+        raise BadInput(f"{path}: cannot read results ({type(e).__name__}: {str(e)[:120]})") from None
+    if df.empty:
+        where = path / "parts" if (path / "parts").is_dir() else path
+        raise BadInput(f"{path}: no result rows (no *.parquet in {where})")
+    check_columns(df, path)
+    return df
+
+
+def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.05,
+                   alpha: float = 0.01) -> tuple[pd.DataFrame, dict]:
+    """Pair the latest row per key on each side and judge each pair.
+
+    Returns (one row per common key with the key, info columns, :func:`judge`'s fields and both
+    run ids; a summary dict with counts, ``only_base`` and ``only_new`` key counts)."""
+    b = results.latest(base).set_index(KEY, drop=False)
+    n = results.latest(new).set_index(KEY, drop=False)
+    common = [k for k in n.index if k in b.index]
+    rows = []
+    for k in common:
+        rb, rn = b.loc[k].to_dict(), n.loc[k].to_dict()
+        j = judge(rb, rn, threshold, alpha)
+        info = {c: (_val(rn, c) if _val(rn, c) is not None else _val(rb, c)) for c in _INFO}
+        rows.append({**dict(zip(KEY, k)), **info, **j,
+                     "base_run_id": _val(rb, "run_id"), "new_run_id": _val(rn, "run_id"),
+                     "base_sha": _val(rb, "git_sha"), "new_sha": _val(rn, "git_sha")})
+    cols = [*KEY, *_INFO, "base_ms", "new_ms", "ratio", "ratio_lo", "ratio_hi", "p_value",
+            "n_base", "n_new", "verdict", "reason", "base_run_id", "new_run_id", "base_sha",
+            "new_sha"]
+    df = pd.DataFrame(rows, columns=cols)
+    if not df.empty:
+        order = {v: i for i, v in enumerate(VERDICTS)}
+        df = df.sort_values(["verdict", "point_index", "backend", "direction"],
+                            key=lambda s: s.map(order) if s.name == "verdict" else s,
+                            kind="stable").reset_index(drop=True)
+    summary = {v: int((df["verdict"] == v).sum()) for v in VERDICTS}
+    summary["only_base"] = int(len(set(b.index) - set(n.index)))
+    summary["only_new"] = int(len(set(n.index) - set(b.index)))
+    return df, summary
+
+
+def _fmt(x, spec: str) -> str:
+    return "" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, spec)
+
+
+def row_label(r: Mapping) -> str:
+    return f"{r['backend']} {r['direction']} {r.get('model') or ''} ({r.get('tp') or ''}) " \
+           f"{r.get('layout') or r['point_key']}"
+
+
+def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshold: float,
+                alpha: float, console=None, max_same: int = 40) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(soft_wrap=True, width=200)
+    colors = {"slower": "red", "faster": "green", "same": "", "incomparable": "yellow"}
+    shown = df
+    hidden = 0
+    if len(df) > max_same + 20:
+        same = df[df["verdict"] == "same"]
+        hidden = max(0, len(same) - max_same)
+        shown = df.drop(same.index[max_same:])
+    t = Table(title=f"{new} vs {base} (threshold {threshold:.0%}, alpha {alpha:g})")
+    for c, j in (("model", "left"), ("h_qk/h_v", "left"), ("layout", "left"), ("backend", "left"),
+                 ("dir", "left"), ("base ms", "right"), ("new ms", "right"),
+                 ("new/base", "right"), (f"{1 - alpha:.0%} CI", "right"), ("p", "right"),
+                 ("verdict", "left"), ("reason", "left")):
+        t.add_column(c, justify=j)
+    for r in shown.to_dict("records"):
+        ci = f"{_fmt(r['ratio_lo'], '.3f')}–{_fmt(r['ratio_hi'], '.3f')}" \
+            if r["ratio_lo"] is not None and np.isfinite(r["ratio_lo"]) else ""
+        col = colors[r["verdict"]]
+        t.add_row(str(r["model"] or ""), str(r["tp"] or ""), str(r["layout"] or r["point_key"]),
+                  r["backend"], r["direction"], _fmt(r["base_ms"], ".4f"), _fmt(r["new_ms"], ".4f"),
+                  _fmt(r["ratio"], ".3f"), ci, _fmt(r["p_value"], ".2g"),
+                  f"[{col}]{r['verdict']}[/{col}]" if col else r["verdict"], str(r["reason"] or ""))
+    console.print(t)
+    if hidden:
+        console.print(f"({hidden} more rows 'same' not shown; --out FILE writes every row)")
+    extra = [f"{summary['only_base']} keys only in base"] if summary["only_base"] else []
+    extra += [f"{summary['only_new']} only in new"] if summary["only_new"] else []
+    console.print(", ".join(f"{summary[v]} {v}" for v in VERDICTS)
+                  + (f" ({', '.join(extra)})" if extra else ""), highlight=False)
+    for r in df[df["verdict"] == "slower"].to_dict("records"):
+        console.print(f"REGRESSION {row_label(r)}: {r['ratio']:.3f}x (p={r['p_value']:.2g})",
+                      highlight=False, markup=False)
+
+
+def write_out(df: pd.DataFrame, summary: dict, out: Path, base: Path, new: Path, threshold: float,
+              alpha: float) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix.lower() == ".csv":
+        df.to_csv(out, index=False)
+        return
+    recs = json.loads(df.to_json(orient="records"))  # NaN -> null, numpy -> python
+    out.write_text(json.dumps({"base": str(base), "new": str(new), "threshold": threshold,
+                               "alpha": alpha, "summary": summary, "rows": recs}, indent=1))
+
+
+def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0.01,
+                out: Path | None = None) -> int:
+    """``qlabench compare BASE NEW``: table on stdout, optional ``--out`` (.json/.csv), exit code."""
+    from rich.console import Console
+
+    console = Console(soft_wrap=True, width=None if _isatty() else 200)
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        if out is not None and Path(out).suffix.lower() not in (".json", ".csv"):
+            raise BadInput(f"{out}: --out must end in .json or .csv")
+        if not (threshold >= 0):
+            raise BadInput(f"--threshold {threshold}: must be >= 0 (0.05 = 5%)")
+        if not (0 < alpha < 1):
+            raise BadInput(f"--alpha {alpha}: must be in (0, 1)")
+        bdf, ndf = load_side(Path(base)), load_side(Path(new))
+        df, summary = compare_frames(bdf, ndf, threshold, alpha)
+        if df.empty:
+            raise BadInput(f"{new}: nothing in common with {base} (no shared point × backend × "
+                           "direction key; are they the same config?)")
+    except BadInput as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        return 2
+    print_table(df, summary, base, new, threshold, alpha, console=console)
+    if out is not None:
+        write_out(df, summary, Path(out), base, new, threshold, alpha)
+        console.print(f"wrote {out}", highlight=False, markup=False)
+    return 1 if summary["slower"] else 0
+
+
+def _isatty() -> bool:
+    import sys
+    return sys.stdout.isatty()

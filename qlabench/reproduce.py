@@ -1,0 +1,681 @@
+"""``qlabench reproduce NAME``: a published table vs measured rows, point by point.
+
+Published tables live in the repository as data, one folder per set::
+
+    configs/published/NAME/fwd.csv          model,seqlens_label,seqlens,h_qk,h_v,<backend>_ms...
+    configs/published/NAME/bwd.csv          (seqlens: space-separated ints; '#' lines: provenance)
+    configs/published/NAME/provenance.yaml  versions, timing method, input recipe, sweeps, caveats
+
+Measured rows come from ``--from RESULTS`` (a results directory; :func:`results.latest` of it) or,
+without it, from running the set's sweep (``provenance.sweeps[direction]``) through
+:func:`runner.run` into ``OUT/rows-<direction>`` (resumable). Rows join published points on
+``(h_qk, h_v, tuple(seqlens))``. Per point: published and measured ms per backend, measured /
+published, published vs measured speedup (baseline / target, FLA / FlashQLA), and the in-repo
+``tilelang`` kernel as an extra measured column (its speedup over FLA and over the best measured
+library). A row whose status is not ``ok`` shows its status instead of a number; a point with no
+row shows ``missing``. Library versions of the measuring runs (``runs/*.json``) are compared with
+the published ones and the differences are printed next to the backends they may explain.
+
+Writes ``OUT/reproduce_<NAME>_<direction>.{csv,md,png}``. Reads only stored rows and the
+published folder (plus the runner when it has to measure); never imports a backend itself.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from . import results
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: where published sets are looked up (tests point this elsewhere)
+PUBLISHED_ROOT = REPO_ROOT / "configs" / "published"
+EXTRA_BACKEND = "tilelang"
+WITHIN = 0.10          # "agrees" = measured within ±10% of published
+N_EXTREMES = 5         # worst / best points printed
+MISSING = "missing"
+DIRECTIONS = ("fwd", "bwd")
+
+
+class ReproduceError(Exception):
+    """A problem the user can fix (unknown set, no rows, ...); the message says what to do."""
+
+
+# --------------------------------------------------------------------------- published tables
+
+
+@dataclass
+class Published:
+    name: str
+    direction: str
+    folder: Path
+    table: pd.DataFrame          # one row per point; column `key` = (h_qk, h_v, seqlens tuple)
+    provenance: dict
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self.provenance["backends"][self.direction])
+
+    @property
+    def baseline(self) -> str:
+        return self.provenance.get("speedup", {}).get("baseline", "fla")
+
+    @property
+    def target(self) -> str:
+        return self.provenance.get("speedup", {}).get("target", "flashqla")
+
+    def sweep_path(self) -> Path:
+        rel = Path(self.provenance["sweeps"][self.direction])
+        if rel.is_absolute():
+            return rel
+        for base in (REPO_ROOT, self.folder, Path.cwd()):
+            if (base / rel).exists():
+                return base / rel
+        return REPO_ROOT / rel
+
+
+def available_names(root: Path | None = None) -> list[str]:
+    root = Path(root or PUBLISHED_ROOT)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "provenance.yaml").is_file())
+
+
+def parse_seqlens(s) -> tuple[int, ...]:
+    """'28672 4096' (published csv) or [28672, 4096] (a row) -> (28672, 4096)."""
+    if isinstance(s, str):
+        return tuple(int(x) for x in s.split())
+    return tuple(int(x) for x in s)
+
+
+def key_of(h_qk, h_v, seqlens) -> tuple:
+    return (int(h_qk), int(h_v), parse_seqlens(seqlens))
+
+
+def load_published(name: str, direction: str, root: Path | None = None) -> Published:
+    root = Path(root or PUBLISHED_ROOT)
+    names = available_names(root)
+    if name not in names:
+        raise ReproduceError(
+            f"unknown published set {name!r}: no {root / name / 'provenance.yaml'}; "
+            f"known: {', '.join(names) or '(none)'}")
+    folder = root / name
+    prov = yaml.safe_load((folder / "provenance.yaml").read_text()) or {}
+    tables = prov.get("tables", {})
+    if direction not in tables:
+        raise ReproduceError(
+            f"{folder / 'provenance.yaml'}: no {direction!r} table (has: {', '.join(tables) or 'none'}); "
+            f"use --direction {'|'.join(tables)}")
+    for k in ("backends", "sweeps", "versions"):
+        if k not in prov:
+            raise ReproduceError(f"{folder / 'provenance.yaml'}: missing field {k!r}")
+    path = folder / tables[direction]
+    df = pd.read_csv(path, comment="#", dtype={"seqlens": str})
+    need = {"seqlens", "h_qk", "h_v", *(f"{b}_ms" for b in prov["backends"][direction])}
+    if need - set(df.columns):
+        raise ReproduceError(f"{path}: missing columns {sorted(need - set(df.columns))}")
+    if "model" not in df.columns:
+        df["model"] = [f"{a}/{b}" for a, b in zip(df["h_qk"], df["h_v"])]
+    if "seqlens_label" not in df.columns:
+        df["seqlens_label"] = df["seqlens"]
+    df["key"] = [key_of(a, b, s) for a, b, s in zip(df["h_qk"], df["h_v"], df["seqlens"])]
+    dup = df[df["key"].duplicated()]
+    if not dup.empty:
+        raise ReproduceError(f"{path}: duplicated points {list(dup['seqlens_label'])}")
+    return Published(name, direction, folder, df.reset_index(drop=True), prov)
+
+
+def geomean(x) -> float | None:
+    a = np.asarray([v for v in x if v is not None and np.isfinite(v) and v > 0], dtype=float)
+    return float(np.exp(np.log(a).mean())) if a.size else None
+
+
+def published_speedups(pub: Published) -> pd.Series:
+    t = pub.table
+    return t[f"{pub.baseline}_ms"] / t[f"{pub.target}_ms"]
+
+
+# --------------------------------------------------------------------------- measured rows
+
+
+def measured_rows(from_: Path, direction: str) -> pd.DataFrame:
+    """Latest row per point × backend of ``direction`` under ``from_``; errors say what to do."""
+    from_ = Path(from_)
+    if not from_.exists():
+        raise ReproduceError(f"--from {from_}: no such file or directory")
+    df = results.load(from_)
+    if df.empty:
+        raise ReproduceError(
+            f"--from {from_}: no result rows (expected {from_}/parts/*.parquet from `qlabench run`)")
+    df = results.latest(df)
+    sub = df[df["direction"] == direction]
+    if sub.empty:
+        have = ", ".join(sorted(set(df["direction"].dropna())))
+        raise ReproduceError(
+            f"--from {from_}: no {direction} rows (it holds {have or 'no direction'} rows); "
+            f"run the {direction} sweep first or pass --direction {have.split(', ')[0] or 'fwd'}")
+    return sub
+
+
+def _select_rows(rows: pd.DataFrame, pub: Published) -> pd.DataFrame:
+    """Rows of the published shape (head_dim, dtype) keyed by join key; last one wins."""
+    r = rows.copy()
+    hd = pub.provenance.get("inputs", {}).get("head_dim")
+    if hd is not None and "head_dim" in r.columns and r["head_dim"].notna().any():
+        r = r[r["head_dim"].isna() | (r["head_dim"] == hd)]
+    r["key"] = [key_of(a, b, s) for a, b, s in zip(r["h_qk"], r["h_v"], r["seqlens"])]
+    sort = [c for c in ("started_at", "run_id") if c in r.columns]
+    if sort:
+        r = r.sort_values(sort, na_position="first")
+    return r.drop_duplicates(["key", "backend"], keep="last")
+
+
+# --------------------------------------------------------------------------- side by side
+
+
+def side_by_side(pub: Published, rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per published point.
+
+    Columns: model, seqlens_label, seqlens, h_qk, h_v; per published backend ``b``:
+    ``b_pub_ms``, ``b_ms`` (NaN unless ok), ``b_status`` (ok | a row status | missing),
+    ``b_ratio`` (measured / published); ``speedup_pub``, ``speedup_ms`` (baseline / target),
+    ``speedup_ratio`` (measured / published speedup); when tilelang rows exist: ``tilelang_ms``,
+    ``tilelang_status``, ``tilelang_vs_fla``, ``tilelang_vs_best``, ``best_library``.
+    """
+    r = _select_rows(rows, pub) if not rows.empty else rows
+    by = {}
+    if not rows.empty:
+        for rec in r.itertuples(index=False):
+            by[(rec.key, rec.backend)] = rec
+    has_extra = (not rows.empty) and (r["backend"] == EXTRA_BACKEND).any()
+    bes = pub.backends + ([EXTRA_BACKEND] if has_extra else [])
+    out = []
+    for p in pub.table.itertuples(index=False):
+        d = {"model": p.model, "seqlens_label": p.seqlens_label,
+             "seqlens": " ".join(map(str, p.key[2])), "h_qk": p.h_qk, "h_v": p.h_v}
+        for b in bes:
+            rec = by.get((p.key, b))
+            if rec is None:
+                status, ms, reason = MISSING, math.nan, ""
+            else:
+                status = rec.status if isinstance(rec.status, str) and rec.status else "unknown"
+                lat = rec.latency_ms
+                ms = float(lat) if status == "ok" and lat is not None and np.isfinite(lat) else math.nan
+                if status == "ok" and not np.isfinite(ms):
+                    status = "ok-no-latency"
+                reason = rec.reason if isinstance(rec.reason, str) else ""
+            if b in pub.backends:
+                d[f"{b}_pub_ms"] = float(getattr(p, f"{b}_ms"))
+            d[f"{b}_ms"] = ms
+            d[f"{b}_status"] = status
+            d[f"{b}_reason"] = reason
+            if b in pub.backends:
+                d[f"{b}_ratio"] = ms / d[f"{b}_pub_ms"] if np.isfinite(ms) else math.nan
+        base, tgt = pub.baseline, pub.target
+        d["speedup_pub"] = d[f"{base}_pub_ms"] / d[f"{tgt}_pub_ms"]
+        d["speedup_ms"] = (d[f"{base}_ms"] / d[f"{tgt}_ms"]
+                           if np.isfinite(d[f"{base}_ms"]) and np.isfinite(d[f"{tgt}_ms"]) else math.nan)
+        d["speedup_ratio"] = d["speedup_ms"] / d["speedup_pub"]
+        if has_extra:
+            t = d[f"{EXTRA_BACKEND}_ms"]
+            d[f"{EXTRA_BACKEND}_vs_fla"] = d["fla_ms"] / t if "fla_ms" in d else math.nan
+            libs = {b: d[f"{b}_ms"] for b in pub.backends if np.isfinite(d[f"{b}_ms"])}
+            best = min(libs, key=libs.get) if libs else ""
+            d["best_library"] = best
+            d[f"{EXTRA_BACKEND}_vs_best"] = libs[best] / t if best else math.nan
+        out.append(d)
+    return pd.DataFrame(out)
+
+
+def _stats(x: pd.Series) -> dict:
+    v = x[np.isfinite(x)]
+    return {"n": int(v.size), "geomean": geomean(v), "min": float(v.min()) if v.size else None,
+            "max": float(v.max()) if v.size else None}
+
+
+def summarize(pub: Published, table: pd.DataFrame) -> dict:
+    """Shares within ±10%, geomean/min/max of ratios and speedups, status counts, missing points."""
+    s: dict = {"points": len(table), "backends": {}}
+    for b in pub.backends + ([EXTRA_BACKEND] if f"{EXTRA_BACKEND}_status" in table else []):
+        st = table[f"{b}_status"]
+        counts = st.value_counts().to_dict()
+        reasons = {k: next((r for r in table.loc[st == k, f"{b}_reason"] if r), "")
+                   for k in counts if k != "ok"}
+        e = {"statuses": counts, "reasons": reasons, "ok": int((st == "ok").sum())}
+        if f"{b}_ratio" in table:
+            ratio = table[f"{b}_ratio"]
+            fin = ratio[np.isfinite(ratio)]
+            e["ratio"] = _stats(ratio)
+            e["within"] = float((np.abs(fin - 1) <= WITHIN + 1e-12).mean()) if fin.size else None
+        s["backends"][b] = e
+    sp_pub, sp_ms = table["speedup_pub"], table["speedup_ms"]
+    both = np.isfinite(sp_ms)
+    s["speedup"] = {
+        "published": _stats(sp_pub),
+        "measured": _stats(sp_ms),
+        "published_same_points": _stats(sp_pub[both]),
+        "within": float((np.abs(table.loc[both, "speedup_ratio"] - 1) <= WITHIN + 1e-12).mean())
+        if both.any() else None,
+    }
+    if f"{EXTRA_BACKEND}_vs_fla" in table:
+        s["extra"] = {"vs_fla": _stats(table[f"{EXTRA_BACKEND}_vs_fla"]),
+                      "vs_best": _stats(table[f"{EXTRA_BACKEND}_vs_best"])}
+    bes = pub.backends
+    no_row = table[np.all([table[f"{b}_status"] == MISSING for b in bes], axis=0)]
+    s["missing_points"] = [f"{m} {lab}" for m, lab in zip(no_row["model"], no_row["seqlens_label"])]
+    return s
+
+
+# --------------------------------------------------------------------------- versions & method
+
+
+def _norm_version(v) -> str:
+    v = str(v).strip().lower()
+    v = re.sub(r"^v", "", v)
+    return re.sub(r"-era$", "", v)
+
+
+@dataclass
+class VersionNote:
+    lib: str
+    published: str
+    measured: list[str]
+    explains: list[str]
+    note: str = ""
+
+    def line(self) -> str:
+        m = ", ".join(self.measured) if self.measured else "unknown"
+        return f"{self.lib} {m} vs published {self.published}" + (f": {self.note}" if self.note else "")
+
+
+@dataclass
+class Notes:
+    versions: list[VersionNote] = field(default_factory=list)
+    method: list[str] = field(default_factory=list)
+
+    def for_backend(self, b: str) -> list[VersionNote]:
+        return [n for n in self.versions if b in n.explains]
+
+
+_BACKEND_LIB = {"fla": "fla", "flashinfer": "flashinfer", "flashqla": "flash-qla"}
+
+
+def notes_for(pub: Published, rows: pd.DataFrame, meta: dict[str, dict]) -> Notes:
+    """Differences between the measuring environment/method and the published ones."""
+    prov = pub.provenance
+    notes = Notes()
+    run_ids = set(rows["run_id"].dropna()) if not rows.empty and "run_id" in rows else set()
+    envs = [m.get("env", {}) for rid, m in meta.items() if not run_ids or rid in run_ids]
+    dists = prov.get("dists", {})
+    for lib, pv in prov["versions"].items():
+        seen: set[str] = set()
+        for env in envs:
+            for dname in dists.get(lib, [lib]):
+                if env.get(dname):
+                    seen.add(str(env[dname]))
+                    break
+        if not seen and lib in _BACKEND_LIB.values() and not rows.empty:
+            be = [b for b, lb in _BACKEND_LIB.items() if lb == lib]
+            vs = rows.loc[rows["backend"].isin(be), "backend_version"].dropna()
+            seen = {str(v) for v in vs if v not in ("unavailable", "unknown", "n/a")}
+        measured = sorted(seen)
+        if measured and all(_norm_version(m) == _norm_version(pv) for m in measured):
+            continue
+        note = prov.get("version_notes", {}).get(lib, "").strip()
+        if not measured:
+            note = "version not recorded in the measuring run (not installed?)" + (
+                f"; {note}" if note else "")
+        notes.versions.append(VersionNote(lib, str(pv), measured,
+                                          list(prov.get("explains", {}).get(lib, [])), note))
+    if rows.empty:
+        return notes
+    ok = rows[rows["status"] == "ok"]
+    want_mode = prov.get("timing", {}).get("qlabench_mode")
+    if want_mode and not ok.empty and "timing_mode" in ok:
+        off = ok[ok["timing_mode"] != want_mode]
+        for (b, m), n in off.groupby(["backend", "timing_mode"]).size().items():
+            notes.method.append(f"{b}: {n} rows timed with {m!r} (published method: {want_mode}; "
+                                "per-call events include host overhead)")
+    gz = prov.get("inputs", {}).get("gate_zero_frac")
+    if gz is not None and "gate_zero_frac" in rows:
+        other = sorted({float(x) for x in rows["gate_zero_frac"].dropna() if abs(float(x) - gz) > 1e-9})
+        if other:
+            notes.method.append(f"inputs: gate_zero_frac {other} (published {gz}: 25% of v-heads g = 0); "
+                                "FlashQLA's speed depends on it")
+    gpu = prov.get("gpu")
+    if gpu and "gpu_name" in rows:
+        names = sorted({str(x) for x in ok["gpu_name"].dropna()}) if not ok.empty else []
+        short = gpu.replace("NVIDIA ", "")
+        foreign = [n for n in names if short.lower() not in n.lower()]
+        if foreign:
+            notes.method.append(f"GPU: measured on {', '.join(foreign)} (published: {gpu})")
+    return notes
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _fmt(x, nd=3) -> str:
+    return f"{x:.{nd}f}" if x is not None and np.isfinite(x) else "–"
+
+
+def _fx(x) -> str:
+    return f"{x:.2f}×" if x is not None and np.isfinite(x) else "–"
+
+
+def _pct(x) -> str:
+    return f"{100 * x:.0f}%" if x is not None else "–"
+
+
+def _cell(t: pd.Series, b: str, with_pub: bool = True) -> str:
+    st = t[f"{b}_status"]
+    meas = _fmt(t[f"{b}_ms"]) if st == "ok" else st
+    if with_pub and f"{b}_pub_ms" in t:
+        r = t[f"{b}_ratio"]
+        return f"{_fmt(t[f'{b}_pub_ms'])} → {meas}" + (f" ({r:.2f})" if np.isfinite(r) else "")
+    return meas
+
+
+def extremes(table: pd.DataFrame, n: int = N_EXTREMES) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(worst, best) points by measured / published speedup; by target ratio if no speedups."""
+    for col in ("speedup_ratio",):
+        v = table[np.isfinite(table[col])]
+        if not v.empty:
+            v = v.sort_values(col)
+            return v.head(n), v.tail(n).iloc[::-1]
+    return table.head(0), table.head(0)
+
+
+def _summary_rows(pub: Published, s: dict, notes: Notes) -> list[list[str]]:
+    out = []
+    for b, e in s["backends"].items():
+        other = ", ".join(f"{k} {v}" for k, v in e["statuses"].items() if k != "ok")
+        vn = notes.for_backend(b)
+        ver = "; ".join(f"{n.lib} {', '.join(n.measured) or '?'} ≠ {n.published}" for n in vn)
+        if "ratio" in e:
+            r = e["ratio"]
+            out.append([b, f"{e['ok']}/{s['points']}", other or "–", _pct(e["within"]),
+                        _fmt(r["geomean"], 2), _fmt(r["min"], 2), _fmt(r["max"], 2), ver or "same"])
+        else:
+            out.append([b + " (extra)", f"{e['ok']}/{s['points']}", other or "–", "–", "–", "–", "–",
+                        ver or "–"])
+    return out
+
+
+SUMMARY_HEAD = ["backend", "ok points", "other statuses", f"within ±{WITHIN:.0%}",
+                "measured/published geomean", "min", "max", "versions (measured ≠ published)"]
+
+
+def _speedup_rows(pub: Published, s: dict) -> list[list[str]]:
+    sp = s["speedup"]
+    lab = f"{pub.baseline}/{pub.target}"
+    rows = [[f"published {lab}", str(sp["published"]["n"]), _fx(sp["published"]["geomean"]),
+             _fx(sp["published"]["min"]), _fx(sp["published"]["max"])],
+            [f"published {lab}, measured points", str(sp["published_same_points"]["n"]),
+             _fx(sp["published_same_points"]["geomean"]), _fx(sp["published_same_points"]["min"]),
+             _fx(sp["published_same_points"]["max"])],
+            [f"measured {lab}", str(sp["measured"]["n"]), _fx(sp["measured"]["geomean"]),
+             _fx(sp["measured"]["min"]), _fx(sp["measured"]["max"])]]
+    if "extra" in s:
+        for k, lab2 in (("vs_fla", f"measured fla/{EXTRA_BACKEND}"),
+                        ("vs_best", f"measured best library/{EXTRA_BACKEND}")):
+            e = s["extra"][k]
+            rows.append([lab2, str(e["n"]), _fx(e["geomean"]), _fx(e["min"]), _fx(e["max"])])
+    return rows
+
+
+SPEEDUP_HEAD = ["speedup", "points", "geomean", "min", "max"]
+
+
+def _point_head(pub: Published, table: pd.DataFrame) -> list[str]:
+    h = ["model", "layout", "h_qk/h_v"] + [f"{b} pub → meas ms (ratio)" for b in pub.backends]
+    h += ["speedup pub", "speedup meas"]
+    if f"{EXTRA_BACKEND}_status" in table:
+        h += [f"{EXTRA_BACKEND} ms", f"{EXTRA_BACKEND} vs fla", f"{EXTRA_BACKEND} vs best"]
+    return h
+
+
+def _point_row(pub: Published, t: pd.Series) -> list[str]:
+    r = [str(t["model"]), str(t["seqlens_label"]), f"{t['h_qk']}/{t['h_v']}"]
+    r += [_cell(t, b) for b in pub.backends]
+    r += [_fx(t["speedup_pub"]), _fx(t["speedup_ms"])]
+    if f"{EXTRA_BACKEND}_status" in t:
+        r += [_cell(t, EXTRA_BACKEND, with_pub=False), _fx(t[f"{EXTRA_BACKEND}_vs_fla"]),
+              _fx(t[f"{EXTRA_BACKEND}_vs_best"])]
+    return r
+
+
+def _rich(title: str, head: list[str], rows: list[list[str]]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for h in head:
+        t.add_column(h, overflow="fold")
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> str:
+    esc = lambda c: str(c).replace("|", "\\|")
+    lines = ["| " + " | ".join(map(esc, head)) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def figure(pub: Published, table: pd.DataFrame, path: Path) -> Path:
+    """Published vs measured speedup per point, one colour per model, y = x and ±10% band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    models = list(dict.fromkeys(table["model"]))
+    cmap = plt.get_cmap("tab10")
+    both = table[np.isfinite(table["speedup_ms"])]
+    for i, m in enumerate(models):
+        sub = both[both["model"] == m]
+        if not sub.empty:
+            ax.scatter(sub["speedup_pub"], sub["speedup_ms"], s=22, color=cmap(i % 10), label=m,
+                       edgecolor="black", linewidth=0.3)
+    ex = f"{EXTRA_BACKEND}_vs_fla"
+    if ex in table and np.isfinite(table[ex]).any():
+        e = table[np.isfinite(table[ex])]
+        ax.scatter(e["speedup_pub"], e[ex], s=22, marker="x", color="#9467bd",
+                   label=f"{EXTRA_BACKEND} (fla/{EXTRA_BACKEND}, measured)")
+    lo = 0.9 * float(np.nanmin(np.r_[table["speedup_pub"], both["speedup_ms"], 1.0]))
+    hi = 1.1 * float(np.nanmax(np.r_[table["speedup_pub"], both["speedup_ms"],
+                                     table[ex] if ex in table else [], 1.0]))
+    xs = np.linspace(lo, hi, 50)
+    ax.plot(xs, xs, color="black", lw=1, label="y = x")
+    ax.fill_between(xs, xs * (1 - WITHIN), xs * (1 + WITHIN), color="grey", alpha=0.15,
+                    label=f"±{WITHIN:.0%}")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    lab = f"{pub.baseline} / {pub.target}"
+    ax.set_xlabel(f"published speedup ({lab})")
+    ax.set_ylabel(f"measured speedup ({lab})")
+    gp, gm = geomean(table["speedup_pub"]), geomean(both["speedup_ms"])
+    ax.set_title(f"{pub.name} {pub.direction}: geomean published {_fx(gp)}, measured {_fx(gm)} "
+                 f"({len(both)}/{len(table)} points)", fontsize=9)
+    if both.empty:
+        ax.text(0.5, 0.5, "no measured speedups\n(" + ", ".join(
+            sorted({s for b in (pub.baseline, pub.target) for s in table[f"{b}_status"]} - {"ok"}))
+            + ")", transform=ax.transAxes, ha="center", va="center", color="grey")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def markdown(pub: Published, table: pd.DataFrame, s: dict, notes: Notes, source: str,
+             files: dict[str, Path]) -> str:
+    prov = pub.provenance
+    lines = [f"# Reproduction: {pub.name} ({pub.direction})", "",
+             f"Published: {prov.get('source', pub.name)} on {prov.get('gpu', '?')}; "
+             f"versions {', '.join(f'{k} {v}' for k, v in prov['versions'].items())}.",
+             f"Timing: {prov.get('timing', {}).get('method', '?')}. "
+             f"Inputs: {prov.get('inputs', {}).get('recipe', '?')}; "
+             f"gate_zero_frac {prov.get('inputs', {}).get('gate_zero_frac', '?')}.",
+             f"Measured: {source}.", "", "## Summary", "",
+             _md_table(SUMMARY_HEAD, _summary_rows(pub, s, notes)), "",
+             _md_table(SPEEDUP_HEAD, _speedup_rows(pub, s)), ""]
+    if s["missing_points"]:
+        lines += [f"Points with no measured row: {len(s['missing_points'])} "
+                  f"({', '.join(s['missing_points'][:10])}{' …' if len(s['missing_points']) > 10 else ''})",
+                  ""]
+    reasons = [f"- {b} {k}: {r}" for b, e in s["backends"].items() for k, r in e["reasons"].items() if r]
+    if reasons:
+        lines += ["Not measured:", "", *reasons, ""]
+    if notes.versions or notes.method:
+        lines += ["## Version and method differences", ""]
+        lines += [f"- **{n.lib}** {', '.join(n.measured) or 'unknown'} vs published {n.published} "
+                  f"(may explain: {', '.join(n.explains) or '–'}): {n.note}" for n in notes.versions]
+        lines += [f"- {m}" for m in notes.method]
+        lines.append("")
+    cav = prov.get("caveats", {}).get(pub.direction, [])
+    if cav:
+        lines += ["## Known caveats of the published run", "", *[f"- {c.strip()}" for c in cav], ""]
+    worst, best = extremes(table)
+    head = _point_head(pub, table)
+    if not worst.empty:
+        lines += ["## Worst points (measured speedup / published)", "",
+                  _md_table(head, [_point_row(pub, t) for _, t in worst.iterrows()]), "",
+                  "## Best points", "", _md_table(head, [_point_row(pub, t) for _, t in best.iterrows()]),
+                  ""]
+    lines += ["## All points", "", "<details><summary>" + f"{len(table)} points</summary>", "",
+              _md_table(head, [_point_row(pub, t) for _, t in table.iterrows()]), "", "</details>", ""]
+    lines += [f"Files: {', '.join(f'[{k}]({p.name})' for k, p in files.items())}", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+@dataclass
+class Reproduction:
+    pub: Published
+    table: pd.DataFrame
+    summary: dict
+    notes: Notes
+    source: str
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+def compare_rows(pub: Published, rows: pd.DataFrame, meta: dict, source: str) -> Reproduction:
+    table = side_by_side(pub, rows)
+    return Reproduction(pub, table, summarize(pub, table), notes_for(pub, rows, meta), source)
+
+
+def write(rep: Reproduction, out: Path) -> dict[str, Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"reproduce_{rep.pub.name}_{rep.pub.direction}"
+    files = {"csv": out / f"{stem}.csv", "markdown": out / f"{stem}.md", "figure": out / f"{stem}.png"}
+    rep.table.to_csv(files["csv"], index=False, float_format="%.6g")
+    figure(rep.pub, rep.table, files["figure"])
+    files["markdown"].write_text(markdown(rep.pub, rep.table, rep.summary, rep.notes, rep.source, files))
+    rep.files = files
+    return files
+
+
+def print_report(rep: Reproduction, console: Console) -> None:
+    pub, s, notes = rep.pub, rep.summary, rep.notes
+    prov = pub.provenance
+    console.print(f"[bold]{pub.name} {pub.direction}[/bold]: {s['points']} published points "
+                  f"({prov.get('gpu', '?')}, {prov.get('timing', {}).get('statistic', '')} of "
+                  f"{prov.get('timing', {}).get('qlabench_mode', '?')}) vs {rep.source}", highlight=False)
+    console.print(_rich("per backend: measured / published ms", SUMMARY_HEAD, _summary_rows(pub, s, notes)))
+    console.print(_rich("speedups", SPEEDUP_HEAD, _speedup_rows(pub, s)))
+    for b, e in s["backends"].items():
+        for k, r in e["reasons"].items():
+            console.print(f"  {b}: {e['statuses'][k]} × {k}" + (f" — {r[:160]}" if r else ""),
+                          highlight=False, markup=False)
+    if s["missing_points"]:
+        mp = s["missing_points"]
+        console.print(f"  missing: {len(mp)} points have no measured row "
+                      f"({', '.join(mp[:6])}{' …' if len(mp) > 6 else ''})", highlight=False, markup=False)
+    for n in notes.versions:
+        console.print(f"  [yellow]version[/yellow] {n.line()}"
+                      + (f"  (may explain: {', '.join(n.explains)})" if n.explains else ""),
+                      highlight=False)
+    for m in notes.method:
+        console.print(f"  [yellow]method[/yellow] {m}", highlight=False)
+    for c in prov.get("caveats", {}).get(pub.direction, []):
+        console.print(f"  [dim]caveat[/dim] {c.strip()}", highlight=False)
+    worst, best = extremes(rep.table)
+    head = _point_head(pub, rep.table)
+    if not worst.empty:
+        console.print(_rich("worst points (measured speedup / published)", head,
+                            [_point_row(pub, t) for _, t in worst.iterrows()]))
+        console.print(_rich("best points", head, [_point_row(pub, t) for _, t in best.iterrows()]))
+    if rep.files:
+        console.print("wrote " + ", ".join(str(p) for p in rep.files.values()), highlight=False)
+
+
+def _measure(pub: Published, out: Path, console: Console) -> tuple[Path, str]:
+    """Run the set's sweep into OUT/rows-<direction> (resumable); return (rows dir, description)."""
+    from . import config as C
+    from . import runner
+
+    path = pub.sweep_path()
+    try:
+        sweep = C.load(path)
+    except C.ConfigError as e:
+        raise ReproduceError(str(e)) from None
+    if pub.direction not in sweep.directions:
+        raise ReproduceError(f"{path}: directions {list(sweep.directions)} lack {pub.direction!r}")
+    rows_dir = Path(out) / f"rows-{pub.direction}"
+    hidden = {"n": 0}
+
+    def log(msg: str) -> None:
+        if msg.startswith("[unavailable]"):
+            hidden["n"] += 1
+            return
+        console.print(msg, highlight=False, markup=False)
+
+    console.print(f"running {path} -> {rows_dir} (resumable; pass --from {rows_dir} to only re-read)",
+                  highlight=False)
+    try:
+        summ = runner.run(sweep, rows_dir, config_name=str(path), resume=True, log=log)
+    except runner.RecipeMismatch as e:
+        raise ReproduceError(str(e)) from None
+    if hidden["n"]:
+        console.print(f"{hidden['n']} rows unavailable (reasons in the table below)", highlight=False)
+    return rows_dir, f"run {summ.run_id} of {path.name} ({summ.counts or 'nothing new'})"
+
+
+def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
+                  console: Console | None = None) -> int:
+    """Exit code: 0 report written (whatever the agreement), 2 a problem the user must fix."""
+    err = console or Console(stderr=True, soft_wrap=True)
+    console = console or Console(soft_wrap=True)
+    try:
+        if direction not in DIRECTIONS:
+            raise ReproduceError(f"--direction {direction!r}: use one of {', '.join(DIRECTIONS)}")
+        pub = load_published(name, direction)
+        if from_ is None:
+            rows_dir, source = _measure(pub, Path(out), console)
+        else:
+            rows_dir, source = Path(from_), f"rows read from {from_}"
+        rows = measured_rows(rows_dir, direction)
+        meta = results.load_meta(rows_dir) if rows_dir.is_dir() else {}
+    except ReproduceError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
+    rep = compare_rows(pub, rows, meta, source)
+    write(rep, out)
+    print_report(rep, console)
+    if not any(e["ok"] for e in rep.summary["backends"].values()):
+        console.print("[yellow]no backend measured any point[/yellow] (see the statuses above); "
+                      "the published columns are in the CSV", highlight=False)
+    return 0

@@ -1,0 +1,97 @@
+"""Fault-injection suite: each fault gives the right status, other rows are intact, and a
+``kill -9`` of the run followed by ``--resume`` completes it with no duplicate rows."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from qlabench import config as C
+from qlabench import results, runner
+
+BASE = {"name": "faults", "models": [{"name": "m", "h_qk": 1, "h_v": 2, "head_dim": 8}],
+        "seqlens": [[5], [6], [7], [8], [9], [10], [11], [12]],
+        "directions": ["fwd"], "backends": ["faulty", "reference"],
+        "reference": {"impl": "chunked", "dtype": "fp64"},
+        "timing": {"min_samples": 2, "max_samples": 3, "budget_s": 0.05},
+        "row_timeout_s": 20}
+
+
+def test_each_fault_gives_its_status_and_nothing_else_is_lost(tmp_path, monkeypatch):
+    monkeypatch.setenv("QLABENCH_FAULTS", "crash@1,hang@2,oom@3,wrong@4,raise@5,abort@6")
+    s = C.parse({**BASE, "row_timeout_s": 8})
+    runner.run(s, tmp_path, log=lambda m: None)
+    df = results.load(tmp_path)
+    assert len(df) == 16 and not df.duplicated(["point_key", "backend"]).any()
+    f = df[df.backend == "faulty"].set_index("point_index")["status"].to_dict()
+    assert f == {0: "ok", 1: "crashed", 2: "timeout", 3: "oom", 4: "incorrect", 5: "crashed",
+                 6: "crashed", 7: "ok"}
+    # the reference rows of every point, faulty neighbours included, are intact
+    assert set(df[df.backend == "reference"]["status"]) == {"ok"}
+    crashed = df[(df.backend == "faulty") & (df.point_index == 1)].iloc[0]
+    assert "signal 11" in crashed["reason"] and "Segmentation fault" in crashed["reason"]
+    assert "row_timeout_s" in df[(df.backend == "faulty") & (df.point_index == 2)].iloc[0]["reason"]
+    assert df[df.status == "incorrect"]["latency_ms"].isna().all()
+
+
+def test_in_process_exceptions_without_isolation(tmp_path, monkeypatch):
+    monkeypatch.setenv("QLABENCH_FAULTS", "oom@0,raise@1,wrong@2")
+    s = C.parse({**BASE, "seqlens": [[5], [6], [7]], "isolate": False})
+    runner.run(s, tmp_path, log=lambda m: None)
+    df = results.load(tmp_path)
+    f = df[df.backend == "faulty"].set_index("point_index")["status"].to_dict()
+    assert f == {0: "oom", 1: "crashed", 2: "incorrect"}
+
+
+def test_kill_9_then_resume_completes_without_duplicates(tmp_path):
+    cfg = {**BASE, "backends": ["reference"], "seqlens": [[200 + i] for i in range(12)],
+           "reference": {"impl": "recurrent", "dtype": "fp64"},
+           "timing": {"min_samples": 3, "max_samples": 5, "budget_s": 0.3}}
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out), "--no-plot"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    t0 = time.time()
+    while time.time() - t0 < 120:
+        n = len(list((out / "parts").glob("*.parquet"))) if (out / "parts").exists() else 0
+        if n >= 3:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = len(results.load(out))
+    assert 3 <= first < 12, first
+    r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = results.load(out)
+    assert len(df) == 12 and not df.duplicated(["point_key", "backend", "direction"]).any()
+    assert set(df["status"]) == {"ok"}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_sigterm_exit_cleanly_and_keep_rows(tmp_path, sig):
+    cfg = {**BASE, "backends": ["reference"], "seqlens": [[200 + i] for i in range(12)],
+           "reference": {"impl": "recurrent", "dtype": "fp64"}}
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out),
+                             "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while time.time() - t0 < 120:
+        if (out / "parts").exists() and len(list((out / "parts").glob("*.parquet"))) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-1500:]
+    assert "interrupted" in err and "Traceback" not in err
+    df = results.load(out)
+    assert len(df) >= 2 and set(df["status"]) == {"ok"}
+    assert not list((out / "parts").glob(".*.tmp"))
