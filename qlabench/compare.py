@@ -87,11 +87,13 @@ def bootstrap_ratio_ci(a: np.ndarray, b: np.ndarray, level: float, n_boot: int =
     return float(np.quantile(r, q)), float(np.quantile(r, 1 - q))
 
 
-def judge(base: Mapping, new: Mapping, threshold: float = 0.05, alpha: float = 0.01) -> dict:
+def judge(base: Mapping, new: Mapping, threshold: float = 0.05, alpha: float = 0.01,
+          ci: bool = True) -> dict:
     """Verdict for one pair of rows (dict-like, the schema's columns).
 
     Returns ``{base_ms, new_ms, ratio, ratio_lo, ratio_hi, p_value, n_base, n_new, verdict,
-    reason}``; ``ratio`` is new/base (> 1: slower)."""
+    reason}``; ``ratio`` is new/base (> 1: slower). ``ci=False`` skips the bootstrap interval
+    (it does not enter the verdict; the report's history judges thousands of pairs)."""
     from scipy.stats import mannwhitneyu
 
     out = {"base_ms": _val(base, "latency_ms"), "new_ms": _val(new, "latency_ms"),
@@ -124,7 +126,8 @@ def judge(base: Mapping, new: Mapping, threshold: float = 0.05, alpha: float = 0
         return out
     p = float(mannwhitneyu(b, a, alternative="two-sided").pvalue)
     out["p_value"] = p
-    out["ratio_lo"], out["ratio_hi"] = bootstrap_ratio_ci(a, b, 1 - alpha)
+    if ci:
+        out["ratio_lo"], out["ratio_hi"] = bootstrap_ratio_ci(a, b, 1 - alpha)
     if p < alpha and ratio > 1 + threshold:
         out["verdict"] = "slower"
     elif p < alpha and ratio < 1 / (1 + threshold):
@@ -167,12 +170,13 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
 
     Returns (one row per common key with the key, info columns, :func:`judge`'s fields and both
     run ids; a summary dict with counts, ``only_base`` and ``only_new`` key counts)."""
-    b = results.latest(base).set_index(KEY, drop=False)
-    n = results.latest(new).set_index(KEY, drop=False)
-    common = [k for k in n.index if k in b.index]
+    b = {tuple(r[c] for c in KEY): r for r in results.latest(base).to_dict("records")}
+    n = {tuple(r[c] for c in KEY): r for r in results.latest(new).to_dict("records")}
     rows = []
-    for k in common:
-        rb, rn = b.loc[k].to_dict(), n.loc[k].to_dict()
+    for k, rn in n.items():
+        rb = b.get(k)
+        if rb is None:
+            continue
         j = judge(rb, rn, threshold, alpha)
         info = {c: (_val(rn, c) if _val(rn, c) is not None else _val(rb, c)) for c in _INFO}
         rows.append({**dict(zip(KEY, k)), **info, **j,
@@ -188,8 +192,8 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
                             key=lambda s: s.map(order) if s.name == "verdict" else s,
                             kind="stable").reset_index(drop=True)
     summary = {v: int((df["verdict"] == v).sum()) for v in VERDICTS}
-    summary["only_base"] = int(len(set(b.index) - set(n.index)))
-    summary["only_new"] = int(len(set(n.index) - set(b.index)))
+    summary["only_base"] = len(set(b) - set(n))
+    summary["only_new"] = len(set(n) - set(b))
     return df, summary
 
 

@@ -49,6 +49,7 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
                     if best and best > 0:
                         ax.text(x[j], s.max() * 1.02, f"{s[base] / best:.2f}x", ha="center",
                                 fontsize=7)
+            ax.set_ylim(top=sub["latency_ms"].max() * 1.12)  # room for the labels
         hq, hv = sub.iloc[0]["h_qk"], sub.iloc[0]["h_v"]
         ax.set_title(f"{m} (h_qk={hq}, h_v={hv})", fontsize=9)
         ax.set_xticks(x, layouts, rotation=60, fontsize=7, ha="right")
@@ -59,7 +60,9 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
     axes.flat[0].legend(fontsize=7)
     gpu = ok["gpu_name"].iloc[0]
     modes = ",".join(sorted(set(ok["timing_mode"].dropna())))
-    fig.suptitle(title or f"GDN {direction or ''} latency on {gpu} (timing: {modes})", fontsize=11)
+    note = "; labels: FLA / fastest other" if "fla" in backends and len(backends) > 1 else ""
+    fig.suptitle(title or f"GDN {direction or ''} latency on {gpu} (timing: {modes}){note}",
+                 fontsize=11)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,12 +71,197 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
     return out
 
 
-def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None) -> list[Path]:
+def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None,
+                baseline: str = "fla") -> list[Path]:
+    """Every figure a run's rows support: ``latency_<dir>.png`` (grouped bars),
+    ``speedup_<dir>.png`` (heatmap vs ``baseline`` when it and another backend have ok rows),
+    ``latency_vs_tokens_bwd.png`` (backward latency vs total tokens)."""
     made = []
     sub = df if run_id is None else df[df["run_id"] == run_id]
+    out_dir = Path(out_dir)
     for d in ("fwd", "bwd", "fwdbwd"):
         if (sub["direction"] == d).any():
-            p = latency_figure(sub, Path(out_dir) / f"latency_{d}.png", d)
-            if p:
-                made.append(p)
-    return made
+            made.append(latency_figure(sub, out_dir / f"latency_{d}.png", d))
+            made.append(speedup_heatmap(sub, out_dir / f"speedup_{d}.png", baseline, d))
+    if (sub["direction"] == "bwd").any():
+        made.append(latency_vs_tokens(sub, out_dir / "latency_vs_tokens_bwd.png", "bwd"))
+    return [p for p in made if p]
+
+
+def _ok(df: pd.DataFrame, direction: str | None) -> pd.DataFrame:
+    ok = df[(df["status"] == "ok") & df["latency_ms"].notna()]
+    return ok[ok["direction"] == direction] if direction else ok
+
+
+def _backends(names) -> list[str]:
+    s = set(names)
+    return [b for b in BACKEND_COLORS if b in s] + sorted(s - set(BACKEND_COLORS))
+
+
+def _save(fig, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd") -> pd.DataFrame:
+    """Long table of baseline latency / backend latency per (model, tp, layout, backend); > 1 means
+    the backend is faster than the baseline. Uses the median when a key has several rows."""
+    ok = _ok(df, direction)
+    if ok.empty or baseline not in set(ok["backend"]):
+        return pd.DataFrame(columns=["model", "tp", "layout", "point_index", "backend", "speedup"])
+    g = ok.groupby(["model", "tp", "layout", "backend"], sort=False).agg(
+        latency_ms=("latency_ms", "median"), point_index=("point_index", "min")).reset_index()
+    base = g[g["backend"] == baseline].set_index(["model", "tp", "layout"])["latency_ms"]
+    g = g[g["backend"] != baseline].join(base.rename("base_ms"), on=["model", "tp", "layout"])
+    g["speedup"] = g["base_ms"] / g["latency_ms"]
+    return g.dropna(subset=["speedup"])[["model", "tp", "layout", "point_index", "backend",
+                                         "speedup"]]
+
+
+def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
+                    direction: str = "fwd", title: str = "") -> Path | None:
+    """Heatmap per backend: rows model (h_qk/h_v), columns layout, cell = baseline latency /
+    backend latency (green: faster than the baseline, red: slower; colour on a log scale)."""
+    sp = speedup_table(df, baseline, direction)
+    if sp.empty:
+        return None
+    sp = sp.sort_values("point_index", kind="stable")
+    rows = list(dict.fromkeys(zip(sp["model"], sp["tp"])))
+    cols = list(dict.fromkeys(sp["layout"]))
+    backends = _backends(sp["backend"])
+    lim = float(np.nanmax(np.abs(np.log2(sp["speedup"].clip(1e-3))))) or 1.0
+    lim = min(max(lim, 0.25), 3.0)
+    w = max(4.0, 0.55 * len(cols) + 2.5)
+    h = max(2.2, 0.38 * len(rows) + 1.4)
+    fig, axes = plt.subplots(1, len(backends), figsize=(w * len(backends) + 1.5, h + 0.8),
+                             squeeze=False, layout="constrained")
+    im = None
+    for ax, b in zip(axes.flat, backends):
+        sub = sp[sp["backend"] == b].set_index(["model", "tp", "layout"])["speedup"]
+        grid = np.full((len(rows), len(cols)), np.nan)
+        for i, (m, t) in enumerate(rows):
+            for j, lay in enumerate(cols):
+                v = sub.get((m, t, lay))
+                if v is not None and np.isfinite(v):
+                    grid[i, j] = v
+        cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#dddddd")
+        im = ax.imshow(np.log2(grid), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto")
+        for i in range(len(rows)):
+            for j in range(len(cols)):
+                if np.isfinite(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=6.5)
+        ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(rows)), [f"{m} ({t})" for m, t in rows] if ax is axes.flat[0]
+                      else [], fontsize=7)
+        ax.set_title(f"{b} vs {baseline}", fontsize=9)
+    if im is not None:
+        cb = fig.colorbar(im, ax=list(axes.flat), shrink=0.9)
+        ticks = sorted({t for t in (-3, -2, -1, -0.5, 0, 0.5, 1, 2, 3) if abs(t) < lim - 0.1}
+                       | {-lim, lim})
+        cb.set_ticks(ticks, labels=[f"{2 ** t:.2g}x" for t in ticks])
+        cb.set_label(f"speedup over {baseline}", fontsize=8)
+    ok = _ok(df, direction)
+    gpu = ok["gpu_name"].iloc[0] if len(ok) else ""
+    fig.suptitle(title or f"GDN {direction} speedup over {baseline} on {gpu}", fontsize=10)
+    return _save(fig, out)
+
+
+def latency_vs_tokens(df: pd.DataFrame, out: str | Path, direction: str = "bwd",
+                      title: str = "") -> Path | None:
+    """Latency vs total tokens (log–log): one panel per model (h_qk/h_v), a line per backend
+    through the median over layouts of equal token count, each layout a marker (shape: number of
+    sequences)."""
+    ok = _ok(df, direction)
+    if ok.empty:
+        return None
+    ok = ok.sort_values("point_index", kind="stable")
+    panels = list(dict.fromkeys(zip(ok["model"], ok["tp"])))
+    backends = _backends(ok["backend"])
+    markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
+    nseqs = sorted(set(int(n) for n in ok["num_seqs"].dropna())) or [1]
+    ncol = min(4, len(panels))
+    nrow = int(np.ceil(len(panels) / ncol))
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    for ax, (m, t) in zip(axes.flat, panels):
+        sub = ok[(ok["model"] == m) & (ok["tp"] == t)]
+        for b in backends:
+            sb = sub[sub["backend"] == b]
+            if sb.empty:
+                continue
+            c = BACKEND_COLORS.get(b)
+            med = sb.groupby("total_tokens")["latency_ms"].median()
+            ax.plot(med.index, med.values, "-", color=c, label=b, lw=1.4)
+            for k, n in enumerate(nseqs):
+                sn = sb[sb["num_seqs"] == n]
+                if len(sn):
+                    ax.scatter(sn["total_tokens"], sn["latency_ms"], s=14, color=c,
+                               marker=markers[k % len(markers)], alpha=0.8, zorder=3)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{m} ({t})", fontsize=9)
+        ax.set_xlabel("total tokens")
+        ax.set_ylabel("latency (ms)")
+        ax.grid(alpha=0.3, which="both")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    for k, n in enumerate(nseqs):
+        handles.append(plt.Line2D([], [], ls="", marker=markers[k % len(markers)], color="k"))
+        labels.append(f"{n} seq")
+    axes.flat[0].legend(handles, labels, fontsize=6.5)
+    gpu = ok["gpu_name"].iloc[0]
+    modes = ",".join(sorted(set(ok["timing_mode"].dropna())))
+    fig.suptitle(title or f"GDN {direction} latency vs tokens on {gpu} (timing: {modes})",
+                 fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+def history_figure(hist: pd.DataFrame, out: str | Path, title: str = "") -> Path | None:
+    """Latency across runs: one panel per (direction, backend), a line per point, each point's
+    latency relative to its first measurement; regressions (verdict ``slower`` vs the previous
+    measurement of that key) marked with red triangles, ``faster`` with green ones.
+
+    ``hist`` columns: run_pos (x position), run_label, point_key, layout, model, backend,
+    direction, latency_ms, verdict (vs the previous measurement; may be empty)."""
+    h = hist[hist["latency_ms"].notna()]
+    if h.empty or h["run_pos"].nunique() < 2:
+        return None
+    dirs = ["fwd", "bwd", "fwdbwd"]
+    order = _backends(h["backend"])
+    panels = sorted(set(zip(h["direction"], h["backend"])),
+                    key=lambda p: (dirs.index(p[0]) if p[0] in dirs else 9, order.index(p[1])))
+    labels = h.drop_duplicates("run_pos").sort_values("run_pos")
+    ncol = min(3, len(panels))
+    nrow = int(np.ceil(len(panels) / ncol))
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(5.0, 0.7 * len(labels) + 2) * ncol,
+                                                  3.3 * nrow), squeeze=False)
+    for ax, (d, b) in zip(axes.flat, panels):
+        sub = h[(h["direction"] == d) & (h["backend"] == b)]
+        c = BACKEND_COLORS.get(b, "#333333")
+        for _, g in sub.groupby("point_key", sort=False):
+            g = g.sort_values("run_pos")
+            rel = g["latency_ms"] / g["latency_ms"].iloc[0]
+            ax.plot(g["run_pos"], rel, "-o", color=c, alpha=0.45, lw=0.9, ms=2.5)
+            for v, mk, col in (("slower", "v", "red"), ("faster", "^", "green")):
+                sel = (g["verdict"] == v).to_numpy()
+                if sel.any():
+                    ax.scatter(g["run_pos"][sel], rel[sel], marker=mk, s=40, color=col, zorder=4,
+                               label=v)
+        ax.axhline(1.0, color="k", lw=0.6)
+        ax.set_xticks(labels["run_pos"], labels["run_label"], rotation=45, ha="right", fontsize=6.5)
+        ax.set_title(f"{b} {d}", fontsize=9)
+        ax.set_ylabel("latency / first run")
+        ax.grid(alpha=0.3)
+        hs, ls = ax.get_legend_handles_labels()
+        if hs:
+            uniq = dict(zip(ls, hs))
+            ax.legend(uniq.values(), uniq.keys(), fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title or "latency history (one line per point)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out)

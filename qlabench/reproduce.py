@@ -315,7 +315,12 @@ def notes_for(pub: Published, rows: pd.DataFrame, meta: dict[str, dict]) -> Note
     run_ids = set(rows["run_id"].dropna()) if not rows.empty and "run_id" in rows else set()
     envs = [m.get("env", {}) for rid, m in meta.items() if not run_ids or rid in run_ids]
     dists = prov.get("dists", {})
+    shown = set(pub.backends) | ({EXTRA_BACKEND} if not rows.empty and (rows["backend"] == EXTRA_BACKEND).any()
+                                 else set())
     for lib, pv in prov["versions"].items():
+        explains = list(prov.get("explains", {}).get(lib, []))
+        if explains and not shown & set(explains):
+            continue  # e.g. flashinfer on the backward table, which has no flashinfer column
         seen: set[str] = set()
         for env in envs:
             for dname in dists.get(lib, [lib]):
@@ -331,10 +336,8 @@ def notes_for(pub: Published, rows: pd.DataFrame, meta: dict[str, dict]) -> Note
             continue
         note = prov.get("version_notes", {}).get(lib, "").strip()
         if not measured:
-            note = "version not recorded in the measuring run (not installed?)" + (
-                f"; {note}" if note else "")
-        notes.versions.append(VersionNote(lib, str(pv), measured,
-                                          list(prov.get("explains", {}).get(lib, [])), note))
+            note = "version not recorded by the measuring run (library not installed there?)"
+        notes.versions.append(VersionNote(lib, str(pv), measured, explains, note))
     if rows.empty:
         return notes
     ok = rows[rows["status"] == "ok"]
@@ -502,8 +505,9 @@ def figure(pub: Published, table: pd.DataFrame, path: Path) -> Path:
     ax.set_xlabel(f"published speedup ({lab})")
     ax.set_ylabel(f"measured speedup ({lab})")
     gp, gm = geomean(table["speedup_pub"]), geomean(both["speedup_ms"])
-    ax.set_title(f"{pub.name} {pub.direction}: geomean published {_fx(gp)}, measured {_fx(gm)} "
-                 f"({len(both)}/{len(table)} points)", fontsize=9)
+    gs = geomean(both["speedup_pub"])
+    ax.set_title(f"{pub.name} {pub.direction}: geomean published {_fx(gp)} ({len(table)} points; "
+                 f"{_fx(gs)} on the {len(both)} measured), measured {_fx(gm)}", fontsize=9)
     if both.empty:
         ax.text(0.5, 0.5, "no measured speedups\n(" + ", ".join(
             sorted({s for b in (pub.baseline, pub.target) for s in table[f"{b}_status"]} - {"ok"}))
@@ -598,6 +602,8 @@ def print_report(rep: Reproduction, console: Console) -> None:
     console.print(_rich("speedups", SPEEDUP_HEAD, _speedup_rows(pub, s)))
     for b, e in s["backends"].items():
         for k, r in e["reasons"].items():
+            if k == MISSING:
+                continue
             console.print(f"  {b}: {e['statuses'][k]} × {k}" + (f" — {r[:160]}" if r else ""),
                           highlight=False, markup=False)
     if s["missing_points"]:

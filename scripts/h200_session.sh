@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 cat "$OUT/nvidia-smi.csv"
 if [ "${TESTS:-0}" = 1 ]; then
   log "gpu tests"
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 fi
 for spec in ${SWEEPS:-}; do
   IFS=: read -r cfg dir extra <<< "$spec"

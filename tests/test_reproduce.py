@@ -39,13 +39,13 @@ def _write_rows(out, pub, factors=None, statuses=None, n_points=None, backends=N
         for b in bes:
             base = getattr(p, f"{b}_ms", None) or p.flashqla_ms
             st, why = statuses.get(b, ("ok", None))
-            store.append(dict(
+            store.append({**dict(
                 run_id=run_id, point_index=i, backend=b, direction=pub.direction, status=st,
                 reason=why, latency_ms=base * factors.get(b, 1.0) if st == "ok" else None,
                 h_qk=p.h_qk, h_v=p.h_v, head_dim=128, seqlens=seq,
                 point_key=f"{p.h_qk}/{p.h_v}/d128|{' '.join(map(str, seq))}|bf16",
                 started_at="2026-12-01T00:00:00", gpu_name="NVIDIA H200", timing_mode="graph-batch",
-                gate_zero_frac=0.25, model=p.model, backend_version="x", **overrides))
+                gate_zero_frac=0.25, model=p.model, backend_version="x"), **overrides})
     store.write_meta(run_id, {"run_id": run_id, "env": env or H200_ENV})
     return out
 
@@ -141,12 +141,12 @@ def test_missing_points_statuses_and_tilelang_column(tmp_path, pub_fwd):
 
 
 def test_version_differences_are_named_next_to_the_backend(tmp_path, pub_bwd):
-    env = {**H200_ENV, "flash-qla": "0.1.3"}
+    env = {k: v for k, v in H200_ENV.items() if k != "flashinfer-python"} | {"flash-qla": "0.1.3"}
     src = _write_rows(tmp_path / "rows", pub_bwd, env=env, factors={"flashqla": 1.3})
     con, buf = _console()
     assert R.reproduce_cmd(NAME, "bwd", src, tmp_path / "out", console=con) == 0
     notes = R.notes_for(pub_bwd, R.measured_rows(src, "bwd"), results.load_meta(src))
-    assert [n.lib for n in notes.versions] == ["flash-qla"]
+    assert [n.lib for n in notes.versions] == ["flash-qla"]  # flashinfer: no column in bwd
     n = notes.versions[0]
     assert n.measured == ["0.1.3"] and n.published == "v0.1.2-era" and "flashqla" in n.explains
     assert "g = 0" in n.note

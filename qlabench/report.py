@@ -1,0 +1,331 @@
+"""``qlabench report RESULTS... --out site/``: a static HTML dashboard over stored rows (no server,
+no JavaScript; PNGs written beside the page under ``img/``).
+
+Rows of all given results directories are pooled and grouped by (config, GPU). Per group:
+
+- status counts per backend and the latest row per key (:func:`qlabench.results.latest`);
+- figures of the latest rows (:func:`qlabench.plots.run_figures`): grouped latency bars per layout,
+  a speedup heatmap vs FLA when FLA has rows, backward latency vs total tokens;
+- a history view when the group holds several runs: every key's measurements ordered by run start,
+  each judged against the previous measurement of the same key with :func:`qlabench.compare.judge`
+  (same threshold and test as ``qlabench compare``), regressions marked and listed;
+- every run's environment (``runs/<run_id>.json``) and relative links to its Parquet parts.
+
+Like every view here, it only reads the rows (Parquet is the truth, the site is derived).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+import pandas as pd
+
+from . import compare as Q
+from . import plots, results
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1500px;
+     padding:0 16px;color:#222}
+h1{font-size:1.5em} h2{border-bottom:2px solid #ddd;padding-bottom:4px;margin-top:2em}
+h3{margin-top:1.4em}
+table{border-collapse:collapse;font-size:12px;margin:8px 0}
+th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
+th{background:#f4f4f4} td.num{text-align:right;font-variant-numeric:tabular-nums}
+img{max-width:100%;border:1px solid #eee;margin:6px 0}
+.slower{color:#b00020;font-weight:600} .faster{color:#0a7d27;font-weight:600}
+.incomparable{color:#8a6d00}
+.banner{padding:8px 12px;border-radius:4px;margin:10px 0}
+.bad{background:#fde7ea;border:1px solid #f3a0ad} .good{background:#e6f6ea;border:1px solid #9fd8ad}
+.muted{color:#777;font-size:12px} nav a{margin-right:14px} details{margin:6px 0}
+pre{background:#f7f7f7;padding:8px;font-size:11px;overflow-x:auto}
+"""
+
+
+def _e(x) -> str:
+    if x is None or (isinstance(x, float) and not np.isfinite(x)):
+        return ""
+    return html.escape(str(x))
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_") or "x"
+
+
+def _href(target: Path, site: Path) -> str:
+    return quote(os.path.relpath(Path(target).resolve(), Path(site).resolve()).replace(os.sep, "/"))
+
+
+def _table(df: pd.DataFrame, num: tuple = (), fmt: dict | None = None, cls_col: str | None = None,
+           raw: tuple = ()) -> str:
+    """HTML table of ``df``; ``num`` columns right-aligned, ``fmt`` column -> format spec,
+    ``cls_col``: column whose value becomes the cell's CSS class; ``raw`` columns are HTML."""
+    fmt = fmt or {}
+    head = "".join(f"<th>{_e(c)}</th>" for c in df.columns)
+    body = []
+    for r in df.itertuples(index=False):
+        cells = []
+        for c, v in zip(df.columns, r):
+            if c in raw:
+                text = v or ""
+            elif c in fmt and v is not None and not (isinstance(v, float) and not np.isfinite(v)):
+                text = _e(format(v, fmt[c]))
+            else:
+                text = _e(v)
+            attrs = ' class="num"' if c in num else ""
+            if cls_col and c == cls_col:
+                attrs = f' class="{_e(v)}"'
+            cells.append(f"<td{attrs}>{text}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def load_dirs(dirs: list[Path]) -> tuple[pd.DataFrame, dict[str, dict], list[str]]:
+    """Pooled rows (column ``_src``: the directory) and metadata {run_id: meta + ``_src``};
+    notes for directories without rows. :class:`compare.BadInput` on a missing path or foreign
+    table."""
+    frames, metas, notes = [], {}, []
+    for d in dirs:
+        d = Path(d)
+        if not d.exists():
+            raise Q.BadInput(f"{d}: no such results directory")
+        try:
+            df = results.load(d)
+        except Exception as e:
+            raise Q.BadInput(f"{d}: cannot read results ({type(e).__name__}: {str(e)[:120]})") from None
+        if df.empty:
+            notes.append(f"{d}: no result rows")
+            continue
+        Q.check_columns(df, d)
+        df = df.assign(_src=str(d))
+        frames.append(df)
+        for rid, m in results.load_meta(d if d.is_dir() else d.parent).items():
+            metas.setdefault(rid, {**m, "_src": str(d)})
+    if not frames:
+        raise Q.BadInput(f"{', '.join(map(str, dirs))}: no result rows to report")
+    df = pd.concat(frames, ignore_index=True)
+    df = df.drop_duplicates(["run_id", *results.KEY], keep="first")
+    return df, metas, notes
+
+
+def run_order(df: pd.DataFrame, metas: dict) -> pd.DataFrame:
+    """One row per run: run_id, started_at, git_sha, rows, run_pos (0 = oldest), run_label."""
+    if "_src" not in df.columns:
+        df = df.assign(_src="")
+    g = df.groupby("run_id", sort=False).agg(started_at=("started_at", "min"),
+                                              git_sha=("git_sha", "first"), rows=("status", "size"),
+                                              src=("_src", "first")).reset_index()
+    g["started_at"] = [metas.get(r, {}).get("started_at") or s
+                       for r, s in zip(g["run_id"], g["started_at"])]
+    g = g.sort_values(["started_at", "run_id"], kind="stable").reset_index(drop=True)
+    g["run_pos"] = np.arange(len(g))
+    g["run_label"] = [f"{(s or '')[5:16].replace('T', ' ')} {(sha or '')[:7]}"
+                      for s, sha in zip(g["started_at"], g["git_sha"])]
+    return g
+
+
+def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
+            alpha: float = 0.01) -> pd.DataFrame:
+    """Every (run, key) row ordered by run start, judged against the previous measurement of the
+    same key (``verdict``/``ratio``/``p_value``; empty for a key's first measurement)."""
+    pos = runs.set_index("run_id")
+    h = df.assign(run_pos=df["run_id"].map(pos["run_pos"]),
+                  run_label=df["run_id"].map(pos["run_label"]))
+    h = h.sort_values(["run_pos"], kind="stable")
+    verdict, ratio, pval, reason, prev_run, order = [], [], [], [], [], []
+    for _, g in h.groupby(results.KEY, sort=False):
+        order += list(g.index)
+        recs = g.to_dict("records")
+        for i, r in enumerate(recs):
+            if i == 0:
+                verdict.append("")
+                ratio.append(None)
+                pval.append(None)
+                reason.append("")
+                prev_run.append(None)
+                continue
+            j = Q.judge(recs[i - 1], r, threshold, alpha, ci=False)
+            verdict.append(j["verdict"])
+            ratio.append(j["ratio"])
+            pval.append(j["p_value"])
+            reason.append(j["reason"])
+            prev_run.append(recs[i - 1]["run_id"])
+    out = h.loc[order, ["run_id", "run_pos", "run_label", "git_sha", *results.KEY, "model", "tp",
+                        "layout", "point_index", "status", "latency_ms"]].copy()
+    out["verdict"], out["ratio"], out["p_value"] = verdict, ratio, pval
+    out["reason"], out["prev_run_id"] = reason, prev_run
+    return out.reset_index(drop=True)
+
+
+def _status_table(latest: pd.DataFrame) -> str:
+    t = latest.pivot_table(index="backend", columns="status", values="point_key",
+                           aggfunc="count", fill_value=0)
+    t = t.reindex(columns=[s for s in results.STATUSES if s in t.columns])
+    t = t.reset_index()
+    return _table(t, num=tuple(c for c in t.columns if c != "backend"))
+
+
+def _latest_table(latest: pd.DataFrame) -> str:
+    d = latest.sort_values(["direction", "point_index", "backend"]).copy()
+    fla = d[(d["backend"] == "fla") & (d["status"] == "ok")].set_index(["point_key", "direction"])
+    d["vs_fla"] = [fla["latency_ms"].get((k, di), np.nan) / v if v and np.isfinite(v) else np.nan
+                   for k, di, v in zip(d["point_key"], d["direction"], d["latency_ms"])]
+    cols = {"model": "model", "tp": "h_qk/h_v", "layout": "layout", "direction": "dir",
+            "backend": "backend", "status": "status", "latency_ms": "latency_ms",
+            "p10_ms": "p10_ms", "p90_ms": "p90_ms", "n_samples": "n", "vs_fla": "speedup vs fla",
+            "tflops": "tflops", "timing_mode": "timing", "reason": "reason"}
+    d = d[[c for c in cols if c in d.columns]].rename(columns=cols)
+    return _table(d, num=("latency_ms", "p10_ms", "p90_ms", "n", "speedup vs fla", "tflops"),
+                  fmt={"latency_ms": ".4f", "p10_ms": ".4f", "p90_ms": ".4f",
+                       "speedup vs fla": ".2f", "tflops": ".1f"})
+
+
+def _env_rows(meta: dict) -> pd.DataFrame:
+    flat = {}
+    for k in ("run_id", "git_sha", "config", "started_at", "finished_at", "points", "device"):
+        if k in meta:
+            flat[k] = meta[k]
+    for k in ("counts", "backend_versions", "env"):
+        v = meta.get(k)
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                flat[f"{k}.{kk}" if k != "env" else kk] = vv
+    for k, v in (meta.get("availability") or {}).items():
+        if isinstance(v, list) and len(v) == 2 and not v[0]:
+            flat[f"unavailable.{k}"] = v[1]
+    return pd.DataFrame({"field": list(flat),
+                         "value": [json.dumps(v) if isinstance(v, dict | list) else v
+                                   for v in flat.values()]})
+
+
+def _runs_section(runs: pd.DataFrame, df: pd.DataFrame, metas: dict, site: Path) -> str:
+    parts = []
+    for r in runs.sort_values("run_pos", ascending=False).itertuples():
+        sub = df[df["run_id"] == r.run_id]
+        counts = ", ".join(f"{n} {s}" for s, n in sub["status"].value_counts().items())
+        src = Path(r.src)
+        pdir = src / "parts" if (src / "parts").is_dir() else src
+        files = sorted(pdir.glob(f"{r.run_id}-*.parquet")) if pdir.is_dir() else [src]
+        links = "".join(f'<li><a href="{_href(f, site)}">{_e(f.name)}</a></li>' for f in files)
+        meta = metas.get(r.run_id)
+        mfile = src / "runs" / f"{r.run_id}.json"
+        env = _table(_env_rows(meta)) if meta else "<p class='muted'>no runs/*.json for this run</p>"
+        open_ = " open" if r.run_pos == runs["run_pos"].max() else ""
+        parts.append(
+            f"<details{open_}><summary><b>{_e(r.run_id)}</b> — started {_e(r.started_at)}, "
+            f"git {_e(r.git_sha)}, {r.rows} rows ({_e(counts)}), from {_e(r.src)}</summary>"
+            f"<h4>environment</h4>{env}"
+            + (f'<p><a href="{_href(mfile, site)}">runs/{_e(mfile.name)}</a> · ' if mfile.exists()
+               else "<p>")
+            + f'<a href="{_href(pdir, site)}/">parts folder</a></p>'
+            f"<details><summary>{len(files)} Parquet part(s) of this run</summary><ul>{links}</ul>"
+            "</details></details>")
+    return "".join(parts)
+
+
+def _history_section(hist: pd.DataFrame, img_dir: Path, site: Path, slug: str) -> str:
+    if hist["run_pos"].nunique() < 2 or not hist["verdict"].ne("").any():
+        return ""
+    out = [f'<h3 id="{slug}-history">History</h3>',
+           "<p class='muted'>Each point's latency relative to its first measurement, one line per "
+           "point; each measurement judged against the previous one of the same point with the "
+           "rules of <code>qlabench compare</code>. ▼ red: slower, ▲ green: faster.</p>"]
+    p = plots.history_figure(hist, img_dir / "history.png")
+    if p:
+        out.append(f'<img src="{_href(p, site)}" alt="latency history">')
+    judged = hist[hist["verdict"] != ""]
+    steps = judged.groupby(["run_label", "verdict"]).size().unstack(fill_value=0).reset_index()
+    out.append("<h4>verdicts per run (vs the previous measurement of each point)</h4>")
+    out.append(_table(steps, num=tuple(c for c in steps.columns if c != "run_label")))
+    reg = judged[judged["verdict"] == "slower"]
+    if len(reg):
+        t = reg[["run_label", "model", "tp", "layout", "backend", "direction", "latency_ms",
+                 "ratio", "p_value", "prev_run_id", "run_id"]].rename(
+            columns={"run_label": "run", "tp": "h_qk/h_v", "ratio": "vs previous"})
+        out.append(f"<h4 class='slower'>{len(reg)} regression(s)</h4>")
+        out.append(_table(t, num=("latency_ms", "vs previous", "p_value"),
+                          fmt={"latency_ms": ".4f", "vs previous": ".3f", "p_value": ".2g"}))
+    else:
+        out.append("<p class='faster'>no regressions between consecutive measurements</p>")
+    return "".join(out)
+
+
+def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0.01) -> Path:
+    """Write ``out/index.html`` (+ ``out/img/*.png``); returns the page's path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    df, metas, notes = load_dirs(dirs)
+    df["_config"] = [Path(c).stem if isinstance(c, str) and c else Path(s).name
+                     for c, s in zip(df["config"], df["_src"])]
+    df["_gpu"] = df["gpu_name"].fillna("unknown GPU")
+    sections, nav, banners = [], [], []
+    for (cfg, gpu), g in df.groupby(["_config", "_gpu"], sort=True):
+        slug = _slug(f"{cfg}-{gpu}")
+        img = out / "img" / slug
+        runs = run_order(g, metas)
+        lat = results.latest(g)
+        figs = plots.run_figures(lat, img)
+        body = [f'<h2 id="{slug}">{_e(cfg)} — {_e(gpu)}</h2>',
+                f"<p>{len(runs)} run(s), {len(g)} rows, {len(lat)} distinct point × backend × "
+                f"direction keys; latest run {_e(runs['run_id'].iloc[-1])} "
+                f"({_e(runs['started_at'].iloc[-1])}).</p>",
+                "<h3>status of the latest row per key</h3>", _status_table(lat)]
+        if figs:
+            body.append(f'<h3 id="{slug}-figures">Latency and speedup (latest rows)</h3>')
+            body += [f'<p><img src="{_href(p, out)}" alt="{_e(p.stem)}"></p>' for p in figs]
+        else:
+            body.append("<p class='muted'>no ok rows with a latency: nothing to plot</p>")
+        body.append(f"<details><summary>latest rows ({len(lat)})</summary>{_latest_table(lat)}"
+                    "</details>")
+        if len(runs) > 1:
+            hist = history(g, runs, threshold, alpha)
+            hs = _history_section(hist, img, out, slug)
+            body.append(hs)
+            last = hist[(hist["run_pos"] == runs["run_pos"].max()) & (hist["verdict"] == "slower")]
+            if len(last):
+                banners.append(f"<div class='banner bad'><b>{_e(cfg)} on {_e(gpu)}</b>: latest run "
+                               f"has {len(last)} regression(s) vs the previous measurement — "
+                               f'<a href="#{slug}-history">history</a></div>')
+        body.append(f'<h3 id="{slug}-runs">Runs and environment</h3>')
+        body.append(_runs_section(runs, g, metas, out))
+        sections.append("".join(body))
+        nav.append(f'<a href="#{slug}">{_e(cfg)} ({_e(gpu)})</a>')
+    if not banners:
+        banners.append("<div class='banner good'>latest run of each config: no regression vs "
+                       "the previous measurement of any point</div>")
+    src = ", ".join(f'<a href="{_href(Path(d), out)}/">{_e(d)}</a>' for d in dirs)
+    page = (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        "<link rel='icon' href='data:,'>"
+        f"<title>qlabench dashboard</title><style>{CSS}</style></head><body>"
+        "<h1>qlabench — Gated DeltaNet kernel benchmarks</h1>"
+        f"<p class='muted'>generated {_e(time.strftime('%Y-%m-%d %H:%M:%S'))} from {src}; "
+        f"history verdicts: threshold {threshold:.0%}, two-sided Mann–Whitney U at alpha "
+        f"{alpha:g}</p><nav>{''.join(nav)}</nav>{''.join(banners)}"
+        + "".join(f"<p class='muted'>note: {_e(n)}</p>" for n in notes)
+        + "".join(sections) + "</body></html>")
+    index = out / "index.html"
+    index.write_text(page, encoding="utf-8")
+    return index
+
+
+def report_cmd(results_dirs: list[Path], out: Path) -> int:
+    """``qlabench report``: 0 on success, 2 on bad input (message names the path)."""
+    from rich.console import Console
+
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        index = build(list(results_dirs), Path(out))
+    except Q.BadInput as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        return 2
+    Console(soft_wrap=True).print(f"wrote {index} (open it in a browser; no server needed)",
+                                  highlight=False, markup=False)
+    return 0
