@@ -100,11 +100,16 @@ def judge(base: Mapping, new: Mapping, threshold: float = 0.05, alpha: float = 0
            "ratio": None, "ratio_lo": None, "ratio_hi": None, "p_value": None,
            "n_base": 0, "n_new": 0, "verdict": "incomparable", "reason": ""}
     why = []
-    for side, r in (("base", base), ("new", new)):
-        st = _val(r, "status")
-        if st != "ok":
-            rr = _val(r, "reason")
-            why.append(f"{side} status {st}" + (f" ({str(rr)[:60]})" if rr else ""))
+    sb, sn = _val(base, "status"), _val(new, "status")
+    if sb != "ok" and sb == sn:
+        rr = _val(new, "reason")
+        why.append(f"status {sn} on both sides" + (f" ({str(rr)[:60]})" if rr else ""))
+    else:
+        for side, r in (("base", base), ("new", new)):
+            st = _val(r, "status")
+            if st != "ok":
+                rr = _val(r, "reason")
+                why.append(f"{side} status {st}" + (f" ({str(rr)[:60]})" if rr else ""))
     for col, label in (("timing_mode", "timing_mode"), ("l2", "l2"), ("gpu_name", "gpu"),
                        ("recipe_hash", "input recipe")):
         a, b = _val(base, col), _val(new, col)

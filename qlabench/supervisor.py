@@ -79,6 +79,7 @@ def _worker_main(conn, sweep_json: dict, log_path: str) -> None:
     os.dup2(fd, 2)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     faulthandler.enable(file=sys.stderr)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # stack on timeout
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
     from .config import Sweep
     from .runner import measure_task
@@ -105,6 +106,18 @@ def _tail(path: Path, n: int = 1200) -> str:
         data = data[i:].split("Extension modules:")[0]
         return " ".join(data.split())[:n]
     return " ".join(data.split())[-n:]
+
+
+def _stack(path: Path, n: int = 900) -> str:
+    """The innermost frames of the last faulthandler dump in a worker log."""
+    try:
+        data = path.read_bytes()[-100_000:].decode(errors="replace")
+    except OSError:
+        return ""
+    i = data.rfind("Thread 0x")
+    if i < 0:
+        i = data.rfind("Current thread")
+    return " ".join(data[i:].split())[:n] if i >= 0 else " ".join(data.split())[-n:]
 
 
 class Supervisor:
@@ -180,12 +193,16 @@ class Supervisor:
             # the worker died or hung on `current`
             if failure == "crashed" and self.proc is not None:
                 self.proc.join(timeout=5)
+            if failure == "timeout" and self.proc is not None and self.proc.is_alive():
+                with contextlib.suppress(Exception):
+                    os.kill(self.proc.pid, signal.SIGUSR1)  # where was it stuck? -> its log
+                    time.sleep(1.0)
             code = self.proc.exitcode if self.proc is not None else None
             self._kill()
             row = row_for(task, current)
             if failure == "timeout":
                 reason = (f"no result within row_timeout_s={self.sweep.row_timeout_s:g}; worker "
-                          f"killed | log tail: {_tail(self.log_path, 400)}")
+                          f"killed | stack: {_stack(self.log_path)}")
             else:
                 sig = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 reason = f"worker died ({sig}) | log tail: {_tail(self.log_path)}"

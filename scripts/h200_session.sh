@@ -5,16 +5,25 @@
 #   SWEEPS="configs/h200_fwd_quick.yaml:runs/quick" TESTS=1 bash scripts/h200_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# a TileLang cache filled offline (scripts/precompile_cache.py), carried compressed
+if [ -f .devsite/tlcache.tar.xz ] && [ -z "${TILELANG_CACHE_DIR:-}" ]; then
+  [ -d /tmp/tlcache-full ] || tar -xJf .devsite/tlcache.tar.xz -C /tmp
+  export TILELANG_CACHE_DIR=/tmp/tlcache-full
+fi
 source .devsite/setup.sh || exit 1
 export FLA_FLASH_QLA=0
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 cat "$OUT/nvidia-smi.csv"
 if [ "${TESTS:-0}" = 1 ]; then
   log "gpu tests"
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+fi
+if [ "${CHECK:-0}" = 1 ]; then
+  log "kernel check"
+  timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tail -60
 fi
 for spec in ${SWEEPS:-}; do
   IFS=: read -r cfg dir extra <<< "$spec"
@@ -27,6 +36,6 @@ done
 log "packing"
 for spec in ${SWEEPS:-}; do
   IFS=: read -r cfg dir extra <<< "$spec"
-  [ -d "$dir" ] && tar czf "$OUT/$(basename "$dir").tgz" "$dir"
+  [ -d "$dir" ] && tar czf "$OUT/$(basename "$dir").tgz" --exclude=logs "$dir"
 done
 ls -la "$OUT"
