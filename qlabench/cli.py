@@ -165,6 +165,23 @@ def reproduce(
     raise typer.Exit(reproduce_cmd(name, direction, from_, out))
 
 
+@app.command("profile")
+def profile_cmd(
+    config: Path = typer.Argument(..., help="sweep YAML"),
+    point: str = typer.Option("0", "--point", help="point index, or a layout label such as 1x32768 "
+                              "(with --model to disambiguate)"),
+    model: str | None = typer.Option(None, "--model", help="model name or h_qk/h_v, e.g. 2/8"),
+    backend: str = typer.Option(..., "--backend", help="backend to profile"),
+    direction: str = typer.Option("fwd", "--direction", help="fwd | bwd | fwdbwd"),
+    ncu: bool = typer.Option(False, "--ncu", help="also run Nsight Compute (needs `ncu` on PATH)"),
+    out: Path = typer.Option(Path("runs/profile"), "--out", help="where to save the table / ncu report"),
+):
+    """Kernel breakdown of one backend on one point (torch.profiler; optional Nsight Compute)."""
+    from .profiling_cli import profile_main
+    s = _load(config)
+    raise typer.Exit(profile_main(s, config, point, model, backend, direction, ncu, out, console, err))
+
+
 def main():  # pragma: no cover
     app()
 

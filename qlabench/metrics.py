@@ -180,3 +180,67 @@ def gpm_sample(replay, min_window_s: float = 0.12, index: int = 0) -> dict:
     except Exception as e:
         out["gpm_reason"] = f"GPM failed: {type(e).__name__}: {str(e)[:160]}"
     return out
+
+
+# ----------------------------------------------------------------------------- ceilings
+
+
+def measure_ceilings(device_index: int = 0) -> dict:
+    """Measured once per run on the GPU: a large bf16 matmul (TFLOP/s) and a device-to-device
+    copy (GB/s, bytes read + written). These, not datasheet figures, are the roofline's roof."""
+    import torch
+    out: dict = {}
+    try:
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 20
+        e0.record()
+        for _ in range(reps):
+            a @ b
+        e1.record()
+        e1.synchronize()
+        out["matmul_tflops"] = 2 * n ** 3 * reps / (e0.elapsed_time(e1) * 1e-3) / 1e12
+        del a, b
+        src = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+        dst = torch.empty_like(src)
+        for _ in range(2):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        e0.record()
+        for _ in range(reps):
+            dst.copy_(src)
+        e1.record()
+        e1.synchronize()
+        out["copy_gbps"] = 2 * src.numel() * 2 * reps / (e0.elapsed_time(e1) * 1e-3) / 1e9
+        del src, dst
+        torch.cuda.empty_cache()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    return out
+
+
+def add_derived(df, ceilings: dict | None = None, metas: dict | None = None):
+    """Recompute flops, min_bytes, intensity, roofline_ms, tflops, gbps and pct_roofline from
+    stored columns (so old runs get them without a re-run). Ceilings come from each row's run
+    metadata (``metas[run_id]["ceilings"]``) when present, else ``ceilings``, else the H200 leads."""
+    import pandas as pd
+    if df.empty:
+        return df
+    df = df.copy()
+    rows = []
+    for r in df.itertuples():
+        c = (metas or {}).get(r.run_id, {}).get("ceilings") or ceilings or {}
+        d = derive(r.direction, r.latency_ms if pd.notna(r.latency_ms) else None,
+                   int(r.total_tokens), int(r.h_qk), int(r.h_v), int(r.num_seqs),
+                   int(r.head_dim), r.dtype, c.get("matmul_tflops"), c.get("copy_gbps"),
+                   bool(r.initial_state), bool(r.output_final_state))
+        rows.append(d)
+    for k in ("flops", "min_bytes", "intensity_flop_per_byte", "roofline_ms", "tflops", "gbps",
+              "pct_roofline"):
+        df[k] = [d[k] for d in rows]
+    return df

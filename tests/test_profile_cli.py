@@ -1,0 +1,36 @@
+import pytest
+
+from qlabench import config as C
+from qlabench.profiling_cli import parse_ncu_csv, select_point
+from qlabench.sweep import points
+
+PTS = points(C.load("configs/h200_fwd.yaml"))
+
+
+def test_select_point_by_index_and_label():
+    assert select_point(PTS, "0", None).index == 0
+    p = select_point(PTS, "1x32768", "2/8")
+    assert p.seqlens == (32768,) and p.h_v == 8
+    assert select_point(PTS, "8192x4", "397B/122B TP1").h_v == 64
+
+
+@pytest.mark.parametrize("point,model,needle", [("999", None, "points 0..170"),
+                                                ("1x32768", None, "add --model"),
+                                                ("3x3", None, "no such point")])
+def test_select_point_errors(point, model, needle):
+    with pytest.raises(ValueError, match=needle):
+        select_point(PTS, point, model)
+
+
+def test_parse_ncu_long_and_wide():
+    long = ('==PROF== done\n"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+            '"0","k1","gpu__time_duration.sum","usecond","1,234.5"\n'
+            '"0","k1","launch__grid_size","","128"\n"1","k2","launch__grid_size","","4"\n')
+    r = parse_ncu_csv(long)
+    assert r[0]["kernel"] == "k1" and r[0]["gpu__time_duration.sum"] == 1234.5
+    assert r[0]["launch__grid_size"] == 128 and r[1]["kernel"] == "k2"
+    wide = ('"ID","Kernel Name","gpu__time_duration.sum","launch__grid_size"\n'
+            '"","","usecond",""\n"0","k1","10.5","132"\n"1","k2","2","8"\n')
+    r = parse_ncu_csv(wide)
+    assert [x["kernel"] for x in r] == ["k1", "k2"] and r[0]["launch__grid_size"] == 132
+    assert parse_ncu_csv("no csv here") == []
