@@ -38,6 +38,79 @@ def _backend_list(arg: str | None, sweep: C.Sweep) -> list[str]:
     return names
 
 
+def _parse_shard(shard: str | None) -> tuple[int, int] | None:
+    if not shard:
+        return None
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+        if not (n >= 1 and 0 <= i < n):
+            raise ValueError
+    except ValueError:
+        err.print(f"error: --shard {shard!r}: expected i/n with 0 <= i < n, e.g. 0/4", highlight=False)
+        raise typer.Exit(2) from None
+    return i, n
+
+
+def _parse_gpus(gpus: str | None) -> list[str] | None:
+    if not gpus:
+        return None
+    import os
+
+    import torch
+    n = torch.cuda.device_count()
+    fake = os.environ.get("QLABENCH_FAKE_GPUS")  # tests: pretend to have N GPUs (CPU workers)
+    if fake:
+        n = int(fake)
+    if n == 0:
+        err.print("error: --gpus: no CUDA device is visible", highlight=False)
+        raise typer.Exit(2)
+    if gpus == "all":
+        return [str(i) for i in range(n)]
+    try:
+        idx = [int(x) for x in gpus.split(",") if x.strip()]
+    except ValueError:
+        idx = [-1]
+    bad = [i for i in idx if not 0 <= i < n]
+    if bad or not idx or len(set(idx)) != len(idx):
+        err.print(f"error: --gpus {gpus!r}: expected 'all' or distinct indices in 0..{n - 1}", highlight=False)
+        raise typer.Exit(2)
+    return [str(i) for i in idx]
+
+
+@app.command()
+def merge(
+    out: Path = typer.Argument(..., help="merged results directory (created)"),
+    inputs: list[Path] = typer.Argument(..., help="shard or run directories to merge"),
+):
+    """Merge shard outputs (or several runs) into one results directory: newest row per key."""
+    from .results import MergeError
+    from .results import merge as do_merge
+    try:
+        c = do_merge(out, inputs)
+    except MergeError as e:
+        err.print(f"error: {e}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(f"merged {len(inputs)} dirs -> {out}: {c['rows']} rows "
+                  f"({c['copied']} copied, {c['dropped_older']} older duplicates dropped)")
+
+
+@app.command()
+def submit(
+    config: Path = typer.Argument(..., help="sweep YAML"),
+    shards: int = typer.Option(..., "--shards", min=1, help="number of shards (one job each)"),
+    out: Path = typer.Option(..., "--out", help="results directory; shards write OUT/shard-i, merged into OUT"),
+    executor: str = typer.Option("slurm", "--executor", help="slurm | local | debug (submitit executors)"),
+    partition: str | None = typer.Option(None, "--partition", help="Slurm partition"),
+    timeout_min: int = typer.Option(240, "--timeout-min", help="per-job time limit (minutes)"),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="shards skip rows already present"),
+):
+    """Run a sweep as a Slurm job array (one GPU per job) through submitit, then merge."""
+    from .cluster import submit_sweep
+    s = _load(config)
+    raise typer.Exit(submit_sweep(s, config, shards, out, executor, partition, timeout_min, resume,
+                                  console, err))
+
+
 @app.command()
 def validate(config: Path = typer.Argument(..., help="sweep YAML")):
     """Check a sweep config; print the number of points and rows."""
@@ -73,12 +146,21 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="skip rows already in --out (same key and backend version)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan; write nothing"),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="write latency PNGs into --out"),
+    gpus: str | None = typer.Option(None, "--gpus", help="'all' or a comma list of GPU indices: one "
+                                    "worker per GPU, heaviest points first"),
+    shard: str | None = typer.Option(None, "--shard", help="i/n: run only shard i of n (0-based, "
+                                     "deterministic); combine shard outputs with `qlabench merge`"),
 ):
     """Run a sweep: every backend checked against the reference, then timed; one Parquet row each."""
     s = _load(config)
     names = _backend_list(backends, s)
+    shard_t = _parse_shard(shard)
+    devices = _parse_gpus(gpus)
     from .sweep import points
     pts = points(s)[:limit] if limit else points(s)
+    if shard_t:
+        from .runner import shard_points
+        pts = shard_points(pts, *shard_t)
     out_dir = out or Path(s.out.format(name=s.name))
     if dry_run:
         from . import backends as B
@@ -110,6 +192,7 @@ def run(
         try:
             summary = runner.run(s, out_dir, config_name=str(config), backend_names=names,
                                  limit=limit, resume=resume, progress=progress,
+                                 shard=shard_t, devices=devices,
                                  log=(lambda m: prog.console.print(m, highlight=False, markup=False))
                                  if sys.stdout.isatty() else (lambda m: print(m, flush=True)))
         except runner.RecipeMismatch as e:

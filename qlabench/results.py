@@ -200,3 +200,49 @@ def latest(df: pd.DataFrame) -> pd.DataFrame:
         return df
     d = df.sort_values(["started_at", "run_id"])
     return d.drop_duplicates(KEY, keep="last").sort_values(["point_index", "backend", "direction"])
+
+
+class MergeError(Exception):
+    pass
+
+
+def merge(out_dir: str | Path, inputs: list[str | Path]) -> dict:
+    """Merge shard/run directories into ``out_dir``: every run's metadata, and for each row key
+    (point, backend, direction) the newest row. Refuses inputs whose rows for one point were
+    made from different input recipes. Returns counts."""
+    import shutil
+    frames = []
+    for d in inputs:
+        d = Path(d)
+        if not (d / "parts").is_dir():
+            raise MergeError(f"{d}: not a results directory (no parts/)")
+        df = load(d)
+        if df.empty:
+            continue
+        df["_src"] = [str(d / "parts" / f"{r.run_id}-{int(r.point_index):04d}-{r.backend}-{r.direction}.parquet")
+                      for r in df.itertuples()]
+        frames.append(df)
+    if not frames:
+        raise MergeError("no rows in any input")
+    allrows = pd.concat(frames, ignore_index=True)
+    rec = allrows.groupby(["point_key", "direction"])["recipe_hash"].nunique()
+    bad = rec[rec > 1]
+    if len(bad):
+        k = bad.index[0]
+        raise MergeError(f"point {k[0]} ({k[1]}) has rows from {int(bad.iloc[0])} different input "
+                         "recipes; merge only runs of one recipe")
+    keep = allrows.sort_values(["started_at", "run_id"]).drop_duplicates(KEY, keep="last")
+    store = ResultStore(out_dir)
+    store.ensure()
+    existing = {f.name for f in store.parts.glob("*.parquet")}
+    copied = 0
+    for src in keep["_src"]:
+        name = Path(src).name
+        if name not in existing and Path(src).exists():
+            shutil.copy2(src, store.parts / name)
+            copied += 1
+    for d in inputs:
+        for f in (Path(d) / "runs").glob("*.json"):
+            if not (store.runs / f.name).exists():
+                shutil.copy2(f, store.runs / f.name)
+    return {"rows": len(keep), "copied": copied, "dropped_older": len(allrows) - len(keep)}

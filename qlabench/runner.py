@@ -8,6 +8,8 @@ is written durably before the next one starts.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -90,6 +92,32 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def _gpu_index() -> int | None:
+    """Physical GPU index of this process (a worker pinned by ``CUDA_VISIBLE_DEVICES``)."""
+    pinned = os.environ.get("QLABENCH_GPU_INDEX")
+    if pinned is not None:
+        return int(pinned)
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def point_cost(p: Point, n_backends: int = 1) -> float:
+    """Relative work of a point, for heaviest-first scheduling and balanced shards."""
+    return float(p.total_tokens) * p.h_v * max(1, n_backends) + 1e6 * p.num_seqs
+
+
+def shard_points(pts: list[Point], i: int, n: int) -> list[Point]:
+    """Deterministic shard ``i`` of ``n``: points sorted heaviest first, dealt round robin
+    (snake order so shards get similar work)."""
+    order = sorted(pts, key=lambda p: (-point_cost(p), p.index))
+    mine = []
+    for rank, p in enumerate(order):
+        r, k = divmod(rank, n)
+        owner = k if r % 2 == 0 else n - 1 - k
+        if owner == i:
+            mine.append(p)
+    return sorted(mine, key=lambda p: p.index)
+
+
 def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name: str,
              be_version: str, gpu_name: str) -> dict:
     return {
@@ -101,7 +129,7 @@ def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name:
         "gate_zero_frac": p.gate_zero_frac, "initial_state": p.initial_state,
         "output_final_state": p.output_final_state, "direction": direction,
         "backend": be_name, "backend_version": be_version, "gpu_name": gpu_name,
-        "gpu_index": torch.cuda.current_device() if torch.cuda.is_available() else None,
+        "gpu_index": _gpu_index(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "reason": "",
     }
@@ -260,7 +288,8 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
 
 def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=None,
         limit: int | None = None, resume: bool = False, progress=None, log=print,
-        isolate: bool | None = None) -> RunSummary:
+        isolate: bool | None = None, shard: tuple[int, int] | None = None,
+        devices: list[str] | None = None) -> RunSummary:
     """Run a sweep into ``out_dir``. With ``isolate`` (default: the sweep's ``isolate``), points
     run in a supervised worker process: a crash or a hang costs one row, not the sweep."""
     from .supervisor import InProcess, Supervisor, deferred_signals
@@ -269,6 +298,8 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     pts = points(sweep)
     if limit is not None:
         pts = pts[:limit]
+    if shard is not None:
+        pts = shard_points(pts, *shard)
     names = list(backend_names or sweep.backends)
     bes = {n: B.get(n) for n in names}
     avail = {n: be.available() for n, be in bes.items()}
@@ -302,36 +333,92 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
 
     summary = RunSummary(run_id, Path(out_dir))
     isolate = sweep.isolate if isolate is None else isolate
-    execu = Supervisor(sweep, Path(out_dir) / "logs", log=log) if isolate else InProcess(sweep)
+    lock = threading.Lock()
 
     def on_row(row: dict) -> None:
-        with deferred_signals():
-            store.append(row)
-        summary.rows.append(row)
-        summary.counts[row["status"]] = summary.counts.get(row["status"], 0) + 1
+        with lock:
+            with deferred_signals():
+                store.append(row)
+            summary.rows.append(row)
+            summary.counts[row["status"]] = summary.counts.get(row["status"], 0) + 1
         lat = row.get("latency_ms")
         log(f"[{row['status']:>11}] {Point.describe_row(row):<36} {row['direction']:<6} "
             f"{row['backend']:<10} " + (f"{lat:9.4f} ms" if lat is not None else " " * 12)
             + (f"  err={row['max_rel_l2']:.2e}" if row.get("max_rel_l2") is not None else "")
             + (f"  ({row['reason'][:90]})" if row.get("reason") else ""))
 
-    try:
-        for p in pts:
-            for direction in sweep.directions:
-                todo = []
-                for n in names:
-                    if (p.key, n, direction, versions[n]) in done:
-                        summary.skipped_done += 1
-                        continue
-                    todo.append(n)
-                if not todo:
+    tasks: list[Task] = []
+    for p in pts:
+        for direction in sweep.directions:
+            todo = []
+            for n in names:
+                if (p.key, n, direction, versions[n]) in done:
+                    summary.skipped_done += 1
                     continue
-                if progress is not None:
-                    progress(f"{p.describe()} {direction}")
-                execu.run_task(Task(p, direction, todo, ctx), on_row)
+                todo.append(n)
+            if todo:
+                tasks.append(Task(p, direction, todo, ctx))
+    try:
+        if devices and len(devices) > 1:
+            _run_on_devices(sweep, tasks, devices, Path(out_dir) / "logs", on_row, progress, log)
+        else:
+            env = {"CUDA_VISIBLE_DEVICES": devices[0], "QLABENCH_GPU_INDEX": devices[0]} \
+                if devices else None
+            execu = (Supervisor(sweep, Path(out_dir) / "logs", log=log, env=env) if isolate
+                     else InProcess(sweep))
+            try:
+                for t in tasks:
+                    if progress is not None:
+                        progress(f"{t.point.describe()} {t.direction}")
+                    execu.run_task(t, on_row)
+            finally:
+                execu.close()
     finally:
-        execu.close()
         meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         meta["counts"] = summary.counts
         store.write_meta(run_id, meta)
     return summary
+
+
+def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log) -> None:
+    """One supervised worker per GPU, each pinned with ``CUDA_VISIBLE_DEVICES``; tasks are
+    taken heaviest first from one queue, so the GPUs finish close together."""
+    from .supervisor import Supervisor
+    q: queue.Queue = queue.Queue()
+    for t in sorted(tasks, key=lambda t: -point_cost(t.point, len(t.backends))):
+        q.put(t)
+    errors: list[BaseException] = []
+
+    def serve(dev: str) -> None:
+        sup = Supervisor(sweep, log_dir, log=log, env={"CUDA_VISIBLE_DEVICES": dev,
+                                                       "QLABENCH_GPU_INDEX": dev})
+        try:
+            while True:
+                try:
+                    t = q.get_nowait()
+                except queue.Empty:
+                    return
+                if progress is not None:
+                    progress(f"[gpu {dev}] {t.point.describe()} {t.direction}")
+                sup.run_task(t, on_row)
+        except BaseException as e:  # surfaced to the caller after the others stop
+            errors.append(e)
+        finally:
+            sup.close()
+
+    threads = [threading.Thread(target=serve, args=(d,), daemon=True) for d in devices]
+    for th in threads:
+        th.start()
+    try:
+        while any(th.is_alive() for th in threads):
+            for th in threads:
+                th.join(timeout=0.2)
+    except KeyboardInterrupt:
+        while not q.empty():  # let the workers finish their current row, take no more
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                break
+        raise
+    if errors:
+        raise errors[0]

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,7 +75,8 @@ class InProcess:
         pass
 
 
-def _worker_main(conn, sweep_json: dict, log_path: str) -> None:
+def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None) -> None:
+    os.environ.update(env or {})  # before torch is imported: pins the worker's GPU
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     sys.stderr = os.fdopen(2, "w", buffering=1)
@@ -121,8 +123,10 @@ def _stack(path: Path, n: int = 900) -> str:
 
 
 class Supervisor:
-    def __init__(self, sweep, log_dir: Path, log=print, poll_s: float = 0.2):
+    def __init__(self, sweep, log_dir: Path, log=print, poll_s: float = 0.2,
+                 env: dict | None = None):
         self.sweep = sweep
+        self.env = dict(env or {})
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log = log
@@ -131,15 +135,17 @@ class Supervisor:
         self.proc = None
         self.conn = None
         self.n_started = 0
-        install_sigterm_as_interrupt()
+        if threading.current_thread() is threading.main_thread():
+            install_sigterm_as_interrupt()
 
     def _start(self) -> None:
         self.n_started += 1
-        self.log_path = self.log_dir / f"worker-{os.getpid()}-{self.n_started}.log"
+        tag = self.env.get("QLABENCH_GPU_INDEX", "")
+        self.log_path = self.log_dir / f"worker-{os.getpid()}{'-gpu' + tag if tag else ''}-{self.n_started}.log"
         parent, child = self.ctx.Pipe()
         self.proc = self.ctx.Process(
             target=_worker_main, args=(child, self.sweep.model_dump(mode="json"),
-                                       str(self.log_path)), daemon=True)
+                                       str(self.log_path), self.env), daemon=True)
         self.proc.start()
         child.close()
         self.conn = parent
