@@ -83,6 +83,8 @@ def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None
         if (sub["direction"] == d).any():
             made.append(latency_figure(sub, out_dir / f"latency_{d}.png", d))
             made.append(speedup_heatmap(sub, out_dir / f"speedup_{d}.png", baseline, d))
+            made.append(roofline_figure(sub, out_dir / f"roofline_{d}.png", d))
+            made.append(util_vs_latency(sub, out_dir / f"sm_util_{d}.png", d))
     if (sub["direction"] == "bwd").any():
         made.append(latency_vs_tokens(sub, out_dir / "latency_vs_tokens_bwd.png", "bwd"))
     return [p for p in made if p]
@@ -263,5 +265,67 @@ def history_figure(hist: pd.DataFrame, out: str | Path, title: str = "") -> Path
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(title or "latency history (one line per point)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+def roofline_figure(df: pd.DataFrame, out: str | Path, direction: str | None = None,
+                    ceilings: dict | None = None) -> Path | None:
+    """Achieved TFLOP/s vs arithmetic intensity (FLOP per minimum byte), one marker per backend
+    and point, under the roof min(peak, bandwidth × intensity). Derived columns are recomputed
+    from stored ones (``metrics.add_derived``), so old runs plot too."""
+    from . import metrics
+    ok = _ok(df, direction)
+    ok = ok[ok["gpu_name"] != "cpu"] if "gpu_name" in ok else ok
+    if ok.empty:
+        return None
+    ok = metrics.add_derived(ok, ceilings)
+    c = ceilings or {}
+    peak = c.get("matmul_tflops") or metrics.H200_PEAK_TFLOPS
+    bw = c.get("copy_gbps") or metrics.H200_PEAK_GBPS
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    x = np.logspace(np.log10(max(1.0, ok["intensity_flop_per_byte"].min() / 2)),
+                    np.log10(ok["intensity_flop_per_byte"].max() * 2), 100)
+    ax.plot(x, np.minimum(peak, bw * x / 1e3), "k-", lw=1.2,
+            label=f"roof: {peak:.0f} TFLOP/s, {bw / 1e3:.2f} TB/s")
+    for b in _backends(ok["backend"]):
+        s = ok[ok["backend"] == b]
+        ax.scatter(s["intensity_flop_per_byte"], s["tflops"], s=18, alpha=0.75,
+                   color=BACKEND_COLORS.get(b), label=b)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / minimum byte)")
+    ax.set_ylabel("achieved TFLOP/s (FLA-algebra FLOPs)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title(f"GDN {direction or ''} roofline on {ok['gpu_name'].iloc[0]}", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+def util_vs_latency(df: pd.DataFrame, out: str | Path, direction: str | None = None) -> Path | None:
+    """SM utilisation (NVML GPM) vs latency, one panel per model: grid fill vs per-CTA work."""
+    ok = _ok(df, direction)
+    ok = ok[ok["sm_util_pct"].notna()] if "sm_util_pct" in ok else ok.iloc[0:0]
+    if ok.empty:
+        return None
+    models = list(dict.fromkeys(ok.sort_values("point_index")["model"]))
+    ncol = min(3, len(models))
+    nrow = int(np.ceil(len(models) / ncol))
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False)
+    for ax, m in zip(axes.flat, models):
+        sub = ok[ok["model"] == m]
+        for b in _backends(sub["backend"]):
+            s = sub[sub["backend"] == b]
+            ax.scatter(s["latency_ms"], s["sm_util_pct"], s=20, color=BACKEND_COLORS.get(b), label=b)
+        ax.set_xscale("log")
+        ax.set_xlabel("latency (ms)")
+        ax.set_ylabel("SM util (%)")
+        ax.set_ylim(0, 105)
+        ax.set_title(f"{m} ({sub.iloc[0]['h_qk']}/{sub.iloc[0]['h_v']})", fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(models):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, out)
