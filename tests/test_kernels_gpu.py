@@ -157,3 +157,69 @@ def test_prep_matches_emulation():
     nvalid = int((ctab[:, 2] >= 0).sum()) * 64
     assert rel_l2(gcs[:, :nvalid], gcs_e[:, :nvalid]) < 1e-5
     assert rel_l2(a_beta[:, :nvalid].float(), a_e[:, :nvalid].float()) < 1e-2
+
+
+# ---- speed variants (selectable; the defaults above stay the verified path) ----
+
+VARIANTS = ["tables=tl", "prep=blocked", "fwd_bv=32", "fwd_threads=256", "tables=tl,prep=blocked,fwd_bv=32"]
+
+
+@pytest.mark.parametrize("split_tokens", [0, 1024])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_matches_recurrence(variant, split_tokens):
+    pkg = _kernels_pkg()
+    h_qk, h_v = 2, 8
+    x, (ref_o, ref_h) = _case(h_qk, h_v, True)
+    T, N = x["q"].shape[1], len(SEQLENS)
+    o = torch.full((1, T, h_v, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ht = torch.full((N, h_v, D, D), float("nan"), device="cuda", dtype=torch.float32)
+    r = pkg.chunk_gdn_fwd_lowlevel(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], cu_seqlens=x["cu"],
+        split_tokens=split_tokens, o=o, final_state=ht, variant=variant,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert not torch.isnan(o).any() and not torch.isnan(ht).any()
+    assert rel_l2(o, ref_o) < TOL, f"{variant}: o rel L2 {rel_l2(o, ref_o):.3e}"
+    assert rel_l2(ht, ref_h) < TOL, f"{variant}: ht rel L2 {rel_l2(ht, ref_h):.3e}"
+
+
+@pytest.mark.parametrize(
+    "lens",
+    [[32768], [1, 63, 64, 65, 1000, 4097], [0, 5, 0, 0, 700, 64, 2000, 0], [8] * 1024, [0] * 3 + [130] * 600 + [0]],
+    ids=lambda x: f"N{len(x)}",
+)
+@pytest.mark.parametrize("seg", [None, 1024])
+def test_tl_tables_equal_torch_tables(lens, seg):
+    """tables=tl (one TileLang launch) builds exactly the torch builders' tables."""
+    _kernels_pkg()
+    common = importlib.import_module("qlabench_kernels._common")
+    tables = importlib.import_module("qlabench_kernels.tables")
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], dtype=torch.int64, device="cuda")
+    T, N = int(cu[-1]), len(lens)
+    split = seg is not None
+    seg_t = seg if split else max(64, (max(T, 1) + 63) // 64 * 64)
+    ctab, cu_chunks = common.chunk_table(cu, T, N)
+    stab, cu_segs = common.segment_table(cu, cu_chunks, T, N, seg_t, split=split)
+    c2, cc2, s2, cs2 = tables.run_tables(cu, T, N, seg_t, split)
+    torch.cuda.synchronize()
+    assert torch.equal(ctab, c2)
+    assert torch.equal(stab, s2)
+    assert torch.equal(cu_chunks.int(), cc2)
+    assert torch.equal(cu_segs.int(), cs2)
+
+
+def test_prep_blocked_matches_subst():
+    """prep=blocked gives the verified prep's gcs exactly and A_β to bf16 rounding."""
+    pkg = _kernels_pkg()
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    common = importlib.import_module("qlabench_kernels._common")
+    x = make_inputs(SEQLENS, 2, 8)
+    T, N = x["q"].shape[1], len(SEQLENS)
+    ctab, _ = common.chunk_table(x["cu"].long(), T, N)
+    g1, a1 = pkg.prep.run_prep(x["k"], x["g"], x["beta"], ctab)
+    g2, a2 = pkg.prep.run_prep(x["k"], x["g"], x["beta"], ctab, method="blocked")
+    gcs_e, a_e = emu.emu_prep(x["k"], x["g"], x["beta"], ctab)
+    valid = (ctab[:, 2] >= 0).repeat_interleave(64)
+    assert torch.equal(g1[:, valid], g2[:, valid])
+    assert rel_l2(a2[:, valid].float(), a_e[:, valid].float()) < 1e-2
+    assert rel_l2(a2[:, valid].float(), a1[:, valid].float()) < 1e-2

@@ -45,7 +45,7 @@ def test_notebook_draws_figures_for_a_tiny_run(tmp_path, monkeypatch):
     text, pngs = _execute(tmp_path, res, monkeypatch)
     assert "h200_fwd: 24 rows, 2 run(s)" in text
     # latency fwd/bwd, speedup fwd/bwd, bwd latency vs tokens, history
-    assert pngs == 6, text
+    assert pngs >= 6, text  # latency, speedup, roofline, SM util, backward, history ...
     assert "slower" in text
 
 

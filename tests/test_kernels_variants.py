@@ -1,0 +1,98 @@
+"""CPU tests of the speed variants' algorithms (kernels/dev/emulate.py mirrors), no GPU.
+
+- tables=tl: the one-launch table builder's algorithm (block scan + binary search, blocks of
+  512 sequences) gives exactly the torch builders' tables, incl. empty sequences, N > 512 and
+  the unsplit case.
+- prep=blocked: the 16x16-block solve equals (I + L)⁻¹ (fp64 reference) to fp32 rounding.
+- variant parsing.
+"""
+
+import importlib
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _pkg():
+    try:
+        return importlib.import_module("qlabench_kernels")
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(
+            "qlabench_kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+        )
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["qlabench_kernels"] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+
+def _cu(lens):
+    return torch.tensor([0, *torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0).tolist()], dtype=torch.int64)
+
+
+LAYOUTS = [
+    [32768],
+    [1, 63, 64, 65, 1000, 4097],
+    [0, 5, 0, 0, 700, 64, 2000, 0],
+    [8] * 1024,
+    [0] * 3 + [130] * 600 + [0],  # N > 512 (two blocks), empty sequences at both ends
+    [0],
+    [64] * 7,
+]
+
+
+@pytest.mark.parametrize("lens", LAYOUTS, ids=lambda x: f"N{len(x)}")
+@pytest.mark.parametrize("seg", [None, 64, 1024])
+def test_tl_tables_algorithm_equals_torch_tables(lens, seg):
+    _pkg()
+    common = importlib.import_module("qlabench_kernels._common")
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    cu = _cu(lens)
+    T, N = int(cu[-1]), len(lens)
+    split = seg is not None
+    seg_t = seg if split else max(64, (max(T, 1) + 63) // 64 * 64)
+    ctab, cu_chunks = common.chunk_table(cu, T, N)
+    stab, cu_segs = common.segment_table(cu, cu_chunks, T, N, seg_t, split=split)
+    c2, cc2, s2, cs2 = emu.emu_tables_tl(cu, T, N, seg_t, split)
+    assert torch.equal(ctab, c2)
+    assert torch.equal(stab, s2)
+    assert torch.equal(cu_chunks.int(), cc2)
+    assert torch.equal(cu_segs.int(), cs2)
+
+
+def test_blocked_solve_equals_inverse():
+    _pkg()
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    gen = torch.Generator().manual_seed(0)
+    k = torch.nn.functional.normalize(torch.randn(8, 64, 128, generator=gen), dim=-1)
+    beta = torch.sigmoid(torch.randn(8, 64, generator=gen))
+    g = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(8, 64, generator=gen) + 3) * 0.5, -1)
+    g[-2:] = 0  # no decay
+    L = torch.tril(beta[..., None] * torch.exp(g[..., :, None] - g[..., None, :]) * (k @ k.transpose(-1, -2)), -1)
+    A = emu.solve_blocked(L.float())
+    eye = torch.eye(64, dtype=torch.float64)
+    ref = torch.linalg.solve_triangular(eye + L.double(), eye.expand(8, 64, 64), upper=False)
+    err = float((A.double() - ref).norm() / ref.norm())
+    assert err < 1e-5, err
+    assert torch.equal(torch.triu(A, 1), torch.zeros_like(A))
+
+
+def test_variant_parsing(monkeypatch):
+    pkg = _pkg()
+    monkeypatch.delenv("QLABENCH_GDN_VARIANT", raising=False)
+    monkeypatch.delenv("QLABENCH_GDN_STAGES", raising=False)
+    v = pkg.parse_variant(None)
+    assert pkg.variant_name(v) == "default" and v["stages"] == 0
+    monkeypatch.setenv("QLABENCH_GDN_VARIANT", "tables=tl,prep=blocked")
+    v = pkg.parse_variant("fwd_bv=32")
+    assert (v["tables"], v["prep"], v["fwd_bv"], v["fwd_threads"]) == ("tl", "blocked", "32", "128")
+    assert pkg.variant_name(v) == "tables=tl,prep=blocked,fwd_bv=32"
+    with pytest.raises(ValueError):
+        pkg.parse_variant("fwd_bv=16")
+    with pytest.raises(ValueError):
+        pkg.parse_variant("nope=1")
