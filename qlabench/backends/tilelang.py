@@ -55,8 +55,26 @@ class TileLangBackend(Backend):
 
         if direction == "fwd":
             return Prepared(fn=fwd)
-        raise NotImplementedError("backward kernel not built")
+
+        def saved():
+            # the forward's prep outputs the backward reuses (g cumsum, A·diag(β), chunk table)
+            r = qk.chunk_gdn_fwd_lowlevel(x.q, x.k, x.v, x.g, x.beta, scale=x.scale,
+                                          initial_state=x.h0, output_final_state=x.output_final_state,
+                                          cu_seqlens=x.cu_seqlens)
+            return {k: r[k] for k in ("gcs", "a_beta", "ctab") if k in r}
+
+        def bwd(sv):
+            return qk.chunk_gdn_bwd(x.q, x.k, x.v, x.g, x.beta, x.do, x.dht, scale=x.scale,
+                                    initial_state=x.h0, cu_seqlens=x.cu_seqlens, **sv)
+
+        if direction == "bwd":
+            sv = saved()  # a forward's saved tensors, outside the timed region
+            return Prepared(fn=lambda: bwd(sv))
+        return Prepared(fn=lambda: bwd(saved()))
 
     def outputs_to_canonical(self, raw, x, direction):
-        o, ht = raw[0], raw[1]
-        return {"o": o, "final_state": ht}
+        if direction == "fwd":
+            o, ht = raw[0], raw[1]
+            return {"o": o, "final_state": ht}
+        dq, dk, dv, dg, db, dh0 = raw[:6]
+        return {"dq": dq, "dk": dk, "dv": dv, "dg": dg, "dbeta": db, "dh0": dh0}
