@@ -15,13 +15,23 @@ import math
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, chunk_table, default_cu_seqlens, segment_table
+from ._common import (
+    CHUNK,
+    HEAD_DIM,
+    VARIANT_CHOICES,
+    chunk_table,
+    default_cu_seqlens,
+    parse_variant,
+    segment_table,
+    variant_name,
+)
 from .fixup import run_fixup
 from .fwd_o import run_fwd_o
 from .prep import run_prep
 from .seg_state import run_seg_state
+from .tables import run_tables
 
-__all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel", "plan_split"]
+__all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel", "plan_split", "parse_variant", "variant_name", "VARIANT_CHOICES"]
 
 _SM_COUNT = {}
 
@@ -93,6 +103,7 @@ def chunk_gdn_fwd_lowlevel(
     target=None,
     o=None,
     final_state=None,
+    variant=None,
 ):
     """Forward with its intermediates.
 
@@ -102,14 +113,18 @@ def chunk_gdn_fwd_lowlevel(
         target: TileLang target (default sm_90a).
         o, final_state: optional preallocated outputs ([1,T,Hv,128] bf16, [N,Hv,128,128] fp32),
             e.g. poisoned with NaN by a test to check every element is written.
+        variant: speed-experiment knobs, "k=v,k=v" or dict (see ``_common.parse_variant``;
+            default: $QLABENCH_GDN_VARIANT, then the verified defaults).
 
     Returns a dict:
         o [1,T,Hv,128] bf16; final_state [N,Hv,128,128] fp32 or None;
         gcs [Hv, NCS*64] fp32 (chunk-local cumsum of g, natural log, chunk-slot rows);
         a_beta [Hv, NCS*64, 64] bf16 (FLA's gated A times diag(β), chunk-slot rows);
         ctab int32 [NCS,4], cu_chunks int64 [N+1] (chunk slots); stab int32 [NS,8] (segments);
-        split_tokens (int, 0 = unsplit); and, when split, cu_segs, e_end, m_tr, h_start.
+        split_tokens (int, 0 = unsplit); variant (dict used); and, when split, cu_segs, e_end, m_tr, h_start.
+        (With tables=tl, cu_chunks / cu_segs are int32.)
     """
+    var = parse_variant(variant)
     T, N, h_qk, h_v = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     dev = q.device
     if scale is None:
@@ -120,13 +135,20 @@ def chunk_gdn_fwd_lowlevel(
     cu = default_cu_seqlens(T, dev) if cu_seqlens is None else cu_seqlens.to(device=dev, dtype=torch.int64)
     h0 = None if initial_state is None else initial_state.float().contiguous()
 
-    ctab, cu_chunks = chunk_table(cu, T, N)
-    gcs, a_beta = run_prep(k, g, beta, ctab, target=target)
-
+    bv, nthr, stages = int(var["fwd_bv"]), int(var["fwd_threads"]), var["stages"]
+    fm = var["fastmath"] == "1"
     if split_tokens is None:
-        split_tokens = plan_split(T, N, h_v, _num_sms(dev))
+        split_tokens = plan_split(T, N, h_v, _num_sms(dev), block_v=bv)
     if split_tokens and split_tokens % CHUNK != 0:
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")
+    seg_tokens = split_tokens if split_tokens else _round_up(max(T, 1), CHUNK)
+
+    if var["tables"] == "tl":
+        ctab, cu_chunks, stab, cu_segs = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target=target)
+    else:
+        ctab, cu_chunks = chunk_table(cu, T, N)
+        stab, cu_segs = segment_table(cu, cu_chunks, T, N, seg_tokens, split=bool(split_tokens))
+    gcs, a_beta = run_prep(k, g, beta, ctab, method=var["prep"], target=target)
 
     if o is None:
         o = torch.empty(1, T, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -135,23 +157,29 @@ def chunk_gdn_fwd_lowlevel(
         ht = final_state
         if ht is None:
             ht = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
-    out = dict(gcs=gcs, a_beta=a_beta, ctab=ctab, cu_chunks=cu_chunks, split_tokens=int(split_tokens or 0))
+    out = dict(
+        gcs=gcs, a_beta=a_beta, ctab=ctab, cu_chunks=cu_chunks, stab=stab,
+        split_tokens=int(split_tokens or 0), variant=var,
+    )  # fmt: skip
 
     if split_tokens:
-        stab, cu_segs = segment_table(cu, cu_chunks, T, N, split_tokens, split=True)
         ns = stab.shape[0]
         e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
         m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-        run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, target=target)
+        run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, num_stages=stages, target=target, fastmath=fm)
         h_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
-        cu_segs32 = cu_segs.to(torch.int32)
+        cu_segs32 = cu_segs if cu_segs.dtype == torch.int32 else cu_segs.to(torch.int32)
         run_fixup(m_tr, e_end, cu_segs32, h0, h_start, target=target)
-        run_fwd_o(q, k, v, gcs, a_beta, stab, h_start, scale, o, ht, target=target)
-        out.update(stab=stab, cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
+        run_fwd_o(
+            q, k, v, gcs, a_beta, stab, h_start, scale, o, ht,
+            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm,
+        )  # fmt: skip
+        out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
     else:
-        stab, _ = segment_table(cu, cu_chunks, T, N, _round_up(max(T, 1), CHUNK), split=False)
-        run_fwd_o(q, k, v, gcs, a_beta, stab, h0, scale, o, ht, target=target)
-        out.update(stab=stab)
+        run_fwd_o(
+            q, k, v, gcs, a_beta, stab, h0, scale, o, ht,
+            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm,
+        )  # fmt: skip
     out.update(o=o, final_state=ht)
     return out
 
@@ -170,6 +198,7 @@ def chunk_gdn_fwd(
     initial_state=None,
     output_final_state=True,
     cu_seqlens=None,
+    variant=None,
 ):
     """Gated DeltaNet chunked prefill forward (FLA conventions).
 
@@ -182,11 +211,20 @@ def chunk_gdn_fwd(
         initial_state: [N, Hv, 128(K), 128(V)] fp32 or None.
         output_final_state: also return the final states.
         cu_seqlens: int32/int64 [N+1] on the device, or None for one sequence of length T.
+        variant: speed-experiment knobs (``_common.parse_variant``), default $QLABENCH_GDN_VARIANT.
 
     Recurrence: S_t = exp(g_t)(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t).
 
     Returns:
         o [1, T, Hv, 128] bf16, final_state [N, Hv, 128, 128] fp32 (or None).
     """
-    r = chunk_gdn_fwd_lowlevel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    r = chunk_gdn_fwd_lowlevel(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, variant=variant
+    )
     return r["o"], r["final_state"]
+
+
+# --- backward (kernels/bwd_*.py) and the autograd entry point --------------------------------
+from .autograd import ChunkGDNFunction, chunk_gdn, chunk_gdn_bwd  # noqa: E402
+
+__all__ += ["chunk_gdn_bwd", "chunk_gdn", "ChunkGDNFunction"]

@@ -42,6 +42,71 @@ def chunk_loop_stages() -> int:
     return int(os.environ.get("QLABENCH_GDN_STAGES", "0"))
 
 
+#: Selectable variants (speed experiments). The verified path is the default of every knob.
+#:   tables  torch | tl        work tables by ~60 torch ops (default) or one TileLang launch (tables.py)
+#:   prep    subst | blocked   64-step substitution (default) or 16x16 diagonal blocks + block merge
+#:   fwd_bv  64 | 32           V columns per fwd_o CTA (32: twice the CTAs, 2 per SM on 16/64)
+#:   fwd_threads 128 | 256     fwd_o warps (256: TileLang splits every GEMM over 2 warpgroups)
+#:   fastmath 0 | 1            nvcc --use_fast_math for fwd_o and seg_state (expf -> __expf)
+#:   stages  0 | 2             chunk-loop pipelining (also $QLABENCH_GDN_STAGES)
+VARIANT_DEFAULTS = {
+    "tables": "torch", "prep": "subst", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "0", "stages": None,
+}  # fmt: skip
+VARIANT_CHOICES = {
+    "tables": ("torch", "tl"),
+    "prep": ("subst", "blocked"),
+    "fwd_bv": ("64", "32"),
+    "fwd_threads": ("128", "256"),
+    "fastmath": ("0", "1"),
+    "stages": ("0", "2"),
+}
+
+
+#: Variants that kernels/dev/check_fwd.py checks and times side by side (and that
+#: scripts/precompile_cache.py puts into the carried TileLang cache). "default" = verified path.
+CHECK_VARIANTS = [
+    "default",
+    "stages=2",
+    "tables=tl",
+    "prep=blocked",
+    "fastmath=1",
+    "fwd_bv=32",
+    "fwd_threads=256",
+    "tables=tl,prep=blocked,fastmath=1",
+    "tables=tl,prep=blocked,fastmath=1,fwd_bv=32",
+    "tables=tl,prep=blocked,fastmath=1,stages=2",
+]
+
+
+def parse_variant(spec=None) -> dict:
+    """Variant settings from ``spec`` (str "k=v,k=v" or dict) over $QLABENCH_GDN_VARIANT over defaults.
+
+    ``stages`` falls back to $QLABENCH_GDN_STAGES (default 0). Returns str values (stages as int).
+    """
+    out = dict(VARIANT_DEFAULTS)
+    for src in (os.environ.get("QLABENCH_GDN_VARIANT", ""), spec):
+        if not src or src == "default":
+            continue
+        items = src.items() if isinstance(src, dict) else (kv.split("=", 1) for kv in str(src).split(",") if kv.strip())
+        for key, val in items:
+            key, val = str(key).strip(), str(val).strip()
+            if key not in VARIANT_CHOICES:
+                raise ValueError(f"unknown GDN variant knob {key!r}; knobs: {sorted(VARIANT_CHOICES)}")
+            if val not in VARIANT_CHOICES[key]:
+                raise ValueError(f"GDN variant {key}={val!r} not in {VARIANT_CHOICES[key]}")
+            out[key] = val
+    out["stages"] = int(out["stages"]) if out["stages"] is not None else chunk_loop_stages()
+    return out
+
+
+def variant_name(v: dict) -> str:
+    """Short label listing only the knobs that differ from the defaults ("default" if none)."""
+    parts = [f"{k}={v[k]}" for k in VARIANT_CHOICES if k != "stages" and v.get(k) != VARIANT_DEFAULTS[k]]
+    if v.get("stages"):
+        parts.append(f"stages={v['stages']}")
+    return ",".join(parts) or "default"
+
+
 def target_key(target) -> str:
     """Hashable form of a target (dict or string) for in-process kernel caches."""
     if target is None:

@@ -46,6 +46,55 @@ def kernel_variants(h_qk: int, h_v: int, full: bool = True):
     return out
 
 
+def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split: bool = True):
+    """[(name, getter, args, kwargs)] of the kernels one speed variant (``_common.parse_variant``
+    spec, e.g. "tables=tl,prep=blocked") runs for (h_qk, h_v) with the given fwd_o state flags."""
+    from ._common import parse_variant, variant_name
+    from .fixup import get_fixup_kernel
+    from .fwd_o import get_fwd_o_kernel
+    from .prep import get_prep_kernel
+    from .seg_state import get_seg_state_kernel
+    from .tables import NT, get_tables_kernel
+
+    var = parse_variant(spec)
+    tag = variant_name(var)
+    bv, thr, st, fm = int(var["fwd_bv"]), int(var["fwd_threads"]), var["stages"], var["fastmath"] == "1"
+    out = []
+    if var["tables"] == "tl":
+        out.append(("tables", get_tables_kernel, (NT,), {}))
+    if var["prep"] == "subst":
+        out.append(("prep", get_prep_kernel, (h_qk, h_v), {}))
+    else:
+        out.append((f"prep[{var['prep']}]", get_prep_kernel, (h_qk, h_v), {"method": var["prep"]}))
+    for hi, hh in flags:
+        args = (h_qk, h_v, bool(hi), bool(hh), bv, st)
+        kw = {"threads": thr} if thr != 128 else {}
+        if fm:
+            kw = {"threads": thr, "fastmath": True}
+        out.append((f"fwd_o[init={hi},ht={hh}|{tag}]", get_fwd_o_kernel, args, kw))
+    if split:
+        kw = {"fastmath": True} if fm else {}
+        out.append((f"seg_state[stages={st}{',fm' if fm else ''}]", get_seg_state_kernel, (h_qk, h_v, 64, st), kw))
+        for h0 in h0s:
+            out.append((f"fixup[h0={h0}]", get_fixup_kernel, (h_v, bool(h0), 32), {}))
+    return out
+
+
+def precompile_variants(h_qk: int, h_v: int, specs, target=None, verbose=False, **kw):
+    """Compile every kernel of each variant spec for (h_qk, h_v) (duplicates are cached)."""
+    tk = target_key(target)
+    times_s = {}
+    for spec in specs:
+        for name, getter, args, kwargs in variant_kernels(h_qk, h_v, spec, **kw):
+            t0 = time.perf_counter()
+            getter(*args, target_k=tk, **kwargs)
+            dt = time.perf_counter() - t0
+            times_s[name] = times_s.get(name, 0.0) + dt
+            if verbose and dt > 0.5:
+                print(f"  {name:48s} {dt:7.1f} s", flush=True)
+    return times_s
+
+
 def precompile(h_qk: int, h_v: int, target=None, full: bool = True, verbose: bool = False):
     """Compile every kernel for (h_qk, h_v); returns {name: compile seconds}."""
     tk = target_key(target)
@@ -73,6 +122,9 @@ def main(argv=None):
     ap.add_argument("--hv", type=int, action="append", required=True, help="v heads, paired with --hqk in order")
     ap.add_argument("--target", default=None, help='TileLang target as JSON, default {"kind":"cuda","arch":"sm_90a"}')
     ap.add_argument("--list", action="store_true", help="only list the kernel variants")
+    ap.add_argument(
+        "--variants", default="", help='also compile these speed variants, ";"-separated (e.g. "tables=tl;prep=blocked")'
+    )
     args = ap.parse_args(argv)
     if len(args.hqk) != len(args.hv):
         ap.error(f"--hqk given {len(args.hqk)} times but --hv {len(args.hv)} times; pass them in pairs")
@@ -86,6 +138,8 @@ def main(argv=None):
                 print(f"  {name} {a}")
             continue
         t = precompile(hq, hv, target, verbose=True)
+        if args.variants:
+            t.update(precompile_variants(hq, hv, args.variants.split(";"), target, verbose=True))
         print(f"  total {sum(t.values()):.1f} s")
     return 0
 

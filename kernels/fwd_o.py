@@ -1,6 +1,7 @@
 """Kernel 3 of the forward: the chunk recurrence fused with the output (FlashQLA-style algebra).
 
-One CTA (128 threads = one warpgroup) per (V block of ``block_v`` columns, segment, v-head).
+One CTA (128 threads = one warpgroup by default; ``threads=256`` lets TileLang split every GEMM
+over two warpgroups) per (V block of ``block_v`` columns, segment, v-head).
 A segment is a run of whole chunks of one sequence (``_common.segment_table``); without
 sequence splitting a segment is the whole sequence. The CTA keeps its state block
 S [128, block_v] in fp32 registers and walks the segment's chunks in order. Per chunk
@@ -39,7 +40,9 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, chunk_loop_stages, compile_program, target_key
 
 
-def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, num_stages: int = 0):
+def fwd_o_program(
+    h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, num_stages: int = 0, threads: int = 128
+):
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -64,7 +67,7 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: in
         o: T.Tensor((1, Tn, h_v, D), "bfloat16"),
         ht: T.Tensor((N, h_v, D, D), "float32"),
     ):
-        with T.Kernel(D // BV, NS * h_v, threads=128) as (bv, sh):
+        with T.Kernel(D // BV, NS * h_v, threads=threads) as (bv, sh):
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
@@ -153,13 +156,28 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: in
 
 @functools.cache
 def get_fwd_o_kernel(
-    h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, num_stages: int = 0, target_k=None
+    h_qk: int,
+    h_v: int,
+    has_init: bool,
+    has_ht: bool,
+    block_v: int = 64,
+    num_stages: int = 0,
+    target_k=None,
+    threads: int = 128,
+    fastmath: bool = False,
 ):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(fwd_o_program(h_qk, h_v, has_init, has_ht, block_v, num_stages), target=target)
+    return compile_program(
+        fwd_o_program(h_qk, h_v, has_init, has_ht, block_v, num_stages, threads),
+        target=target,
+        pass_configs={"tl.enable_fast_math": True} if fastmath else None,
+    )
 
 
-def run_fwd_o(q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_stages=None, target=None):
+def run_fwd_o(
+    q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_stages=None, target=None, threads=128,
+    fastmath=False,
+):
     """Launch the fused recurrence + output kernel; writes ``o`` (and ``ht`` if given) in place.
 
     h_init: [R, Hv, 128, 128] fp32 or None.  ht: [N, Hv, 128, 128] fp32 or None.
@@ -168,7 +186,10 @@ def run_fwd_o(q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_
     has_init, has_ht = h_init is not None, ht is not None
     if num_stages is None:
         num_stages = chunk_loop_stages()
-    kern = get_fwd_o_kernel(h_qk, h_v, has_init, has_ht, block_v, num_stages, target_key(target))
+    if fastmath:
+        kern = get_fwd_o_kernel(h_qk, h_v, has_init, has_ht, block_v, num_stages, target_key(target), threads, True)
+    else:  # same cache key as before the variants existed
+        kern = get_fwd_o_kernel(h_qk, h_v, has_init, has_ht, block_v, num_stages, target_key(target), threads)
     dummy = None
     if h_init is None or ht is None:
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)

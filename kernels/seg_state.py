@@ -106,17 +106,26 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 
 
 
 @functools.cache
-def get_seg_state_kernel(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 0, target_k=None):
+def get_seg_state_kernel(
+    h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 0, target_k=None, fastmath: bool = False
+):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(seg_state_program(h_qk, h_v, block_v, num_stages), target=target)
+    return compile_program(
+        seg_state_program(h_qk, h_v, block_v, num_stages),
+        target=target,
+        pass_configs={"tl.enable_fast_math": True} if fastmath else None,
+    )
 
 
-def run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, block_v=64, num_stages=None, target=None):
+def run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, block_v=64, num_stages=None, target=None, fastmath=False):
     """Launch pass 1; fills e_end [NS,Hv,128,128] fp32 and m_tr [NS,Hv,128,128] bf16 in place
     (rows of segments that are the last of their sequence are left untouched)."""
     h_qk, h_v = k.shape[2], v.shape[2]
     if num_stages is None:
         num_stages = chunk_loop_stages()
-    kern = get_seg_state_kernel(h_qk, h_v, block_v, num_stages, target_key(target))
+    if fastmath:
+        kern = get_seg_state_kernel(h_qk, h_v, block_v, num_stages, target_key(target), True)
+    else:
+        kern = get_seg_state_kernel(h_qk, h_v, block_v, num_stages, target_key(target))
     kern(k, v, gcs, a_beta, stab, e_end, m_tr)
     return e_end, m_tr

@@ -1,14 +1,17 @@
 """Fill a TileLang cache offline (no GPU, nvcc only) with the in-repo kernels the device runs.
 
-    TILELANG_CACHE_DIR=.devsite/tilelang-cache python scripts/precompile_cache.py
+    TILELANG_CACHE_DIR=.devsite/tilelang-cache python scripts/precompile_cache.py [tests|sweep|variants|all]
 
 Sweep head configs get the variants a sweep uses (initial + final state, default stages);
-the GPU-test configs get every state-flag variant.
+the GPU-test configs get every state-flag variant; "variants" compiles every speed variant
+of qlabench_kernels._common.CHECK_VARIANTS for the head configs that
+kernels/dev/check_fwd.py and tests/test_kernels_gpu.py run them on (2/8, 1/3, 16/64).
 """
 import sys
 import time
 
-from qlabench_kernels._common import target_key
+from qlabench_kernels._common import CHECK_VARIANTS, target_key
+from qlabench_kernels.compile import precompile_variants
 from qlabench_kernels.fixup import get_fixup_kernel
 from qlabench_kernels.fwd_o import get_fwd_o_kernel
 from qlabench_kernels.prep import get_prep_kernel
@@ -16,6 +19,7 @@ from qlabench_kernels.seg_state import get_seg_state_kernel
 
 SWEEP = [(2, 8), (16, 64), (4, 16), (8, 32), (16, 32), (8, 24), (16, 48), (16, 16), (32, 32)]
 TESTS = [(2, 2), (2, 4), (1, 3), (2, 8)]
+VARIANT_HEADS = [(2, 8), (1, 3), (16, 64)]
 
 
 def build(hq, hv, flags, h0s):
@@ -37,3 +41,43 @@ if which in ("tests", "all"):
 if which in ("sweep", "all"):
     for hq, hv in SWEEP:
         build(hq, hv, [(1, 1)], [1])
+if which in ("variants", "all"):
+    for hq, hv in VARIANT_HEADS:
+        t0 = time.time()
+        precompile_variants(hq, hv, CHECK_VARIANTS, verbose=True)
+        print(f"{hq}/{hv} variants: {time.time() - t0:.0f} s", flush=True)
+
+
+# --- backward (kernels/bwd_*.py): `precompile_cache.py bwd` (also part of "all") ---------------
+# Test configs get every state-flag variant (bwd_h: h0 0/1; bwd_dhu: dht, dh0 in {0,1}^2) at
+# block_v 64, plus block_v 32 for 1/3 (test_block_v_32...); the check_bwd.py / sweep configs get
+# h0 + dht at block_v 64 and 32, and their forward (prep, fwd_o, seg_state, fixup).
+BWD_TESTS = TESTS
+BWD_SWEEP = [(16, 32), (8, 16), (4, 8), (2, 4)]
+
+
+def build_bwd(hq, hv, all_flags, bvs):
+    from qlabench_kernels.bwd_dhu import get_bwd_dhu_kernel
+    from qlabench_kernels.bwd_dqkwg import get_bwd_dqkwg_kernel
+    from qlabench_kernels.bwd_h import get_bwd_h_kernel
+    from qlabench_kernels.bwd_wy import get_bwd_wy_kernel
+
+    tk = target_key(None)
+    t0 = time.time()
+    for bv in bvs:
+        for hi in ([1, 0] if all_flags and bv == 64 else [1]):
+            get_bwd_h_kernel(hq, hv, bool(hi), bv, target_k=tk)
+        for dht, dh0 in ([(1, 1), (1, 0), (0, 1), (0, 0)] if all_flags and bv == 64 else [(1, 1)]):
+            get_bwd_dhu_kernel(hq, hv, bool(dht), bool(dh0), bv, target_k=tk)
+    get_bwd_dqkwg_kernel(hq, hv, target_k=tk)
+    get_bwd_wy_kernel(hq, hv, target_k=tk)
+    print(f"{hq}/{hv} bwd: {time.time() - t0:.0f} s", flush=True)
+
+
+if which in ("bwd", "all"):
+    for hq, hv in BWD_TESTS:
+        build_bwd(hq, hv, True, (64, 32) if (hq, hv) == (1, 3) else (64,))
+    for hq, hv in BWD_SWEEP:
+        if (hq, hv) not in SWEEP and (hq, hv) not in TESTS:
+            build(hq, hv, [(1, 1)], [1])
+        build_bwd(hq, hv, (hq, hv) in BWD_TESTS, (64, 32))

@@ -75,3 +75,22 @@ def test_plan_split_from_shapes_only():
     assert pkg.plan_split(4 * 8192, 4, 64) == 0
     assert pkg.plan_split(1000, 1, 8) == 0  # short: no split
     assert pkg.plan_split(32768, 1, 8) % 64 == 0
+
+
+def test_speed_variants_compile_with_wgmma():
+    """Every kernel of every checked speed variant compiles for sm_90a; all but the table builder use wgmma."""
+    _kernels_pkg()
+    common = importlib.import_module("qlabench_kernels._common")
+    comp = importlib.import_module("qlabench_kernels.compile")
+    tk = common.target_key(TARGET)
+    seen = set()
+    for spec in common.CHECK_VARIANTS:
+        for name, getter, args, kw in comp.variant_kernels(2, 8, spec):
+            key = (getter.__name__, args, tuple(sorted(kw.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            src = getter(*args, target_k=tk, **kw).get_kernel_source()
+            assert "__global__" in src, name
+            if name != "tables":
+                assert "wgmma" in src, f"{spec}: {name} has no wgmma"

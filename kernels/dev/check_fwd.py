@@ -1,8 +1,9 @@
 """Correctness and timing check of the TileLang GDN forward on a Hopper GPU.
 
-    python kernels/dev/check_fwd.py [--quick] [--no-time] [--cases NAME,...] [--stages 0,2]
+    python kernels/dev/check_fwd.py [--quick] [--no-time] [--cases NAME,...] [--variants "default;tables=tl;..."]
 
-For each case: runs chunk_gdn_fwd_lowlevel, compares o / final state with an fp32 token
+Every speed variant (``_common.CHECK_VARIANTS`` by default; "default" = the verified path;
+stages=2 is the old QLABENCH_GDN_STAGES=2) runs every case. For each case: runs chunk_gdn_fwd_lowlevel, compares o / final state with an fp32 token
 recurrence (rel L2), and every stage with its torch emulation fed the kernel's own inputs
 (prep: gcs, a_beta; seg_state: e_end, m_tr; fixup: h_start; fwd_o: o, ht) so a mismatch
 points at one kernel. Then times the whole forward with CUDA-graph replay (median) for
@@ -125,29 +126,48 @@ def graph_time_ms(fn, reps=20, inner=None):
     return times[len(times) // 2]
 
 
-def stage_times_ms(pkg, x, split_tokens, reps=10):
+def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
     """Per-stage event times (eager, after warm-up) by re-running each launcher on saved inputs."""
+    from qlabench_kernels._common import chunk_table, segment_table
     from qlabench_kernels.fixup import run_fixup
     from qlabench_kernels.fwd_o import run_fwd_o
     from qlabench_kernels.prep import run_prep
     from qlabench_kernels.seg_state import run_seg_state
+    from qlabench_kernels.tables import run_tables
 
     r = pkg.chunk_gdn_fwd_lowlevel(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens, variant=variant
     )
+    var = r["variant"]
+    fm = var["fastmath"] == "1"
     scale = 128**-0.5
-    stages = {"prep": lambda: run_prep(x["k"], x["g"], x["beta"], r["ctab"])}
-    if r["split_tokens"]:
+    cu = x["cu"].long()
+    T, N = x["q"].shape[1], cu.numel() - 1
+    sp = r["split_tokens"]
+    seg = sp if sp else (max(T, 1) + 63) // 64 * 64
+    if var["tables"] == "tl":
+        stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp))}
+    else:
+
+        def _torch_tables():
+            ctab, cc = chunk_table(cu, T, N)
+            return segment_table(cu, cc, T, N, seg, split=bool(sp))
+
+        stages = {"tables": _torch_tables}
+    stages["prep"] = lambda: run_prep(x["k"], x["g"], x["beta"], r["ctab"], method=var["prep"])
+    if sp:
         stages["seg_state"] = lambda: run_seg_state(
-            x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"]
-        )
+            x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"],
+            num_stages=var["stages"], fastmath=fm,
+        )  # fmt: skip
         stages["fixup"] = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])
         init = r["h_start"]
     else:
         init = x["h0"]
     stages["fwd_o"] = lambda: run_fwd_o(
-        x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, scale, r["o"], r["final_state"]
-    )
+        x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, scale, r["o"], r["final_state"],
+        block_v=int(var["fwd_bv"]), num_stages=var["stages"], threads=int(var["fwd_threads"]), fastmath=fm,
+    )  # fmt: skip
     out = {}
     for name, fn in stages.items():
         fn()
@@ -165,7 +185,24 @@ def stage_times_ms(pkg, x, split_tokens, reps=10):
     return out
 
 
-def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages=True):
+_REF = {}
+
+
+def kernel_launches(fn):
+    """CUDA kernels launched by one call of ``fn`` (torch.profiler), or -1 if unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages=True, variant=None):
     log(
         f"\n=== {name}: h_qk={h_qk} h_v={h_v} seqlens={seqlens if len(seqlens) <= 8 else len(seqlens)} "
         f"split={split_tokens}"
@@ -173,17 +210,35 @@ def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages
     x = make_inputs(seqlens, h_qk, h_v)
     t0 = time.perf_counter()
     r = pkg.chunk_gdn_fwd_lowlevel(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=split_tokens
-    )
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=split_tokens,
+        variant=variant,
+    )  # fmt: skip
     torch.cuda.synchronize()
     log(
         f"first call (incl. compile/cache load) {time.perf_counter() - t0:.1f} s; "
         f"split_tokens used = {r['split_tokens']}"
     )
     rec = dict(case=name, h_qk=h_qk, h_v=h_v, seqlens=list(seqlens), split_tokens=r["split_tokens"])
+    rec["variant"] = variant or "default"
     rec["nan_o"] = int(torch.isnan(r["o"].float()).sum())
     rec["nan_ht"] = int(torch.isnan(r["final_state"]).sum())
-    ref_o, ref_h = reference_fp32(x)
+    if r["variant"]["tables"] == "tl":  # the one-launch tables must equal the torch builders' exactly
+        from qlabench_kernels._common import chunk_table, segment_table
+
+        cu = x["cu"].long()
+        T, N = x["q"].shape[1], len(seqlens)
+        sp = r["split_tokens"]
+        ct, cc = chunk_table(cu, T, N)
+        stb, cs = segment_table(cu, cc, T, N, sp if sp else (max(T, 1) + 63) // 64 * 64, split=bool(sp))
+        rec["tables_equal"] = bool(
+            torch.equal(ct, r["ctab"]) and torch.equal(stb, r["stab"]) and torch.equal(cc.int(), r["cu_chunks"].int())
+        )
+        log(f"tl tables equal torch tables: {rec['tables_equal']}")
+    key = (tuple(seqlens), h_qk, h_v)
+    if key not in _REF:
+        _REF.clear()
+        _REF[key] = reference_fp32(x)
+    ref_o, ref_h = _REF[key]
     rec["rel_o"] = emu.rel_l2(r["o"].float(), ref_o)
     rec["rel_ht"] = emu.rel_l2(r["final_state"], ref_h)
     log(
@@ -215,29 +270,35 @@ def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages
         rec["stage_fwd_o_ht"] = emu.rel_l2(r["final_state"], h_e)
         log("stages vs emulation: " + " ".join(f"{k[6:]}={v:.2e}" for k, v in rec.items() if k.startswith("stage_")))
     ok = rec["rel_o"] < 1e-2 and rec["rel_ht"] < 1e-2 and rec["nan_o"] == 0 and rec["nan_ht"] == 0
+    ok = ok and rec.get("tables_equal", True)
     rec["ok"] = ok
     log("RESULT", "PASS" if ok else "FAIL")
     results.append(rec)
     return x
 
 
-def time_case(pkg, name, x, splits, results):
+def time_case(pkg, name, x, splits, results, variant=None):
     for sp in splits:
         try:
 
             def fn(sp=sp):
                 return pkg.chunk_gdn_fwd_lowlevel(
-                    x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=sp
-                )
+                    x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=sp,
+                    variant=variant,
+                )  # fmt: skip
 
             ms = graph_time_ms(fn)
-            st = stage_times_ms(pkg, x, sp)
+            st = stage_times_ms(pkg, x, sp, variant=variant)
             used = fn()["split_tokens"]
+            nk = kernel_launches(fn)
             log(
-                f"TIME {name:28s} split={str(sp):5s}(used {used:5d}) graph median {ms:8.3f} ms | "
-                + " ".join(f"{k}={v:.3f}" for k, v in st.items())
+                f"TIME {name:28s} split={str(sp):5s}(used {used:5d}) graph median {ms:8.3f} ms "
+                f"launches {nk:3d} | " + " ".join(f"{k}={v:.3f}" for k, v in st.items())
             )
-            results.append(dict(case=name, split_tokens=sp, used_split=used, latency_ms=ms, stage_ms=st))
+            results.append(
+                dict(case=name, variant=variant or "default", split_tokens=sp, used_split=used, latency_ms=ms,
+                     launches=nk, stage_ms=st)
+            )  # fmt: skip
         except Exception:  # noqa: BLE001
             log(f"TIME {name} split={sp} FAILED:\n" + "".join(traceback.format_exc().splitlines(True)[-8:]))
 
@@ -250,7 +311,11 @@ CASES = [
     ("2_8_1x32768", (32768,), 2, 8, None, True, [None, 0, 1024, 2048, 4096]),
     ("16_64_1x32768", (32768,), 16, 64, None, True, [None, 8192, 16384]),
     ("16_64_4x8192", (8192,) * 4, 16, 64, None, True, [None]),
+    ("2_8_8x1024", (1024,) * 8, 2, 8, None, True, [None]),
+    ("2_8_1x2048", (2048,), 2, 8, None, True, [None]),
 ]
+#: split settings timed for non-default variants (the default variant times the full list above)
+VARIANT_SPLITS = {"2_8_1x32768": [None, 1024], "16_64_1x32768": [None]}
 
 
 
@@ -259,25 +324,33 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip the per-stage emulation on the big cases")
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--cases", default="", help="comma-separated case names (default all)")
-    ap.add_argument("--stages", default="0,2", help="chunk-loop variants to run (QLABENCH_GDN_STAGES values)")
+    ap.add_argument(
+        "--variants", default="", help='";"-separated variant specs (default: _common.CHECK_VARIANTS), e.g. "default;tables=tl"'
+    )
     args = ap.parse_args()
     pkg, emu = _import_pkg()
+    from qlabench_kernels._common import CHECK_VARIANTS
+
     log(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     results, timings = [], []
     want = set(filter(None, args.cases.split(",")))
-    stage_list = [int(x) for x in args.stages.split(",")]
-    for st in stage_list:
-        os.environ["QLABENCH_GDN_STAGES"] = str(st)
-        log(f"\n##### chunk-loop variant QLABENCH_GDN_STAGES={st}")
-        for name, seqlens, hq, hv, split, do_time, splits in CASES:
-            if want and name not in want:
-                continue
-            tag = f"{name}@st{st}"
+    variants = [v for v in args.variants.split(";") if v] or list(CHECK_VARIANTS)
+    os.environ.pop("QLABENCH_GDN_VARIANT", None)
+    os.environ.pop("QLABENCH_GDN_STAGES", None)
+    for name, seqlens, hq, hv, split, do_time, splits in CASES:  # one case at a time: the reference is cached
+        if want and name not in want:
+            continue
+        for var in variants:
+            spec = None if var == "default" else var
+            tag = f"{name}@{var}"
             try:
                 big = sum(seqlens) * hv > 300000
-                x = check_case(pkg, emu, tag, seqlens, hq, hv, split, results, stages=not (args.quick and big))
+                x = check_case(
+                    pkg, emu, tag, seqlens, hq, hv, split, results, stages=not (args.quick and big), variant=spec
+                )
                 if do_time and not args.no_time:
-                    time_case(pkg, tag, x, splits, timings)
+                    sps = splits if spec is None else VARIANT_SPLITS.get(name, splits)
+                    time_case(pkg, tag, x, sps, timings, variant=spec)
                 del x
                 torch.cuda.empty_cache()
             except Exception:  # noqa: BLE001
@@ -286,11 +359,11 @@ def main():
     log("\n=== summary")
     for r in results:
         log(
-            f"{r['case']:24s} {'PASS' if r.get('ok') else 'FAIL'} rel_o={r.get('rel_o', float('nan')):.2e} "
+            f"{r['case']:60s} {'PASS' if r.get('ok') else 'FAIL'} rel_o={r.get('rel_o', float('nan')):.2e} "
             f"rel_ht={r.get('rel_ht', float('nan')):.2e}"
         )
     for t in timings:
-        log(f"{t['case']:24s} split={str(t['split_tokens']):5s} {t['latency_ms']:.3f} ms")
+        log(f"{t['case']:60s} split={str(t['split_tokens']):5s} {t['latency_ms']:.3f} ms launches={t['launches']}")
     out = os.environ.get("OUT")
     if out:
         pathlib.Path(out).mkdir(parents=True, exist_ok=True)

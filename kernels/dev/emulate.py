@@ -238,3 +238,84 @@ def rel_l2(a, b):
     """‖a − b‖ / ‖b‖ over finite-reference elements, in fp64."""
     a, b = a.double(), b.double()
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+
+
+# --------------------------------------------------------------------------------------
+# Mirrors of the speed variants (algorithm-level; checked on CPU against the verified path)
+# --------------------------------------------------------------------------------------
+
+
+def emu_tables_tl(cu, T, N, seg_tokens, split, nt=512):
+    """Mirror of tables.py (block scan + per-slot binary search, blocks of ``nt`` sequences).
+    Returns (ctab, cu_chunks, stab, cu_segs) as int32 tensors like run_tables."""
+    cu = [int(x) for x in cu.tolist()]
+    ncs, ns = T // C + N, T // seg_tokens + N
+    ctab = [[0, 0, -1, 0] for _ in range(ncs)]
+    stab = [[0, 0, -1, 0, 0, 0, 0, 0] for _ in range(ns)]
+    cu_chunks, cu_segs = [0] * (N + 1), [0] * (N + 1)
+    carry_c = carry_s = 0
+    for blk in range((N + nt - 1) // nt):
+        idx = [blk * nt + t for t in range(nt)]
+        bos = [cu[n] if n < N else 0 for n in idx]
+        eos = [cu[n + 1] if n < N else 0 for n in idx]
+        nc = [(e - b + C - 1) // C if n < N else 0 for n, b, e in zip(idx, bos, eos)]
+        nsg = [max(1, (e - b + seg_tokens - 1) // seg_tokens) if n < N else 0 for n, b, e in zip(idx, bos, eos)]
+        c_sc, s_sc = list(nc), list(nsg)
+        d = 1
+        while d < nt:  # Hillis–Steele, as in the kernel
+            c_sc = [c_sc[t] + (c_sc[t - d] if t >= d else 0) for t in range(nt)]
+            s_sc = [s_sc[t] + (s_sc[t - d] if t >= d else 0) for t in range(nt)]
+            d *= 2
+        c_st = [carry_c + c_sc[t] - nc[t] for t in range(nt)]
+        s_st = [carry_s + s_sc[t] - nsg[t] for t in range(nt)]
+        for t, n in enumerate(idx):
+            if n < N:
+                cu_chunks[n], cu_segs[n] = c_st[t], s_st[t]
+        end_c, end_s = carry_c + c_sc[nt - 1], carry_s + s_sc[nt - 1]
+
+        def search(st, sl):
+            lo, step = 0, nt >> 1
+            while step:
+                if st[lo + step] <= sl:
+                    lo += step
+                step >>= 1
+            return lo
+
+        for sl in range(carry_c, end_c):
+            lo = search(c_st, sl)
+            b = bos[lo] + (sl - c_st[lo]) * C
+            ctab[sl] = [b, min(b + C, eos[lo]), blk * nt + lo, 0]
+        for sl in range(carry_s, end_s):
+            lo = search(s_st, sl)
+            loc = sl - s_st[lo]
+            b = bos[lo] + loc * seg_tokens
+            seq = blk * nt + lo
+            stab[sl] = [b, min(b + seg_tokens, eos[lo]), seq, c_st[lo] + loc * (seg_tokens // C),
+                        sl if split else seq, int(loc == nsg[lo] - 1), 0, 0]  # fmt: skip
+        carry_c, carry_s = end_c, end_s
+    cu_chunks[N], cu_segs[N] = carry_c, carry_s
+    i32 = dict(dtype=torch.int32)
+    return torch.tensor(ctab, **i32), torch.tensor(cu_chunks, **i32), torch.tensor(stab, **i32), torch.tensor(cu_segs, **i32)
+
+
+def solve_blocked(L):
+    """Mirror of prep.py method="blocked": A = (I + L)⁻¹ for strictly lower L [..., 64, 64] (fp32),
+    16x16 diagonal blocks by substitution, then off-diagonal blocks level by level."""
+    B = 16
+    A = torch.zeros_like(L)
+    eye = torch.eye(B, dtype=L.dtype, device=L.device)
+    for b in range(4):
+        Lb = L[..., b * B : (b + 1) * B, b * B : (b + 1) * B]
+        x = torch.zeros_like(Lb)
+        for i in range(B):
+            x[..., i, :] = eye[i] - (Lb[..., i, :i, None] * x[..., :i, :]).sum(-2)
+        A[..., b * B : (b + 1) * B, b * B : (b + 1) * B] = x
+    for lvl in (1, 2, 3):
+        ys = {}
+        for bj in range(4 - lvl):
+            bi = bj + lvl
+            ys[bi] = L[..., bi * B : (bi + 1) * B, bj * B : bi * B] @ A[..., bj * B : bi * B, bj * B : (bj + 1) * B]
+        for bj in range(4 - lvl):
+            bi = bj + lvl
+            A[..., bi * B : (bi + 1) * B, bj * B : (bj + 1) * B] = -(A[..., bi * B : (bi + 1) * B, bi * B : (bi + 1) * B] @ ys[bi])
+    return A

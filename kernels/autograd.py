@@ -1,0 +1,177 @@
+"""Backward of the TileLang GDN chunked prefill, and a trainable autograd entry point.
+
+    chunk_gdn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None) -> (o, final_state or None)          # differentiable
+    chunk_gdn_bwd(...)  -> dq, dk, dv, dg, dbeta, dh0                # low level
+
+Backward kernel sequence (FLA-style, one CTA = 128 threads, every GEMM on wgmma):
+
+    bwd_h      (V block, sequence, v-head)   recompute h per chunk (bf16) and v_new
+    bwd_dhu    (V block, sequence, v-head)   reverse: dh per chunk, dv_new (with dv_local), dh0
+    bwd_dqkwg  (chunk slot, v-head)          dq, dk (P and state parts), dw, dg (partial)
+    bwd_wy     (chunk slot, v-head)          through w, u, A: dk, dv, dβ, dg (+ in-chunk reverse cumsum)
+
+then dq, dk are summed over each GVA group (torch). The forward's prep outputs (g cumsum and
+A·diag(β), chunk-slot layout) are saved by :class:`ChunkGDNFunction`; A itself is rebuilt
+inside bwd_wy as A = I − A_β M. Per-chunk states are recomputed, never saved.
+Nothing here imports ``qlabench``.
+"""
+
+import torch
+
+from ._common import CHUNK, HEAD_DIM, chunk_table, default_cu_seqlens, segment_table
+from .bwd_dhu import run_bwd_dhu
+from .bwd_dqkwg import run_bwd_dqkwg
+from .bwd_h import run_bwd_h
+from .bwd_wy import run_bwd_wy
+
+__all__ = ["chunk_gdn_bwd", "chunk_gdn", "ChunkGDNFunction"]
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _group_sum(x_v, h_qk):
+    _, T, h_v, d = x_v.shape
+    G = h_v // h_qk
+    if G == 1:
+        return x_v
+    return x_v.view(1, T, h_qk, G, d).sum(3)
+
+
+def chunk_gdn_bwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    do,
+    dht=None,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    gcs=None,
+    a_beta=None,
+    ctab=None,
+    block_v=64,
+    target=None,
+    return_intermediates=False,
+):
+    """Gradients of the GDN chunked prefill (FLA conventions).
+
+    Args:
+        q, k [1,T,Hqk,128] bf16; v [1,T,Hv,128] bf16; g (raw, natural log), beta [1,T,Hv];
+        do [1,T,Hv,128] (cast to bf16); dht [N,Hv,128,128] (d final state) or None;
+        scale (default 128**-0.5); initial_state h0 [N,Hv,128,128] or None; cu_seqlens [N+1] or None.
+        gcs [Hv,NCS*64] fp32, a_beta [Hv,NCS*64,64] bf16, ctab int32 [NCS,4]: the forward's
+            prep outputs (``chunk_gdn_fwd_lowlevel``); recomputed (prep kernel) when None.
+        block_v: V columns per CTA of bwd_h / bwd_dhu (64 or 32).
+    Returns:
+        dq, dk [1,T,Hqk,128] (q.dtype, summed over each GVA group), dv [1,T,Hv,128] (v.dtype),
+        dg [1,T,Hv] fp32 (for the raw g), dbeta [1,T,Hv] fp32, dh0 [N,Hv,128,128] fp32 or None.
+        With ``return_intermediates`` a dict with those and every stage's output.
+    """
+    if q.dim() != 4 or q.shape[0] != 1 or q.shape[3] != HEAD_DIM:
+        raise ValueError(f"q must be [1, T, Hqk, {HEAD_DIM}], got {tuple(q.shape)}")
+    _, T, h_qk, _ = q.shape
+    h_v = v.shape[2]
+    if h_v % h_qk:
+        raise ValueError(f"Hv={h_v} must be a multiple of Hqk={h_qk}")
+    dev = q.device
+    scale = HEAD_DIM**-0.5 if scale is None else float(scale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g = g.float().contiguous()
+    beta = beta.float().contiguous()
+    do = do.to(torch.bfloat16).contiguous()
+    dht = None if dht is None else dht.float().contiguous()
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    cu = default_cu_seqlens(T, dev) if cu_seqlens is None else cu_seqlens.to(device=dev, dtype=torch.int64)
+    N = cu.numel() - 1
+    ctab_new, cu_chunks = chunk_table(cu, T, N)
+    ncs = ctab_new.shape[0]
+    if ctab is None or tuple(ctab.shape) != (ncs, 4):
+        ctab = ctab_new
+    if (
+        gcs is None
+        or a_beta is None
+        or tuple(gcs.shape) != (h_v, ncs * CHUNK)
+        or tuple(a_beta.shape) != (h_v, ncs * CHUNK, CHUNK)
+    ):
+        from .prep import run_prep
+
+        gcs, a_beta = run_prep(k, g, beta, ctab, target=target)
+    stab, _ = segment_table(cu, cu_chunks, T, N, _round_up(max(T, 1), CHUNK), split=False)
+
+    h_all, vnew = run_bwd_h(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
+    dh0 = None
+    if h0 is not None:
+        dh0 = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
+    dh_all, dvnew, dh0 = run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, block_v=block_v, target=target)
+    dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target)
+    dk_part = dk_v.clone() if return_intermediates else None
+    dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)
+    dq = _group_sum(dq_v, h_qk).to(q.dtype)
+    dk = _group_sum(dk_v, h_qk).to(k.dtype)
+    dv = dv.to(v.dtype)
+    if not return_intermediates:
+        return dq, dk, dv, dg, dbeta, dh0
+    return dict(
+        dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dh0=dh0,
+        ctab=ctab, stab=stab, gcs=gcs, a_beta=a_beta, h_all=h_all, vnew=vnew, dh_all=dh_all, dvnew=dvnew,
+        dq_v=dq_v, dk_part=dk_part, dw=dw, dg_part=dg_part, dk_v=dk_v,
+    )  # fmt: skip
+
+
+class ChunkGDNFunction(torch.autograd.Function):
+    """Autograd wrapper: forward = ``chunk_gdn_fwd_lowlevel``; backward = :func:`chunk_gdn_bwd`.
+
+    Saves q, k, v, g, β, the forward's g cumsum, A·diag(β) and chunk table, h0 and cu_seqlens;
+    recomputes the per-chunk states in the backward.
+    apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens) -> (o, ht).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        from . import chunk_gdn_fwd_lowlevel
+
+        r = chunk_gdn_fwd_lowlevel(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, g, beta, r.get("gcs"), r.get("a_beta"), r.get("ctab"), initial_state, cu_seqlens)
+        ctx.scale = scale
+        ctx.dtypes = (g.dtype, beta.dtype, None if initial_state is None else initial_state.dtype)
+        o, ht = r["o"], r["final_state"]
+        if ht is None:
+            return o, None
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, gcs, a_beta, ctab, h0, cu = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros(1, q.shape[1], v.shape[2], HEAD_DIM, device=q.device, dtype=torch.bfloat16)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
+            q, k, v, g, beta, do, dht=dht, scale=ctx.scale, initial_state=h0, cu_seqlens=cu,
+            gcs=gcs, a_beta=a_beta, ctab=ctab,
+        )  # fmt: skip
+        g_dt, b_dt, h_dt = ctx.dtypes
+        dh0 = None if dh0 is None else dh0.to(h_dt)
+        return dq, dk, dv, dg.to(g_dt), dbeta.to(b_dt), None, dh0, None, None
+
+
+def chunk_gdn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Differentiable GDN chunked prefill (TileLang forward and backward, FLA conventions).
+
+    Args:
+        q, k [1,T,Hqk,128] bf16 (L2-normalised by the caller); v [1,T,Hv,128] bf16;
+        g [1,T,Hv] (natural-log decay, g <= 0); beta [1,T,Hv]; scale (default 128**-0.5);
+        initial_state [N,Hv,128,128] fp32 or None; output_final_state; cu_seqlens [N+1] or None.
+    Returns:
+        o [1,T,Hv,128] bf16 and final_state [N,Hv,128,128] fp32 (None unless output_final_state).
+        Gradients flow to q, k, v, g, beta and initial_state (dq/dk summed over GVA groups).
+    """
+    scale = HEAD_DIM**-0.5 if scale is None else float(scale)
+    o, ht = ChunkGDNFunction.apply(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens)
+    return o, (ht if output_final_state else None)

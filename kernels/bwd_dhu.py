@@ -1,0 +1,166 @@
+"""Backward kernel 2: the reverse state-gradient recurrence, fused with dv_local (FLA's
+``chunk_bwd_dv_local`` + ``chunk_gated_delta_rule_bwd_dhu``).
+
+One CTA (128 threads) per (V block of ``block_v`` columns, segment, v-head); segments are one
+per sequence (unsplit table). dH [128, block_v] (the gradient of the state at the END of the
+current chunk) stays in fp32 registers, starting from d(final state) (or 0); chunks in reverse:
+
+    dh[slot] = bf16(dH)
+    Pᵀ       = scale · Γᵀ ⊙ K Qᵀ    (i ≥ j, i.e. upper incl. diagonal in [j, i])      wgmma
+    dv_new   = Pᵀ dO + e^{g_l − g} ⊙ (K dH)                                        wgmma ×2
+    Y        = A_βᵀ dv_new                                                          wgmma
+    dH      ← e^{g_l} dH + Qᵀ (scale e^g ⊙ dO) − Kᵀ (e^g ⊙ Y)                    wgmma M = 128
+    dh0      = dH after the first chunk (when ``has_dh0``)
+
+Loads of q, k, dO are masked to 0 past the chunk's valid rows (so padded rows contribute
+nothing and dv_new rows past the end are 0).
+
+Inputs:  q, k [1,T,Hqk,128] bf16, gcs, a_beta (forward prep), do [1,T,Hv,128] bf16,
+         dht [N,Hv,128,128] fp32 (read when ``has_dht``), stab int32 [NS,8], scale.
+Outputs: dh_all [Hv, NCS, 128, 128] bf16, dvnew [Hv, NCS*64, 128] bf16,
+         dh0 [N, Hv, 128, 128] fp32 (written when ``has_dh0``; row = sequence).
+"""
+
+import functools
+import json
+
+import torch
+
+from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+
+
+def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64):
+    import tilelang.language as T
+
+    G = check_heads(h_qk, h_v)
+    C, D, BV = CHUNK, HEAD_DIM, block_v
+    assert D % BV == 0
+    Tn = T.dynamic("T")
+    NCS = T.dynamic("NCS")
+    NS = T.dynamic("NS")
+    ND = T.dynamic("ND")
+    N0 = T.dynamic("N0")
+
+    @T.prim_func
+    def gdn_bwd_dhu(
+        q: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        gcs: T.Tensor((h_v, NCS * C), "float32"),
+        a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
+        do: T.Tensor((1, Tn, h_v, D), "bfloat16"),
+        dht: T.Tensor((ND, h_v, D, D), "float32"),
+        stab: T.Tensor((NS, 8), "int32"),
+        scale: T.float32,
+        dh_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
+        dvnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
+        dh0: T.Tensor((N0, h_v, D, D), "float32"),
+    ):
+        with T.Kernel(D // BV, NS * h_v, threads=128) as (bv, sh):
+            s = sh // h_v
+            hv = sh % h_v
+            hk = hv // G
+            v0 = bv * BV
+
+            q_sh = T.alloc_shared((C, D), "bfloat16")
+            k_sh = T.alloc_shared((C, D), "bfloat16")
+            do_sh = T.alloc_shared((C, BV), "bfloat16")
+            a_sh = T.alloc_shared((C, C), "bfloat16")
+            dh_sh = T.alloc_shared((D, BV), "bfloat16")
+            pt_sh = T.alloc_shared((C, C), "bfloat16")
+            dv_sh = T.alloc_shared((C, BV), "bfloat16")
+            qdo_sh = T.alloc_shared((C, BV), "bfloat16")
+            ky_sh = T.alloc_shared((C, BV), "bfloat16")
+            g_sh = T.alloc_shared((C,), "float32")
+
+            dh_frag = T.alloc_fragment((D, BV), "float32")
+            kq_frag = T.alloc_fragment((C, C), "float32")
+            dv_frag = T.alloc_fragment((C, BV), "float32")
+            kdh_frag = T.alloc_fragment((C, BV), "float32")
+            y_frag = T.alloc_fragment((C, BV), "float32")
+            glast = T.alloc_var("float32")
+
+            bos = stab[s, 0]
+            eos = stab[s, 1]
+            seq = stab[s, 2]
+            cslot = stab[s, 3]
+            nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
+
+            if has_dht:
+                if seq >= 0:
+                    T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
+                else:
+                    T.clear(dh_frag)
+            else:
+                T.clear(dh_frag)
+
+            for cr in T.serial(nchunks):
+                ci = nchunks - 1 - cr
+                t0 = bos + ci * C
+                ln = T.min(eos - t0, C)
+                r0 = (cslot + ci) * C
+                for i, j in T.Parallel(C, D):
+                    q_sh[i, j] = T.if_then_else(i < ln, q[0, t0 + i, hk, j], T.bfloat16(0))
+                    k_sh[i, j] = T.if_then_else(i < ln, k[0, t0 + i, hk, j], T.bfloat16(0))
+                for i, j in T.Parallel(C, BV):
+                    do_sh[i, j] = T.if_then_else(i < ln, do[0, t0 + i, hv, v0 + j], T.bfloat16(0))
+                T.copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh)
+                T.copy(gcs[hv, r0 : r0 + C], g_sh)
+                T.copy(dh_frag, dh_sh)
+                T.copy(dh_sh, dh_all[hv, cslot + ci, 0:D, v0 : v0 + BV])
+                glast = g_sh[ln - 1]
+
+                # Pᵀ[j, i] = scale e^{g_i − g_j} k_j·q_i for i >= j
+                T.gemm(k_sh, q_sh, kq_frag, transpose_B=True, clear_accum=True)
+                for j, i in T.Parallel(C, C):
+                    pt_sh[j, i] = T.cast(
+                        T.if_then_else(i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * kq_frag[j, i], T.float32(0)),
+                        "bfloat16",
+                    )
+                T.gemm(k_sh, dh_sh, kdh_frag, clear_accum=True)
+                T.gemm(pt_sh, do_sh, dv_frag, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    dv_frag[i, j] = dv_frag[i, j] + T.if_then_else(
+                        i < ln, T.exp(glast - g_sh[i]) * kdh_frag[i, j], T.float32(0)
+                    )
+                T.copy(dv_frag, dv_sh)
+                T.copy(dv_sh, dvnew[hv, r0 : r0 + C, v0 : v0 + BV])
+
+                T.gemm(a_sh, dv_sh, y_frag, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    qdo_sh[i, j] = T.cast(scale * T.exp(g_sh[i]) * T.cast(do_sh[i, j], "float32"), "bfloat16")
+                    ky_sh[i, j] = T.cast(-T.exp(g_sh[i]) * y_frag[i, j], "bfloat16")
+                for i, j in T.Parallel(D, BV):
+                    dh_frag[i, j] = dh_frag[i, j] * T.exp(glast)
+                T.gemm(q_sh, qdo_sh, dh_frag, transpose_A=True)
+                T.gemm(k_sh, ky_sh, dh_frag, transpose_A=True)
+
+            if has_dh0:
+                if seq >= 0:
+                    T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
+
+    return gdn_bwd_dhu
+
+
+@functools.cache
+def get_bwd_dhu_kernel(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, target_k=None):
+    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+    return compile_program(bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v), target=target)
+
+
+def run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=64, target=None):
+    """Launch the reverse recurrence. dht: [N,Hv,128,128] fp32 or None; dh0: preallocated
+    [N,Hv,128,128] fp32 to fill, or None. Returns dh_all, dvnew, dh0."""
+    h_qk, h_v = q.shape[2], do.shape[2]
+    ncs = gcs.shape[1] // CHUNK
+    dev = q.device
+    if dh_all is None:
+        dh_all = torch.empty(h_v, ncs, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    if dvnew is None:
+        dvnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    has_dht, has_dh0 = dht is not None, dh0 is not None
+    kern = get_bwd_dhu_kernel(h_qk, h_v, has_dht, has_dh0, block_v, target_key(target))
+    dummy = None
+    if not (has_dht and has_dh0):
+        dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
+    kern(q, k, gcs, a_beta, do, dht if has_dht else dummy, stab, float(scale), dh_all, dvnew, dh0 if has_dh0 else dummy)
+    return dh_all, dvnew, dh0

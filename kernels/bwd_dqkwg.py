@@ -1,0 +1,183 @@
+"""Backward kernel 3: dq, the P / state parts of dk, dw and the dq/dk/state parts of dg
+(FLA's ``chunk_bwd_dqkwg``), one CTA (128 threads) per (chunk slot, v-head), V = 128 whole.
+
+With h = state at the chunk start, dH = d(state at its end) (bwd_dhu), g = chunk-local cumsum,
+g_l = g at the last valid row, Γ_ij = e^{g_i − g_j} (i ≥ j):
+
+    dw   = −dv_new hᵀ                                  wgmma   → dw (bf16, chunk-slot rows)
+    dq   = scale e^g ⊙ (dO hᵀ) + dS K                  wgmma ×2, dS = bf16(scale Γ ⊙ dO v_newᵀ)
+    dk   = dSᵀ Q + e^{g_l − g} ⊙ (v_new dHᵀ)           wgmma ×2 (partial: bwd_wy adds the rest)
+    dg_i = Σ_k (dq_inter ⊙ q)_ik + Σ_j Z_ij − Σ_j Z_ji − Σ_k (dk_state ⊙ k)_ik
+           + [i = last] (Σ_i Σ_k (dk_state ⊙ k)_ik + e^{g_l} Σ h ⊙ dH),   Z = dO v_newᵀ ⊙ P
+
+(dg here is for the cumsummed g; bwd_wy adds its part and takes the reverse cumsum.)
+Loads of q, k, dO are masked to 0 past the valid rows; dq, dk rows are stored only there.
+Row sums over 128 columns use ``T.reduce_sum``; the [64,64] row/column sums and the
+Σ h ⊙ dH sum run per thread from shared memory.
+
+Inputs:  q, k [1,T,Hqk,128] bf16, do [1,T,Hv,128] bf16, gcs [Hv,NCS*64] fp32, ctab [NCS,4],
+         h_all, dh_all [Hv,NCS,128,128] bf16, vnew, dvnew [Hv,NCS*64,128] bf16, scale.
+Outputs: dq_v, dk_v [1,T,Hv,128] fp32 (per v-head; dk partial), dw [Hv,NCS*64,128] bf16,
+         dg_part [Hv,NCS*64] fp32 (0 on rows past the end).
+"""
+
+import functools
+import json
+
+import torch
+
+from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+
+
+def bwd_dqkwg_program(h_qk: int, h_v: int):
+    import tilelang.language as T
+
+    G = check_heads(h_qk, h_v)
+    C, D = CHUNK, HEAD_DIM
+    Tn = T.dynamic("T")
+    NCS = T.dynamic("NCS")
+
+    @T.prim_func
+    def gdn_bwd_dqkwg(
+        q: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        do: T.Tensor((1, Tn, h_v, D), "bfloat16"),
+        gcs: T.Tensor((h_v, NCS * C), "float32"),
+        ctab: T.Tensor((NCS, 4), "int32"),
+        h_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
+        dh_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
+        vnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
+        dvnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
+        scale: T.float32,
+        dq_v: T.Tensor((1, Tn, h_v, D), "float32"),
+        dk_v: T.Tensor((1, Tn, h_v, D), "float32"),
+        dw: T.Tensor((h_v, NCS * C, D), "bfloat16"),
+        dg_part: T.Tensor((h_v, NCS * C), "float32"),
+    ):
+        with T.Kernel(NCS, h_v, threads=128) as (c, hv):
+            hk = hv // G
+            q_sh = T.alloc_shared((C, D), "bfloat16")
+            k_sh = T.alloc_shared((C, D), "bfloat16")
+            do_sh = T.alloc_shared((C, D), "bfloat16")
+            vn_sh = T.alloc_shared((C, D), "bfloat16")
+            dvn_sh = T.alloc_shared((C, D), "bfloat16")
+            h_sh = T.alloc_shared((D, D), "bfloat16")
+            dh_sh = T.alloc_shared((D, D), "bfloat16")
+            ds_sh = T.alloc_shared((C, C), "bfloat16")
+            z_sh = T.alloc_shared((C, C), "float32")
+            g_sh = T.alloc_shared((C,), "float32")
+            r1_sh = T.alloc_shared((C,), "float32")
+            r2_sh = T.alloc_shared((C,), "float32")
+            hd_sh = T.alloc_shared((D,), "float32")
+
+            acc1 = T.alloc_fragment((C, D), "float32")
+            acc2 = T.alloc_fragment((C, D), "float32")
+            red = T.alloc_fragment((C,), "float32")
+            dp_frag = T.alloc_fragment((C, C), "float32")
+            qk_frag = T.alloc_fragment((C, C), "float32")
+            glast = T.alloc_var("float32")
+            sacc = T.alloc_var("float32")
+            tsum = T.alloc_var("float32")
+
+            bos = ctab[c, 0]
+            ln = ctab[c, 1] - bos
+            r0 = c * C
+            tx = T.get_thread_binding()
+
+            for i, j in T.Parallel(C, D):
+                q_sh[i, j] = T.if_then_else(i < ln, q[0, bos + i, hk, j], T.bfloat16(0))
+                k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
+                do_sh[i, j] = T.if_then_else(i < ln, do[0, bos + i, hv, j], T.bfloat16(0))
+            T.copy(vnew[hv, r0 : r0 + C, 0:D], vn_sh)
+            T.copy(dvnew[hv, r0 : r0 + C, 0:D], dvn_sh)
+            T.copy(h_all[hv, c, 0:D, 0:D], h_sh)
+            T.copy(dh_all[hv, c, 0:D, 0:D], dh_sh)
+            T.copy(gcs[hv, r0 : r0 + C], g_sh)
+            glast = g_sh[T.max(ln - 1, 0)]
+
+            # intra-chunk attention part: dS = scale Γ ⊙ dO v_newᵀ, Z = dO v_newᵀ ⊙ P
+            T.gemm(do_sh, vn_sh, dp_frag, transpose_B=True, clear_accum=True)
+            T.gemm(q_sh, k_sh, qk_frag, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                ds_sh[i, j] = T.cast(
+                    T.if_then_else(i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * dp_frag[i, j], T.float32(0)),
+                    "bfloat16",
+                )
+                z_sh[i, j] = T.if_then_else(
+                    i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * dp_frag[i, j] * qk_frag[i, j], T.float32(0)
+                )
+
+            # dw = −dv_new hᵀ
+            T.gemm(dvn_sh, h_sh, acc1, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, D):
+                dw[hv, r0 + i, j] = T.cast(-acc1[i, j], "bfloat16")
+
+            # dq = scale e^g ⊙ (dO hᵀ) + dS K;  dg += rowsum(dq_inter ⊙ q)
+            T.gemm(do_sh, h_sh, acc1, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, D):
+                acc1[i, j] = acc1[i, j] * (scale * T.exp(g_sh[i]))
+                acc2[i, j] = acc1[i, j] * T.cast(q_sh[i, j], "float32")
+            T.reduce_sum(acc2, red, dim=1)
+            T.copy(red, r1_sh)
+            T.gemm(ds_sh, k_sh, acc1)
+            for i, j in T.Parallel(C, D):
+                if i < ln:
+                    dq_v[0, bos + i, hv, j] = acc1[i, j]
+
+            # dk = dSᵀ Q + e^{g_l − g} ⊙ (v_new dHᵀ);  dg −= rowsum(dk_state ⊙ k)
+            T.gemm(ds_sh, q_sh, acc1, transpose_A=True, clear_accum=True)
+            T.gemm(vn_sh, dh_sh, acc2, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, D):
+                acc2[i, j] = T.if_then_else(i < ln, T.exp(glast - g_sh[i]) * acc2[i, j], T.float32(0))
+                acc1[i, j] = acc1[i, j] + acc2[i, j]
+            for i, j in T.Parallel(C, D):
+                acc2[i, j] = acc2[i, j] * T.cast(k_sh[i, j], "float32")
+            T.reduce_sum(acc2, red, dim=1)
+            T.copy(red, r2_sh)
+            for i, j in T.Parallel(C, D):
+                if i < ln:
+                    dk_v[0, bos + i, hv, j] = acc1[i, j]
+
+            # Σ h ⊙ dH: thread t sums row t (rotated columns against bank conflicts)
+            sacc = T.float32(0)
+            for jj in T.serial(D):
+                sacc = sacc + T.cast(h_sh[tx, (jj + tx) % D], "float32") * T.cast(dh_sh[tx, (jj + tx) % D], "float32")
+            hd_sh[tx] = sacc
+
+            if tx < C:
+                sacc = r1_sh[tx] - r2_sh[tx]
+                for jj in T.serial(C):
+                    sacc = sacc + z_sh[tx, (jj + tx) % C] - z_sh[jj, tx]
+                if tx == ln - 1:
+                    tsum = T.float32(0)
+                    for jj in T.serial(C):
+                        tsum = tsum + r2_sh[jj]
+                    sacc = sacc + tsum
+                    tsum = T.float32(0)
+                    for jj in T.serial(D):
+                        tsum = tsum + hd_sh[jj]
+                    sacc = sacc + T.exp(glast) * tsum
+                dg_part[hv, r0 + tx] = T.if_then_else(tx < ln, sacc, T.float32(0))
+
+    return gdn_bwd_dqkwg
+
+
+@functools.cache
+def get_bwd_dqkwg_kernel(h_qk: int, h_v: int, target_k=None):
+    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+    return compile_program(bwd_dqkwg_program(h_qk, h_v), target=target)
+
+
+def run_bwd_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None):
+    """Launch dqkwg. Returns dq_v, dk_v [1,T,Hv,128] fp32 (per v-head; dk partial),
+    dw [Hv,NCS*64,128] bf16, dg_part [Hv,NCS*64] fp32."""
+    h_qk, h_v = q.shape[2], do.shape[2]
+    T_, ncs = q.shape[1], ctab.shape[0]
+    dev = q.device
+    dq_v = torch.empty(1, T_, h_v, HEAD_DIM, device=dev, dtype=torch.float32)
+    dk_v = torch.empty(1, T_, h_v, HEAD_DIM, device=dev, dtype=torch.float32)
+    dw = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    dg_part = torch.empty(h_v, ncs * CHUNK, device=dev, dtype=torch.float32)
+    kern = get_bwd_dqkwg_kernel(h_qk, h_v, target_key(target))
+    kern(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, float(scale), dq_v, dk_v, dw, dg_part)
+    return dq_v, dk_v, dw, dg_part

@@ -1,0 +1,291 @@
+"""Correctness and timing check of the TileLang GDN backward on a Hopper GPU.
+
+    python kernels/dev/check_bwd.py [--quick] [--no-time] [--cases NAME,...] [--block-v 64,32]
+
+For each case: forward (chunk_gdn_fwd_lowlevel) then chunk_gdn_bwd with intermediates;
+every gradient (dq, dk, dv, dg, dβ, dh0) against autograd through the chunked fp32 reference
+(qlabench.backends.reference.gdn_chunked_grads), and every stage against its torch emulation
+fed the kernel's own inputs (emulate_bwd.stage_errors), so a wrong kernel is named. Then the
+backward alone (saved forward tensors) and forward+backward are timed with CUDA-graph replay
+(median), plus per-stage event times. Each case runs in try/except.
+Writes check_bwd.json and check_bwd.txt to $OUT when set.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _import_pkg():
+    try:
+        import qlabench_kernels as pkg  # noqa: F401
+    except ImportError:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "qlabench_kernels",
+            ROOT / "kernels" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "kernels")],
+        )
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["qlabench_kernels"] = mod
+        spec.loader.exec_module(mod)
+    import qlabench_kernels as pkg
+
+    return pkg, None
+
+
+def graph_time_ms(fn, reps=20, inner=None):
+    """Median per-call ms over CUDA-graph replays (``inner`` calls captured per graph)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = time.perf_counter() - t0
+    if inner is None:
+        inner = max(1, min(20, int(0.01 / max(est, 1e-6))))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / inner)
+    times.sort()
+    return times[len(times) // 2]
+
+
+TOL = {"dq": 4e-2, "dk": 4e-2, "dv": 4e-2, "dbeta": 4e-2, "dh0": 4e-2, "dg": 8e-2}
+LINES = []
+FLASHQLA_MS = {"16_32_1x32768": 2.07, "4_8_8way32768": 0.665}  # issue 5 (lent H200, backward)
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    LINES.append(s)
+
+
+def make_inputs(seqlens, h_qk, h_v, seed=0, dev="cuda", with_h0=True, with_dht=True):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    T, N, D = sum(seqlens), len(seqlens), 128
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, device=dev)
+
+    x = dict(
+        q=torch.nn.functional.normalize(rn(1, T, h_qk, D), dim=-1).to(torch.bfloat16),
+        k=torch.nn.functional.normalize(rn(1, T, h_qk, D), dim=-1).to(torch.bfloat16),
+        v=rn(1, T, h_v, D).to(torch.bfloat16),
+        g=torch.nn.functional.logsigmoid(rn(1, T, h_v) + 3.0) * 0.5,
+        beta=torch.sigmoid(rn(1, T, h_v)),
+    )
+    x["g"][..., h_v - max(1, h_v // 4) :] = 0.0
+    x["h0"] = rn(N, h_v, D, D) * 0.1 if with_h0 else None
+    x["do"] = rn(1, T, h_v, D).to(torch.bfloat16)
+    x["dht"] = rn(N, h_v, D, D) * 0.1 if with_dht else None
+    x["cu"] = torch.tensor([0, *torch.cumsum(torch.tensor(seqlens), 0).tolist()], dtype=torch.int32, device=dev)
+    return x
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+
+
+def run_bwd(pkg, x, r, block_v=64, inter=False):
+    return pkg.chunk_gdn_bwd(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
+        cu_seqlens=x["cu"], gcs=r["gcs"], a_beta=r["a_beta"], ctab=r["ctab"], block_v=block_v,
+        return_intermediates=inter,
+    )  # fmt: skip
+
+
+def run_fwd(pkg, x):
+    return pkg.chunk_gdn_fwd_lowlevel(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"]
+    )  # fmt: skip
+
+
+def check_case(pkg, name, seqlens, h_qk, h_v, results, stages=True, block_v=64, with_h0=True, with_dht=True):
+    from qlabench_kernels.dev import emulate_bwd as eb
+
+    from qlabench.backends.reference import gdn_chunked_grads
+
+    log(f"\n=== {name}: h_qk={h_qk} h_v={h_v} seqlens={seqlens if len(seqlens) <= 8 else len(seqlens)} "
+        f"block_v={block_v} h0={with_h0} dht={with_dht}")  # fmt: skip
+    x = make_inputs(seqlens, h_qk, h_v, with_h0=with_h0, with_dht=with_dht)
+    t0 = time.perf_counter()
+    r = run_fwd(pkg, x)
+    g = run_bwd(pkg, x, r, block_v, inter=True)
+    torch.cuda.synchronize()
+    log(f"first fwd+bwd call (incl. compile / cache load) {time.perf_counter() - t0:.1f} s")
+    ref = gdn_chunked_grads(x["q"], x["k"], x["v"], x["g"], x["beta"], 128**-0.5, x["h0"], x["cu"], x["do"], x["dht"])
+    rec = dict(case=name, h_qk=h_qk, h_v=h_v, seqlens=list(seqlens), block_v=block_v)
+    ok = True
+    for n in ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if with_h0 else []):
+        t = g[n].float()
+        nonfinite = int((~torch.isfinite(t)).sum())
+        e = rel_l2(t, ref[n].detach())
+        rec[f"rel_{n}"] = e
+        rec[f"nonfinite_{n}"] = nonfinite
+        ok = ok and nonfinite == 0 and e < TOL[n]
+    log("vs reference: " + " ".join(f"{n[4:]}={rec[n]:.2e}" for n in rec if n.startswith("rel_")))
+    if stages:
+        errs = eb.stage_errors(g, x["q"], x["k"], x["v"], x["beta"], x["do"], x["dht"], x["h0"], 128**-0.5)
+        rec["stages"] = errs
+        log("stages vs emulation: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    rec["ok"] = ok
+    log("RESULT", "PASS" if ok else "FAIL")
+    results.append(rec)
+    del g, ref
+    return x, r
+
+
+def stage_times_ms(x, r, g, block_v=64, reps=10):
+    from qlabench_kernels.bwd_dhu import run_bwd_dhu
+    from qlabench_kernels.bwd_dqkwg import run_bwd_dqkwg
+    from qlabench_kernels.bwd_h import run_bwd_h
+    from qlabench_kernels.bwd_wy import run_bwd_wy
+
+    sc = 128**-0.5
+    dk_tmp = g["dk_v"].clone()
+    stages = {
+        "bwd_h": lambda: run_bwd_h(
+            x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], x["h0"], g["h_all"], g["vnew"], block_v
+        ),
+        "bwd_dhu": lambda: run_bwd_dhu(
+            x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], x["dht"], g["stab"], sc, g["dh0"],
+            g["dh_all"], g["dvnew"], block_v,
+        ),
+        "bwd_dqkwg": lambda: run_bwd_dqkwg(
+            x["q"], x["k"], x["do"], g["gcs"], g["ctab"], g["h_all"], g["dh_all"], g["vnew"], g["dvnew"], sc
+        ),
+        "bwd_wy": lambda: run_bwd_wy(
+            x["k"], x["v"], x["beta"], g["gcs"], g["a_beta"], g["ctab"], g["dw"], g["dvnew"], g["dg_part"], dk_tmp
+        ),
+    }  # fmt: skip
+    out = {}
+    for name, fn in stages.items():
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        ts.sort()
+        out[name] = ts[len(ts) // 2]
+    return out
+
+
+def time_case(pkg, name, seqlens, h_qk, h_v, block_vs, timings):
+    x = make_inputs(seqlens, h_qk, h_v)
+    r = run_fwd(pkg, x)
+    for bv in block_vs:
+        try:
+            ms_b = graph_time_ms(lambda bv=bv: run_bwd(pkg, x, r, bv))
+            ms_f = graph_time_ms(lambda: run_fwd(pkg, x))
+            ms_fb = graph_time_ms(lambda bv=bv: run_bwd(pkg, x, run_fwd(pkg, x), bv))
+            g = run_bwd(pkg, x, r, bv, inter=True)
+            st = stage_times_ms(x, r, g, bv)
+            del g
+            ref = FLASHQLA_MS.get(name)
+            rs = f" | FlashQLA bwd {ref:.3f} ms -> ratio {ref / ms_b:.2f}x" if ref else ""
+            log(
+                f"TIME {name:18s} bv={bv} bwd {ms_b:8.3f} ms  fwd {ms_f:7.3f}  fwd+bwd {ms_fb:8.3f} | "
+                + " ".join(f"{k}={v:.3f}" for k, v in st.items())
+                + rs
+            )
+            timings.append(dict(case=name, block_v=bv, bwd_ms=ms_b, fwd_ms=ms_f, fwdbwd_ms=ms_fb, stage_ms=st))
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            log(f"TIME {name} bv={bv} FAILED:\n" + "".join(traceback.format_exc().splitlines(True)[-10:]))
+
+
+EIGHT = (3274, 1029, 2909, 5061, 2011, 3793, 9932, 4759)
+CHECKS = [
+    # name, seqlens, h_qk, h_v, kwargs
+    ("mixed_2_8", (1, 63, 64, 65, 1000, 4097), 2, 8, {}),
+    ("mixed_1_3_noh0", (1, 63, 64, 65, 1000, 4097), 1, 3, dict(with_h0=False, with_dht=False)),
+    ("mixed_2_4_bv32", (5, 700, 0, 2000), 2, 4, dict(block_v=32)),
+    ("2_4_1x8192", (8192,), 2, 4, {}),
+    ("4_8_8way32768", EIGHT, 4, 8, {}),
+    ("16_32_1x32768", (32768,), 16, 32, {}),
+]
+TIMES = [
+    ("16_32_1x32768", (32768,), 16, 32),
+    ("4_8_8way32768", EIGHT, 4, 8),
+    ("2_4_1x8192", (8192,), 2, 4),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="skip the per-stage emulation on the big cases")
+    ap.add_argument("--no-time", action="store_true", help="correctness only")
+    ap.add_argument("--no-check", action="store_true", help="timing only")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    ap.add_argument("--block-v", default="64,32", help="bwd_h / bwd_dhu V-block widths to time")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    pkg, _ = _import_pkg()
+    log(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+    want = set(filter(None, args.cases.split(",")))
+    results, timings = [], []
+    if not args.no_check:
+        for name, seqlens, hq, hv, kw in CHECKS:
+            if want and name not in want:
+                continue
+            try:
+                big = sum(seqlens) * hv > 300000
+                check_case(pkg, name, seqlens, hq, hv, results, stages=not (args.quick and big), **kw)
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001
+                log(f"CASE {name} CRASHED:\n" + "".join(traceback.format_exc().splitlines(True)[-12:]))
+                results.append(dict(case=name, ok=False, crashed=True))
+    if not args.no_time:
+        bvs = [int(b) for b in args.block_v.split(",")]
+        for name, seqlens, hq, hv in TIMES:
+            if want and name not in want:
+                continue
+            time_case(pkg, name, seqlens, hq, hv, bvs, timings)
+    log("\n=== summary")
+    for r in results:
+        errs = " ".join(f"{k[4:]}={v:.2e}" for k, v in r.items() if k.startswith("rel_"))
+        log(f"{r['case']:18s} {'PASS' if r.get('ok') else 'FAIL'} {errs}")
+    for t in timings:
+        log(f"{t['case']:18s} bv={t['block_v']} bwd {t['bwd_ms']:.3f} ms fwd+bwd {t['fwdbwd_ms']:.3f} ms")
+    out = os.environ.get("OUT")
+    if out:
+        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(out) / "check_bwd.json").write_text(json.dumps(dict(results=results, timings=timings), indent=1))
+        (pathlib.Path(out) / "check_bwd.txt").write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
