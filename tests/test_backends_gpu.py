@@ -45,7 +45,7 @@ def test_forward_matches_reference(name, shape):
     _check(name, "fwd", *shape)
 
 
-@pytest.mark.parametrize("name", ["fla", "flashqla"])
+@pytest.mark.parametrize("name", ["fla", "flashqla", "tilelang"])
 @pytest.mark.parametrize("shape", SHAPES[:2])
 def test_backward_matches_reference(name, shape):
     _check(name, "bwd", *shape)
