@@ -25,6 +25,10 @@ if [ "${CHECK:-0}" = 1 ]; then
   log "kernel check"
   timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tail -60
 fi
+if [ "${BWDCHECK:-0}" = 1 ]; then
+  log "backward kernel check"
+  timeout ${BWDCHECK_TIMEOUT:-200} python3 kernels/dev/check_bwd.py ${BWDCHECK_ARGS:---quick} 2>&1 | tail -60
+fi
 for spec in ${SWEEPS:-}; do
   IFS=: read -r cfg dir extra <<< "$spec"
   budget=$(( ${DEADLINE_S:-540} - ($(date +%s) - T0) ))

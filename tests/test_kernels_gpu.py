@@ -173,7 +173,7 @@ def test_variant_matches_recurrence(variant, split_tokens):
     T, N = x["q"].shape[1], len(SEQLENS)
     o = torch.full((1, T, h_v, D), float("nan"), device="cuda", dtype=torch.bfloat16)
     ht = torch.full((N, h_v, D, D), float("nan"), device="cuda", dtype=torch.float32)
-    r = pkg.chunk_gdn_fwd_lowlevel(
+    pkg.chunk_gdn_fwd_lowlevel(
         x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], cu_seqlens=x["cu"],
         split_tokens=split_tokens, o=o, final_state=ht, variant=variant,
     )  # fmt: skip
