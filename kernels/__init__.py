@@ -137,6 +137,7 @@ def chunk_gdn_fwd_lowlevel(
 
     bv, nthr, stages = int(var["fwd_bv"]), int(var["fwd_threads"]), var["stages"]
     fm = var["fastmath"] == "1"
+    ws = var["fwd_ws"] == "1"
     if split_tokens is None:
         split_tokens = plan_split(T, N, h_v, _num_sms(dev), block_v=bv)
     if split_tokens and split_tokens % CHUNK != 0:
@@ -172,13 +173,13 @@ def chunk_gdn_fwd_lowlevel(
         run_fixup(m_tr, e_end, cu_segs32, h0, h_start, target=target)
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h_start, scale, o, ht,
-            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm,
+            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws,
         )  # fmt: skip
         out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
     else:
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h0, scale, o, ht,
-            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm,
+            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws,
         )  # fmt: skip
     out.update(o=o, final_state=ht)
     return out

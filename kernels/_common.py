@@ -49,8 +49,11 @@ def chunk_loop_stages() -> int:
 #:   fwd_threads 128 | 256     fwd_o warps (256: TileLang splits every GEMM over 2 warpgroups)
 #:   fastmath 0 | 1            nvcc --use_fast_math for fwd_o and seg_state (expf -> __expf)
 #:   stages  0 | 2             chunk-loop pipelining (also $QLABENCH_GDN_STAGES)
+#:   fwd_ws  0 | 1             fwd_o hand warp-specialised (fwd_o_ws.py: TMA producer + 3 consumer warpgroups,
+#:                             mbarriers, setmaxnreg; 512 threads; ignores fwd_threads and stages)
 VARIANT_DEFAULTS = {
     "tables": "torch", "prep": "subst", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "0", "stages": None,
+    "fwd_ws": "0",
 }  # fmt: skip
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
@@ -59,6 +62,7 @@ VARIANT_CHOICES = {
     "fwd_threads": ("128", "256"),
     "fastmath": ("0", "1"),
     "stages": ("0", "2"),
+    "fwd_ws": ("0", "1"),
 }
 
 
@@ -75,6 +79,8 @@ CHECK_VARIANTS = [
     "tables=tl,prep=blocked,fastmath=1",
     "tables=tl,prep=blocked,fastmath=1,fwd_bv=32",
     "tables=tl,prep=blocked,fastmath=1,stages=2",
+    "fwd_ws=1",
+    "tables=tl,prep=blocked,fastmath=1,fwd_ws=1",
 ]
 
 

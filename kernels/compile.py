@@ -52,6 +52,7 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
     from ._common import parse_variant, variant_name
     from .fixup import get_fixup_kernel
     from .fwd_o import get_fwd_o_kernel
+    from .fwd_o_ws import get_fwd_o_ws_kernel
     from .prep import get_prep_kernel
     from .seg_state import get_seg_state_kernel
     from .tables import NT, get_tables_kernel
@@ -67,6 +68,12 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
     else:
         out.append((f"prep[{var['prep']}]", get_prep_kernel, (h_qk, h_v), {"method": var["prep"]}))
     for hi, hh in flags:
+        if var["fwd_ws"] == "1":  # same call as run_fwd_o(ws=True)
+            out.append((
+                f"fwd_o_ws[init={hi},ht={hh}|{tag}]", get_fwd_o_ws_kernel, (h_qk, h_v, bool(hi), bool(hh), bv),
+                {"fastmath": fm},
+            ))  # fmt: skip
+            continue
         args = (h_qk, h_v, bool(hi), bool(hh), bv, st)
         kw = {"threads": thr} if thr != 128 else {}
         if fm:

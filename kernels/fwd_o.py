@@ -176,20 +176,26 @@ def get_fwd_o_kernel(
 
 def run_fwd_o(
     q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_stages=None, target=None, threads=128,
-    fastmath=False,
+    fastmath=False, ws=False,
 ):
     """Launch the fused recurrence + output kernel; writes ``o`` (and ``ht`` if given) in place.
 
     h_init: [R, Hv, 128, 128] fp32 or None.  ht: [N, Hv, 128, 128] fp32 or None.
+    ws: the hand warp-specialised kernel (fwd_o_ws.py; same interface; ignores num_stages, threads).
     """
     h_qk, h_v = q.shape[2], v.shape[2]
     has_init, has_ht = h_init is not None, ht is not None
-    if num_stages is None:
-        num_stages = chunk_loop_stages()
-    if fastmath:
-        kern = get_fwd_o_kernel(h_qk, h_v, has_init, has_ht, block_v, num_stages, target_key(target), threads, True)
-    else:  # same cache key as before the variants existed
-        kern = get_fwd_o_kernel(h_qk, h_v, has_init, has_ht, block_v, num_stages, target_key(target), threads)
+    if ws:
+        from .fwd_o_ws import get_fwd_o_ws_kernel
+
+        kern = get_fwd_o_ws_kernel(h_qk, h_v, has_init, has_ht, block_v, target_k=target_key(target), fastmath=fastmath)
+    else:
+        if num_stages is None:
+            num_stages = chunk_loop_stages()
+        if fastmath:
+            kern = get_fwd_o_kernel(h_qk, h_v, has_init, has_ht, block_v, num_stages, target_key(target), threads, True)
+        else:  # same cache key as before the variants existed
+            kern = get_fwd_o_kernel(h_qk, h_v, has_init, has_ht, block_v, num_stages, target_key(target), threads)
     dummy = None
     if h_init is None or ht is None:
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)

@@ -5,7 +5,9 @@
 Sweep head configs get the variants a sweep uses (initial + final state, default stages);
 the GPU-test configs get every state-flag variant; "variants" compiles every speed variant
 of qlabench_kernels._common.CHECK_VARIANTS for the head configs that
-kernels/dev/check_fwd.py and tests/test_kernels_gpu.py run them on (2/8, 1/3, 16/64).
+kernels/dev/check_fwd.py and tests/test_kernels_gpu.py run them on (2/8, 1/3, 16/64), incl. the
+warp-specialised fwd_o (fwd_ws=1, also with fastmath), plus GPU_TEST_VARIANTS for 2/8
+(tests/test_kernels_gpu.py's variants that are not in CHECK_VARIANTS, e.g. fwd_ws=1,fwd_bv=32).
 """
 import sys
 import time
@@ -20,6 +22,7 @@ from qlabench_kernels.seg_state import get_seg_state_kernel
 SWEEP = [(2, 8), (16, 64), (4, 16), (8, 32), (16, 32), (8, 24), (16, 48), (16, 16), (32, 32)]
 TESTS = [(2, 2), (2, 4), (1, 3), (2, 8)]
 VARIANT_HEADS = [(2, 8), (1, 3), (16, 64)]
+GPU_TEST_VARIANTS = ["fwd_ws=1,fwd_bv=32", "tables=tl,prep=blocked,fwd_bv=32"]
 
 
 def build(hq, hv, flags, h0s):
@@ -46,6 +49,7 @@ if which in ("variants", "all"):
         t0 = time.time()
         precompile_variants(hq, hv, CHECK_VARIANTS, verbose=True)
         print(f"{hq}/{hv} variants: {time.time() - t0:.0f} s", flush=True)
+    precompile_variants(2, 8, GPU_TEST_VARIANTS, verbose=True)
 
 
 # --- backward (kernels/bwd_*.py): `precompile_cache.py bwd` (also part of "all") ---------------

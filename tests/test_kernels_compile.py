@@ -94,3 +94,22 @@ def test_speed_variants_compile_with_wgmma():
             assert "__global__" in src, name
             if name != "tables":
                 assert "wgmma" in src, f"{spec}: {name} has no wgmma"
+
+
+@pytest.mark.parametrize("heads", [(2, 8), (16, 64)], ids=lambda h: f"{h[0]}/{h[1]}")
+def test_fwd_o_ws_compiles_warp_specialised(heads):
+    """fwd_ws=1: the hand warp-specialised fwd_o compiles for sm_90a with wgmma, TMA loads into the
+    2-stage ring behind mbarriers, setmaxnreg per role, and no CTA-wide barrier inside the roles."""
+    _kernels_pkg()
+    common = importlib.import_module("qlabench_kernels._common")
+    ws = importlib.import_module("qlabench_kernels.fwd_o_ws")
+    src = ws.get_fwd_o_ws_kernel(*heads, True, True, 64, target_k=common.target_key(TARGET), fastmath=False)
+    src = src.get_kernel_source()
+    assert "__launch_bounds__(512" in src
+    assert "wgmma" in src and "tma_load" in src and "expect_transaction" in src
+    for r in ws.NREG[:3]:
+        assert f"warpgroup_reg_alloc<{r}>" in src
+    assert f"warpgroup_reg_dealloc<{ws.NREG[3]}>" in src
+    assert "fence_proxy_async" in src and ".wait(" in src and ".arrive()" in src
+    # the only CTA-wide barrier is the one after mbarrier init; roles sync with named barriers
+    assert src.count("__syncthreads()") == 1

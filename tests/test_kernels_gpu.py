@@ -161,7 +161,10 @@ def test_prep_matches_emulation():
 
 # ---- speed variants (selectable; the defaults above stay the verified path) ----
 
-VARIANTS = ["tables=tl", "prep=blocked", "fwd_bv=32", "fwd_threads=256", "tables=tl,prep=blocked,fwd_bv=32"]
+VARIANTS = [
+    "tables=tl", "prep=blocked", "fwd_bv=32", "fwd_threads=256", "tables=tl,prep=blocked,fwd_bv=32",
+    "fwd_ws=1", "fwd_ws=1,fwd_bv=32",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("split_tokens", [0, 1024])

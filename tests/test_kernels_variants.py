@@ -96,3 +96,23 @@ def test_variant_parsing(monkeypatch):
         pkg.parse_variant("fwd_bv=16")
     with pytest.raises(ValueError):
         pkg.parse_variant("nope=1")
+
+
+def test_fwd_o_ws_barrier_protocol():
+    """fwd_ws=1: the mbarrier protocol of fwd_o_ws.py (modelled in dev/ws_protocol.py) never deadlocks,
+    never passes a parity wait at the wrong phase and never lets a read see another chunk's data, over
+    random skewed interleavings; dropping a needed wait is caught."""
+    _pkg()
+    wsp = importlib.import_module("qlabench_kernels.dev.ws_protocol")
+    assert wsp.check(seeds=100)
+    for role, bar in [("wg0", "vp_ready"), ("wg0", "s_free"), ("wg2", "s_ready"), ("prod", "empty"), ("wg2", "vd_ready")]:
+        with pytest.raises(AssertionError):
+            wsp.check(seeds=100, mutate=wsp.drop_ops(role, lambda op, b=bar: op[0] == "wait" and op[1] == b))
+
+
+def test_fwd_ws_variant_parses(monkeypatch):
+    pkg = _pkg()
+    monkeypatch.delenv("QLABENCH_GDN_VARIANT", raising=False)
+    v = pkg.parse_variant("fwd_ws=1")
+    assert v["fwd_ws"] == "1" and pkg.variant_name(v) == "fwd_ws=1"
+    assert pkg.parse_variant(None)["fwd_ws"] == "0"

@@ -1,0 +1,223 @@
+"""fwd_o, hand warp-specialised (variant ``fwd_ws=1``): same inputs, outputs and algebra as fwd_o.py.
+
+One CTA of 512 threads = 4 warpgroups per (V block, segment, v-head), chunks walked in order:
+
+    WG0 (tx   0..127, setmaxnreg 168)  owns the fp32 state S [128, bv] in registers:
+            publish bf16 S to s_sh[i%2]; S *= e^{g_last}; wait V'; S += Kᵀ V'  (wgmma M = 128)
+    WG1 (tx 128..255, setmaxnreg 160)  U = K S; W = V − e^g ⊙ U (w_sh); Vd = A_β W;
+            Vd → vd_sh[i%2] (for WG2); V' = mask · e^{g_last − g} ⊙ Vd → vp_sh (for WG0)
+    WG2 (tx 256..383, setmaxnreg 160)  P = Q Kᵀ (needs no S); P ← scale·Γ⊙P (causal incl. diag);
+            O = Q S; O *= scale e^g; O += P Vd; store the valid o rows
+    WG3 (tx 384..511, setmaxnreg 24)   producer: warp 12 (tx 384..415) waits, one elected lane issues
+            expect_tx + TMA loads of Q, K, V, A_β, g of chunk i into stage i%2 (2 stages), all 32 lanes
+            arrive (the elected lane's expect_tx precedes its own arrive); warps 13-15 exit
+
+mbarriers (c = chunk index, j = c % 2, n = c // 2; "wait X[j] for c" = parity n % 2, "wait free
+X[j] for c" = parity (n + 1) % 2, which passes at once for c = 0, 1 on a fresh barrier):
+
+    full[j]     count 32  producer warp arrive (+ TMA tx bytes)        consumers wait parity n%2
+    empty[j]    count 384 every consumer thread, end of chunk     producer waits parity (n+1)%2
+    s_ready[j]  count 128 WG0 after writing s_sh[j] (+fence)       WG1, WG2 wait parity n%2
+    s_free[j]   count 128 WG2 after its Q S gemm                  WG0 waits parity (n+1)%2
+    vd_ready[j] count 128 WG1 after writing vd_sh[j] (+fence)      WG2 waits parity n%2
+    vd_free[j]  count 128 WG2 after its P Vd gemm                  WG1 waits parity (n+1)%2
+    vp_ready    count 128 WG1 after writing vp_sh (+fence)         WG0 waits parity c%2
+
+No barrier can run two phases ahead of a waiter (see NOTES.md): WG1's read of s_sh[j] (K S) is
+ordered before WG0's next write of s_sh[j] by vp_ready; WG0's read of vp_sh (synchronous gemm) is
+ordered before WG1's next write of vp_sh by s_ready. Generic-proxy smem writes that a wgmma of
+another warpgroup reads are followed by fence.proxy.async before the arrive.
+"""
+
+import functools
+import json
+
+from ._common import CHUNK, HEAD_DIM, check_heads, compile_program
+
+#: setmaxnreg budgets (registers / thread) of WG0 (state), WG1 (U/W/Vd), WG2 (P/O), WG3 (producer).
+NREG = (168, 160, 160, 24)
+assert sum(NREG) * 128 <= 65536 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
+
+
+def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64):
+    import tilelang.language as T
+
+    G = check_heads(h_qk, h_v)
+    C, D, BV = CHUNK, HEAD_DIM, block_v
+    assert D % BV == 0 and BV in (32, 64, 128)
+    Tn = T.dynamic("T")
+    NCS = T.dynamic("NCS")
+    NS = T.dynamic("NS")
+    R = T.dynamic("R")
+    N = T.dynamic("N")
+    R0, R1, R2, RP = NREG
+
+    @T.prim_func
+    def gdn_fwd_o_ws(
+        q: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        v: T.Tensor((1, Tn, h_v, D), "bfloat16"),
+        gcs: T.Tensor((h_v, NCS * C), "float32"),
+        a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
+        stab: T.Tensor((NS, 8), "int32"),
+        h_init: T.Tensor((R, h_v, D, D), "float32"),
+        scale: T.float32,
+        o: T.Tensor((1, Tn, h_v, D), "bfloat16"),
+        ht: T.Tensor((N, h_v, D, D), "float32"),
+    ):
+        with T.Kernel(D // BV, NS * h_v, threads=512) as (bv, sh):
+            s = sh // h_v
+            hv = sh % h_v
+            hk = hv // G
+            v0 = bv * BV
+
+            # 2-stage input ring (producer -> consumers)
+            q_sh = T.alloc_shared((2, C, D), "bfloat16")
+            k_sh = T.alloc_shared((2, C, D), "bfloat16")
+            v_sh = T.alloc_shared((2, C, BV), "bfloat16")
+            a_sh = T.alloc_shared((2, C, C), "bfloat16")
+            g_sh = T.alloc_shared((2, C), "float32")
+            # consumer <-> consumer hand-offs
+            s_sh = T.alloc_shared((2, D, BV), "bfloat16")
+            vd_sh = T.alloc_shared((2, C, BV), "bfloat16")
+            vp_sh = T.alloc_shared((C, BV), "bfloat16")
+            w_sh = T.alloc_shared((C, BV), "bfloat16")
+            p_sh = T.alloc_shared((C, C), "bfloat16")
+
+            s_frag = T.alloc_fragment((D, BV), "float32")
+            u_frag = T.alloc_fragment((C, BV), "float32")
+            vd_frag = T.alloc_fragment((C, BV), "float32")
+            p_frag = T.alloc_fragment((C, C), "float32")
+            o_frag = T.alloc_fragment((C, BV), "float32")
+
+            full = T.alloc_barrier([32, 32])
+            empty = T.alloc_barrier([384, 384])
+            s_ready = T.alloc_barrier([128, 128])
+            s_free = T.alloc_barrier([128, 128])
+            vd_ready = T.alloc_barrier([128, 128])
+            vd_free = T.alloc_barrier([128, 128])
+            vp_ready = T.alloc_barrier(128)
+
+            bos = stab[s, 0]
+            eos = stab[s, 1]
+            seq = stab[s, 2]
+            cslot = stab[s, 3]
+            irow = stab[s, 4]
+            is_last = stab[s, 5]
+            nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
+            egl = T.alloc_var("float32")  # per thread: e^{g_last} (WG0)
+
+            tx = T.get_thread_binding()
+
+            if tx < 128:
+                # ---------------- WG0: state owner ----------------
+                T.set_max_nreg(R0, 1)
+                if has_init:
+                    T.copy(h_init[irow, hv, 0:D, v0 : v0 + BV], s_frag)
+                else:
+                    T.clear(s_frag)
+                for ci in T.serial(nchunks):
+                    j = ci % 2
+                    ph = (ci // 2) % 2
+                    ln = T.min(eos - (bos + ci * C), C)
+                    T.barrier_wait(s_free[j], 1 - ph)
+                    T.copy(s_frag, s_sh[j, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_ready[j])
+                    T.barrier_wait(full[j], ph)
+                    egl = T.exp(g_sh[j, ln - 1])
+                    for i, jj in T.Parallel(D, BV):
+                        s_frag[i, jj] = s_frag[i, jj] * egl
+                    T.barrier_wait(vp_ready[0], ci % 2)
+                    T.gemm(k_sh[j, :, :], vp_sh, s_frag, transpose_A=True)
+                    T.barrier_arrive(empty[j])
+                if has_ht:
+                    if is_last == 1:
+                        T.copy(s_frag, ht[seq, hv, 0:D, v0 : v0 + BV])
+            elif tx < 256:
+                # ---------------- WG1: U = K S, W, Vd, V' ----------------
+                T.set_max_nreg(R1, 1)
+                for ci in T.serial(nchunks):
+                    j = ci % 2
+                    ph = (ci // 2) % 2
+                    ln = T.min(eos - (bos + ci * C), C)
+                    T.barrier_wait(full[j], ph)
+                    T.barrier_wait(s_ready[j], ph)
+                    T.gemm(k_sh[j, :, :], s_sh[j, :, :], u_frag, clear_accum=True)
+                    for i, jj in T.Parallel(C, BV):
+                        w_sh[i, jj] = T.cast(
+                            T.cast(v_sh[j, i, jj], "float32") - T.exp(g_sh[j, i]) * u_frag[i, jj], "bfloat16"
+                        )
+                    T.fence_proxy_async()  # w_sh: generic writes -> wgmma reads
+                    T.gemm(a_sh[j, :, :], w_sh, vd_frag, clear_accum=True)
+                    T.barrier_wait(vd_free[j], 1 - ph)
+                    for i, jj in T.Parallel(C, BV):
+                        vd_sh[j, i, jj] = T.cast(vd_frag[i, jj], "bfloat16")
+                        vp_sh[i, jj] = T.cast(
+                            T.if_then_else(i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]) * vd_frag[i, jj], T.float32(0)),
+                            "bfloat16",
+                        )
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vd_ready[j])
+                    T.barrier_arrive(vp_ready[0])
+                    T.barrier_arrive(empty[j])
+            elif tx < 384:
+                # ---------------- WG2: P = Γ⊙QKᵀ, O ----------------
+                T.set_max_nreg(R2, 1)
+                for ci in T.serial(nchunks):
+                    j = ci % 2
+                    ph = (ci // 2) % 2
+                    t0 = bos + ci * C
+                    ln = T.min(eos - t0, C)
+                    T.barrier_wait(full[j], ph)
+                    T.gemm(q_sh[j, :, :], k_sh[j, :, :], p_frag, transpose_B=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        p_sh[i, jj] = T.cast(
+                            T.if_then_else(
+                                i >= jj, scale * T.exp(g_sh[j, i] - g_sh[j, jj]) * p_frag[i, jj], T.float32(0)
+                            ),
+                            "bfloat16",
+                        )
+                    T.fence_proxy_async()  # p_sh: generic writes -> wgmma reads
+                    T.barrier_wait(s_ready[j], ph)
+                    T.gemm(q_sh[j, :, :], s_sh[j, :, :], o_frag, clear_accum=True)
+                    T.barrier_arrive(s_free[j])
+                    for i, jj in T.Parallel(C, BV):
+                        o_frag[i, jj] = o_frag[i, jj] * (scale * T.exp(g_sh[j, i]))
+                    T.barrier_wait(vd_ready[j], ph)
+                    T.gemm(p_sh, vd_sh[j, :, :], o_frag)
+                    T.barrier_arrive(vd_free[j])
+                    T.barrier_arrive(empty[j])
+                    for i, jj in T.Parallel(C, BV):
+                        if i < ln:
+                            o[0, t0 + i, hv, v0 + jj] = T.cast(o_frag[i, jj], "bfloat16")
+            else:
+                # ---------------- WG3: producer (warp 12; one elected lane issues the TMA loads) -----
+                T.set_max_nreg(RP, 0)
+                if tx < 416:
+                    for ci in T.serial(nchunks):
+                        j = ci % 2
+                        ph = (ci // 2) % 2
+                        t0 = bos + ci * C
+                        r0 = (cslot + ci) * C
+                        T.barrier_wait(empty[j], 1 - ph)
+                        T.tma_copy(q[0, t0 : t0 + C, hk, 0:D], q_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(v[0, t0 : t0 + C, hv, v0 : v0 + BV], v_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(gcs[hv, r0 : r0 + C], g_sh[j, :], barrier=full[j])
+                        T.barrier_arrive(full[j])
+
+    return gdn_fwd_o_ws
+
+
+@functools.cache
+def get_fwd_o_ws_kernel(
+    h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, target_k=None, fastmath: bool = False
+):
+    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+    return compile_program(
+        fwd_o_ws_program(h_qk, h_v, has_init, has_ht, block_v),
+        target=target,
+        pass_configs={"tl.enable_fast_math": True} if fastmath else None,
+    )
