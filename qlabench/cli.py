@@ -150,6 +150,8 @@ def run(
                                     "worker per GPU, heaviest points first"),
     shard: str | None = typer.Option(None, "--shard", help="i/n: run only shard i of n (0-based, "
                                      "deterministic); combine shard outputs with `qlabench merge`"),
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="with --resume, also re-run "
+                                      "crashed / timeout / oom rows"),
 ):
     """Run a sweep: every backend checked against the reference, then timed; one Parquet row each."""
     s = _load(config)
@@ -192,10 +194,10 @@ def run(
         try:
             summary = runner.run(s, out_dir, config_name=str(config), backend_names=names,
                                  limit=limit, resume=resume, progress=progress,
-                                 shard=shard_t, devices=devices,
+                                 shard=shard_t, devices=devices, retry_failed=retry_failed,
                                  log=(lambda m: prog.console.print(m, highlight=False, markup=False))
                                  if sys.stdout.isatty() else (lambda m: print(m, flush=True)))
-        except runner.RecipeMismatch as e:
+        except (runner.RecipeMismatch, results.MethodMismatch) as e:
             err.print(f"error: {e}", highlight=False)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:

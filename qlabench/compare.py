@@ -24,7 +24,10 @@ Why both gates: samples within one run are many and tight (graph replays, ~1% sp
 alone flags 1% drifts that come and go between runs (clocks, other tenants); the threshold alone
 flags noise on short points with a few wide samples. A regression has to be large *and* clear.
 
-Exit codes of :func:`compare_cmd`: 1 if any row is ``slower``; 0 otherwise; 2 on bad input (a path
+``broken`` when the base row was ``ok`` and the new one is ``incorrect``, ``crashed``, ``timeout`` or
+``oom`` (a kernel that stopped working must fail CI, not pass as "incomparable").
+
+Exit codes of :func:`compare_cmd`: 1 if any row is ``slower`` or ``broken``; 0 otherwise; 2 on bad input (a path
 missing, unreadable or without rows, required columns missing, no key in common, bad ``--out``).
 """
 
@@ -43,7 +46,7 @@ from . import results
 REQUIRED = ("point_key", "backend", "direction", "status", "latency_ms", "samples_ms",
             "timing_mode", "gpu_name")
 KEY = results.KEY
-VERDICTS = ("slower", "faster", "same", "incomparable")
+VERDICTS = ("slower", "broken", "faster", "same", "incomparable")
 #: columns copied from the rows for display (new side wins, base side fills in)
 _INFO = ("model", "tp", "layout", "total_tokens", "point_index", "h_qk", "h_v")
 BOOTSTRAP_N = 1000
@@ -101,6 +104,11 @@ def judge(base: Mapping, new: Mapping, threshold: float = 0.05, alpha: float = 0
            "n_base": 0, "n_new": 0, "verdict": "incomparable", "reason": ""}
     why = []
     sb, sn = _val(base, "status"), _val(new, "status")
+    if sb == "ok" and sn in ("incorrect", "crashed", "timeout", "oom"):
+        rr = _val(new, "reason")
+        out["verdict"] = "broken"
+        out["reason"] = f"was ok, now {sn}" + (f" ({str(rr)[:80]})" if rr else "")
+        return out
     if sb != "ok" and sb == sn:
         rr = _val(new, "reason")
         why.append(f"status {sn} on both sides" + (f" ({str(rr)[:60]})" if rr else ""))
@@ -217,7 +225,8 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshol
     from rich.table import Table
 
     console = console or Console(soft_wrap=True, width=200)
-    colors = {"slower": "red", "faster": "green", "same": "", "incomparable": "yellow"}
+    colors = {"slower": "red", "broken": "bold red", "faster": "green", "same": "",
+              "incomparable": "yellow"}
     shown = df
     hidden = 0
     if len(df) > max_same + 20:
@@ -245,9 +254,10 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshol
     extra += [f"{summary['only_new']} only in new"] if summary["only_new"] else []
     console.print(", ".join(f"{summary[v]} {v}" for v in VERDICTS)
                   + (f" ({', '.join(extra)})" if extra else ""), highlight=False)
-    for r in df[df["verdict"] == "slower"].to_dict("records"):
-        console.print(f"REGRESSION {row_label(r)}: {r['ratio']:.3f}x (p={r['p_value']:.2g})",
-                      highlight=False, markup=False)
+    for r in df[df["verdict"].isin(["slower", "broken"])].to_dict("records"):
+        what = (f"{r['ratio']:.3f}x (p={r['p_value']:.2g})" if r["verdict"] == "slower"
+                else f"broken: {r['reason']}")
+        console.print(f"REGRESSION {row_label(r)}: {what}", highlight=False, markup=False)
 
 
 def write_out(df: pd.DataFrame, summary: dict, out: Path, base: Path, new: Path, threshold: float,
@@ -287,7 +297,7 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
     if out is not None:
         write_out(df, summary, Path(out), base, new, threshold, alpha)
         console.print(f"wrote {out}", highlight=False, markup=False)
-    return 1 if summary["slower"] else 0
+    return 1 if (summary["slower"] or summary.get("broken")) else 0
 
 
 def _isatty() -> bool:

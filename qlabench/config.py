@@ -141,14 +141,14 @@ class Thresholds(_Strict):
     state); gradients pass through more bf16 GEMMs and the triangular solve, so they get more.
     """
 
-    o: float = 2e-2
-    final_state: float = 2e-2
-    dq: float = 4e-2
-    dk: float = 4e-2
-    dv: float = 4e-2
-    dg: float = 8e-2
-    dbeta: float = 4e-2
-    dh0: float = 4e-2
+    o: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2e-2
+    final_state: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2e-2
+    dq: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
+    dk: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
+    dv: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
+    dg: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 8e-2
+    dbeta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
+    dh0: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
 
     def get(self, name: str) -> float:
         return getattr(self, name)
@@ -229,6 +229,34 @@ class Sweep(_Strict):
                     f"sets: {', '.join(MODEL_SETS)}; or give {{name, h_qk, h_v}}"
                 )
         return v
+
+    @field_validator("directions")
+    @classmethod
+    def _unique_directions(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"duplicate directions in {v}")
+        return v
+
+    @field_validator("out")
+    @classmethod
+    def _out_template(cls, v: str) -> str:
+        try:
+            v.format(name="x")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"out {v!r}: only the placeholder {{name}} is known ({e!r})") from None
+        return v
+
+    @model_validator(mode="after")
+    def _unique_points(self) -> Sweep:
+        seen = set()
+        for m in self.resolved_models():
+            for lens in self.resolved_layouts():
+                key = (m.h_qk, m.h_v, m.head_dim, tuple(lens))
+                if key in seen:
+                    raise ValueError(f"the point {m.h_qk}/{m.h_v} {list(lens)[:6]} appears twice "
+                                     "(overlapping models or layouts)")
+                seen.add(key)
+        return self
 
     def resolved_models(self) -> list[Model]:
         out: list[Model] = []

@@ -101,13 +101,28 @@ def _nvml():
         return None
 
 
+def _handle(nv, index: int | None):
+    """NVML handle of this process's GPU: the physical index a pinned worker was given
+    (``QLABENCH_GPU_INDEX``), else the UUID of torch's current device, else ``index``."""
+    import os
+    pinned = os.environ.get("QLABENCH_GPU_INDEX")
+    if pinned is not None:
+        return nv.nvmlDeviceGetHandleByIndex(int(pinned))
+    try:
+        import torch
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        return nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception:
+        return nv.nvmlDeviceGetHandleByIndex(index or 0)
+
+
 def clocks(index: int = 0) -> dict:
     """Current SM clock (MHz) and throttle reason bitmask; empty dict without NVML."""
     nv = _nvml()
     if nv is None:
         return {}
     try:
-        h = nv.nvmlDeviceGetHandleByIndex(index)
+        h = _handle(nv, index)
         mhz = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
         try:
             reasons = nv.nvmlDeviceGetCurrentClocksEventReasons(h)
@@ -143,7 +158,7 @@ def gpm_sample(replay, min_window_s: float = 0.12, index: int = 0) -> dict:
         return out
     try:
         import torch
-        h = nv.nvmlDeviceGetHandleByIndex(index)
+        h = _handle(nv, index)
         sup = nv.nvmlGpmQueryDeviceSupport(h)
         if not sup.isSupportedDevice:
             out["gpm_reason"] = "NVML GPM not supported on this device"

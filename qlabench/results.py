@@ -30,6 +30,8 @@ STATUSES = ("ok", "unavailable", "unsupported", "incorrect", "oom", "crashed", "
             "skipped")
 #: statuses a resume re-tries (the library or device may be there now)
 RETRY_STATUSES = ("unavailable",)
+#: statuses ``--retry-failed`` runs again (a fixed kernel, a longer timeout, a bigger GPU)
+FAILED_STATUSES = ("crashed", "timeout", "oom")
 OUTPUTS = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 _f, _i, _s, _b = pa.float64(), pa.int64(), pa.string(), pa.bool_()
@@ -54,7 +56,7 @@ SCHEMA = pa.schema(
         # correctness (per output)
         *[(f"rel_l2_{o}", _f) for o in OUTPUTS],
         *[(f"max_abs_{o}", _f) for o in OUTPUTS],
-        ("max_rel_l2", _f),
+        ("max_rel_l2", _f), ("worst_block_rel_l2", _f),
         # derived
         ("flops", _f), ("min_bytes", _f), ("intensity_flop_per_byte", _f), ("roofline_ms", _f),
         ("tflops", _f), ("gbps", _f), ("pct_roofline", _f),
@@ -113,6 +115,10 @@ def environment() -> dict:
     return env
 
 
+class MethodMismatch(Exception):
+    """--resume into a directory whose rows were timed with another method."""
+
+
 class ResultStore:
     def __init__(self, out_dir: str | Path):
         self.out = Path(out_dir)
@@ -150,14 +156,33 @@ class ResultStore:
     def load(self) -> pd.DataFrame:
         return load(self.out)
 
-    def done_keys(self) -> dict[tuple, str]:
-        """(point_key, backend, direction, backend_version) -> recipe_hash of finished rows."""
+    def done_keys(self, retry_failed: bool = False) -> dict[tuple, str]:
+        """(point_key, backend, direction, backend_version) -> recipe_hash of finished rows.
+        With ``retry_failed`` also crashed/timeout/oom rows are run again."""
         df = self.load()
         if df.empty:
             return {}
-        df = df[~df["status"].isin(RETRY_STATUSES)]
+        retry = RETRY_STATUSES + (FAILED_STATUSES if retry_failed else ())
+        df = df[~df["status"].isin(retry)]
         return {(r.point_key, r.backend, r.direction, r.backend_version): r.recipe_hash
                 for r in df.itertuples()}
+
+    def check_method(self, mode: str, l2: str) -> None:
+        """Refuse to resume into a directory whose GPU rows were timed another way."""
+        df = self.load()
+        if df.empty or "timing_mode" not in df:
+            return
+        ok = df[(df["status"] == "ok") & ~df["timing_mode"].isin(["events", "cpu"])
+                & df["timing_mode"].notna()]
+        if mode in ("events", "cpu") or ok.empty:
+            return
+        other = ok[(ok["timing_mode"] != mode) | (ok["l2"] != l2)]
+        if len(other):
+            r = other.iloc[0]
+            raise MethodMismatch(
+                f"{self.out}: {len(other)} rows were timed with timing_mode={r['timing_mode']}, "
+                f"l2={r['l2']}; this config asks for {mode}, l2={l2}. Rows timed differently are "
+                "never mixed: use a new --out directory instead of --resume")
 
     def recipes(self) -> dict[tuple, str]:
         """(point_key, direction) -> recipe_hash over all stored rows."""
@@ -195,11 +220,15 @@ KEY = ["point_key", "backend", "direction"]
 
 
 def latest(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (point, backend, direction): the most recent non-retry row."""
+    """One row per (point, backend, direction): the most recent row, preferring any finished row
+    over a retry-status one (an ``unavailable`` row from a host missing a library must not hide a
+    kept ``ok`` row)."""
     if df.empty:
         return df
-    d = df.sort_values(["started_at", "run_id"])
-    return d.drop_duplicates(KEY, keep="last").sort_values(["point_index", "backend", "direction"])
+    d = df.assign(_retry=df["status"].isin(RETRY_STATUSES)).sort_values(
+        ["_retry", "started_at", "run_id"], ascending=[False, True, True])
+    return d.drop_duplicates(KEY, keep="last").drop(columns="_retry").sort_values(
+        ["point_index", "backend", "direction"])
 
 
 class MergeError(Exception):
@@ -231,7 +260,7 @@ def merge(out_dir: str | Path, inputs: list[str | Path]) -> dict:
         k = bad.index[0]
         raise MergeError(f"point {k[0]} ({k[1]}) has rows from {int(bad.iloc[0])} different input "
                          "recipes; merge only runs of one recipe")
-    keep = allrows.sort_values(["started_at", "run_id"]).drop_duplicates(KEY, keep="last")
+    keep = latest(allrows)
     store = ResultStore(out_dir)
     store.ensure()
     existing = {f.name for f in store.parts.glob("*.parquet")}

@@ -161,6 +161,7 @@ class Supervisor:
     def run_task(self, task, on_row) -> None:
         from .runner import Task, row_for
         remaining = list(task.backends)
+        idle_deaths = 0
         while remaining:
             if self.proc is None or not self.proc.is_alive():
                 self._start()
@@ -187,6 +188,7 @@ class Supervisor:
                         on_row(payload)
                         if payload["backend"] in remaining:
                             remaining.remove(payload["backend"])
+                        current = None  # its row is in: a death now is not this backend's
                     elif kind == "done":
                         return
                     continue
@@ -205,6 +207,14 @@ class Supervisor:
                     time.sleep(1.0)
             code = self.proc.exitcode if self.proc is not None else None
             self._kill()
+            if current is None:  # died between backends (e.g. during cleanup): no row to blame
+                idle_deaths += 1
+                self.log(f"worker {failure} between backends on {task.point.describe()}; restarting")
+                if not remaining:
+                    return
+                if idle_deaths < 2:
+                    continue
+                current = remaining[0]  # it keeps dying before this backend starts: blame it
             row = row_for(task, current)
             if failure == "timeout":
                 reason = (f"no result within row_timeout_s={self.sweep.row_timeout_s:g}; worker "

@@ -13,6 +13,11 @@ Modes (recorded per row in ``timing_mode``; rows of different modes are never co
   library cannot be captured, recorded as such.
 - ``cpu``: wall clock around synchronous calls (the CPU reference path).
 
+The number of calls unrolled per graph (``calls_per_sample``) is chosen per backend from its
+eager time so that a replay lasts ~``graph_ms`` — as the published timer (tilelang/triton
+``do_bench`` with the cudagraph backend) does; it is recorded per row, and ``calls_per_graph``
+fixes it for every backend when an exactly equal unrolling is wanted.
+
 Stopping rule: at least ``min_samples``; stop once the relative standard error of the mean of
 the samples falls below ``rse_target``, or ``budget_s`` or ``max_samples`` is reached. All samples
 are kept.

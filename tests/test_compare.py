@@ -97,14 +97,24 @@ def test_different_method_or_gpu_is_incomparable(base, tmp_path, change, word):
     assert all(word in r["reason"] for r in rows)
 
 
-def test_status_not_ok_is_incomparable_with_reason(base, tmp_path):
+def test_ok_turned_incorrect_is_broken_and_fails(base, tmp_path):
     new = S.write_run(tmp_path / "new", run_id="r2", started_at="2025-01-02T00:00:00",
                       status={"flashqla": "incorrect"})
-    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 0
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 1
+    rows = _json(tmp_path / "v.json")["rows"]
+    bad = [r for r in rows if r["backend"] == "flashqla"]
+    assert {r["verdict"] for r in bad} == {"broken"}
+    assert all("now incorrect" in r["reason"] for r in bad)
+
+
+def test_status_not_ok_on_the_base_side_is_incomparable(base, tmp_path):
+    old = S.write_run(tmp_path / "old", run_id="r0", started_at="2024-12-31T00:00:00",
+                      status={"flashqla": "unavailable"})
+    assert Q.compare_cmd(old, base, out=tmp_path / "v.json") == 0
     rows = _json(tmp_path / "v.json")["rows"]
     bad = [r for r in rows if r["backend"] == "flashqla"]
     assert {r["verdict"] for r in bad} == {"incomparable"}
-    assert all("new status incorrect" in r["reason"] for r in bad)
+    assert all("base status unavailable" in r["reason"] for r in bad)
 
 
 def test_latest_row_per_key_is_used(base, tmp_path):

@@ -34,6 +34,12 @@ def test_good_config_parses(tmp_path):
     (GOOD.replace("[[64]]", "[{count: 0, length: 8}]"), "count"),
     (GOOD + "timing: {mode: fast}\n", "timing.mode"),
     (GOOD.replace("models: [{name: m, h_qk: 2, h_v: 8}]", "models: [Qwen99]"), "Qwen99"),
+    (GOOD + "thresholds: {o: -1}\n", "thresholds.o"),
+    (GOOD + "thresholds: {o: .nan}\n", "thresholds.o"),
+    (GOOD + "directions: [fwd, fwd]\n", "duplicate directions"),
+    (GOOD + "out: 'runs/{nme}'\n", "placeholder"),
+    (GOOD.replace("models: [{name: m, h_qk: 2, h_v: 8}]", "models: [qwen-fwd, '27B TP2']"),
+     "appears twice"),
 ])
 def test_bad_config_names_field(tmp_path, text, needle):
     p = _write(tmp_path, text)
@@ -66,6 +72,6 @@ def test_missing_file_exits_2(tmp_path):
 
 
 def test_presets_and_sets():
-    s = C.parse({"name": "x", "models": ["qwen-fwd", "27B TP2"], "seqlens": [[8]]})
+    s = C.parse({"name": "x", "models": ["qwen-fwd", "hk8_hv16"], "seqlens": [[8]]})
     ms = s.resolved_models()
-    assert len(ms) == 10 and (ms[-1].h_qk, ms[-1].h_v) == (8, 24)
+    assert len(ms) == 10 and (ms[-1].h_qk, ms[-1].h_v) == (8, 16)

@@ -16,11 +16,23 @@ class TileLangBackend(Backend):
     module = "qlabench_kernels"
 
     def version(self) -> str:
+        """A hash of the kernel sources and the selected variant: editing ``kernels/`` or setting
+        ``QLABENCH_GDN_VARIANT`` / ``QLABENCH_GDN_STAGES`` makes a new resume key."""
+        import hashlib
+        import os
+        from pathlib import Path
         try:
             import qlabench_kernels as qk
-            return getattr(qk, "__version__", "0")
         except Exception:
             return "unknown"
+        h = hashlib.sha1()
+        root = Path(qk.__file__).parent
+        for f in sorted(root.glob("*.py")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+        var = os.environ.get("QLABENCH_GDN_VARIANT", "") + "|" + os.environ.get("QLABENCH_GDN_STAGES", "")
+        h.update(var.encode())
+        return f"src-{h.hexdigest()[:10]}" + (f"+{var.strip('|')}" if var.strip("|") else "")
 
     def available(self):
         ok, why = super().available()
