@@ -108,16 +108,33 @@ def reference_outputs(x: Inputs, direction: str, impl: str, dtype: str) -> dict:
                                  x.do, x.dht, dtype=dt)
 
 
-def poison_allocator(nbytes: int) -> None:
-    """Fill soon-to-be-reused caching-allocator memory with NaN so that an output a kernel
-    forgets to write is NaN, not a stale right answer from an earlier call."""
+def poison_allocator(nbytes: int, chunk_bytes: int = 2 << 30, cap_bytes: int = 32 << 30) -> None:
+    """Make memory a backend is about to allocate hold NaN, so that an output a kernel forgets to
+    write is NaN, not a stale right answer (e.g. the previous backend's ``o`` of the same shape).
+
+    The cache is emptied first (so no block holding a previous output is reused unpoisoned), then
+    NaN blocks of ``chunk_bytes`` are allocated over up to half the free memory (at least
+    ``nbytes``, at most ``cap_bytes``) and freed back into the caching allocator, which then serves
+    the backend's allocations of up to ``chunk_bytes`` from them. Larger allocations come from
+    fresh device memory, most of which these NaN fills have just overwritten."""
     if not torch.cuda.is_available() or nbytes <= 0:
         return
+    torch.cuda.empty_cache()
     try:
-        t = torch.full((nbytes // 4 + 1,), float("nan"), dtype=torch.float32, device="cuda")
-        del t
+        free, _ = torch.cuda.mem_get_info()
+    except Exception:
+        free = 4 * nbytes
+    target = min(int(free * 0.5), max(4 * nbytes, 4 << 30), cap_bytes)
+    blocks = []
+    try:
+        left = target
+        while left > 0:
+            n = min(left, chunk_bytes)
+            blocks.append(torch.full((n // 4,), float("nan"), dtype=torch.float32, device="cuda"))
+            left -= n
     except torch.OutOfMemoryError:
         pass
+    del blocks
 
 
 def _is_oom(e: BaseException) -> bool:
