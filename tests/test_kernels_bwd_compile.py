@@ -7,38 +7,17 @@ kernel: bwd_h (with h0), bwd_dhu (with dht and dh0), bwd_dqkwg, bwd_wy.
 import importlib
 import importlib.util
 import pathlib
-import shutil
-import sys
 
 import pytest
+from kernel_helpers import kernels_pkg as _kernels_pkg
+from kernel_helpers import why_cannot_compile as _why_cannot_compile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGET_K = '{"arch": "sm_90a", "kind": "cuda"}'
 
 
-def _kernels_pkg():
-    try:
-        return importlib.import_module("qlabench_kernels")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "qlabench_kernels",
-            ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["qlabench_kernels"] = mod
-        spec.loader.exec_module(mod)
-        return mod
 
 
-def _why_cannot_compile():
-    if shutil.which("nvcc") is None:
-        return "nvcc not on PATH (needed for offline sm_90a compilation)"
-    try:
-        importlib.import_module("tilelang")
-    except Exception as e:  # noqa: BLE001 - any import failure means no compilation
-        return f"tilelang not importable: {e!r}"
-    return None
 
 
 pytestmark = pytest.mark.skipif(_why_cannot_compile() is not None, reason=str(_why_cannot_compile()))

@@ -5,10 +5,10 @@ the launch glue of ``chunk_gdn_bwd`` with the kernels swapped for their emulatio
 import importlib
 import importlib.util
 import pathlib
-import sys
 
 import pytest
 import torch
+from kernel_helpers import kernels_pkg as _kernels_pkg
 
 from qlabench.backends.reference import gdn_chunked_grads
 
@@ -17,19 +17,6 @@ D = 128
 TOL = {"dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "dbeta": 2e-2, "dh0": 2e-2, "dg": 4e-2}
 
 
-def _kernels_pkg():
-    try:
-        return importlib.import_module("qlabench_kernels")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "qlabench_kernels",
-            ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["qlabench_kernels"] = mod
-        spec.loader.exec_module(mod)
-        return mod
 
 
 def _inputs(seqlens, h_qk, h_v, with_h0, with_dht, seed=0):

@@ -9,10 +9,10 @@ Gradients against autograd through the chunked fp32 reference
 import importlib
 import importlib.util
 import pathlib
-import sys
 
 import pytest
 import torch
+from kernel_helpers import kernels_pkg as _kernels_pkg
 
 from qlabench.backends.reference import gdn_chunked_grads
 
@@ -25,19 +25,6 @@ HEADS = [(2, 2), (2, 4), (1, 3), (2, 8)]
 TOL = {"dq": 4e-2, "dk": 4e-2, "dv": 4e-2, "dbeta": 4e-2, "dh0": 4e-2, "dg": 8e-2}
 
 
-def _kernels_pkg():
-    try:
-        return importlib.import_module("qlabench_kernels")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "qlabench_kernels",
-            ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["qlabench_kernels"] = mod
-        spec.loader.exec_module(mod)
-        return mod
 
 
 def make_inputs(seqlens, h_qk, h_v, seed=0):

@@ -9,10 +9,10 @@ One batch mixes lengths 1, 63, 64, 65, 1000, 4097; Hv/Hqk in {1, 2, 3, 4}; 25% o
 import importlib
 import importlib.util
 import pathlib
-import sys
 
 import pytest
 import torch
+from kernel_helpers import kernels_pkg as _kernels_pkg
 
 pytestmark = pytest.mark.gpu
 
@@ -23,19 +23,6 @@ HEADS = [(2, 2), (2, 4), (1, 3), (2, 8)]
 TOL = 1e-2
 
 
-def _kernels_pkg():
-    try:
-        return importlib.import_module("qlabench_kernels")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "qlabench_kernels",
-            ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["qlabench_kernels"] = mod
-        spec.loader.exec_module(mod)
-        return mod
 
 
 def reference(q, k, v, g, beta, scale, h0, cu):
