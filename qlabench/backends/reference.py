@@ -154,7 +154,9 @@ class ReferenceBackend(Backend):
             def fn():
                 return gdn_chunked_grads(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0,
                                          x.cu_seqlens, x.do, x.dht)
-        return Prepared(fn=fn)
+        # it reads cu_seqlens on the host (a sync), so it never captures in a CUDA graph: time it
+        # with events rather than attempt (and fail) a capture, which can leave the context unwell
+        return Prepared(fn=fn, graph_safe=False, notes="host sync per call")
 
     def outputs_to_canonical(self, raw, inputs, direction):
         if direction == "fwd":
