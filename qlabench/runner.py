@@ -184,6 +184,35 @@ def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name:
     }
 
 
+def check_outputs(outs: dict, ref: dict, x: Inputs, direction: str, sweep: Sweep,
+                  row: dict | None = None) -> tuple[float, float, list[str]]:
+    """Compare canonical outputs with the reference: (worst rel L2, worst block rel L2, problems).
+    Fills ``rel_l2_*`` / ``max_abs_*`` into ``row`` when given."""
+    names = FWD_OUTPUTS if direction == "fwd" else BWD_OUTPUTS
+    worst, worst_blk, bad = 0.0, 0.0, []
+    for n in names:
+        if n not in ref or ref[n] is None:
+            continue
+        if n == "final_state" and not x.output_final_state:
+            continue  # not asked for: libraries return None
+        if outs.get(n) is None:
+            bad.append(f"{n} missing")
+            continue
+        rel, mx = rel_err(outs[n], ref[n])
+        if row is not None:
+            row[f"rel_l2_{n}"], row[f"max_abs_{n}"] = rel, mx
+        worst = max(worst, rel)
+        if not rel <= sweep.thresholds.get(n):
+            bad.append(f"{n} rel_l2={rel:.3g} > {sweep.thresholds.get(n):g}")
+        elif n in TOKEN_OUTPUTS:
+            blk = worst_block_rel_err(outs[n], ref[n], x.cu_seqlens)
+            worst_blk = max(worst_blk, blk)
+            lim = BLOCK_FACTOR * sweep.thresholds.get(n)
+            if not blk <= lim:
+                bad.append(f"{n} worst {BLOCK_TOKENS}-token block x head rel_l2={blk:.3g} > {lim:g}")
+    return worst, worst_blk, bad
+
+
 def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: Sweep,
                     row: dict, expected_out_bytes: int) -> dict:
     """Prepare, check, time one backend on one point × direction. Fills and returns ``row``."""
@@ -200,27 +229,7 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
     row["compile_s"] = time.perf_counter() - t0
     outs = be.outputs_to_canonical(raw, x, direction)
     del raw
-    names = FWD_OUTPUTS if direction == "fwd" else BWD_OUTPUTS
-    worst, worst_blk, bad = 0.0, 0.0, []
-    for n in names:
-        if n not in ref or ref[n] is None:
-            continue
-        if n == "final_state" and not x.output_final_state:
-            continue  # not asked for: libraries return None
-        if outs.get(n) is None:
-            bad.append(f"{n} missing")
-            continue
-        rel, mx = rel_err(outs[n], ref[n])
-        row[f"rel_l2_{n}"], row[f"max_abs_{n}"] = rel, mx
-        worst = max(worst, rel)
-        if not rel <= sweep.thresholds.get(n):
-            bad.append(f"{n} rel_l2={rel:.3g} > {sweep.thresholds.get(n):g}")
-        elif n in TOKEN_OUTPUTS:
-            blk = worst_block_rel_err(outs[n], ref[n], x.cu_seqlens)
-            worst_blk = max(worst_blk, blk)
-            lim = BLOCK_FACTOR * sweep.thresholds.get(n)
-            if not blk <= lim:
-                bad.append(f"{n} worst {BLOCK_TOKENS}-token block x head rel_l2={blk:.3g} > {lim:g}")
+    worst, worst_blk, bad = check_outputs(outs, ref, x, direction, sweep, row)
     del outs
     row["max_rel_l2"] = worst
     row["worst_block_rel_l2"] = worst_blk
@@ -252,6 +261,21 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
                samples_ms=tr.samples_ms, n_samples=tr.n_samples, timing_mode=tr.timing_mode,
                timing_fallback=tr.fallback_reason, stop_reason=tr.stop_reason,
                calls_per_sample=tr.calls_per_sample, l2=tr.l2)
+    if gpu:  # the timed calls ran on the same inputs: check one more call (races, carried state)
+        poison_allocator(2 * expected_out_bytes)
+        for t in prep.extra.values():  # preallocated output buffers (FlashInfer's) start NaN again
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.fill_(float("nan"))
+        outs = be.outputs_to_canonical(prep.fn(), x, direction)
+        _sync()
+        _, _, bad2 = check_outputs(outs, ref, x, direction, sweep)
+        del outs
+        if bad2:
+            row.update(status="incorrect", latency_ms=None,
+                       reason="a call after timing was wrong (race or state carried between calls?): "
+                       + "; ".join(bad2))
+            row["wall_s"] = time.perf_counter() - t_wall
+            return row
     if gpu and sweep.timing.gpm:
         replay = graph.replay if graph is not None else prep.fn
         row.update(metrics.gpm_sample(replay))
