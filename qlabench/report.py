@@ -1,7 +1,7 @@
 """``qlabench report RESULTS... --out site/``: a static HTML dashboard over stored rows (no server,
 no JavaScript; PNGs written beside the page under ``img/``).
 
-Rows of all given results directories are pooled and grouped by (config, GPU). Per group:
+Rows of all given results directories are grouped by (results directory, GPU). Per group:
 
 - status counts per backend and the latest row per key (:func:`qlabench.results.latest`);
 - figures of the latest rows (:func:`qlabench.plots.run_figures`): grouped latency bars per layout,
@@ -261,8 +261,9 @@ def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     df, metas, notes = load_dirs(dirs)
-    df["_config"] = [Path(c).stem if isinstance(c, str) and c else Path(s).name
-                     for c, s in zip(df["config"], df["_src"])]
+    # one section per results directory (a kept run may accumulate rows from several configs,
+    # e.g. a quick subset first, then the full sweep with --resume)
+    df["_config"] = [Path(s).name for s in df["_src"]]
     df["_gpu"] = df["gpu_name"].fillna("unknown GPU")
     sections, nav, banners = [], [], []
     for (cfg, gpu), g in df.groupby(["_config", "_gpu"], sort=True):
