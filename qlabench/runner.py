@@ -474,10 +474,11 @@ def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log) -> No
     for t in sorted(tasks, key=lambda t: -point_cost(t.point, len(t.backends))):
         q.put(t)
     errors: list[BaseException] = []
+    stop = threading.Event()
 
     def serve(dev: str) -> None:
         sup = Supervisor(sweep, log_dir, log=log, env={"CUDA_VISIBLE_DEVICES": dev,
-                                                       "QLABENCH_GPU_INDEX": dev})
+                                                       "QLABENCH_GPU_INDEX": dev}, stop=stop)
         try:
             while True:
                 try:
@@ -500,11 +501,17 @@ def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log) -> No
             for th in threads:
                 th.join(timeout=0.2)
     except KeyboardInterrupt:
-        while not q.empty():  # take no more tasks; workers (daemonic) end with this process
+        # take no more tasks; each worker finishes the row it is on, then stops (Ctrl-C again
+        # to abandon those rows)
+        stop.set()
+        while not q.empty():
             try:
                 q.get_nowait()
             except queue.Empty:
                 break
+        log("interrupted: finishing the rows in flight on each GPU (Ctrl-C again to abandon them)")
+        for th in threads:
+            th.join()
         raise
     if errors:
         raise errors[0]

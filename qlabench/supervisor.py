@@ -124,8 +124,9 @@ def _stack(path: Path, n: int = 900) -> str:
 
 class Supervisor:
     def __init__(self, sweep, log_dir: Path, log=print, poll_s: float = 0.2,
-                 env: dict | None = None):
+                 env: dict | None = None, stop: threading.Event | None = None):
         self.sweep = sweep
+        self.stop = stop  # set: return after the row in flight (the worker is then ended)
         self.env = dict(env or {})
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -189,6 +190,9 @@ class Supervisor:
                         if payload["backend"] in remaining:
                             remaining.remove(payload["backend"])
                         current = None  # its row is in: a death now is not this backend's
+                        if self.stop is not None and self.stop.is_set():
+                            self._kill()
+                            return
                     elif kind == "done":
                         return
                     continue

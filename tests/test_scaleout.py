@@ -81,3 +81,33 @@ def test_submitit_local_executor_runs_shards_and_merges(tmp_path):
     assert r.exit_code == 0, r.output
     df = results.load(tmp_path / "out")
     assert len(df) == 8 and not df.duplicated(results.KEY).any() and set(df.status) == {"ok"}
+
+
+def test_sigint_with_two_workers_keeps_finished_rows(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    cfg = {**CFG, "seqlens": [[200 + i] for i in range(10)],
+           "reference": {"impl": "recurrent", "dtype": "fp64"}}
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out),
+                             "--gpus", "all", "--no-plot"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "QLABENCH_FAKE_GPUS": "2"})
+    t0 = time.time()
+    while time.time() - t0 < 120:
+        if (out / "parts").exists() and len(list((out / "parts").glob("*.parquet"))) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    so, se = proc.communicate(timeout=120)
+    assert proc.returncode == 130, se[-1500:]
+    df = results.load(out)
+    assert 2 <= len(df) < 20 and set(df["status"]) == {"ok"}
+    assert not df.duplicated(results.KEY).any()
+    meta = next(iter(results.load_meta(out).values()))
+    assert meta.get("finished_at") and sum(meta["counts"].values()) == len(df)
