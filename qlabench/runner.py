@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 from . import backends as B
@@ -461,9 +462,21 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
                 execu.close()
     finally:
         meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        meta["counts"] = summary.counts
+        meta["counts"] = _counts_on_disk(store, run_id) or summary.counts
         store.write_meta(run_id, meta)
     return summary
+
+
+def _counts_on_disk(store: ResultStore, run_id: str) -> dict:
+    """Status counts of this run's rows as stored (the parts are the truth)."""
+    counts: dict = {}
+    for f in store.parts.glob(f"{run_id}-*.parquet"):
+        try:
+            st = pq.read_table(f, columns=["status"]).column(0)[0].as_py()
+        except Exception:
+            continue
+        counts[st] = counts.get(st, 0) + 1
+    return counts
 
 
 def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log) -> None:
@@ -480,7 +493,7 @@ def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log) -> No
         sup = Supervisor(sweep, log_dir, log=log, env={"CUDA_VISIBLE_DEVICES": dev,
                                                        "QLABENCH_GPU_INDEX": dev}, stop=stop)
         try:
-            while True:
+            while not stop.is_set():
                 try:
                     t = q.get_nowait()
                 except queue.Empty:
