@@ -14,13 +14,9 @@ source .devsite/setup.sh || exit 1
 export FLA_FLASH_QLA=0
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+[ "${SKIP_INSTALL:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 cat "$OUT/nvidia-smi.csv"
-if [ "${TESTS:-0}" = 1 ]; then
-  log "gpu tests"
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
-fi
 if [ "${CHECK:-0}" = 1 ]; then
   log "kernel check"
   timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tail -60
@@ -28,6 +24,10 @@ fi
 if [ "${BWDCHECK:-0}" = 1 ]; then
   log "backward kernel check"
   timeout ${BWDCHECK_TIMEOUT:-200} python3 kernels/dev/check_bwd.py ${BWDCHECK_ARGS:---quick} 2>&1 | tail -60
+fi
+if [ "${TESTS:-0}" = 1 ]; then
+  log "gpu tests"
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 fi
 for spec in ${SWEEPS:-}; do
   IFS=: read -r cfg dir extra <<< "$spec"
