@@ -19,11 +19,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 cat "$OUT/nvidia-smi.csv"
 if [ "${CHECK:-0}" = 1 ]; then
   log "kernel check"
-  timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tail -60
+  timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_fwd.log" | tail -60
 fi
 if [ "${BWDCHECK:-0}" = 1 ]; then
   log "backward kernel check"
-  timeout ${BWDCHECK_TIMEOUT:-200} python3 kernels/dev/check_bwd.py ${BWDCHECK_ARGS:---quick} 2>&1 | tail -60
+  timeout ${BWDCHECK_TIMEOUT:-200} python3 kernels/dev/check_bwd.py ${BWDCHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_bwd.log" | tail -60
 fi
 if [ "${TESTS:-0}" = 1 ]; then
   log "gpu tests"
