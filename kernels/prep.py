@@ -30,10 +30,18 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
     method "blocked": 16x16 diagonal blocks D_b = (I + L_bb)⁻¹ by substitution (64 threads,
     16-step chains), then the off-diagonal blocks level by level with all 128 threads:
     Y = Σ_{m ∈ blocks j..i-1} L[16i+r, m] · A[m, 16j+c];  A_ij = −D_i Y   (fp32, shared memory).
-    Same algebra as "subst" (exact arithmetic), ~4x fewer serial FMAs per thread."""
+    Same algebra as "subst" (exact arithmetic), ~4x fewer serial FMAs per thread.
+    method "tc": the same 16x16 diagonal inverses D (block-diagonal), then the rest on tensor cores
+    (tf32 wgmma, fp32 accumulation): with L_off = L minus its diagonal blocks, I + L = (I + L_off D) D⁻¹...
+    used as (I + L)⁻¹ = (I + N)⁻¹ D with N = D L_off strictly block-lower, so N⁴ = 0 and
+    (I + N)⁻¹ = (I − N)(I + N²): four 64x64x64 GEMMs (N, N², X = (I − N)(I + N²), A = X D).
+    tf32 operands (rel 2⁻¹¹) are finer than the bf16 A_β this kernel stores (rel 2⁻⁹).
+    Grid order (v-head fastest) lets the G v-heads of one chunk reuse k from L2."""
     import tilelang.language as T
 
-    assert method in ("subst", "blocked"), method
+    assert method in ("subst", "blocked", "tc"), method
+    if method == "tc":
+        return _prep_tc_program(h_qk, h_v)
 
     G = check_heads(h_qk, h_v)
     C, D = CHUNK, HEAD_DIM
@@ -164,6 +172,101 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
             T.copy(g_sh, gcs[hv, c * C : c * C + C])
 
     return gdn_prep
+
+
+def _prep_tc_program(h_qk: int, h_v: int):
+    import tilelang.language as T
+
+    G = check_heads(h_qk, h_v)
+    C, D, B = CHUNK, HEAD_DIM, 16
+    Tn = T.dynamic("T")
+    NCS = T.dynamic("NCS")
+
+    @T.prim_func
+    def gdn_prep_tc(
+        k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        g: T.Tensor((1, Tn, h_v), "float32"),
+        beta: T.Tensor((1, Tn, h_v), "float32"),
+        ctab: T.Tensor((NCS, 4), "int32"),
+        gcs: T.Tensor((h_v, NCS * C), "float32"),
+        a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
+    ):
+        with T.Kernel(h_v, NCS, threads=128) as (hv, c):
+            hk = hv // G
+            k_sh = T.alloc_shared((C, D), "bfloat16")
+            kk = T.alloc_fragment((C, C), "float32")
+            # six fp32 [64, 64] buffers, reused: L -> I-N ; D ; Dᵀ ; L_offᵀ -> Nᵀ ; N -> X ; (I+N²)ᵀ
+            l_sh = T.alloc_shared((C, C), "float32")
+            d_sh = T.alloc_shared((C, C), "float32")
+            dt_sh = T.alloc_shared((C, C), "float32")
+            bt_sh = T.alloc_shared((C, C), "float32")
+            n_sh = T.alloc_shared((C, C), "float32")
+            pt_sh = T.alloc_shared((C, C), "float32")
+            mm = T.alloc_fragment((C, C), "float32")
+            a_sh = T.alloc_shared((C, C), "bfloat16")
+            g_sh = T.alloc_shared((C,), "float32")
+            b_sh = T.alloc_shared((C,), "float32")
+            g_frag = T.alloc_fragment((C,), "float32")
+            x16 = T.alloc_local((B,), "float32")
+            acc_l = T.alloc_local((1,), "float32")
+
+            bos = ctab[c, 0]
+            ln = ctab[c, 1] - bos
+
+            for i, j in T.Parallel(C, D):
+                k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
+            for i in T.Parallel(C):
+                g_frag[i] = T.if_then_else(i < ln, g[0, bos + i, hv], T.float32(0))
+                b_sh[i] = T.if_then_else(i < ln, beta[0, bos + i, hv], T.float32(0))
+            T.cumsum(g_frag, dim=0)
+            T.copy(g_frag, g_sh)
+
+            T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+
+            for i, j in T.Parallel(C, C):
+                l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
+            for i, j in T.Parallel(C, C):
+                # L_off transposed (B operand of N = D L_off; tf32 wgmma wants K-major B)
+                bt_sh[j, i] = T.if_then_else(i // B > j // B, l_sh[i, j], T.float32(0))
+                d_sh[i, j] = T.float32(0)
+                dt_sh[i, j] = T.float32(0)
+            tx = T.get_thread_binding()
+            # diagonal blocks D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
+            if tx < C:
+                for i in T.unroll(B):
+                    x16[i] = T.float32(0)
+                for i in T.unroll(B):
+                    acc_l[0] = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
+                    for j in T.unroll(i):
+                        acc_l[0] = acc_l[0] - l_sh[(tx // B) * B + i, (tx // B) * B + j] * x16[j]
+                    x16[i] = acc_l[0]
+                for i in T.unroll(B):
+                    d_sh[(tx // B) * B + i, (tx // B) * B + tx % B] = x16[i]
+                    dt_sh[(tx // B) * B + tx % B, (tx // B) * B + i] = x16[i]
+            T.sync_threads()
+            # N = D L_off
+            T.gemm(d_sh, bt_sh, mm, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                n_sh[i, j] = mm[i, j]
+                bt_sh[j, i] = mm[i, j]
+                l_sh[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0)) - mm[i, j]
+            # N² -> (I + N²)ᵀ
+            T.gemm(n_sh, bt_sh, mm, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                pt_sh[j, i] = T.if_then_else(i == j, T.float32(1), T.float32(0)) + mm[i, j]
+            # X = (I − N)(I + N²) = (I + N)⁻¹
+            T.gemm(l_sh, pt_sh, mm, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                n_sh[i, j] = mm[i, j]
+            # A = X D ; A_β = A diag(β) in bf16 (A is lower triangular)
+            T.gemm(n_sh, dt_sh, mm, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                a_sh[i, j] = T.cast(T.if_then_else(i >= j, mm[i, j] * b_sh[j], T.float32(0)), "bfloat16")
+
+            T.copy(a_sh, a_beta[hv, c * C : c * C + C, 0:C])
+            T.copy(g_sh, gcs[hv, c * C : c * C + C])
+
+    return gdn_prep_tc
 
 
 @functools.cache

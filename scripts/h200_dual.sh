@@ -12,8 +12,10 @@ if [ -f .devsite/tlcache.tar.xz ] && [ -z "${TILELANG_CACHE_DIR:-}" ]; then
   [ -d /tmp/tlcache-full ] || tar -xJf .devsite/tlcache.tar.xz -C /tmp
   export TILELANG_CACHE_DIR=/tmp/tlcache-full
 fi
-[ -f .devsite/libcache.tar.xz ] && [ ! -f /tmp/libcache.done ] && { tar -xJf .devsite/libcache.tar.xz -C / && touch /tmp/libcache.done; }
 source .devsite/setup.sh || exit 1
+# library compile caches from earlier calls (FlashInfer's GDN module as an AOT .so inside the
+# package, FlashQLA's TileLang kernels, Triton): AFTER setup.sh, which unpacks /tmp/site312
+[ -f .devsite/libcache.tar.xz ] && [ ! -f /tmp/libcache.done ] && { tar -xJf .devsite/libcache.tar.xz -C / && touch /tmp/libcache.done; }
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 touch /tmp/call.start
 LIMIT=${LIMIT:-545}

@@ -29,6 +29,15 @@ if [ "${TESTS:-0}" = 1 ]; then
   log "gpu tests"
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 fi
+for spec in ${PROFILES:-}; do
+  # config:point:model:backend[:direction[:ncu]]  e.g. configs/h200_fwd_quick.yaml:1x32768:2/8:fla:fwd:ncu
+  IFS=: read -r cfg point model backend direction ncu <<< "$spec"
+  budget=$(( ${DEADLINE_S:-540} - ($(date +%s) - T0) ))
+  [ "$budget" -lt 30 ] && { log "no time left for profile $spec"; break; }
+  log "profile $spec"
+  timeout --signal=INT --kill-after=10 "$budget" qlabench profile "$cfg" --point "$point" --model "$model" \
+    --backend "$backend" --direction "${direction:-fwd}" ${ncu:+--ncu} --out "$OUT/profile" 2>&1 | tee -a "$OUT/profile.log"
+done
 for spec in ${SWEEPS:-}; do
   IFS=: read -r cfg dir extra <<< "$spec"
   budget=$(( ${DEADLINE_S:-540} - ($(date +%s) - T0) ))

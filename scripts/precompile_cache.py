@@ -14,26 +14,21 @@ import time
 
 from qlabench_kernels._common import CHECK_VARIANTS, target_key
 from qlabench_kernels.compile import precompile_variants
-from qlabench_kernels.fixup import get_fixup_kernel
-from qlabench_kernels.fwd_o import get_fwd_o_kernel
-from qlabench_kernels.prep import get_prep_kernel
-from qlabench_kernels.seg_state import get_seg_state_kernel
 
 SWEEP = [(2, 8), (16, 64), (4, 16), (8, 32), (16, 32), (8, 24), (16, 48), (16, 16), (32, 32)]
 TESTS = [(2, 2), (2, 4), (1, 3), (2, 8)]
+BWD_SWEEP_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 VARIANT_HEADS = [(2, 8), (1, 3), (16, 64)]
-GPU_TEST_VARIANTS = ["fwd_ws=1,fwd_bv=32", "tables=tl,prep=blocked,fwd_bv=32"]
+GPU_TEST_VARIANTS = [
+    "tables=torch,prep=subst,fastmath=0,fwd_ws=0", "fwd_ws=0", "fwd_ws=0,fwd_threads=256", "fwd_bv=32",
+    "prep=tc", "prep=subst",
+]
 
 
 def build(hq, hv, flags, h0s):
-    tk = target_key(None)
+    """The default variant's kernels (what the backend and the tests run) for these state flags."""
     t0 = time.time()
-    get_prep_kernel(hq, hv, target_k=tk)
-    for hi, hh in flags:
-        get_fwd_o_kernel(hq, hv, bool(hi), bool(hh), 64, 0, target_k=tk)
-    get_seg_state_kernel(hq, hv, 64, 0, target_k=tk)
-    for h0 in h0s:
-        get_fixup_kernel(hv, bool(h0), 32, target_k=tk)
+    precompile_variants(hq, hv, ["default"], flags=tuple(flags), h0s=tuple(h0s))
     print(f"{hq}/{hv}: {time.time() - t0:.0f} s", flush=True)
 
 
@@ -42,7 +37,7 @@ if which in ("tests", "all"):
     for hq, hv in TESTS:
         build(hq, hv, [(1, 1), (1, 0), (0, 1), (0, 0)], [1, 0])
 if which in ("sweep", "all"):
-    for hq, hv in SWEEP:
+    for hq, hv in SWEEP + [hk for hk in BWD_SWEEP_HEADS if hk not in SWEEP]:
         build(hq, hv, [(1, 1)], [1])
 if which in ("variants", "all"):
     for hq, hv in VARIANT_HEADS:
@@ -57,7 +52,7 @@ if which in ("variants", "all"):
 # block_v 64, plus block_v 32 for 1/3 (test_block_v_32...); the check_bwd.py / sweep configs get
 # h0 + dht at block_v 64 and 32, and their forward (prep, fwd_o, seg_state, fixup).
 BWD_TESTS = TESTS
-BWD_SWEEP = [(16, 32), (8, 16), (4, 8), (2, 4)]
+BWD_SWEEP = BWD_SWEEP_HEADS
 
 
 def build_bwd(hq, hv, all_flags, bvs):

@@ -298,6 +298,35 @@ def emu_tables_tl(cu, T, N, seg_tokens, split, nt=512):
     return torch.tensor(ctab, **i32), torch.tensor(cu_chunks, **i32), torch.tensor(stab, **i32), torch.tensor(cu_segs, **i32)
 
 
+def _tf32(x):
+    """Round fp32 to tf32 (10-bit mantissa, round to nearest) as a tf32 wgmma reads its operands."""
+    i = x.contiguous().view(torch.int32)
+    i = (i + 0x1000) & ~0x1FFF
+    return i.view(torch.float32)
+
+
+def solve_tc(L, tf32=True):
+    """Mirror of prep.py method="tc": D = blockdiag((I + L_bb)⁻¹) by substitution, N = D L_off,
+    A = (I − N)(I + N²) D with every GEMM operand rounded to tf32 (fp32 accumulation)."""
+    B = 16
+    rnd = _tf32 if tf32 else (lambda t: t)
+    blk = torch.arange(64, device=L.device) // B
+    off = (blk[:, None] > blk[None, :]).to(L.dtype)
+    Dm = torch.zeros_like(L)
+    eye = torch.eye(B, dtype=L.dtype, device=L.device)
+    for b in range(4):
+        Lb = L[..., b * B : (b + 1) * B, b * B : (b + 1) * B]
+        x = torch.zeros_like(Lb)
+        for i in range(B):
+            x[..., i, :] = eye[i] - (Lb[..., i, :i, None] * x[..., :i, :]).sum(-2)
+        Dm[..., b * B : (b + 1) * B, b * B : (b + 1) * B] = x
+    I = torch.eye(64, dtype=L.dtype, device=L.device)
+    N = rnd(Dm) @ rnd(L * off)
+    N2 = rnd(N) @ rnd(N)
+    X = rnd(I - N) @ rnd(I + N2)
+    return rnd(X) @ rnd(Dm)
+
+
 def solve_blocked(L):
     """Mirror of prep.py method="blocked": A = (I + L)⁻¹ for strictly lower L [..., 64, 64] (fp32),
     16x16 diagonal blocks by substitution, then off-diagonal blocks level by level."""
