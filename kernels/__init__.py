@@ -173,13 +173,13 @@ def chunk_gdn_fwd_lowlevel(
         run_fixup(m_tr, e_end, cu_segs32, h0, h_start, target=target)
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h_start, scale, o, ht,
-            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws,
+            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
         )  # fmt: skip
         out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
     else:
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h0, scale, o, ht,
-            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws,
+            block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
         )  # fmt: skip
     out.update(o=o, final_state=ht)
     return out
@@ -219,9 +219,7 @@ def chunk_gdn_fwd(
     Returns:
         o [1, T, Hv, 128] bf16, final_state [N, Hv, 128, 128] fp32 (or None).
     """
-    r = chunk_gdn_fwd_lowlevel(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, variant=variant
-    )
+    r = chunk_gdn_fwd_lowlevel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, variant=variant)
     return r["o"], r["final_state"]
 
 

@@ -54,9 +54,11 @@ def chunk_loop_stages() -> int:
 #:   stages  0 | 2             chunk-loop pipelining (also $QLABENCH_GDN_STAGES)
 #:   fwd_ws  0 | 1             fwd_o hand warp-specialised (fwd_o_ws.py: TMA producer + 3 consumer warpgroups,
 #:                             mbarriers, setmaxnreg; 512 threads; ignores fwd_threads and stages)
+#:   ws_stages 2 | 3           input ring depth of the warp-specialised fwd_o (3: loads two chunks ahead;
+#:                             ~217 KB shared memory at fwd_bv=64)
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "blocked", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
-    "fwd_ws": "1",
+    "fwd_ws": "1", "ws_stages": "2",
 }  # fmt: skip
 #: The first landing's path (every knob at its first value), kept for comparison.
 BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0"
@@ -68,6 +70,7 @@ VARIANT_CHOICES = {
     "fastmath": ("0", "1"),
     "stages": ("0", "2"),
     "fwd_ws": ("0", "1"),
+    "ws_stages": ("2", "3"),
 }
 
 
@@ -79,6 +82,8 @@ CHECK_VARIANTS = [
     "fwd_ws=0,stages=2",
     "fwd_bv=32",
     "prep=tc",
+    "ws_stages=3",
+    "prep=tc,ws_stages=3",
 ]
 
 

@@ -71,7 +71,7 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
         if var["fwd_ws"] == "1":  # same call as run_fwd_o(ws=True)
             out.append((
                 f"fwd_o_ws[init={hi},ht={hh}|{tag}]", get_fwd_o_ws_kernel, (h_qk, h_v, bool(hi), bool(hh), bv),
-                {"fastmath": fm},
+                {"fastmath": fm, **({"stages": 3} if var["ws_stages"] == "3" else {})},
             ))  # fmt: skip
             continue
         args = (h_qk, h_v, bool(hi), bool(hh), bv, st)

@@ -176,19 +176,22 @@ def get_fwd_o_kernel(
 
 def run_fwd_o(
     q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_stages=None, target=None, threads=128,
-    fastmath=False, ws=False,
+    fastmath=False, ws=False, ws_stages=2,
 ):
     """Launch the fused recurrence + output kernel; writes ``o`` (and ``ht`` if given) in place.
 
     h_init: [R, Hv, 128, 128] fp32 or None.  ht: [N, Hv, 128, 128] fp32 or None.
-    ws: the hand warp-specialised kernel (fwd_o_ws.py; same interface; ignores num_stages, threads).
+    ws: the hand warp-specialised kernel (fwd_o_ws.py; same interface; ignores num_stages, threads);
+    ws_stages: its input ring depth (2 or 3).
     """
     h_qk, h_v = q.shape[2], v.shape[2]
     has_init, has_ht = h_init is not None, ht is not None
     if ws:
         from .fwd_o_ws import get_fwd_o_ws_kernel
 
-        kern = get_fwd_o_ws_kernel(h_qk, h_v, has_init, has_ht, block_v, target_k=target_key(target), fastmath=fastmath)
+        kern = get_fwd_o_ws_kernel(
+            h_qk, h_v, has_init, has_ht, block_v, target_k=target_key(target), fastmath=fastmath, stages=ws_stages
+        )
     else:
         if num_stages is None:
             num_stages = chunk_loop_stages()

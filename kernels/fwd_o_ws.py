@@ -39,12 +39,14 @@ NREG = (168, 160, 160, 24)
 assert sum(NREG) * 128 <= 65536 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 
 
-def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64):
+def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, stages: int = 2):
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, block_v
     assert D % BV == 0 and BV in (32, 64, 128)
+    NST = stages  # input ring depth (full/empty barriers); the S / Vd hand-offs stay double-buffered
+    assert NST in (2, 3)
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
@@ -71,12 +73,12 @@ def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v:
             hk = hv // G
             v0 = bv * BV
 
-            # 2-stage input ring (producer -> consumers)
-            q_sh = T.alloc_shared((2, C, D), "bfloat16")
-            k_sh = T.alloc_shared((2, C, D), "bfloat16")
-            v_sh = T.alloc_shared((2, C, BV), "bfloat16")
-            a_sh = T.alloc_shared((2, C, C), "bfloat16")
-            g_sh = T.alloc_shared((2, C), "float32")
+            # NST-stage input ring (producer -> consumers)
+            q_sh = T.alloc_shared((NST, C, D), "bfloat16")
+            k_sh = T.alloc_shared((NST, C, D), "bfloat16")
+            v_sh = T.alloc_shared((NST, C, BV), "bfloat16")
+            a_sh = T.alloc_shared((NST, C, C), "bfloat16")
+            g_sh = T.alloc_shared((NST, C), "float32")
             # consumer <-> consumer hand-offs
             s_sh = T.alloc_shared((2, D, BV), "bfloat16")
             vd_sh = T.alloc_shared((2, C, BV), "bfloat16")
@@ -90,8 +92,8 @@ def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v:
             p_frag = T.alloc_fragment((C, C), "float32")
             o_frag = T.alloc_fragment((C, BV), "float32")
 
-            full = T.alloc_barrier([32, 32])
-            empty = T.alloc_barrier([384, 384])
+            full = T.alloc_barrier([32] * NST)
+            empty = T.alloc_barrier([384] * NST)
             s_ready = T.alloc_barrier([128, 128])
             s_free = T.alloc_barrier([128, 128])
             vd_ready = T.alloc_barrier([128, 128])
@@ -119,18 +121,20 @@ def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v:
                 for ci in T.serial(nchunks):
                     j = ci % 2
                     ph = (ci // 2) % 2
+                    js = ci % NST
+                    ps = (ci // NST) % 2
                     ln = T.min(eos - (bos + ci * C), C)
                     T.barrier_wait(s_free[j], 1 - ph)
                     T.copy(s_frag, s_sh[j, :, :])
                     T.fence_proxy_async()
                     T.barrier_arrive(s_ready[j])
-                    T.barrier_wait(full[j], ph)
-                    egl = T.exp(g_sh[j, ln - 1])
+                    T.barrier_wait(full[js], ps)
+                    egl = T.exp(g_sh[js, ln - 1])
                     for i, jj in T.Parallel(D, BV):
                         s_frag[i, jj] = s_frag[i, jj] * egl
                     T.barrier_wait(vp_ready[0], ci % 2)
-                    T.gemm(k_sh[j, :, :], vp_sh, s_frag, transpose_A=True)
-                    T.barrier_arrive(empty[j])
+                    T.gemm(k_sh[js, :, :], vp_sh, s_frag, transpose_A=True)
+                    T.barrier_arrive(empty[js])
                 if has_ht:
                     if is_last == 1:
                         T.copy(s_frag, ht[seq, hv, 0:D, v0 : v0 + BV])
@@ -140,54 +144,60 @@ def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v:
                 for ci in T.serial(nchunks):
                     j = ci % 2
                     ph = (ci // 2) % 2
+                    js = ci % NST
+                    ps = (ci // NST) % 2
                     ln = T.min(eos - (bos + ci * C), C)
-                    T.barrier_wait(full[j], ph)
+                    T.barrier_wait(full[js], ps)
                     T.barrier_wait(s_ready[j], ph)
-                    T.gemm(k_sh[j, :, :], s_sh[j, :, :], u_frag, clear_accum=True)
+                    T.gemm(k_sh[js, :, :], s_sh[j, :, :], u_frag, clear_accum=True)
                     for i, jj in T.Parallel(C, BV):
                         w_sh[i, jj] = T.cast(
-                            T.cast(v_sh[j, i, jj], "float32") - T.exp(g_sh[j, i]) * u_frag[i, jj], "bfloat16"
+                            T.cast(v_sh[js, i, jj], "float32") - T.exp(g_sh[js, i]) * u_frag[i, jj], "bfloat16"
                         )
                     T.fence_proxy_async()  # w_sh: generic writes -> wgmma reads
-                    T.gemm(a_sh[j, :, :], w_sh, vd_frag, clear_accum=True)
+                    T.gemm(a_sh[js, :, :], w_sh, vd_frag, clear_accum=True)
                     T.barrier_wait(vd_free[j], 1 - ph)
                     for i, jj in T.Parallel(C, BV):
                         vd_sh[j, i, jj] = T.cast(vd_frag[i, jj], "bfloat16")
                         vp_sh[i, jj] = T.cast(
-                            T.if_then_else(i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]) * vd_frag[i, jj], T.float32(0)),
+                            T.if_then_else(
+                                i < ln, T.exp(g_sh[js, ln - 1] - g_sh[js, i]) * vd_frag[i, jj], T.float32(0)
+                            ),
                             "bfloat16",
                         )
                     T.fence_proxy_async()
                     T.barrier_arrive(vd_ready[j])
                     T.barrier_arrive(vp_ready[0])
-                    T.barrier_arrive(empty[j])
+                    T.barrier_arrive(empty[js])
             elif tx < 384:
                 # ---------------- WG2: P = Γ⊙QKᵀ, O ----------------
                 T.set_max_nreg(R2, 1)
                 for ci in T.serial(nchunks):
                     j = ci % 2
                     ph = (ci // 2) % 2
+                    js = ci % NST
+                    ps = (ci // NST) % 2
                     t0 = bos + ci * C
                     ln = T.min(eos - t0, C)
-                    T.barrier_wait(full[j], ph)
-                    T.gemm(q_sh[j, :, :], k_sh[j, :, :], p_frag, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(full[js], ps)
+                    T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_frag, transpose_B=True, clear_accum=True)
                     for i, jj in T.Parallel(C, C):
                         p_sh[i, jj] = T.cast(
                             T.if_then_else(
-                                i >= jj, scale * T.exp(g_sh[j, i] - g_sh[j, jj]) * p_frag[i, jj], T.float32(0)
+                                i >= jj, scale * T.exp(g_sh[js, i] - g_sh[js, jj]) * p_frag[i, jj], T.float32(0)
                             ),
                             "bfloat16",
                         )
                     T.fence_proxy_async()  # p_sh: generic writes -> wgmma reads
                     T.barrier_wait(s_ready[j], ph)
-                    T.gemm(q_sh[j, :, :], s_sh[j, :, :], o_frag, clear_accum=True)
+                    T.gemm(q_sh[js, :, :], s_sh[j, :, :], o_frag, clear_accum=True)
                     T.barrier_arrive(s_free[j])
                     for i, jj in T.Parallel(C, BV):
-                        o_frag[i, jj] = o_frag[i, jj] * (scale * T.exp(g_sh[j, i]))
+                        o_frag[i, jj] = o_frag[i, jj] * (scale * T.exp(g_sh[js, i]))
                     T.barrier_wait(vd_ready[j], ph)
                     T.gemm(p_sh, vd_sh[j, :, :], o_frag)
                     T.barrier_arrive(vd_free[j])
-                    T.barrier_arrive(empty[j])
+                    T.barrier_arrive(empty[js])
                     for i, jj in T.Parallel(C, BV):
                         if i < ln:
                             o[0, t0 + i, hv, v0 + jj] = T.cast(o_frag[i, jj], "bfloat16")
@@ -196,28 +206,29 @@ def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v:
                 T.set_max_nreg(RP, 0)
                 if tx < 416:
                     for ci in T.serial(nchunks):
-                        j = ci % 2
-                        ph = (ci // 2) % 2
+                        js = ci % NST
+                        ps = (ci // NST) % 2
                         t0 = bos + ci * C
                         r0 = (cslot + ci) * C
-                        T.barrier_wait(empty[j], 1 - ph)
-                        T.tma_copy(q[0, t0 : t0 + C, hk, 0:D], q_sh[j, :, :], barrier=full[j])
-                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[j, :, :], barrier=full[j])
-                        T.tma_copy(v[0, t0 : t0 + C, hv, v0 : v0 + BV], v_sh[j, :, :], barrier=full[j])
-                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[j, :, :], barrier=full[j])
-                        T.tma_copy(gcs[hv, r0 : r0 + C], g_sh[j, :], barrier=full[j])
-                        T.barrier_arrive(full[j])
+                        T.barrier_wait(empty[js], 1 - ps)
+                        T.tma_copy(q[0, t0 : t0 + C, hk, 0:D], q_sh[js, :, :], barrier=full[js])
+                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
+                        T.tma_copy(v[0, t0 : t0 + C, hv, v0 : v0 + BV], v_sh[js, :, :], barrier=full[js])
+                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[js, :, :], barrier=full[js])
+                        T.tma_copy(gcs[hv, r0 : r0 + C], g_sh[js, :], barrier=full[js])
+                        T.barrier_arrive(full[js])
 
     return gdn_fwd_o_ws
 
 
 @functools.cache
 def get_fwd_o_ws_kernel(
-    h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, target_k=None, fastmath: bool = False
+    h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, target_k=None, fastmath: bool = False,
+    stages: int = 2,
 ):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
     return compile_program(
-        fwd_o_ws_program(h_qk, h_v, has_init, has_ht, block_v),
+        fwd_o_ws_program(h_qk, h_v, has_init, has_ht, block_v, stages),
         target=target,
         pass_configs={"tl.enable_fast_math": True} if fastmath else None,
     )
