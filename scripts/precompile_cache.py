@@ -26,9 +26,11 @@ GPU_TEST_VARIANTS = [
 
 
 def build(hq, hv, flags, h0s):
-    """The default variant's kernels (what the backend and the tests run) for these state flags."""
+    """The default variant's kernels (what the backend and the tests run) for these state flags,
+    or the variant named by the second argument (``precompile_cache.py sweep prep=tc``)."""
     t0 = time.time()
-    precompile_variants(hq, hv, ["default"], flags=tuple(flags), h0s=tuple(h0s))
+    spec = sys.argv[2] if len(sys.argv) > 2 else "default"
+    precompile_variants(hq, hv, [spec], flags=tuple(flags), h0s=tuple(h0s))
     print(f"{hq}/{hv}: {time.time() - t0:.0f} s", flush=True)
 
 
