@@ -12,6 +12,8 @@ if [ -f .devsite/tlcache.tar.xz ] && [ -z "${TILELANG_CACHE_DIR:-}" ]; then
 fi
 source .devsite/setup.sh || exit 1
 export FLA_FLASH_QLA=0
+# Triton keeps FLA's autotune results in its cache dir (carried between calls with the other caches)
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 [ "${SKIP_INSTALL:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }

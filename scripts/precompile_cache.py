@@ -51,7 +51,7 @@ if which in ("variants", "all"):
 
 # --- backward (kernels/bwd_*.py): `precompile_cache.py bwd` (also part of "all") ---------------
 # Test configs get every state-flag variant (bwd_h: h0 0/1; bwd_dhu: dht, dh0 in {0,1}^2) at
-# block_v 64, plus block_v 32 for 1/3 (test_block_v_32...); the check_bwd.py / sweep configs get
+# block_v 32 (the default), plus block_v 64 for 1/3; the check_bwd.py / sweep configs get
 # h0 + dht at block_v 64 and 32, and their forward (prep, fwd_o, seg_state, fixup).
 BWD_TESTS = TESTS
 BWD_SWEEP = BWD_SWEEP_HEADS
@@ -66,9 +66,9 @@ def build_bwd(hq, hv, all_flags, bvs):
     tk = target_key(None)
     t0 = time.time()
     for bv in bvs:
-        for hi in ([1, 0] if all_flags and bv == 64 else [1]):
+        for hi in ([1, 0] if all_flags else [1]):
             get_bwd_h_kernel(hq, hv, bool(hi), bv, target_k=tk)
-        for dht, dh0 in ([(1, 1), (1, 0), (0, 1), (0, 0)] if all_flags and bv == 64 else [(1, 1)]):
+        for dht, dh0 in ([(1, 1), (1, 0), (0, 1), (0, 0)] if all_flags else [(1, 1)]):
             get_bwd_dhu_kernel(hq, hv, bool(dht), bool(dh0), bv, target_k=tk)
     get_bwd_dqkwg_kernel(hq, hv, target_k=tk)
     get_bwd_wy_kernel(hq, hv, target_k=tk)
@@ -77,7 +77,7 @@ def build_bwd(hq, hv, all_flags, bvs):
 
 if which in ("bwd", "all"):
     for hq, hv in BWD_TESTS:
-        build_bwd(hq, hv, True, (64, 32) if (hq, hv) == (1, 3) else (64,))
+        build_bwd(hq, hv, True, (32, 64) if (hq, hv) == (1, 3) else (32,))
     for hq, hv in BWD_SWEEP:
         if (hq, hv) not in SWEEP and (hq, hv) not in TESTS:
             build(hq, hv, [(1, 1)], [1])

@@ -311,9 +311,10 @@ CASES = [
     ("mixed_1_3_split512", (5, 700, 64, 2000), 1, 3, 512, False, []),
     ("2_8_1x32768", (32768,), 2, 8, None, True, [None, 0, 1024, 2048, 4096]),
     ("16_64_1x32768", (32768,), 16, 64, None, True, [None, 8192, 16384]),
-    ("16_64_4x8192", (8192,) * 4, 16, 64, None, True, [None]),
-    ("2_8_8x1024", (1024,) * 8, 2, 8, None, True, [None]),
-    ("2_8_1x2048", (2048,), 2, 8, None, True, [None]),
+    ("16_64_4x8192", (8192,) * 4, 16, 64, None, True, [None, 4096]),
+    ("2_8_8x1024", (1024,) * 8, 2, 8, None, True, [None, 512]),
+    ("2_8_1x2048", (2048,), 2, 8, None, True, [None, 512, 1024]),
+    ("2_8_1x8192", (8192,), 2, 8, None, True, [None, 512, 2048, 0]),
 ]
 #: split settings timed for non-default variants (the default variant times the full list above)
 VARIANT_SPLITS = {"2_8_1x32768": [None, 1024], "16_64_1x32768": [None]}
