@@ -18,8 +18,10 @@ source .devsite/setup.sh || exit 1
 [ -f .devsite/libcache.tar.xz ] && [ ! -f /tmp/libcache.done ] && { tar -xJf .devsite/libcache.tar.xz -C / && touch /tmp/libcache.done; }
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 touch /tmp/call.start
-LIMIT=${LIMIT:-545}
+# PRE: a command that needs the whole machine, run before the two per-GPU jobs (its files under /tmp/o0)
 mkdir -p /tmp/o0 /tmp/o1
+[ -n "${PRE:-}" ] && { OUT=/tmp/o0 bash -c "$PRE" > /tmp/o0/pre.log 2>&1; tail -c 3000 /tmp/o0/pre.log; }
+LIMIT=$(( ${LIMIT:-545} - ($(date +%s) - T0) ))
 ( env CUDA_VISIBLE_DEVICES=0 OUT=/tmp/o0 SKIP_INSTALL=1 ${JOB0:-} timeout --signal=INT --kill-after=10 $LIMIT bash scripts/h200_session.sh > /tmp/o0/job.log 2>&1 ) &
 ( env OUT=/tmp/o1 SKIP_INSTALL=1 ${JOB1:-} timeout --signal=INT --kill-after=10 $LIMIT bash scripts/h200_session.sh > /tmp/o1/job.log 2>&1 ) &
 wait

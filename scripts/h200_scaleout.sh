@@ -1,0 +1,25 @@
+#!/bin/bash
+# Issue #10 / #3 on a two-GPU machine: the quick sweep with warm caches on 1 GPU, on 2 GPUs and on
+# 1 GPU again (wall time of each whole `qlabench run`, compile excluded by the warm-up run), into
+# fresh directories under runs/scaleout/. Wall times go to $OUT/scaleout.txt.
+#   source .devsite/setup.sh && bash scripts/h200_scaleout.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+CFG=${CFG:-configs/h200_fwd_quick.yaml}
+D=runs/scaleout; rm -rf "$D"; mkdir -p "$D"
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1} FLA_FLASH_QLA=0
+one() {
+  local tag=$1; shift
+  local t0 t1
+  t0=$(date +%s.%N)
+  timeout --signal=INT --kill-after=10 "${RUN_TIMEOUT:-200}" qlabench run "$CFG" --out "$D/$tag" "$@" > "$D/$tag.log" 2>&1
+  local rc=$?
+  t1=$(date +%s.%N)
+  python3 -c "print(f'$tag rc=$rc wall_s={$t1 - $t0:.2f} args=$*')" | tee -a "$OUT/scaleout.txt"
+}
+one warm --gpus all     # compiles / autotunes / loads caches; not compared
+one gpu1_a --gpus 0
+one gpu2 --gpus all
+one gpu1_b --gpus 0
+tail -3 "$D"/*.log
+tar czf "$OUT/scaleout.tgz" "$D"
