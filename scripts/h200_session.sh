@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call on the lent H200: install, GPU tests, then the sweeps named in $SWEEPS
-# (config[:outdir[:extra args]] separated by spaces), each under a time limit so that the
+# (config[:outdir[:extra args joined by '+']] separated by spaces), each under a time limit so that the
 # results are always packed into $OUT before the call ends.
 #   SWEEPS="configs/h200_fwd_quick.yaml:runs/quick" TESTS=1 bash scripts/h200_session.sh
 set -uo pipefail
@@ -44,6 +44,7 @@ for spec in ${SWEEPS:-}; do
   IFS=: read -r cfg dir extra <<< "$spec"
   budget=$(( ${DEADLINE_S:-540} - ($(date +%s) - T0) ))
   [ "$budget" -lt 20 ] && { log "no time left for $cfg"; break; }
+  extra=${extra//+/ }   # extra args joined by '+', e.g. --gpus=1+--backends=tilelang
   log "sweep $cfg -> $dir (budget ${budget}s) $extra"
   mkdir -p "$dir"
   timeout --signal=INT --kill-after=15 "$budget" qlabench run "$cfg" --out "$dir" --resume $extra 2>&1 | tee -a "$OUT/sweep.log"
