@@ -95,6 +95,18 @@ def merge(
 
 
 @app.command()
+def compact(dirs: list[Path] = typer.Argument(..., help="results directories")):
+    """Fold each results directory's one-row part files into one Parquet file (all rows kept)."""
+    from .results import compact as do_compact
+    for d in dirs:
+        if not (d / "parts").is_dir():
+            err.print(f"error: {d}: no parts/ directory (not a results directory)", highlight=False)
+            raise typer.Exit(2)
+        c = do_compact(d)
+        console.print(f"{d}: {c['files']} part files -> {c.get('file', 'unchanged')} ({c['rows']} rows)")
+
+
+@app.command()
 def submit(
     config: Path = typer.Argument(..., help="sweep YAML"),
     shards: int = typer.Option(..., "--shards", min=1, help="number of shards (one job each)"),

@@ -192,6 +192,30 @@ class ResultStore:
         return {(r.point_key, r.direction): r.recipe_hash for r in df.itertuples()}
 
 
+def compact(path: str | Path) -> dict:
+    """Fold a results directory's one-row part files into one Parquet file (``compact-<ts>.parquet``,
+    every row kept, history included) — a kept run of ~600 rows goes from ~14 MB of small files
+    to ~0.2 MB. Safe to interrupt: the new file is written and renamed into place before any old
+    part is removed, and a row present twice (old part + compact file) is the same row, which
+    ``latest`` and ``done_keys`` treat as one."""
+    parts_dir = Path(path) / "parts"
+    files = sorted(f for f in parts_dir.glob("*.parquet") if not f.name.startswith("."))
+    if len(files) < 2:
+        return {"files": len(files), "rows": 0}
+    tables = [pq.read_table(f) for f in files]
+    table = pa.concat_tables(tables, promote_options="default")
+    name = f"compact-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}.parquet"
+    tmp = parts_dir / f".{name}.tmp"
+    with open(tmp, "wb") as fh:
+        pq.write_table(table, fh, compression="zstd")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, parts_dir / name)
+    for f in files:
+        f.unlink()
+    return {"files": len(files), "rows": table.num_rows, "file": name}
+
+
 def load(path: str | Path) -> pd.DataFrame:
     """All rows under a results directory (or a single Parquet file)."""
     p = Path(path)

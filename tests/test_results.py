@@ -103,3 +103,26 @@ def test_dry_run_writes_nothing(tmp_path):
     r = CliRunner().invoke(app, ["run", str(ROOT / "configs/smoke.yaml"), "--out",
                                  str(tmp_path / "o"), "--dry-run"])
     assert r.exit_code == 0 and not (tmp_path / "o").exists()
+
+
+def test_compact_keeps_every_row_and_resume_keys(tmp_path):
+    """`qlabench compact`: many one-row parts -> one file; same rows, same done keys, same latest()."""
+    from qlabench import results as R
+    from synth_results import write_run
+
+    d = tmp_path / "run"
+    write_run(d)
+    before = R.load(d)
+    keys = R.ResultStore(d).done_keys()
+    n_files = len(list((d / "parts").glob("*.parquet")))
+    assert n_files > 2
+    c = R.compact(d)
+    files = list((d / "parts").glob("*.parquet"))
+    assert len(files) == 1 and c["rows"] == len(before) == n_files
+    after = R.load(d)
+    cols = ["point_key", "backend", "direction", "latency_ms", "status"]
+    key = ["point_key", "backend", "direction", "started_at"]
+    assert before.sort_values(key)[cols].reset_index(drop=True).equals(after.sort_values(key)[cols].reset_index(drop=True))
+    assert R.ResultStore(d).done_keys() == keys
+    assert len(R.latest(after)) == len(R.latest(before))
+    assert R.compact(d)["rows"] == 0  # nothing left to fold
