@@ -31,6 +31,7 @@ echo "[$(( $(date +%s) - T0 ))s] both jobs done"
 for d in /tmp/o0 /tmp/o1; do echo "=== $d"; tail -c 5000 $d/job.log; done
 tar czf "$OUT/call.tgz" -C /tmp o0 o1
 # compiler caches written during this call (FlashQLA's TileLang kernels, FlashInfer's JIT, Triton)
+[ "${NOCACHE:-0}" = 1 ] && { ls -la "$OUT"; exit 0; }
 find /tmp/tlcache-full ~/.cache/flashinfer ~/.triton/cache -newer /tmp/call.start -type f 2>/dev/null > /tmp/newcache.txt
 du -ch $(cat /tmp/newcache.txt) 2>/dev/null | tail -1
 [ -s /tmp/newcache.txt ] && tar cf - -T /tmp/newcache.txt 2>/dev/null | xz -T0 -6 > "$OUT/caches.tar.xz"

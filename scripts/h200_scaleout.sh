@@ -12,7 +12,7 @@ one() {
   local tag=$1; shift
   local t0 t1
   t0=$(date +%s.%N)
-  timeout --signal=INT --kill-after=10 "${RUN_TIMEOUT:-200}" qlabench run "$CFG" --out "$D/$tag" "$@" > "$D/$tag.log" 2>&1
+  timeout --signal=INT --kill-after=5 "${RUN_TIMEOUT:-200}" qlabench run "$CFG" --out "$D/$tag" "$@" > "$D/$tag.log" 2>&1
   local rc=$?
   t1=$(date +%s.%N)
   python3 -c "print(f'$tag rc=$rc wall_s={$t1 - $t0:.2f} args=$*')" | tee -a "$OUT/scaleout.txt"
