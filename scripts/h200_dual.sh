@@ -26,10 +26,15 @@ LIMIT=$(( ${LIMIT:-545} - ($(date +%s) - T0) ))
 ( env OUT=/tmp/o1 SKIP_INSTALL=1 ${JOB1:-} timeout --signal=INT --kill-after=10 $LIMIT bash scripts/h200_session.sh > /tmp/o1/job.log 2>&1 ) &
 wait
 echo "[$(( $(date +%s) - T0 ))s] both jobs done"
-# POST: a whole-machine command after the two jobs (its files under /tmp/o1)
-[ -n "${POST:-}" ] && { OUT=/tmp/o1 bash -c "$POST" > /tmp/o1/post.log 2>&1; tail -c 4000 /tmp/o1/post.log; }
+tar czf "$OUT/jobs.tgz" -C /tmp o0 o1   # packed now, so a call cut short during POST keeps them
+# POST: a whole-machine command after the two jobs (its files under /tmp/post -> $OUT/post.tgz)
+if [ -n "${POST:-}" ]; then
+  mkdir -p /tmp/post
+  OUT=/tmp/post bash -c "$POST" > /tmp/post/post.log 2>&1
+  tail -c 4000 /tmp/post/post.log
+  tar czf "$OUT/post.tgz" -C /tmp post
+fi
 for d in /tmp/o0 /tmp/o1; do echo "=== $d"; tail -c 5000 $d/job.log; done
-tar czf "$OUT/call.tgz" -C /tmp o0 o1
 # compiler caches written during this call (FlashQLA's TileLang kernels, FlashInfer's JIT, Triton)
 [ "${NOCACHE:-0}" = 1 ] && { ls -la "$OUT"; exit 0; }
 find /tmp/tlcache-full ~/.cache/flashinfer ~/.triton/cache -newer /tmp/call.start -type f 2>/dev/null > /tmp/newcache.txt
