@@ -201,14 +201,18 @@ def gpm_sample(replay, min_window_s: float = 0.12, index: int = 0) -> dict:
 
 
 def measure_ceilings(device_index: int = 0) -> dict:
-    """Measured once per run on the GPU: a large bf16 matmul (TFLOP/s) and a device-to-device
-    copy (GB/s, bytes read + written). These, not datasheet figures, are the roofline's roof."""
+    """Measured once per run on the GPU that runs the sweep (``device_index``; with ``--gpus`` the
+    first listed one — an idle GPU, not one another job may be using): a large bf16 matmul
+    (TFLOP/s) and a device-to-device copy (GB/s, bytes read + written). These, not datasheet
+    figures, are the roofline's roof."""
     import torch
-    out: dict = {}
+    out: dict = {"device_index": int(device_index)}
+    dev = torch.device("cuda", int(device_index))
     try:
+        torch.cuda.set_device(dev)
         n = 8192
-        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
         for _ in range(3):
             a @ b
         torch.cuda.synchronize()
@@ -221,7 +225,7 @@ def measure_ceilings(device_index: int = 0) -> dict:
         e1.synchronize()
         out["matmul_tflops"] = 2 * n ** 3 * reps / (e0.elapsed_time(e1) * 1e-3) / 1e12
         del a, b
-        src = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+        src = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device=dev).normal_()
         dst = torch.empty_like(src)
         for _ in range(2):
             dst.copy_(src)
@@ -239,17 +243,34 @@ def measure_ceilings(device_index: int = 0) -> dict:
     return out
 
 
+def run_ceilings(metas: dict, run_id: str, gpu_name: str | None = None) -> dict | None:
+    """Measured ceilings for a row: its run's own (run metadata), else — for runs recorded before
+    ceilings were measured — the median over the other runs in ``metas`` on the same GPU model
+    (``env.gpu_name``), else None (the caller falls back to its ``ceilings`` or the H200 leads)."""
+    own = (metas.get(run_id) or {}).get("ceilings")
+    if own:
+        return own
+    same = [m["ceilings"] for m in metas.values()
+            if m.get("ceilings") and gpu_name and (m.get("env") or {}).get("gpu_name") == gpu_name]
+    if not same:
+        return None
+    keys = {k for c in same for k in c if isinstance(c.get(k), (int, float))}
+    return {k: sorted(c[k] for c in same if isinstance(c.get(k), (int, float)))[
+        len([c for c in same if isinstance(c.get(k), (int, float))]) // 2] for k in keys}
+
+
 def add_derived(df, ceilings: dict | None = None, metas: dict | None = None):
     """Recompute flops, min_bytes, intensity, roofline_ms, tflops, gbps and pct_roofline from
     stored columns (so old runs get them without a re-run). Ceilings come from each row's run
-    metadata (``metas[run_id]["ceilings"]``) when present, else ``ceilings``, else the H200 leads."""
+    metadata (``metas[run_id]["ceilings"]``) when present, else from the other runs of ``metas``
+    on the same GPU model (``run_ceilings``), else ``ceilings``, else the H200 leads."""
     import pandas as pd
     if df.empty:
         return df
     df = df.copy()
     rows = []
     for r in df.itertuples():
-        c = (metas or {}).get(r.run_id, {}).get("ceilings") or ceilings or {}
+        c = run_ceilings(metas or {}, r.run_id, getattr(r, "gpu_name", None)) or ceilings or {}
         d = derive(r.direction, r.latency_ms if pd.notna(r.latency_ms) else None,
                    int(r.total_tokens), int(r.h_qk), int(r.h_v), int(r.num_seqs),
                    int(r.head_dim), r.dtype, c.get("matmul_tflops"), c.get("copy_gbps"),

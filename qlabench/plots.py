@@ -72,13 +72,21 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
 
 
 def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None,
-                baseline: str = "fla") -> list[Path]:
+                baseline: str = "fla", metas: dict | None = None) -> list[Path]:
     """Every figure a run's rows support: ``latency_<dir>.png`` (grouped bars),
     ``speedup_<dir>.png`` (heatmap vs ``baseline`` when it and another backend have ok rows),
-    ``latency_vs_tokens_bwd.png`` (backward latency vs total tokens)."""
+    ``latency_vs_tokens_bwd.png`` (backward latency vs total tokens). Derived roofline columns
+    are recomputed with the measured ceilings of ``metas`` (default: ``out_dir``'s run metadata)."""
+    from . import metrics, results
     made = []
     sub = df if run_id is None else df[df["run_id"] == run_id]
     out_dir = Path(out_dir)
+    if metas is None:
+        metas = results.load_meta(out_dir) if out_dir.is_dir() else {}
+    if not sub.empty and "gpu_name" in sub:
+        gpu = sub[sub["gpu_name"] != "cpu"]
+        if not gpu.empty:
+            sub = pd.concat([sub[sub["gpu_name"] == "cpu"], metrics.add_derived(gpu, None, metas)])
     for d in ("fwd", "bwd", "fwdbwd"):
         if (sub["direction"] == d).any():
             made.append(latency_figure(sub, out_dir / f"latency_{d}.png", d))

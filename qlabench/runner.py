@@ -404,11 +404,12 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
 
     ceilings = {}
     if torch.cuda.is_available() and any(avail[n][0] for n in names):
-        ceilings = metrics.measure_ceilings()
+        ceilings = metrics.measure_ceilings(int(devices[0]) if devices else 0)
         log(f"ceilings: {ceilings}")
     run_id = new_run_id()
     sha = git_sha(str(Path(__file__).resolve().parent.parent))
-    gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    gpu_name = (torch.cuda.get_device_name(int(devices[0]) if devices else 0)
+                if torch.cuda.is_available() else "cpu")
     meta = {"run_id": run_id, "git_sha": sha, "config": config_name,
             "sweep": sweep.model_dump(mode="json"), "backends": names,
             "backend_versions": versions, "availability": {n: list(a) for n, a in avail.items()},

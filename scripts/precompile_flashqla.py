@@ -55,11 +55,11 @@ def ensure_flash_qla(dest: Path) -> Path:
 # patches: make this CPU-only machine look like the H200 to flash_qla and to tilelang's "auto"
 # ---------------------------------------------------------------------------------------------
 def patch_environment():
-    import torch
     import tilelang  # noqa: F401  (local install; import before flash_qla's path is added)
+    import torch
+    from tilelang.backend.target import register_target_detector
     from tilelang.contrib import nvcc
     from tvm.target import Target
-    from tilelang.backend.target import register_target_detector
 
     props = types.SimpleNamespace(
         name="NVIDIA H200", major=9, minor=0, multi_processor_count=H200_SMS,
@@ -111,8 +111,8 @@ class Recorder:
 
 
 def install_recorders(calls):
-    from tilelang.jit import JITImpl
     import flash_qla  # noqa: F401  (imports every hopper module + ops.utils)
+    from tilelang.jit import JITImpl
 
     n = 0
     for modname, mod in list(sys.modules.items()):

@@ -107,8 +107,9 @@ def test_dry_run_writes_nothing(tmp_path):
 
 def test_compact_keeps_every_row_and_resume_keys(tmp_path):
     """`qlabench compact`: many one-row parts -> one file; same rows, same done keys, same latest()."""
-    from qlabench import results as R
     from synth_results import write_run
+
+    from qlabench import results as R
 
     d = tmp_path / "run"
     write_run(d)
