@@ -10,9 +10,10 @@ D=runs/scaleout; rm -rf "$D"; mkdir -p "$D"
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1} FLA_FLASH_QLA=0
 one() {
   local tag=$1; shift
-  local t0 t1
+  local t0 t1 lim=${RUN_TIMEOUT:-120}
+  [ "$tag" = warm ] && lim=${WARM_TIMEOUT:-300}   # first process: FLA compiles its chosen configs
   t0=$(date +%s.%N)
-  timeout --signal=INT --kill-after=5 "${RUN_TIMEOUT:-200}" qlabench run "$CFG" --out "$D/$tag" "$@" > "$D/$tag.log" 2>&1
+  timeout --signal=INT --kill-after=5 "$lim" qlabench run "$CFG" --out "$D/$tag" "$@" > "$D/$tag.log" 2>&1
   local rc=$?
   t1=$(date +%s.%N)
   python3 -c "print(f'$tag rc=$rc wall_s={$t1 - $t0:.2f} args=$*')" | tee -a "$OUT/scaleout.txt"
