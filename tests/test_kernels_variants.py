@@ -87,7 +87,7 @@ def test_variant_parsing(monkeypatch):
     monkeypatch.delenv("QLABENCH_GDN_VARIANT", raising=False)
     monkeypatch.delenv("QLABENCH_GDN_STAGES", raising=False)
     v = pkg.parse_variant(None)
-    assert pkg.variant_name(v) == "default" and v["stages"] == 0
+    assert pkg.variant_name(v) == "default" and v["stages"] == 2  # pipelined seg_state loop
     assert (v["tables"], v["prep"], v["fastmath"], v["fwd_ws"]) == ("tl", "blocked", "1", "1")
     monkeypatch.setenv("QLABENCH_GDN_VARIANT", "tables=torch,prep=subst")
     v = pkg.parse_variant("fwd_bv=32")
