@@ -271,12 +271,18 @@ def profile_cmd(
     backend: str = typer.Option(..., "--backend", help="backend to profile"),
     direction: str = typer.Option("fwd", "--direction", help="fwd | bwd | fwdbwd"),
     ncu: bool = typer.Option(False, "--ncu", help="also run Nsight Compute (needs `ncu` on PATH)"),
+    ncu_set: str | None = typer.Option(None, "--ncu-set", help="with --ncu: an ncu section set "
+                                       "(e.g. full) instead of the headline metrics; saves the "
+                                       "details page as text"),
+    ncu_kernel: str | None = typer.Option(None, "--ncu-kernel", help="with --ncu: only kernels whose "
+                                          "name matches this regex"),
     out: Path = typer.Option(Path("runs/profile"), "--out", help="where to save the table / ncu report"),
 ):
     """Kernel breakdown of one backend on one point (torch.profiler; optional Nsight Compute)."""
     from .profiling_cli import profile_main
     s = _load(config)
-    raise typer.Exit(profile_main(s, config, point, model, backend, direction, ncu, out, console, err))
+    raise typer.Exit(profile_main(s, config, point, model, backend, direction, ncu, out, console, err,
+                                  ncu_set=ncu_set, ncu_kernel=ncu_kernel))
 
 
 def main():  # pragma: no cover

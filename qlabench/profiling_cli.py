@@ -74,7 +74,20 @@ def parse_ncu_csv(text: str) -> list[dict]:
 NCU_RANGE = "qlabench_ncu"
 
 
-def profile_main(sweep, config_path, point, model, backend, direction, ncu, out, console, err) -> int:
+def ncu_command(exe: str, report: Path, child: list[str], ncu_set: str | None = None,
+                ncu_kernel: str | None = None) -> list[str]:
+    """The Nsight Compute command line: clocks left alone (the lent H200 needs that), only the
+    kernels inside the NVTX range of the one profiled call, the headline metrics or a section set."""
+    cmd = [exe, "--clock-control", "none", "--target-processes", "all",
+           "--nvtx", "--nvtx-include", f"{NCU_RANGE}/"]
+    cmd += ["--set", ncu_set] if ncu_set else ["--csv", "--metrics", ",".join(NCU_METRICS)]
+    if ncu_kernel:
+        cmd += ["-k", f"regex:{ncu_kernel}"]
+    return cmd + ["--launch-skip", "0", "--launch-count", "200", "-o", str(report), "--force-overwrite", *child]
+
+
+def profile_main(sweep, config_path, point, model, backend, direction, ncu, out, console, err,
+                 ncu_set: str | None = None, ncu_kernel: str | None = None) -> int:
     import torch
 
     from . import backends as B
@@ -131,14 +144,11 @@ def profile_main(sweep, config_path, point, model, backend, direction, ncu, out,
         if exe is None:
             err.print("--ncu: `ncu` is not on PATH; skipped", highlight=False)
             return 0
-        cmd = [exe, "--clock-control", "none", "--target-processes", "all", "--csv",
-               "--nvtx", "--nvtx-include", f"{NCU_RANGE}/",
-               "--metrics", ",".join(NCU_METRICS), "--launch-skip", "0", "--launch-count", "200",
-               "-o", str(out / tag), "--force-overwrite",
-               sys.executable, "-m", "qlabench.cli", "profile", str(config_path), "--point", point,
-               "--backend", backend, "--direction", direction, "--out", str(out / "under_ncu")]
+        child = [sys.executable, "-m", "qlabench.cli", "profile", str(config_path), "--point", point,
+                 "--backend", backend, "--direction", direction, "--out", str(out / "under_ncu")]
         if model:
-            cmd += ["--model", model]
+            child += ["--model", model]
+        cmd = ncu_command(exe, out / tag, child, ncu_set, ncu_kernel)
         res = subprocess.run(cmd, capture_output=True, text=True,
                              env={**os.environ, "QLABENCH_UNDER_NCU": "1"}, timeout=1800)
         (out / f"{tag}.ncu.log").write_text(res.stdout[-200000:] + res.stderr[-20000:])
@@ -146,5 +156,9 @@ def profile_main(sweep, config_path, point, model, backend, direction, ncu, out,
                               "--metrics", ",".join(NCU_METRICS)], capture_output=True, text=True)
         launches = parse_ncu_csv(imp.stdout)
         (out / f"{tag}.ncu.json").write_text(json.dumps(launches, indent=1))
+        if ncu_set:
+            det = subprocess.run([exe, "--import", str(out / f"{tag}.ncu-rep"), "--page", "details"],
+                                 capture_output=True, text=True)
+            (out / f"{tag}.ncu-details.txt").write_text(det.stdout[-2_000_000:] + det.stderr[-20000:])
         console.print(f"ncu: {len(launches)} launches profiled -> {out / tag}.ncu-rep")
     return 0

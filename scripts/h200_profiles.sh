@@ -14,3 +14,8 @@ for b in ${NCU_BACKENDS:-tilelang}; do
   timeout ${NCU_TIMEOUT:-90} qlabench profile "$CFG" --point "$POINT" --model "$MODEL" --backend "$b" --ncu \
     --out "$OUT/profile/ncu" 2>&1 | tee -a "$OUT/profile/profile.log"
 done
+# the full section set of one kernel (where its time goes: stalls, pipes, shared-memory conflicts)
+if [ -n "${NCU_FULL_KERNEL:-}" ]; then
+  timeout ${NCU_TIMEOUT:-90} qlabench profile "$CFG" --point "$POINT" --model "$MODEL" --backend tilelang --ncu \
+    --ncu-set full --ncu-kernel "$NCU_FULL_KERNEL" --out "$OUT/profile/ncu_full" 2>&1 | tee -a "$OUT/profile/profile.log"
+fi

@@ -34,3 +34,21 @@ def test_parse_ncu_long_and_wide():
     r = parse_ncu_csv(wide)
     assert [x["kernel"] for x in r] == ["k1", "k2"] and r[0]["launch__grid_size"] == 132
     assert parse_ncu_csv("no csv here") == []
+
+
+def test_ncu_command_profiles_only_the_marked_call():
+    """--ncu: clocks left alone, only kernels inside the NVTX range of the one profiled call,
+    headline metrics by default, a section set and a kernel filter when asked."""
+    from pathlib import Path
+
+    from qlabench.profiling_cli import NCU_METRICS, NCU_RANGE, ncu_command
+
+    child = ["python", "-m", "qlabench.cli", "profile", "c.yaml"]
+    cmd = ncu_command("ncu", Path("out/tag"), child)
+    assert cmd[:3] == ["ncu", "--clock-control", "none"]
+    assert cmd[cmd.index("--nvtx-include") + 1] == f"{NCU_RANGE}/"
+    assert cmd[cmd.index("--metrics") + 1] == ",".join(NCU_METRICS) and "--set" not in cmd
+    assert cmd[-len(child):] == child and cmd[cmd.index("-o") + 1] == "out/tag"
+    full = ncu_command("ncu", Path("r"), child, ncu_set="full", ncu_kernel="gdn_fwd_o")
+    assert full[full.index("--set") + 1] == "full" and "--metrics" not in full
+    assert full[full.index("-k") + 1] == "regex:gdn_fwd_o"
