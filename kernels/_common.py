@@ -69,7 +69,7 @@ VARIANT_DEFAULTS = {
 BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0"
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
-    "prep": ("subst", "blocked", "tc"),
+    "prep": ("subst", "blocked", "blocked_pad", "tc"),
     "fwd_bv": ("64", "32"),
     "fwd_threads": ("128", "256"),
     "fastmath": ("0", "1"),
@@ -87,9 +87,8 @@ CHECK_VARIANTS = [
     "stages=0",
     "fwd_ws=0,stages=2",
     "fwd_bv=32",
+    "prep=blocked_pad",
     "prep=tc",
-    "ws_stages=3",
-    "prep=tc,ws_stages=3",
 ]
 
 

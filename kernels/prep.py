@@ -39,9 +39,15 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
     Grid order (v-head fastest) lets the G v-heads of one chunk reuse k from L2."""
     import tilelang.language as T
 
-    assert method in ("subst", "blocked", "tc"), method
+    assert method in ("subst", "blocked", "blocked_pad", "tc"), method
     if method == "tc":
         return _prep_tc_program(h_qk, h_v)
+    # "blocked_pad": the same as "blocked" with the fp32 [64, 64] buffers' rows padded to 65 words, so
+    # the wgmma-fragment store of L (eight rows per instruction, same column) and column walks do
+    # not hit one bank eight times (a 64-word row stride maps every row to the same banks)
+    pad = 1 if method == "blocked_pad" else 0
+    if pad:
+        method = "blocked"
 
     G = check_heads(h_qk, h_v)
     C, D = CHUNK, HEAD_DIM
@@ -79,15 +85,15 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
             hk = hv // G
             k_sh = T.alloc_shared((C, D), "bfloat16")
             kk = T.alloc_fragment((C, C), "float32")
-            l_sh = T.alloc_shared((C, C), "float32")
+            l_sh = T.alloc_shared((C, C + pad), "float32")
             a_sh = T.alloc_shared((C, C), "bfloat16")
             g_sh = T.alloc_shared((C,), "float32")
             b_sh = T.alloc_shared((C,), "float32")
             g_frag = T.alloc_fragment((C,), "float32")
             col = T.alloc_local((C,), "float32")
             acc = T.alloc_var("float32")
-            ainv_sh = T.alloc_shared((C, C), "float32") if method == "blocked" else None
-            y_sh = T.alloc_shared((C, B), "float32") if method == "blocked" else None
+            ainv_sh = T.alloc_shared((C, C + pad), "float32") if method == "blocked" else None
+            y_sh = T.alloc_shared((C, B + pad), "float32") if method == "blocked" else None
             x16 = T.alloc_local((B,), "float32") if method == "blocked" else None
             acc_l = T.alloc_local((1,), "float32") if method == "blocked" else None
 
