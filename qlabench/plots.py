@@ -91,7 +91,7 @@ def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None
         if (sub["direction"] == d).any():
             made.append(latency_figure(sub, out_dir / f"latency_{d}.png", d))
             made.append(speedup_heatmap(sub, out_dir / f"speedup_{d}.png", baseline, d))
-            made.append(roofline_figure(sub, out_dir / f"roofline_{d}.png", d))
+            made.append(roofline_figure(sub, out_dir / f"roofline_{d}.png", d, metas=metas))
             made.append(util_vs_latency(sub, out_dir / f"sm_util_{d}.png", d))
     if (sub["direction"] == "bwd").any():
         made.append(latency_vs_tokens(sub, out_dir / "latency_vs_tokens_bwd.png", "bwd"))
@@ -278,7 +278,7 @@ def history_figure(hist: pd.DataFrame, out: str | Path, title: str = "") -> Path
 
 
 def roofline_figure(df: pd.DataFrame, out: str | Path, direction: str | None = None,
-                    ceilings: dict | None = None) -> Path | None:
+                    ceilings: dict | None = None, metas: dict | None = None) -> Path | None:
     """Achieved TFLOP/s vs arithmetic intensity (FLOP per minimum byte), one marker per backend
     and point, under the roof min(peak, bandwidth × intensity). Derived columns are recomputed
     from stored ones (``metrics.add_derived``), so old runs plot too."""
@@ -287,8 +287,16 @@ def roofline_figure(df: pd.DataFrame, out: str | Path, direction: str | None = N
     ok = ok[ok["gpu_name"] != "cpu"] if "gpu_name" in ok else ok
     if ok.empty:
         return None
-    ok = metrics.add_derived(ok, ceilings)
+    ok = metrics.add_derived(ok, ceilings, metas)
     c = ceilings or {}
+    if not c and metas:  # the roof: the measured ceilings of these rows' runs (median over runs)
+        runs = [metrics.run_ceilings(metas, r, g) for r, g in
+                ok[["run_id", "gpu_name"]].drop_duplicates().itertuples(index=False)]
+        runs = [r for r in runs if r]
+        for k in ("matmul_tflops", "copy_gbps"):
+            vals = sorted(r[k] for r in runs if isinstance(r.get(k), (int, float)))
+            if vals:
+                c[k] = vals[len(vals) // 2]
     peak = c.get("matmul_tflops") or metrics.H200_PEAK_TFLOPS
     bw = c.get("copy_gbps") or metrics.H200_PEAK_GBPS
     fig, ax = plt.subplots(figsize=(7.5, 5))

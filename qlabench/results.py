@@ -196,24 +196,19 @@ def compact(path: str | Path) -> dict:
     """Fold a results directory's one-row part files into one Parquet file (``compact-<ts>.parquet``,
     every row kept, history included) — a kept run of ~600 rows goes from ~14 MB of small files
     to ~0.2 MB. Safe to interrupt: the new file is written and renamed into place before any old
-    part is removed, and a row present twice (old part + compact file) is the same row, which
-    ``latest`` and ``done_keys`` treat as one."""
+    part is removed; a row present twice (old part + compact file of an interrupted compact) is
+    the same row, which ``latest`` and ``done_keys`` treat as one and the next compact stores once."""
     parts_dir = Path(path) / "parts"
     files = sorted(f for f in parts_dir.glob("*.parquet") if not f.name.startswith("."))
     if len(files) < 2:
         return {"files": len(files), "rows": 0}
     tables = [pq.read_table(f) for f in files]
-    table = pa.concat_tables(tables, promote_options="default")
-    name = f"compact-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}.parquet"
-    tmp = parts_dir / f".{name}.tmp"
-    with open(tmp, "wb") as fh:
-        pq.write_table(table, fh, compression="zstd")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, parts_dir / name)
+    df = pa.concat_tables(tables, promote_options="default").to_pandas()
+    df = df.drop_duplicates(subset=ROW_IDENTITY)  # a row stored twice (interrupted compact) once
+    name = _write_rows_file(parts_dir, "compact", df)
     for f in files:
         f.unlink()
-    return {"files": len(files), "rows": table.num_rows, "file": name}
+    return {"files": len(files), "rows": len(df), "file": name}
 
 
 def load(path: str | Path) -> pd.DataFrame:
@@ -259,10 +254,28 @@ class MergeError(Exception):
     pass
 
 
+#: identity of a stored row (the same measurement stored twice has the same identity)
+ROW_IDENTITY = ["run_id", "point_index", "backend", "direction", "started_at"]
+
+
+def _write_rows_file(parts_dir: Path, prefix: str, df: pd.DataFrame) -> str:
+    """Write rows as one Parquet file in ``parts_dir`` (temp file, fsync, atomic rename)."""
+    table = pa.Table.from_pandas(df.reindex(columns=COLUMNS), schema=SCHEMA, preserve_index=False)
+    name = f"{prefix}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}.parquet"
+    tmp = parts_dir / f".{name}.tmp"
+    with open(tmp, "wb") as fh:
+        pq.write_table(table, fh, compression="zstd")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, parts_dir / name)
+    return name
+
+
 def merge(out_dir: str | Path, inputs: list[str | Path]) -> dict:
     """Merge shard/run directories into ``out_dir``: every run's metadata, and for each row key
-    (point, backend, direction) the newest row. Refuses inputs whose rows for one point were
-    made from different input recipes. Returns counts."""
+    (point, backend, direction) the newest row, written as one Parquet file (rows already in
+    ``out_dir`` are not written again; works on compacted inputs). Refuses inputs whose rows for
+    one point were made from different input recipes. Returns counts."""
     import shutil
     frames = []
     for d in inputs:
@@ -270,14 +283,11 @@ def merge(out_dir: str | Path, inputs: list[str | Path]) -> dict:
         if not (d / "parts").is_dir():
             raise MergeError(f"{d}: not a results directory (no parts/)")
         df = load(d)
-        if df.empty:
-            continue
-        df["_src"] = [str(d / "parts" / f"{r.run_id}-{int(r.point_index):04d}-{r.backend}-{r.direction}.parquet")
-                      for r in df.itertuples()]
-        frames.append(df)
+        if not df.empty:
+            frames.append(df)
     if not frames:
         raise MergeError("no rows in any input")
-    allrows = pd.concat(frames, ignore_index=True)
+    allrows = pd.concat(frames, ignore_index=True).drop_duplicates(subset=ROW_IDENTITY)
     rec = allrows.groupby(["point_key", "direction"])["recipe_hash"].nunique()
     bad = rec[rec > 1]
     if len(bad):
@@ -287,15 +297,16 @@ def merge(out_dir: str | Path, inputs: list[str | Path]) -> dict:
     keep = latest(allrows)
     store = ResultStore(out_dir)
     store.ensure()
-    existing = {f.name for f in store.parts.glob("*.parquet")}
-    copied = 0
-    for src in keep["_src"]:
-        name = Path(src).name
-        if name not in existing and Path(src).exists():
-            shutil.copy2(src, store.parts / name)
-            copied += 1
+    have = load(out_dir)
+    if not have.empty:
+        ids = set(map(tuple, have[ROW_IDENTITY].astype(str).values.tolist()))
+        new = keep[[tuple(r) not in ids for r in keep[ROW_IDENTITY].astype(str).values.tolist()]]
+    else:
+        new = keep
+    if len(new):
+        _write_rows_file(store.parts, "merge", new)
     for d in inputs:
         for f in (Path(d) / "runs").glob("*.json"):
             if not (store.runs / f.name).exists():
                 shutil.copy2(f, store.runs / f.name)
-    return {"rows": len(keep), "copied": copied, "dropped_older": len(allrows) - len(keep)}
+    return {"rows": len(keep), "copied": len(new), "dropped_older": len(allrows) - len(keep)}

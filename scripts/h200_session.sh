@@ -16,42 +16,44 @@ export FLA_FLASH_QLA=0
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+# the deadline for everything below: DEADLINE_S, never past MAX_DEADLINE_S (set by h200_dual.sh)
+DL=${DEADLINE_S:-540}; [ -n "${MAX_DEADLINE_S:-}" ] && [ "$MAX_DEADLINE_S" -lt "$DL" ] && DL=$MAX_DEADLINE_S
+# GPU=N: checks, tests and profiles run pinned to GPU N (sweeps pick theirs with --gpus)
+pin() { if [ -n "${GPU:-}" ]; then CUDA_VISIBLE_DEVICES=$GPU "$@"; else "$@"; fi; }
+pack() { [ -d "$1" ] && tar czf "$OUT/$(basename "$1").tgz" --exclude=logs "$1"; }
 [ "${SKIP_INSTALL:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 cat "$OUT/nvidia-smi.csv"
 if [ "${CHECK:-0}" = 1 ]; then
   log "kernel check"
-  timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_fwd.log" | tail -60
+  pin timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_fwd.log" | tail -60
 fi
 if [ "${BWDCHECK:-0}" = 1 ]; then
   log "backward kernel check"
-  timeout ${BWDCHECK_TIMEOUT:-200} python3 kernels/dev/check_bwd.py ${BWDCHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_bwd.log" | tail -60
+  pin timeout ${BWDCHECK_TIMEOUT:-200} python3 kernels/dev/check_bwd.py ${BWDCHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_bwd.log" | tail -60
 fi
 if [ "${TESTS:-0}" = 1 ]; then
   log "gpu tests"
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  pin timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 fi
 for spec in ${PROFILES:-}; do
   # config:point:model:backend[:direction[:ncu]]  e.g. configs/h200_fwd_quick.yaml:1x32768:2/8:fla:fwd:ncu
   IFS=: read -r cfg point model backend direction ncu <<< "$spec"
-  budget=$(( ${DEADLINE_S:-540} - ($(date +%s) - T0) ))
+  budget=$(( DL - ($(date +%s) - T0) ))
   [ "$budget" -lt 30 ] && { log "no time left for profile $spec"; break; }
   log "profile $spec"
-  timeout --signal=INT --kill-after=10 "$budget" qlabench profile "$cfg" --point "$point" --model "$model" \
+  pin timeout --signal=INT --kill-after=10 "$budget" qlabench profile "$cfg" --point "$point" --model "$model" \
     --backend "$backend" --direction "${direction:-fwd}" ${ncu:+--ncu} --out "$OUT/profile" 2>&1 | tee -a "$OUT/profile.log"
 done
 for spec in ${SWEEPS:-}; do
   IFS=: read -r cfg dir extra <<< "$spec"
-  budget=$(( ${DEADLINE_S:-540} - ($(date +%s) - T0) ))
+  budget=$(( DL - 10 - ($(date +%s) - T0) ))
   [ "$budget" -lt 20 ] && { log "no time left for $cfg"; break; }
   extra=${extra//+/ }   # extra args joined by '+', e.g. --gpus=1+--backends=tilelang
   log "sweep $cfg -> $dir (budget ${budget}s) $extra"
   mkdir -p "$dir"
   timeout --signal=INT --kill-after=15 "$budget" qlabench run "$cfg" --out "$dir" --resume $extra 2>&1 | tee -a "$OUT/sweep.log"
-done
-log "packing"
-for spec in ${SWEEPS:-}; do
-  IFS=: read -r cfg dir extra <<< "$spec"
-  [ -d "$dir" ] && tar czf "$OUT/$(basename "$dir").tgz" --exclude=logs "$dir"
+  log "packing $dir"
+  pack "$dir"
 done
 ls -la "$OUT"

@@ -18,3 +18,5 @@ def test_run_ceilings_own_then_same_gpu_median_then_none():
     assert c == {"matmul_tflops": 790.0, "copy_gbps": 4250.0}  # medians, H100 run ignored
     assert run_ceilings(metas, "old", "NVIDIA A100") is None
     assert run_ceilings({}, "x") is None
+    metas["failed"] = {"ceilings": {"device_index": 1, "error": "RuntimeError: OOM"}, "env": h200}
+    assert run_ceilings(metas, "failed", "NVIDIA H200") == {"matmul_tflops": 790.0, "copy_gbps": 4250.0}

@@ -167,7 +167,7 @@ def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
     stages["fwd_o"] = lambda: run_fwd_o(
         x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, scale, r["o"], r["final_state"],
         block_v=int(var["fwd_bv"]), num_stages=var["stages"], threads=int(var["fwd_threads"]), fastmath=fm,
-        ws=var["fwd_ws"] == "1",
+        ws=var["fwd_ws"] == "1", ws_stages=int(var["ws_stages"]),
     )  # fmt: skip
     out = {}
     for name, fn in stages.items():
