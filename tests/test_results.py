@@ -127,3 +127,20 @@ def test_compact_keeps_every_row_and_resume_keys(tmp_path):
     assert R.ResultStore(d).done_keys() == keys
     assert len(R.latest(after)) == len(R.latest(before))
     assert R.compact(d)["rows"] == 0  # nothing left to fold
+
+
+def test_merge_reads_compacted_dirs(tmp_path):
+    """merge works on compacted inputs (it used to copy part files by name and copied none), and
+    merging again writes nothing twice."""
+    from synth_results import write_run
+
+    from qlabench import results as R
+
+    a = tmp_path / "a"
+    write_run(a)
+    n = len(R.latest(R.load(a)))
+    R.compact(a)
+    c = R.merge(tmp_path / "m", [a])
+    assert c["copied"] == n and len(R.latest(R.load(tmp_path / "m"))) == n
+    assert R.merge(tmp_path / "m", [a])["copied"] == 0
+    assert len(R.load(tmp_path / "m")) == n
