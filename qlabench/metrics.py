@@ -247,22 +247,25 @@ def run_ceilings(metas: dict, run_id: str, gpu_name: str | None = None) -> dict 
     """Measured ceilings for a row: its run's own (run metadata), else — for runs recorded before
     ceilings were measured — the median over the other runs in ``metas`` on the same GPU model
     (``env.gpu_name``), else None (the caller falls back to its ``ceilings`` or the H200 leads)."""
-    keys = ("matmul_tflops", "copy_gbps")
-
     def measured(c):  # a failed measurement stores only an error (and the device index)
-        return bool(c) and any(isinstance(c.get(k), (int, float)) for k in keys)
+        return bool(c) and any(isinstance(c.get(k), (int, float)) for k in ("matmul_tflops", "copy_gbps"))
 
     own = (metas.get(run_id) or {}).get("ceilings")
     if measured(own):
         return own
     same = [m["ceilings"] for m in metas.values() if measured(m.get("ceilings")) and gpu_name
             and (m.get("env") or {}).get("gpu_name") == gpu_name]
+    return median_ceilings(same) or None
+
+
+def median_ceilings(ceilings: list[dict]) -> dict:
+    """Per-key median (upper) of several runs' measured ceilings; keys nobody measured are left out."""
     out = {}
-    for k in keys:
-        vals = sorted(c[k] for c in same if isinstance(c.get(k), (int, float)))
+    for k in ("matmul_tflops", "copy_gbps"):
+        vals = sorted(c[k] for c in ceilings if isinstance(c.get(k), (int, float)))
         if vals:
             out[k] = vals[len(vals) // 2]
-    return out or None
+    return out
 
 
 def add_derived(df, ceilings: dict | None = None, metas: dict | None = None):

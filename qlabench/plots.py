@@ -292,11 +292,7 @@ def roofline_figure(df: pd.DataFrame, out: str | Path, direction: str | None = N
     if not c and metas:  # the roof: the measured ceilings of these rows' runs (median over runs)
         runs = [metrics.run_ceilings(metas, r, g) for r, g in
                 ok[["run_id", "gpu_name"]].drop_duplicates().itertuples(index=False)]
-        runs = [r for r in runs if r]
-        for k in ("matmul_tflops", "copy_gbps"):
-            vals = sorted(r[k] for r in runs if isinstance(r.get(k), (int, float)))
-            if vals:
-                c[k] = vals[len(vals) // 2]
+        c = metrics.median_ceilings([r for r in runs if r])
     peak = c.get("matmul_tflops") or metrics.H200_PEAK_TFLOPS
     bw = c.get("copy_gbps") or metrics.H200_PEAK_GBPS
     fig, ax = plt.subplots(figsize=(7.5, 5))
