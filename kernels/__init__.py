@@ -172,19 +172,24 @@ def chunk_gdn_fwd_lowlevel(
         ns = stab.shape[0]
         e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
         m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-        run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, num_stages=stages, target=target, fastmath=fm)
+        run_seg_state(
+            k, v, gcs, a_beta, stab, e_end, m_tr, num_stages=stages, target=target, fastmath=fm,
+            rowexp=var["rowexp"] == "1",
+        )  # fmt: skip
         h_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
         cu_segs32 = cu_segs if cu_segs.dtype == torch.int32 else cu_segs.to(torch.int32)
         run_fixup(m_tr, e_end, cu_segs32, h0, h_start, target=target)
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h_start, scale, o, ht,
             block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
+            rowexp=var["rowexp"] == "1",
         )  # fmt: skip
         out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
     else:
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h0, scale, o, ht,
             block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
+            rowexp=var["rowexp"] == "1",
         )  # fmt: skip
     out.update(o=o, final_state=ht)
     return out

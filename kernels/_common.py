@@ -51,8 +51,10 @@ def chunk_loop_stages() -> int:
 #: check_fwd case on the H200 (2026-11-29: tables=tl, prep=blocked, fastmath=1, fwd_ws=1;
 #: 16/64 1x32768 5.33 -> 2.48 ms, 2/8 8x1024 0.312 -> 0.094 ms vs BASELINE_VARIANT).
 #:   tables  torch | tl        work tables by ~60 torch ops (default) or one TileLang launch (tables.py)
-#:   prep    subst | blocked | tc   64-step substitution, 16x16 diagonal blocks + block merge (default),
-#:                             or diagonal blocks + (I+N)^-1 = (I-N)(I+N^2) on tf32 tensor cores
+#:   prep    subst | blocked | blocked_pad | tc | rt   64-step substitution, 16x16 diagonal blocks + block
+#:                             merge (default; blocked_pad: rows padded to 65 words), diagonal blocks +
+#:                             (I+N)^-1 = (I-N)(I+N^2) on tf32 tensor cores, or the block merge
+#:                             register-tiled (rt: a warp per 16x16 block, 2x4 tiles per lane)
 #:   fwd_bv  64 | 32           V columns per fwd_o CTA (32: twice the CTAs, 2 per SM on 16/64)
 #:   fwd_threads 128 | 256     fwd_o warps (256: TileLang splits every GEMM over 2 warpgroups)
 #:   fastmath 0 | 1            nvcc --use_fast_math for fwd_o and seg_state (expf -> __expf)
@@ -61,21 +63,28 @@ def chunk_loop_stages() -> int:
 #:                             mbarriers, setmaxnreg; 512 threads; ignores fwd_threads and stages)
 #:   ws_stages 2 | 3           input ring depth of the warp-specialised fwd_o (3: loads two chunks ahead;
 #:                             ~217 KB shared memory at fwd_bv=64)
+#:   rowexp  0 | 1             warp-specialised fwd_o: per-row exps once per chunk into row fragments,
+#:                             off the S hand-off chain (0: one exp + g load per element); also
+#:                             seg_state and the backward's bwd_dhu (with fast math)
+#:   bwd_ws  0 | 1             backward: bwd_h warp-specialised (bwd_h_ws.py: the forward's chain
+#:                             without its output warpgroup; 384 threads)
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "blocked", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
-    "fwd_ws": "1", "ws_stages": "2",
+    "fwd_ws": "1", "ws_stages": "2", "rowexp": "0", "bwd_ws": "0",
 }  # fmt: skip
 #: The first landing's path (every knob at its first value), kept for comparison.
 BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0"
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
-    "prep": ("subst", "blocked", "blocked_pad", "tc"),
+    "prep": ("subst", "blocked", "blocked_pad", "tc", "rt"),
     "fwd_bv": ("64", "32"),
     "fwd_threads": ("128", "256"),
     "fastmath": ("0", "1"),
     "stages": ("0", "2"),
     "fwd_ws": ("0", "1"),
     "ws_stages": ("2", "3"),
+    "rowexp": ("0", "1"),
+    "bwd_ws": ("0", "1"),
 }
 
 
@@ -89,6 +98,9 @@ CHECK_VARIANTS = [
     "fwd_bv=32",
     "prep=blocked_pad",
     "prep=tc",
+    "prep=rt",
+    "rowexp=1",
+    "prep=rt,rowexp=1",
 ]
 
 

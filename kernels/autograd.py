@@ -19,10 +19,11 @@ Nothing here imports ``qlabench``.
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, chunk_table, default_cu_seqlens, segment_table
+from ._common import CHUNK, HEAD_DIM, chunk_table, default_cu_seqlens, parse_variant, segment_table
 from .bwd_dhu import run_bwd_dhu
 from .bwd_dqkwg import run_bwd_dqkwg
 from .bwd_h import run_bwd_h
+from .bwd_h_ws import run_bwd_h_ws
 from .bwd_wy import run_bwd_wy
 
 __all__ = ["chunk_gdn_bwd", "chunk_gdn", "ChunkGDNFunction"]
@@ -57,6 +58,7 @@ def chunk_gdn_bwd(
     block_v=32,
     target=None,
     return_intermediates=False,
+    variant=None,
 ):
     """Gradients of the GDN chunked prefill (FLA conventions).
 
@@ -69,6 +71,9 @@ def chunk_gdn_bwd(
         block_v: V columns per CTA of bwd_h / bwd_dhu (32 or 64; 32 measured faster on the H200:
             16/32 1x32768 bwd 13.2 vs 15.9 ms, 4/8 8-way 32768 3.85 vs 4.64 ms — twice the CTAs
             for these serial chains).
+        variant: ``_common.parse_variant`` spec (over $QLABENCH_GDN_VARIANT): ``prep`` picks the
+            recomputed prep's solve, ``bwd_ws=1`` the warp-specialised bwd_h (bwd_h_ws.py),
+            ``rowexp=1`` bwd_dhu's per-row exps.
     Returns:
         dq, dk [1,T,Hqk,128] (q.dtype, summed over each GVA group), dv [1,T,Hv,128] (v.dtype),
         dg [1,T,Hv] fp32 (for the raw g), dbeta [1,T,Hv] fp32, dh0 [N,Hv,128,128] fp32 or None.
@@ -81,6 +86,7 @@ def chunk_gdn_bwd(
     if h_v % h_qk:
         raise ValueError(f"Hv={h_v} must be a multiple of Hqk={h_qk}")
     dev = q.device
+    var = parse_variant(variant)
     scale = HEAD_DIM**-0.5 if scale is None else float(scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.float().contiguous()
@@ -102,14 +108,18 @@ def chunk_gdn_bwd(
     ):
         from .prep import run_prep
 
-        gcs, a_beta = run_prep(k, g, beta, ctab, target=target)
+        gcs, a_beta = run_prep(k, g, beta, ctab, method=var["prep"], target=target)
     stab, _ = segment_table(cu, cu_chunks, T, N, _round_up(max(T, 1), CHUNK), split=False)
 
-    h_all, vnew = run_bwd_h(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
+    if var["bwd_ws"] == "1":
+        h_all, vnew = run_bwd_h_ws(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
+    else:
+        h_all, vnew = run_bwd_h(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
     dh0 = None
     if h0 is not None:
         dh0 = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
-    dh_all, dvnew, dh0 = run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, block_v=block_v, target=target)
+    dhu_kw = {"rowexp": True} if var["rowexp"] == "1" else {}
+    dh_all, dvnew, dh0 = run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, block_v=block_v, target=target, **dhu_kw)
     dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target)
     dk_part = dk_v.clone() if return_intermediates else None
     dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)

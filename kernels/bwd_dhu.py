@@ -29,7 +29,10 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
 
-def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64):
+def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, rowexp: bool = False):
+    """rowexp (variant ``rowexp=1``): mask·e^{g_l − g} and e^g once per row into row fragments and
+    e^{g_l} once per chunk, instead of one exp (and g load) per element of the dv, qdo / ky and
+    dH-decay passes (compiled with fast math)."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -78,6 +81,10 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: 
             kdh_frag = T.alloc_fragment((C, BV), "float32")
             y_frag = T.alloc_fragment((C, BV), "float32")
             glast = T.alloc_var("float32")
+            if rowexp:
+                el = T.alloc_fragment((C,), "float32")
+                eg = T.alloc_fragment((C,), "float32")
+                egl = T.alloc_var("float32")
 
             bos = stab[s, 0]
             eos = stab[s, 1]
@@ -118,19 +125,35 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: 
                     )
                 T.gemm(k_sh, dh_sh, kdh_frag, clear_accum=True)
                 T.gemm(pt_sh, do_sh, dv_frag, clear_accum=True)
-                for i, j in T.Parallel(C, BV):
-                    dv_frag[i, j] = dv_frag[i, j] + T.if_then_else(
-                        i < ln, T.exp(glast - g_sh[i]) * kdh_frag[i, j], T.float32(0)
-                    )
+                if rowexp:
+                    egl = T.exp(glast)
+                    for i in T.Parallel(C):
+                        el[i] = T.if_then_else(i < ln, T.exp(glast - g_sh[i]), T.float32(0))
+                    for i in T.Parallel(C):
+                        eg[i] = T.exp(g_sh[i])
+                    for i, j in T.Parallel(C, BV):
+                        dv_frag[i, j] = dv_frag[i, j] + el[i] * kdh_frag[i, j]
+                else:
+                    for i, j in T.Parallel(C, BV):
+                        dv_frag[i, j] = dv_frag[i, j] + T.if_then_else(
+                            i < ln, T.exp(glast - g_sh[i]) * kdh_frag[i, j], T.float32(0)
+                        )
                 T.copy(dv_frag, dv_sh)
                 T.copy(dv_sh, dvnew[hv, r0 : r0 + C, v0 : v0 + BV])
 
                 T.gemm(a_sh, dv_sh, y_frag, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, BV):
-                    qdo_sh[i, j] = T.cast(scale * T.exp(g_sh[i]) * T.cast(do_sh[i, j], "float32"), "bfloat16")
-                    ky_sh[i, j] = T.cast(-T.exp(g_sh[i]) * y_frag[i, j], "bfloat16")
-                for i, j in T.Parallel(D, BV):
-                    dh_frag[i, j] = dh_frag[i, j] * T.exp(glast)
+                if rowexp:
+                    for i, j in T.Parallel(C, BV):
+                        qdo_sh[i, j] = T.cast(scale * eg[i] * T.cast(do_sh[i, j], "float32"), "bfloat16")
+                        ky_sh[i, j] = T.cast(-eg[i] * y_frag[i, j], "bfloat16")
+                    for i, j in T.Parallel(D, BV):
+                        dh_frag[i, j] = dh_frag[i, j] * egl
+                else:
+                    for i, j in T.Parallel(C, BV):
+                        qdo_sh[i, j] = T.cast(scale * T.exp(g_sh[i]) * T.cast(do_sh[i, j], "float32"), "bfloat16")
+                        ky_sh[i, j] = T.cast(-T.exp(g_sh[i]) * y_frag[i, j], "bfloat16")
+                    for i, j in T.Parallel(D, BV):
+                        dh_frag[i, j] = dh_frag[i, j] * T.exp(glast)
                 T.gemm(q_sh, qdo_sh, dh_frag, transpose_A=True)
                 T.gemm(k_sh, ky_sh, dh_frag, transpose_A=True)
 
@@ -142,12 +165,21 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: 
 
 
 @functools.cache
-def get_bwd_dhu_kernel(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, target_k=None):
+def get_bwd_dhu_kernel(
+    h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, target_k=None, rowexp: bool = False
+):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+    if rowexp:
+        return compile_program(
+            bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v, True), target=target,
+            pass_configs={"tl.enable_fast_math": True},
+        )  # fmt: skip
     return compile_program(bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v), target=target)
 
 
-def run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=64, target=None):
+def run_bwd_dhu(
+    q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=64, target=None, rowexp=False
+):
     """Launch the reverse recurrence. dht: [N,Hv,128,128] fp32 or None; dh0: preallocated
     [N,Hv,128,128] fp32 to fill, or None. Returns dh_all, dvnew, dh0."""
     h_qk, h_v = q.shape[2], do.shape[2]
@@ -158,7 +190,8 @@ def run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew
     if dvnew is None:
         dvnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     has_dht, has_dh0 = dht is not None, dh0 is not None
-    kern = get_bwd_dhu_kernel(h_qk, h_v, has_dht, has_dh0, block_v, target_key(target))
+    kw = {"rowexp": True} if rowexp else {}
+    kern = get_bwd_dhu_kernel(h_qk, h_v, has_dht, has_dh0, block_v, target_key(target), **kw)
     dummy = None
     if not (has_dht and has_dh0):
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)

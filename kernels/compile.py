@@ -71,7 +71,8 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
         if var["fwd_ws"] == "1":  # same call as run_fwd_o(ws=True)
             out.append((
                 f"fwd_o_ws[init={hi},ht={hh}|{tag}]", get_fwd_o_ws_kernel, (h_qk, h_v, bool(hi), bool(hh), bv),
-                {"fastmath": fm, **({"stages": 3} if var["ws_stages"] == "3" else {})},
+                {"fastmath": fm, **({"stages": 3} if var["ws_stages"] == "3" else {}),
+                 **({"rowexp": True} if var["rowexp"] == "1" else {})},
             ))  # fmt: skip
             continue
         args = (h_qk, h_v, bool(hi), bool(hh), bv, st)
@@ -81,7 +82,10 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
         out.append((f"fwd_o[init={hi},ht={hh}|{tag}]", get_fwd_o_kernel, args, kw))
     if split:
         kw = {"fastmath": True} if fm else {}
-        out.append((f"seg_state[stages={st}{',fm' if fm else ''}]", get_seg_state_kernel, (h_qk, h_v, 64, st), kw))
+        if var["rowexp"] == "1":
+            kw = {"fastmath": fm, "rowexp": True}
+        name = f"seg_state[stages={st}{',fm' if fm else ''}{',rowexp' if var['rowexp'] == '1' else ''}]"
+        out.append((name, get_seg_state_kernel, (h_qk, h_v, 64, st), kw))
         for h0 in h0s:
             out.append((f"fixup[h0={h0}]", get_fixup_kernel, (h_v, bool(h0), 32), {}))
     return out

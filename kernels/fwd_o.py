@@ -176,21 +176,22 @@ def get_fwd_o_kernel(
 
 def run_fwd_o(
     q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_stages=None, target=None, threads=128,
-    fastmath=False, ws=False, ws_stages=2,
+    fastmath=False, ws=False, ws_stages=2, rowexp=False,
 ):
     """Launch the fused recurrence + output kernel; writes ``o`` (and ``ht`` if given) in place.
 
     h_init: [R, Hv, 128, 128] fp32 or None.  ht: [N, Hv, 128, 128] fp32 or None.
     ws: the hand warp-specialised kernel (fwd_o_ws.py; same interface; ignores num_stages, threads);
-    ws_stages: its input ring depth (2 or 3).
+    ws_stages: its input ring depth (2 or 3); rowexp: its per-row exps once per chunk (variant rowexp=1).
     """
     h_qk, h_v = q.shape[2], v.shape[2]
     has_init, has_ht = h_init is not None, ht is not None
     if ws:
         from .fwd_o_ws import get_fwd_o_ws_kernel
 
+        kw = {"rowexp": True} if rowexp else {}  # off: the same call (and cache entry) as before the knob
         kern = get_fwd_o_ws_kernel(
-            h_qk, h_v, has_init, has_ht, block_v, target_k=target_key(target), fastmath=fastmath, stages=ws_stages
+            h_qk, h_v, has_init, has_ht, block_v, target_k=target_key(target), fastmath=fastmath, stages=ws_stages, **kw
         )
     else:
         if num_stages is None:

@@ -39,7 +39,13 @@ NREG = (168, 160, 160, 24)
 assert sum(NREG) * 128 <= 65536 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 
 
-def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, stages: int = 2):
+def fwd_o_ws_program(
+    h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, stages: int = 2, rowexp: bool = False
+):
+    """rowexp (variant ``rowexp=1``): the per-row factors e^g, mask·e^{g_last − g} (WG1) and
+    scale·e^g (WG2) are computed once per row into row fragments (two values per thread, the
+    rows of its wgmma accumulator fragment) before the S hand-off, instead of one exp and one
+    shared-memory load of g per element inside the W, V' and O passes on the critical chain."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -91,6 +97,11 @@ def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v:
             vd_frag = T.alloc_fragment((C, BV), "float32")
             p_frag = T.alloc_fragment((C, C), "float32")
             o_frag = T.alloc_fragment((C, BV), "float32")
+            if rowexp:
+                eg1 = T.alloc_fragment((C,), "float32")  # WG1: e^g per row of u_frag
+                el1 = T.alloc_fragment((C,), "float32")  # WG1: mask · e^{g_last − g} per row of vd_frag
+                eo2 = T.alloc_fragment((C,), "float32")  # WG2: scale · e^g per row of o_frag
+                gi2 = T.alloc_fragment((C,), "float32")  # WG2: g per row of p_frag
 
             full = T.alloc_barrier([32] * NST)
             empty = T.alloc_barrier([384] * NST)
@@ -148,23 +159,37 @@ def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v:
                     ps = (ci // NST) % 2
                     ln = T.min(eos - (bos + ci * C), C)
                     T.barrier_wait(full[js], ps)
+                    if rowexp:
+                        for i in T.Parallel(C):
+                            eg1[i] = T.exp(g_sh[js, i])
+                        for i in T.Parallel(C):
+                            el1[i] = T.if_then_else(i < ln, T.exp(g_sh[js, ln - 1] - g_sh[js, i]), T.float32(0))
                     T.barrier_wait(s_ready[j], ph)
                     T.gemm(k_sh[js, :, :], s_sh[j, :, :], u_frag, clear_accum=True)
-                    for i, jj in T.Parallel(C, BV):
-                        w_sh[i, jj] = T.cast(
-                            T.cast(v_sh[js, i, jj], "float32") - T.exp(g_sh[js, i]) * u_frag[i, jj], "bfloat16"
-                        )
+                    if rowexp:
+                        for i, jj in T.Parallel(C, BV):
+                            w_sh[i, jj] = T.cast(T.cast(v_sh[js, i, jj], "float32") - eg1[i] * u_frag[i, jj], "bfloat16")
+                    else:
+                        for i, jj in T.Parallel(C, BV):
+                            w_sh[i, jj] = T.cast(
+                                T.cast(v_sh[js, i, jj], "float32") - T.exp(g_sh[js, i]) * u_frag[i, jj], "bfloat16"
+                            )
                     T.fence_proxy_async()  # w_sh: generic writes -> wgmma reads
                     T.gemm(a_sh[js, :, :], w_sh, vd_frag, clear_accum=True)
                     T.barrier_wait(vd_free[j], 1 - ph)
-                    for i, jj in T.Parallel(C, BV):
-                        vd_sh[j, i, jj] = T.cast(vd_frag[i, jj], "bfloat16")
-                        vp_sh[i, jj] = T.cast(
-                            T.if_then_else(
-                                i < ln, T.exp(g_sh[js, ln - 1] - g_sh[js, i]) * vd_frag[i, jj], T.float32(0)
-                            ),
-                            "bfloat16",
-                        )
+                    if rowexp:
+                        for i, jj in T.Parallel(C, BV):
+                            vd_sh[j, i, jj] = T.cast(vd_frag[i, jj], "bfloat16")
+                            vp_sh[i, jj] = T.cast(el1[i] * vd_frag[i, jj], "bfloat16")
+                    else:
+                        for i, jj in T.Parallel(C, BV):
+                            vd_sh[j, i, jj] = T.cast(vd_frag[i, jj], "bfloat16")
+                            vp_sh[i, jj] = T.cast(
+                                T.if_then_else(
+                                    i < ln, T.exp(g_sh[js, ln - 1] - g_sh[js, i]) * vd_frag[i, jj], T.float32(0)
+                                ),
+                                "bfloat16",
+                            )
                     T.fence_proxy_async()
                     T.barrier_arrive(vd_ready[j])
                     T.barrier_arrive(vp_ready[0])
@@ -181,19 +206,34 @@ def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v:
                     ln = T.min(eos - t0, C)
                     T.barrier_wait(full[js], ps)
                     T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_frag, transpose_B=True, clear_accum=True)
-                    for i, jj in T.Parallel(C, C):
-                        p_sh[i, jj] = T.cast(
-                            T.if_then_else(
-                                i >= jj, scale * T.exp(g_sh[js, i] - g_sh[js, jj]) * p_frag[i, jj], T.float32(0)
-                            ),
-                            "bfloat16",
-                        )
+                    if rowexp:
+                        for i in T.Parallel(C):
+                            gi2[i] = g_sh[js, i]
+                        for i in T.Parallel(C):
+                            eo2[i] = scale * T.exp(g_sh[js, i])
+                        for i, jj in T.Parallel(C, C):
+                            p_sh[i, jj] = T.cast(
+                                T.if_then_else(i >= jj, scale * T.exp(gi2[i] - g_sh[js, jj]) * p_frag[i, jj], T.float32(0)),
+                                "bfloat16",
+                            )
+                    else:
+                        for i, jj in T.Parallel(C, C):
+                            p_sh[i, jj] = T.cast(
+                                T.if_then_else(
+                                    i >= jj, scale * T.exp(g_sh[js, i] - g_sh[js, jj]) * p_frag[i, jj], T.float32(0)
+                                ),
+                                "bfloat16",
+                            )
                     T.fence_proxy_async()  # p_sh: generic writes -> wgmma reads
                     T.barrier_wait(s_ready[j], ph)
                     T.gemm(q_sh[js, :, :], s_sh[j, :, :], o_frag, clear_accum=True)
                     T.barrier_arrive(s_free[j])
-                    for i, jj in T.Parallel(C, BV):
-                        o_frag[i, jj] = o_frag[i, jj] * (scale * T.exp(g_sh[js, i]))
+                    if rowexp:
+                        for i, jj in T.Parallel(C, BV):
+                            o_frag[i, jj] = o_frag[i, jj] * eo2[i]
+                    else:
+                        for i, jj in T.Parallel(C, BV):
+                            o_frag[i, jj] = o_frag[i, jj] * (scale * T.exp(g_sh[js, i]))
                     T.barrier_wait(vd_ready[j], ph)
                     T.gemm(p_sh, vd_sh[j, :, :], o_frag)
                     T.barrier_arrive(vd_free[j])
@@ -224,11 +264,11 @@ def fwd_o_ws_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v:
 @functools.cache
 def get_fwd_o_ws_kernel(
     h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, target_k=None, fastmath: bool = False,
-    stages: int = 2,
+    stages: int = 2, rowexp: bool = False,
 ):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
     return compile_program(
-        fwd_o_ws_program(h_qk, h_v, has_init, has_ht, block_v, stages),
+        fwd_o_ws_program(h_qk, h_v, has_init, has_ht, block_v, stages, rowexp),
         target=target,
         pass_configs={"tl.enable_fast_math": True} if fastmath else None,
     )

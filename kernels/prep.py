@@ -31,6 +31,8 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
     16-step chains), then the off-diagonal blocks level by level with all 128 threads:
     Y = Σ_{m ∈ blocks j..i-1} L[16i+r, m] · A[m, 16j+c];  A_ij = −D_i Y   (fp32, shared memory).
     Same algebra as "subst" (exact arithmetic), ~4x fewer serial FMAs per thread.
+    method "rt": the blocked algebra with register tiles (``_prep_rt_program``): one warp per
+    16x16 block, each lane a 2x4 tile, float4 shared loads; ~5x fewer shared-memory wavefronts.
     method "tc": the same 16x16 diagonal inverses D (block-diagonal), then the rest on tensor cores
     (tf32 wgmma, fp32 accumulation): with L_off = L minus its diagonal blocks, I + L = (I + L_off D) D⁻¹...
     used as (I + L)⁻¹ = (I + N)⁻¹ D with N = D L_off strictly block-lower, so N⁴ = 0 and
@@ -39,9 +41,11 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
     Grid order (v-head fastest) lets the G v-heads of one chunk reuse k from L2."""
     import tilelang.language as T
 
-    assert method in ("subst", "blocked", "blocked_pad", "tc"), method
+    assert method in ("subst", "blocked", "blocked_pad", "tc", "rt"), method
     if method == "tc":
         return _prep_tc_program(h_qk, h_v)
+    if method == "rt":
+        return _prep_rt_program(h_qk, h_v)
     # "blocked_pad": the same as "blocked" with the fp32 [64, 64] buffers' rows padded to 65 words, so
     # the wgmma-fragment store of L (eight rows per instruction, same column) and column walks do
     # not hit one bank eight times (a 64-word row stride maps every row to the same banks)
@@ -178,6 +182,138 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
             T.copy(g_sh, gcs[hv, c * C : c * C + C])
 
     return gdn_prep
+
+
+def _prep_rt_program(h_qk: int, h_v: int):
+    """prep with the blocked solve register-tiled ("rt").
+
+    The blocked solve ("blocked") does two shared-memory loads per FMA (one output per thread):
+    ~4,000 of prep's ~5,000 shared-memory wavefronts per CTA, and ncu saw prep shared-memory bound
+    (91% of the L1/shared pipe, 6% of DRAM). Here each off-diagonal 16x16 block (bi, bj) of a level
+    d = bi − bj belongs to ONE warp (warp w: bi = d + w, bj = w), and lane l computes the 2x4 tile
+    rows {rp, rp + 8} (rp = l // 4), columns 4·(l % 4) .. +3:
+
+        Y = L[16bi + r, 16bj : 16bi] · A[16bj : 16bi, 16bj + c]     (16·d steps, 8 accumulators)
+        A[16bi + r, 16bj + c] = −Σ_m D_bi[r, m] · Y[m, c]            (16 steps)
+
+    Per step a lane loads two L (or D) values and one float4 of A (or Y) for eight FMAs. The fp32
+    buffers have rows of 68 words: rows rp and rp + 8 of the eight lanes sharing a column land on
+    eight different banks, and row starts stay 16-byte aligned for the float4 loads. Same algebra
+    and summation order per output as "blocked" (up to fp32 rounding of the partial sums)."""
+    import tilelang.language as T
+
+    G = check_heads(h_qk, h_v)
+    C, D, B, P = CHUNK, HEAD_DIM, 16, 4
+    Tn = T.dynamic("T")
+    NCS = T.dynamic("NCS")
+
+    @T.macro
+    def level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, d):
+        w = tx // 32
+        rp = (tx % 32) // 4
+        cq = (tx % 32) % 4
+        if w < 4 - d:
+            bi = w + d
+            bj = w
+            for v in T.unroll(8):
+                acc[v] = T.float32(0)
+            for m in T.unroll(B * d):
+                for v in T.vectorized(4):
+                    lv[v] = ainv_sh[bj * B + m, bj * B + cq * 4 + v]
+                dv[0] = l_sh[bi * B + rp, bj * B + m]
+                dv[1] = l_sh[bi * B + rp + 8, bj * B + m]
+                for v in T.unroll(4):
+                    acc[v] = acc[v] + dv[0] * lv[v]
+                    acc[4 + v] = acc[4 + v] + dv[1] * lv[v]
+            for v in T.vectorized(4):
+                y_sh[bi * B + rp, cq * 4 + v] = acc[v]
+            for v in T.vectorized(4):
+                y_sh[bi * B + rp + 8, cq * 4 + v] = acc[4 + v]
+        T.sync_threads()
+        if w < 4 - d:
+            bi = w + d
+            bj = w
+            for v in T.unroll(8):
+                acc[v] = T.float32(0)
+            for m in T.unroll(B):
+                for v in T.vectorized(4):
+                    lv[v] = y_sh[bi * B + m, cq * 4 + v]
+                dv[0] = ainv_sh[bi * B + rp, bi * B + m]
+                dv[1] = ainv_sh[bi * B + rp + 8, bi * B + m]
+                for v in T.unroll(4):
+                    acc[v] = acc[v] - dv[0] * lv[v]
+                    acc[4 + v] = acc[4 + v] - dv[1] * lv[v]
+            for v in T.vectorized(4):
+                ainv_sh[bi * B + rp, bj * B + cq * 4 + v] = acc[v]
+            for v in T.vectorized(4):
+                ainv_sh[bi * B + rp + 8, bj * B + cq * 4 + v] = acc[4 + v]
+        T.sync_threads()
+
+    @T.prim_func
+    def gdn_prep_rt(
+        k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        g: T.Tensor((1, Tn, h_v), "float32"),
+        beta: T.Tensor((1, Tn, h_v), "float32"),
+        ctab: T.Tensor((NCS, 4), "int32"),
+        gcs: T.Tensor((h_v, NCS * C), "float32"),
+        a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
+    ):
+        with T.Kernel(NCS, h_v, threads=128) as (c, hv):
+            hk = hv // G
+            k_sh = T.alloc_shared((C, D), "bfloat16")
+            kk = T.alloc_fragment((C, C), "float32")
+            l_sh = T.alloc_shared((C, C + P), "float32")
+            ainv_sh = T.alloc_shared((C, C + P), "float32")
+            y_sh = T.alloc_shared((C, B + P), "float32")
+            a_sh = T.alloc_shared((C, C), "bfloat16")
+            g_sh = T.alloc_shared((C,), "float32")
+            b_sh = T.alloc_shared((C,), "float32")
+            g_frag = T.alloc_fragment((C,), "float32")
+            x16 = T.alloc_local((B,), "float32")
+            acc_l = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((8,), "float32")
+            lv = T.alloc_local((4,), "float32")
+            dv = T.alloc_local((2,), "float32")
+
+            bos = ctab[c, 0]
+            ln = ctab[c, 1] - bos
+
+            for i, j in T.Parallel(C, D):
+                k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
+            for i in T.Parallel(C):
+                g_frag[i] = T.if_then_else(i < ln, g[0, bos + i, hv], T.float32(0))
+                b_sh[i] = T.if_then_else(i < ln, beta[0, bos + i, hv], T.float32(0))
+            T.cumsum(g_frag, dim=0)
+            T.copy(g_frag, g_sh)
+
+            T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+
+            for i, j in T.Parallel(C, C):
+                l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
+
+            tx = T.get_thread_binding()
+            # diagonal blocks D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
+            if tx < C:
+                for i in T.unroll(B):
+                    x16[i] = T.float32(0)
+                for i in T.unroll(B):
+                    acc_l[0] = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
+                    for j in T.unroll(i):
+                        acc_l[0] = acc_l[0] - l_sh[(tx // B) * B + i, (tx // B) * B + j] * x16[j]
+                    x16[i] = acc_l[0]
+                for i in T.unroll(B):
+                    ainv_sh[(tx // B) * B + i, (tx // B) * B + tx % B] = x16[i]
+            T.sync_threads()
+            level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 1)
+            level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 2)
+            level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 3)
+            for i, j in T.Parallel(C, C):
+                a_sh[i, j] = T.cast(T.if_then_else(i // B >= j // B, ainv_sh[i, j] * b_sh[j], T.float32(0)), "bfloat16")
+
+            T.copy(a_sh, a_beta[hv, c * C : c * C + C, 0:C])
+            T.copy(g_sh, gcs[hv, c * C : c * C + C])
+
+    return gdn_prep_rt
 
 
 def _prep_tc_program(h_qk: int, h_v: int):

@@ -28,6 +28,14 @@ if [ "${CHECK:-0}" = 1 ]; then
   log "kernel check"
   pin timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_fwd.log" | tail -60
 fi
+# PICK="spec;spec": the fastest of these variants that passed every check case (kernels/dev/pick_variant.py)
+# becomes SWEEP_VARIANT: $QLABENCH_GDN_VARIANT of the sweeps below only (their tilelang rows carry it
+# in the backend version); checks, tests and profiles keep their own variants
+if [ -n "${PICK:-}" ]; then
+  picked=$(python3 kernels/dev/pick_variant.py "$OUT/check_fwd.json" "$PICK" 2> "$OUT/pick.log"); cat "$OUT/pick.log"
+  log "picked variant: ${picked:-default}"
+  if [ -n "$picked" ] && [ "$picked" != default ]; then SWEEP_VARIANT=$picked; fi
+fi
 if [ "${BWDCHECK:-0}" = 1 ]; then
   log "backward kernel check"
   pin timeout ${BWDCHECK_TIMEOUT:-200} python3 kernels/dev/check_bwd.py ${BWDCHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_bwd.log" | tail -60
@@ -52,7 +60,9 @@ for spec in ${SWEEPS:-}; do
   extra=${extra//+/ }   # extra args joined by '+', e.g. --gpus=1+--backends=tilelang
   log "sweep $cfg -> $dir (budget ${budget}s) $extra"
   mkdir -p "$dir"
-  timeout --signal=INT --kill-after=15 "$budget" qlabench run "$cfg" --out "$dir" --resume $extra 2>&1 | tee -a "$OUT/sweep.log"
+  [ -n "${SWEEP_VARIANT:-}" ] && log "QLABENCH_GDN_VARIANT=$SWEEP_VARIANT"
+  QLABENCH_GDN_VARIANT=${SWEEP_VARIANT:-${QLABENCH_GDN_VARIANT:-}} \
+    timeout --signal=INT --kill-after=15 "$budget" qlabench run "$cfg" --out "$dir" --resume $extra 2>&1 | tee -a "$OUT/sweep.log"
   log "packing $dir"
   pack "$dir"
 done

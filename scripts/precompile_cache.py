@@ -21,7 +21,7 @@ BWD_SWEEP_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 VARIANT_HEADS = [(2, 8), (1, 3), (16, 64)]
 GPU_TEST_VARIANTS = [
     "tables=torch,prep=subst,fastmath=0,fwd_ws=0", "fwd_ws=0", "fwd_ws=0,fwd_threads=256", "fwd_bv=32",
-    "prep=tc", "prep=subst", "prep=blocked_pad",
+    "prep=tc", "prep=subst", "prep=blocked_pad", "prep=rt", "rowexp=1", "prep=rt,rowexp=1",
 ]
 
 
@@ -75,6 +75,22 @@ def build_bwd(hq, hv, all_flags, bvs):
     print(f"{hq}/{hv} bwd: {time.time() - t0:.0f} s", flush=True)
 
 
+def build_bwd_variant(hq, hv, all_flags, bvs):
+    """The backward speed variant bwd_ws=1,rowexp=1 (bwd_h_ws.py, bwd_dhu per-row exps) plus the
+    forward kernels of rowexp=1 for this head config (what check_bwd.py --variants runs)."""
+    from qlabench_kernels.bwd_dhu import get_bwd_dhu_kernel
+    from qlabench_kernels.bwd_h_ws import get_bwd_h_ws_kernel
+
+    tk = target_key(None)
+    t0 = time.time()
+    for bv in bvs:
+        for hi in ([1, 0] if all_flags else [1]):
+            get_bwd_h_ws_kernel(hq, hv, bool(hi), bv, target_k=tk)
+        for dht, dh0 in ([(1, 1), (1, 0), (0, 1), (0, 0)] if all_flags else [(1, 1)]):
+            get_bwd_dhu_kernel(hq, hv, bool(dht), bool(dh0), bv, target_k=tk, rowexp=True)
+    print(f"{hq}/{hv} bwd variant: {time.time() - t0:.0f} s", flush=True)
+
+
 if which in ("bwd", "all"):
     for hq, hv in BWD_TESTS:
         build_bwd(hq, hv, True, (32, 64) if (hq, hv) == (1, 3) else (32,))
@@ -82,3 +98,9 @@ if which in ("bwd", "all"):
         if (hq, hv) not in SWEEP and (hq, hv) not in TESTS:
             build(hq, hv, [(1, 1)], [1])
         build_bwd(hq, hv, (hq, hv) in BWD_TESTS, (64, 32))
+if which in ("bwd_variant", "all"):
+    for hq, hv in BWD_TESTS:  # check_bwd.py's cases run block_v 64 unless they say otherwise
+        build_bwd_variant(hq, hv, True, (32, 64))
+    for hq, hv in BWD_SWEEP:
+        build_bwd_variant(hq, hv, (hq, hv) in BWD_TESTS, (32, 64))
+        precompile_variants(hq, hv, ["rowexp=1"], flags=((1, 1),), h0s=(1,))

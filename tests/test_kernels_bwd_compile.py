@@ -45,6 +45,21 @@ def test_every_backward_kernel_compiles_with_wgmma(sources):
         assert "wgmma" in src, f"{name}: generated source has no wgmma"
 
 
+def test_bwd_h_ws_compiles_warp_specialised():
+    """bwd_ws=1: bwd_h_ws compiles for sm_90a with wgmma, TMA loads behind mbarriers, setmaxnreg per
+    role and one CTA-wide barrier (after the mbarrier init); bwd_dhu's rowexp variant compiles too."""
+    _kernels_pkg()
+    ws = importlib.import_module("qlabench_kernels.bwd_h_ws")
+    src = ws.get_bwd_h_ws_kernel(2, 8, True, 32, target_k=TARGET_K).get_kernel_source()
+    assert "__launch_bounds__(384" in src
+    assert "wgmma" in src and "tma_load" in src and "expect_transaction" in src
+    assert f"warpgroup_reg_alloc<{ws.NREG[0]}>" in src and f"warpgroup_reg_dealloc<{ws.NREG[2]}>" in src
+    assert src.count("__syncthreads()") == 1
+    dhu = importlib.import_module("qlabench_kernels.bwd_dhu")
+    src = dhu.get_bwd_dhu_kernel(2, 8, True, True, 32, target_k=TARGET_K, rowexp=True).get_kernel_source()
+    assert "wgmma" in src
+
+
 def test_backward_exports():
     pkg = _kernels_pkg()
     for name in ("chunk_gdn_bwd", "chunk_gdn", "ChunkGDNFunction"):

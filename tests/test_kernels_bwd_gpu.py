@@ -114,6 +114,25 @@ def test_block_v_32_and_recomputed_prep():
     _assert_close(dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db, dh0=dh0), ref, list(TOL))
 
 
+@pytest.mark.parametrize("h_qk,h_v", [(2, 8), (1, 3)])
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_backward_variant_ws_rowexp_matches_reference(h_qk, h_v, with_h0):
+    """variant bwd_ws=1,rowexp=1: the warp-specialised bwd_h (h and v_new from the forward's chain)
+    and bwd_dhu's per-row exps give the reference gradients, and the same h / v_new as bwd_h."""
+    pkg = _kernels_pkg()
+    x, ref = _case(h_qk, h_v, with_h0, True)
+    h0 = x["h0"] if with_h0 else None
+    kw = dict(dht=x["dht"], initial_state=h0, cu_seqlens=x["cu"], return_intermediates=True)
+    got = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], variant="bwd_ws=1,rowexp=1", **kw)
+    base = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], variant="bwd_ws=0,rowexp=0", **kw)
+    torch.cuda.synchronize()
+    _assert_close(got, ref, ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if with_h0 else []))
+    valid = (got["ctab"][:, 2] >= 0).nonzero().flatten()
+    assert rel_l2(got["h_all"][:, valid].float(), base["h_all"][:, valid].float()) < 1e-2
+    rows = valid[:, None] * 64 + torch.arange(64, device=valid.device)
+    assert rel_l2(got["vnew"][:, rows.flatten()].float(), base["vnew"][:, rows.flatten()].float()) < 1e-2
+
+
 def test_autograd_chunk_gdn():
     """Training path: chunk_gdn + loss.backward() gives the reference gradients on every leaf."""
     pkg = _kernels_pkg()

@@ -150,7 +150,7 @@ def test_prep_matches_emulation():
 
 VARIANTS = [
     "tables=torch,prep=subst,fastmath=0,fwd_ws=0", "fwd_ws=0", "fwd_ws=0,fwd_threads=256", "fwd_bv=32",
-    "prep=tc", "prep=subst", "prep=blocked_pad",
+    "prep=tc", "prep=subst", "prep=blocked_pad", "prep=rt", "rowexp=1", "prep=rt,rowexp=1",
 ]  # fmt: skip
 
 
@@ -198,7 +198,7 @@ def test_tl_tables_equal_torch_tables(lens, seg):
     assert torch.equal(cu_segs.int(), cs2)
 
 
-@pytest.mark.parametrize("method", ["blocked", "blocked_pad", "tc"])
+@pytest.mark.parametrize("method", ["blocked", "blocked_pad", "tc", "rt"])
 def test_prep_method_matches_subst(method):
     """prep=blocked / prep=tc give the substitution prep's gcs exactly and A_β to bf16 rounding."""
     pkg = _kernels_pkg()

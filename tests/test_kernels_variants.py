@@ -9,6 +9,7 @@
 
 import importlib
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -82,6 +83,27 @@ def test_blocked_solve_equals_inverse():
     assert torch.equal(torch.triu(A, 1), torch.zeros_like(A))
 
 
+def test_rt_solve_lane_mapping_equals_inverse():
+    """prep=rt: the register-tiled merge, emulated lane by lane with the kernel's warp -> block and
+    lane -> 2x4 tile mapping, covers every off-diagonal entry once and equals (I + L)⁻¹."""
+    _pkg()
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    gen = torch.Generator().manual_seed(1)
+    k = torch.nn.functional.normalize(torch.randn(3, 64, 128, generator=gen), dim=-1)
+    beta = torch.sigmoid(torch.randn(3, 64, generator=gen))
+    g = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(3, 64, generator=gen) + 3) * 0.5, -1)
+    g[-1:] = 0
+    L = torch.tril(beta[..., None] * torch.exp(g[..., :, None] - g[..., None, :]) * (k @ k.transpose(-1, -2)), -1)
+    A = emu.solve_rt(L.float())
+    eye = torch.eye(64, dtype=torch.float64)
+    ref = torch.linalg.solve_triangular(eye + L.double(), eye.expand(3, 64, 64), upper=False)
+    err = float((A.double() - ref).norm() / ref.norm())
+    assert err < 1e-5, err
+    # block lower triangle fully written (no entry left from the zero init where A is not 0)
+    assert float((A.double() - ref).abs().max()) < 1e-4
+    assert torch.allclose(A, emu.solve_blocked(L.float()), rtol=1e-5, atol=1e-6)
+
+
 def test_variant_parsing(monkeypatch):
     pkg = _pkg()
     monkeypatch.delenv("QLABENCH_GDN_VARIANT", raising=False)
@@ -140,3 +162,31 @@ def test_tc_solve_equals_inverse():
     assert 1e-7 < err < 5e-4, err  # tf32 rounding is visible, and small
     x = torch.tensor([1.0, 1.0 + 2**-12, 1.0 + 2**-10, 3.0 + 2**-9])  # tf32 keeps 10 mantissa bits
     assert torch.equal(emu._tf32(x), torch.tensor([1.0, 1.0, 1.0 + 2**-10, 3.0 + 2**-9]))
+
+
+def test_pick_variant_needs_every_case_passed_and_a_gain(tmp_path, capsys):
+    """kernels/dev/pick_variant.py: the fastest candidate that passed every case and was timed on
+    every case the default was; a failing or slower-somewhere candidate is never picked."""
+    _pkg()
+    pick = importlib.import_module("qlabench_kernels.dev.pick_variant")
+
+    def t(case, var, ms, split=None):
+        return dict(case=f"{case}@{var}", split_tokens=split, latency_ms=ms)
+
+    data = dict(
+        results=[dict(case=f"c{i}@{v}", ok=not (v == "bad" and i == 1)) for i in range(2) for v in
+                 ("default", "fast", "bad", "mixed")],
+        timings=[t("a", "default", 1.0), t("b", "default", 2.0), t("a", "default", 0.5, 512),
+                 t("a", "fast", 0.8), t("b", "fast", 1.6),
+                 t("a", "bad", 0.1), t("b", "bad", 0.1),
+                 t("a", "mixed", 0.5), t("b", "mixed", 2.2)],
+    )  # fmt: skip
+    f = tmp_path / "check_fwd.json"
+    f.write_text(json.dumps(data))
+    assert pick.main([str(f)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "fast", err  # bad failed a case; mixed is 10% slower on b
+    ok, n, rs = pick.ratios(data, "fast")
+    assert ok and n == 2 and rs == pytest.approx({"a": 1.25, "b": 1.25})
+    assert pick.main([str(f), "mixed"]) == 0 and capsys.readouterr()[0].strip() == "default"
+    assert pick.main([str(tmp_path / "missing.json")]) == 0 and capsys.readouterr()[0].strip() == "default"

@@ -164,20 +164,25 @@ def check_case(pkg, name, seqlens, h_qk, h_v, results, stages=True, block_v=64, 
 
 
 def stage_times_ms(x, r, g, block_v=64, reps=10):
+    from qlabench_kernels._common import parse_variant
     from qlabench_kernels.bwd_dhu import run_bwd_dhu
     from qlabench_kernels.bwd_dqkwg import run_bwd_dqkwg
     from qlabench_kernels.bwd_h import run_bwd_h
+    from qlabench_kernels.bwd_h_ws import run_bwd_h_ws
     from qlabench_kernels.bwd_wy import run_bwd_wy
 
+    var = parse_variant()  # $QLABENCH_GDN_VARIANT, as chunk_gdn_bwd reads it
+    bwd_h = run_bwd_h_ws if var["bwd_ws"] == "1" else run_bwd_h
+    rowexp = var["rowexp"] == "1"
     sc = 128**-0.5
     dk_tmp = g["dk_v"].clone()
     stages = {
-        "bwd_h": lambda: run_bwd_h(
+        "bwd_h": lambda: bwd_h(
             x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], x["h0"], g["h_all"], g["vnew"], block_v
         ),
         "bwd_dhu": lambda: run_bwd_dhu(
             x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], x["dht"], g["stab"], sc, g["dh0"],
-            g["dh_all"], g["dvnew"], block_v,
+            g["dh_all"], g["dvnew"], block_v, rowexp=rowexp,
         ),
         "bwd_dqkwg": lambda: run_bwd_dqkwg(
             x["q"], x["k"], x["do"], g["gcs"], g["ctab"], g["h_all"], g["dh_all"], g["vnew"], g["dvnew"], sc
@@ -214,7 +219,7 @@ def time_case(pkg, name, seqlens, h_qk, h_v, block_vs, timings):
             g = run_bwd(pkg, x, r, bv, inter=True)
             st = stage_times_ms(x, r, g, bv)
             del g
-            ref = FLASHQLA_MS.get(name)
+            ref = FLASHQLA_MS.get(name.split("@")[0])
             rs = f" | FlashQLA bwd {ref:.3f} ms -> ratio {ref / ms_b:.2f}x" if ref else ""
             log(
                 f"TIME {name:18s} bv={bv} bwd {ms_b:8.3f} ms  fwd {ms_f:7.3f}  fwd+bwd {ms_fb:8.3f} | "
@@ -251,29 +256,41 @@ def main():
     ap.add_argument("--no-check", action="store_true", help="timing only")
     ap.add_argument("--cases", default="", help="comma-separated case names (default all)")
     ap.add_argument("--block-v", default="64,32", help="bwd_h / bwd_dhu V-block widths to time")
+    ap.add_argument(
+        "--variants", default="default",
+        help='";"-separated variant specs run one after another through $QLABENCH_GDN_VARIANT '
+        '(e.g. "default;bwd_ws=1,rowexp=1"); case names get "@spec"',
+    )  # fmt: skip
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     pkg, _ = _import_pkg()
     log(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     want = set(filter(None, args.cases.split(",")))
     results, timings = [], []
-    if not args.no_check:
-        for name, seqlens, hq, hv, kw in CHECKS:
-            if want and name not in want:
-                continue
-            try:
-                big = sum(seqlens) * hv > 300000
-                check_case(pkg, name, seqlens, hq, hv, results, stages=not (args.quick and big), **kw)
-                torch.cuda.empty_cache()
-            except Exception:  # noqa: BLE001
-                log(f"CASE {name} CRASHED:\n" + "".join(traceback.format_exc().splitlines(True)[-12:]))
-                results.append(dict(case=name, ok=False, crashed=True))
-    if not args.no_time:
-        bvs = [int(b) for b in args.block_v.split(",")]
-        for name, seqlens, hq, hv in TIMES:
-            if want and name not in want:
-                continue
-            time_case(pkg, name, seqlens, hq, hv, bvs, timings)
+    variants = [v for v in args.variants.split(";") if v] or ["default"]
+    for var in variants:
+        if var == "default":
+            os.environ.pop("QLABENCH_GDN_VARIANT", None)
+        else:
+            os.environ["QLABENCH_GDN_VARIANT"] = var
+        sfx = "" if len(variants) == 1 else f"@{var}"
+        if not args.no_check:
+            for name, seqlens, hq, hv, kw in CHECKS:
+                if want and name not in want:
+                    continue
+                try:
+                    big = sum(seqlens) * hv > 300000
+                    check_case(pkg, name + sfx, seqlens, hq, hv, results, stages=not (args.quick and big), **kw)
+                    torch.cuda.empty_cache()
+                except Exception:  # noqa: BLE001
+                    log(f"CASE {name}{sfx} CRASHED:\n" + "".join(traceback.format_exc().splitlines(True)[-12:]))
+                    results.append(dict(case=name + sfx, ok=False, crashed=True))
+        if not args.no_time:
+            bvs = [int(b) for b in args.block_v.split(",")]
+            for name, seqlens, hq, hv in TIMES:
+                if want and name not in want:
+                    continue
+                time_case(pkg, name + sfx, seqlens, hq, hv, bvs, timings)
     log("\n=== summary")
     for r in results:
         errs = " ".join(f"{k[4:]}={v:.2e}" for k, v in r.items() if k.startswith("rel_"))

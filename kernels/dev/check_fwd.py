@@ -158,7 +158,7 @@ def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
     if sp:
         stages["seg_state"] = lambda: run_seg_state(
             x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"],
-            num_stages=var["stages"], fastmath=fm,
+            num_stages=var["stages"], fastmath=fm, rowexp=var["rowexp"] == "1",
         )  # fmt: skip
         stages["fixup"] = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])
         init = r["h_start"]
@@ -167,7 +167,7 @@ def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
     stages["fwd_o"] = lambda: run_fwd_o(
         x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, scale, r["o"], r["final_state"],
         block_v=int(var["fwd_bv"]), num_stages=var["stages"], threads=int(var["fwd_threads"]), fastmath=fm,
-        ws=var["fwd_ws"] == "1", ws_stages=int(var["ws_stages"]),
+        ws=var["fwd_ws"] == "1", ws_stages=int(var["ws_stages"]), rowexp=var["rowexp"] == "1",
     )  # fmt: skip
     out = {}
     for name, fn in stages.items():

@@ -327,9 +327,41 @@ def solve_tc(L, tf32=True):
     return rnd(X) @ rnd(Dm)
 
 
-def solve_blocked(L):
-    """Mirror of prep.py method="blocked": A = (I + L)⁻¹ for strictly lower L [..., 64, 64] (fp32),
-    16x16 diagonal blocks by substitution, then off-diagonal blocks level by level."""
+def solve_rt(L):
+    """Mirror of prep.py method="rt", lane by lane: the diagonal blocks as in ``solve_blocked``,
+    then per level d warp w < 4 − d owns block (bi, bj) = (w + d, w) and lane l the 2x4 tile rows
+    {rp, rp + 8}, columns 4·cq .. 4·cq + 3 (rp = l // 4, cq = l % 4), with the kernel's index math."""
+    B = 16
+    A = solve_blocked_diag(L)
+    for d in (1, 2, 3):
+        y = torch.zeros(*L.shape[:-2], 64, B, dtype=L.dtype)
+        for w in range(4 - d):
+            bi, bj = w + d, w
+            for lane in range(32):
+                rp, cq = lane // 4, lane % 4
+                acc = torch.zeros(*L.shape[:-2], 2, 4, dtype=L.dtype)
+                for m in range(B * d):
+                    lv = A[..., bj * B + m, bj * B + cq * 4 : bj * B + cq * 4 + 4]
+                    acc[..., 0, :] += L[..., bi * B + rp, bj * B + m, None] * lv
+                    acc[..., 1, :] += L[..., bi * B + rp + 8, bj * B + m, None] * lv
+                y[..., bi * B + rp, cq * 4 : cq * 4 + 4] = acc[..., 0, :]
+                y[..., bi * B + rp + 8, cq * 4 : cq * 4 + 4] = acc[..., 1, :]
+        for w in range(4 - d):  # after the CTA barrier
+            bi, bj = w + d, w
+            for lane in range(32):
+                rp, cq = lane // 4, lane % 4
+                acc = torch.zeros(*L.shape[:-2], 2, 4, dtype=L.dtype)
+                for m in range(B):
+                    lv = y[..., bi * B + m, cq * 4 : cq * 4 + 4]
+                    acc[..., 0, :] -= A[..., bi * B + rp, bi * B + m, None] * lv
+                    acc[..., 1, :] -= A[..., bi * B + rp + 8, bi * B + m, None] * lv
+                A[..., bi * B + rp, bj * B + cq * 4 : bj * B + cq * 4 + 4] = acc[..., 0, :]
+                A[..., bi * B + rp + 8, bj * B + cq * 4 : bj * B + cq * 4 + 4] = acc[..., 1, :]
+    return A
+
+
+def solve_blocked_diag(L):
+    """The 16x16 diagonal blocks (I + L_bb)⁻¹ of ``solve_blocked`` (zero elsewhere)."""
     B = 16
     A = torch.zeros_like(L)
     eye = torch.eye(B, dtype=L.dtype, device=L.device)
@@ -339,6 +371,14 @@ def solve_blocked(L):
         for i in range(B):
             x[..., i, :] = eye[i] - (Lb[..., i, :i, None] * x[..., :i, :]).sum(-2)
         A[..., b * B : (b + 1) * B, b * B : (b + 1) * B] = x
+    return A
+
+
+def solve_blocked(L):
+    """Mirror of prep.py method="blocked": A = (I + L)⁻¹ for strictly lower L [..., 64, 64] (fp32),
+    16x16 diagonal blocks by substitution, then off-diagonal blocks level by level."""
+    B = 16
+    A = solve_blocked_diag(L)
     for lvl in (1, 2, 3):
         ys = {}
         for bj in range(4 - lvl):
