@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -220,8 +221,10 @@ def run(
                 plots.run_figures(df, out_dir)
             raise typer.Exit(130) from None
         prog.update(task, completed=total)
+    t_fig = time.time()
     df = results.latest(results.load(out_dir))
     made = plots.run_figures(df, out_dir) if plot else []
+    runner.note_timeline(out_dir, summary.run_id, figures_s=time.time() - t_fig)
     console.print(f"run {summary.run_id}: {summary.counts or 'nothing new'}"
                   + (f", {summary.skipped_done} rows already done" if summary.skipped_done else "")
                   + f" -> {out_dir}/parts" + (f"; figures: {', '.join(str(m) for m in made)}" if made else ""))

@@ -7,6 +7,7 @@ is written durably before the next one starts.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -369,6 +370,18 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
         torch.cuda.empty_cache()
 
 
+def process_started_at() -> float | None:
+    """Epoch seconds at which this process started (Linux /proc), else None."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                     if ln.startswith("btime "))
+        return btime + start / ticks
+    except Exception:
+        return None
+
+
 def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=None,
         limit: int | None = None, resume: bool = False, progress=None, log=print,
         isolate: bool | None = None, shard: tuple[int, int] | None = None,
@@ -377,6 +390,11 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     run in a supervised worker process: a crash or a hang costs one row, not the sweep."""
     from .supervisor import InProcess, Supervisor, deferred_signals, install_sigterm_as_interrupt
 
+    t_run = time.time()
+    tl: dict = {}  # the run's timeline (seconds from the run's start), stored in the metadata
+    t_proc = process_started_at()
+    if t_proc is not None:
+        tl["process_start"] = round(t_proc - t_run, 3)
     if threading.current_thread() is threading.main_thread():
         install_sigterm_as_interrupt()  # SIGTERM ends a run like Ctrl-C: rows kept, metadata written
 
@@ -390,6 +408,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     bes = {n: B.get(n) for n in names}
     avail = {n: be.available() for n, be in bes.items()}
     versions = {n: (be.version() if avail[n][0] else "unavailable") for n, be in bes.items()}
+    tl["backends_checked"] = round(time.time() - t_run, 3)
 
     done = store.done_keys(retry_failed) if resume else {}
     if resume:
@@ -406,6 +425,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     if torch.cuda.is_available() and any(avail[n][0] for n in names):
         ceilings = metrics.measure_ceilings(int(devices[0]) if devices else 0)
         log(f"ceilings: {ceilings}")
+    tl["ceilings_measured"] = round(time.time() - t_run, 3)
     run_id = new_run_id()
     sha = git_sha(str(Path(__file__).resolve().parent.parent))
     gpu_name = (torch.cuda.get_device_name(int(devices[0]) if devices else 0)
@@ -424,6 +444,9 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     lock = threading.Lock()
 
     def on_row(row: dict) -> None:
+        now = round(time.time() - t_run, 3)
+        tl.setdefault("first_row", now)
+        tl["last_row"] = now
         with lock:
             with deferred_signals():
                 store.append(row)
@@ -463,9 +486,23 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
                 execu.close()
     finally:
         meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        tl["finished"] = round(time.time() - t_run, 3)
+        meta["timeline_s"] = tl
         meta["counts"] = _counts_on_disk(store, run_id) or summary.counts
         store.write_meta(run_id, meta)
     return summary
+
+
+def note_timeline(out_dir: str | Path, run_id: str, **seconds: float) -> None:
+    """Add entries (e.g. ``figures_s``) to a finished run's ``timeline_s`` metadata."""
+    store = ResultStore(out_dir)
+    p = store.runs / f"{run_id}.json"
+    try:
+        meta = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return
+    meta.setdefault("timeline_s", {}).update({k: round(v, 3) for k, v in seconds.items()})
+    store.write_meta(run_id, meta)
 
 
 def _counts_on_disk(store: ResultStore, run_id: str) -> dict:

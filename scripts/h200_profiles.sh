@@ -18,4 +18,11 @@ done
 if [ -n "${NCU_FULL_KERNEL:-}" ]; then
   timeout ${NCU_TIMEOUT:-90} qlabench profile "$CFG" --point "$POINT" --model "$MODEL" --backend tilelang --ncu \
     --ncu-set full --ncu-kernel "$NCU_FULL_KERNEL" --out "$OUT/profile/ncu_full" 2>&1 | tee -a "$OUT/profile/profile.log"
+  # readable without Nsight Compute: every section's metrics, and the SASS with per-instruction
+  # stall samples (where the warps wait)
+  for r in "$OUT"/profile/ncu_full/*.ncu-rep; do
+    [ -f "$r" ] || continue
+    timeout 60 ncu --import "$r" --page details --csv > "${r%.ncu-rep}.details.csv" 2>&1 || true
+    timeout 60 ncu --import "$r" --page source --csv --print-source sass > "${r%.ncu-rep}.source.csv" 2>&1 || true
+  done
 fi

@@ -17,10 +17,16 @@ one() {
   local rc=$?
   t1=$(date +%s.%N)
   python3 -c "print(f'$tag rc=$rc wall_s={$t1 - $t0:.2f} args=$*')" | tee -a "$OUT/scaleout.txt"
+  # where the wall time went (run metadata timeline_s: start-up, checks, ceilings, rows, figures)
+  python3 - "$D/$tag" <<'PY' | tee -a "$OUT/scaleout.txt"
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1], "runs").glob("*.json")):
+    print("   ", f.stem, json.loads(f.read_text()).get("timeline_s"))
+PY
 }
 one warm --gpus all     # compiles / autotunes / loads caches; not compared
 one gpu1_a --gpus 0
 one gpu2 --gpus all
 one gpu1_b --gpus 0
-tail -3 "$D"/*.log
+tail -n 3 "$D"/*.log
 tar czf "$OUT/scaleout.tgz" "$D"

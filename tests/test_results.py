@@ -27,6 +27,13 @@ def test_parquet_round_trip(tmp_path):
     assert list(df.columns) == results.COLUMNS
     meta = results.load_meta(tmp_path)
     assert len(meta) == 1 and next(iter(meta.values()))["env"]["torch"]
+    # the run's timeline (where a run's wall time goes: start-up, checks, rows), in order
+    tl = next(iter(meta.values()))["timeline_s"]
+    assert tl["process_start"] <= 0 <= tl["backends_checked"] <= tl["ceilings_measured"] <= tl["first_row"]
+    assert tl["first_row"] <= tl["last_row"] <= tl["finished"]
+    run_id = next(iter(meta))
+    runner.note_timeline(tmp_path, run_id, figures_s=1.25)
+    assert results.load_meta(tmp_path)[run_id]["timeline_s"]["figures_s"] == 1.25
 
 
 def test_resume_skips_done_and_adding_backend_keeps_rows(tmp_path):
