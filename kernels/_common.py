@@ -75,7 +75,7 @@ VARIANT_DEFAULTS = {
     "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1",
 }  # fmt: skip
 #: The first landing's path (every knob at its first value), kept for comparison.
-BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0"
+BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0"
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
     "prep": ("subst", "blocked", "blocked_pad", "tc", "rt"),

@@ -45,13 +45,24 @@ if [ "${TESTS:-0}" = 1 ]; then
   pin timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 fi
 for spec in ${PROFILES:-}; do
-  # config:point:model:backend[:direction[:ncu]]  e.g. configs/h200_fwd_quick.yaml:1x32768:2/8:fla:fwd:ncu
-  IFS=: read -r cfg point model backend direction ncu <<< "$spec"
+  # config:point:model:backend[:direction[:ncu[:kernel regex]]]  e.g. configs/h200_fwd_quick.yaml:1x32768:2/8:fla:fwd:ncu
+  # (with a kernel regex: Nsight Compute's full section set on that kernel, plus its details and
+  # SASS-with-stall-samples pages as CSV, readable without Nsight Compute)
+  IFS=: read -r cfg point model backend direction ncu nkern <<< "$spec"
   budget=$(( DL - ($(date +%s) - T0) ))
   [ "$budget" -lt 30 ] && { log "no time left for profile $spec"; break; }
   log "profile $spec"
+  pout="$OUT/profile${nkern:+/ncu_full}"
   pin timeout --signal=INT --kill-after=10 "$budget" qlabench profile "$cfg" --point "$point" --model "$model" \
-    --backend "$backend" --direction "${direction:-fwd}" ${ncu:+--ncu} --out "$OUT/profile" 2>&1 | tee -a "$OUT/profile.log"
+    --backend "$backend" --direction "${direction:-fwd}" ${ncu:+--ncu} ${nkern:+--ncu-set full --ncu-kernel "$nkern"} \
+    --out "$pout" 2>&1 | tee -a "$OUT/profile.log"
+  if [ -n "$nkern" ]; then
+    for r in "$pout"/*.ncu-rep; do
+      [ -f "$r" ] || continue
+      timeout 60 ncu --import "$r" --page details --csv > "${r%.ncu-rep}.details.csv" 2>&1 || true
+      timeout 60 ncu --import "$r" --page source --csv --print-source sass > "${r%.ncu-rep}.source.csv" 2>&1 || true
+    done
+  fi
 done
 for spec in ${SWEEPS:-}; do
   IFS=: read -r cfg dir extra <<< "$spec"
