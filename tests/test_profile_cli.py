@@ -52,3 +52,29 @@ def test_ncu_command_profiles_only_the_marked_call():
     full = ncu_command("ncu", Path("r"), child, ncu_set="full", ncu_kernel="gdn_fwd_o")
     assert full[full.index("--set") + 1] == "full" and "--metrics" not in full
     assert full[full.index("-k") + 1] == "regex:gdn_fwd_o"
+
+
+def test_ncu_stalls_summary_from_source_page(tmp_path, capsys):
+    """scripts/ncu_stalls.py reads ncu's SASS source page (CSV, optionally .xz): totals per stall
+    reason, per USETMAXREG region, and the most-stalled instructions."""
+    import importlib.util
+    import lzma
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("ncu_stalls", Path(__file__).parents[1] / "scripts" / "ncu_stalls.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    hdr = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+           "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
+    rows = [["0x100", "MOV R1, R2", "5", "10", "1", "4", "0"],
+            ["0x110", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xa0", "0", "4", "0", "0", "0"],
+            ["0x120", "@!P0 BRA 0x300", "90", "8", "88", "2", "0"]]
+    text = '"Kernel Name","k",\n' + "\n".join(",".join(f'"{c}"' for c in r) for r in [hdr, *rows]) + "\n"
+    f = tmp_path / "source.csv.xz"
+    with lzma.open(f, "wt") as fh:
+        fh.write(text)
+    assert mod.main([str(f), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "3 instructions, 95 stall samples" in out
+    assert "long_sb" in out.splitlines()[1] and "93.7%" in out  # 89 of 95 samples
+    assert "+00010 USETMAXREG" in out and "+00020" in out and "long_sb 88" in out
