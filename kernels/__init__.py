@@ -155,11 +155,6 @@ def chunk_gdn_fwd_lowlevel(
         ctab, cu_chunks = chunk_table(cu, T, N)
         stab, cu_segs = segment_table(cu, cu_chunks, T, N, seg_tokens, split=bool(split_tokens))
     gcs, a_beta = run_prep(k, g, beta, ctab, method=var["prep"], target=target)
-    p_all = None
-    if var["pmat"] == "1" and ws:
-        from .pmat import run_pmat
-
-        p_all = run_pmat(q, k, gcs, ctab, scale, target=target)
 
     if o is None:
         o = torch.empty(1, T, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -187,14 +182,14 @@ def chunk_gdn_fwd_lowlevel(
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h_start, scale, o, ht,
             block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
-            rowexp=var["rowexp"] == "1", p_all=p_all,
+            rowexp=var["rowexp"] == "1",
         )  # fmt: skip
         out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
     else:
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h0, scale, o, ht,
             block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
-            rowexp=var["rowexp"] == "1", p_all=p_all,
+            rowexp=var["rowexp"] == "1",
         )  # fmt: skip
     out.update(o=o, final_state=ht)
     return out

@@ -68,13 +68,11 @@ def chunk_loop_stages() -> int:
 #:   rowexp  0 | 1             warp-specialised fwd_o: per-row exps once per chunk into row fragments,
 #:                             off the S hand-off chain (0: one exp + g load per element); also
 #:                             seg_state and the backward's bwd_dhu (with fast math)
-#:   pmat    0 | 1             warp-specialised fwd_o: P = scale·Γ⊙QKᵀ precomputed per (chunk, v-head) by
-#:                             pmat.py and TMA-loaded, instead of computed by its output warpgroup
 #:   bwd_ws  0 | 1             backward: bwd_h warp-specialised (bwd_h_ws.py: the forward's chain
 #:                             without its output warpgroup; 384 threads)
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
-    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pmat": "0",
+    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1",
 }  # fmt: skip
 #: The first landing's path (every knob at its first value), kept for comparison.
 BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0"
@@ -89,7 +87,6 @@ VARIANT_CHOICES = {
     "ws_stages": ("2", "3"),
     "rowexp": ("0", "1"),
     "bwd_ws": ("0", "1"),
-    "pmat": ("0", "1"),
 }
 
 
@@ -102,7 +99,6 @@ CHECK_VARIANTS = [
     "prep=blocked",
     "rowexp=0",
     "fwd_bv=32",
-    "pmat=1",
 ]
 
 

@@ -67,17 +67,6 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
         out.append(("prep", get_prep_kernel, (h_qk, h_v), {}))
     else:
         out.append((f"prep[{var['prep']}]", get_prep_kernel, (h_qk, h_v), {"method": var["prep"]}))
-    if var["pmat"] == "1" and var["fwd_ws"] == "1":
-        from .fwd_o_ws import get_fwd_o_ws_p_kernel
-        from .pmat import get_pmat_kernel
-
-        out.append(("pmat", get_pmat_kernel, (h_qk, h_v), {}))
-        for hi, hh in flags:
-            out.append((
-                f"fwd_o_ws_p[init={hi},ht={hh}|{tag}]", get_fwd_o_ws_p_kernel, (h_qk, h_v, bool(hi), bool(hh), bv),
-                {"stages": 3} if var["ws_stages"] == "3" else {},
-            ))  # fmt: skip
-        flags = ()
     for hi, hh in flags:
         if var["fwd_ws"] == "1":  # same call as run_fwd_o(ws=True)
             out.append((

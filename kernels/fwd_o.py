@@ -176,7 +176,7 @@ def get_fwd_o_kernel(
 
 def run_fwd_o(
     q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_stages=None, target=None, threads=128,
-    fastmath=False, ws=False, ws_stages=2, rowexp=False, p_all=None,
+    fastmath=False, ws=False, ws_stages=2, rowexp=False,
 ):
     """Launch the fused recurrence + output kernel; writes ``o`` (and ``ht`` if given) in place.
 
@@ -186,18 +186,6 @@ def run_fwd_o(
     """
     h_qk, h_v = q.shape[2], v.shape[2]
     has_init, has_ht = h_init is not None, ht is not None
-    if ws and p_all is not None:  # variant pmat=1: P precomputed (pmat.py), loaded by the kernel
-        from .fwd_o_ws import get_fwd_o_ws_p_kernel
-
-        kern = get_fwd_o_ws_p_kernel(
-            h_qk, h_v, has_init, has_ht, block_v, target_k=target_key(target), stages=ws_stages
-        )
-        dummy = None
-        if h_init is None or ht is None:
-            dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
-        kern(q, k, v, gcs, a_beta, p_all, stab, h_init if has_init else dummy, float(scale), o,
-             ht if has_ht else dummy)
-        return o, ht
     if ws:
         from .fwd_o_ws import get_fwd_o_ws_kernel
 

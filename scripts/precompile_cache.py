@@ -21,7 +21,7 @@ BWD_SWEEP_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 VARIANT_HEADS = [(2, 8), (1, 3), (16, 64)]
 GPU_TEST_VARIANTS = [
     "tables=torch,prep=subst,fastmath=0,fwd_ws=0", "fwd_ws=0", "fwd_ws=0,fwd_threads=256", "fwd_bv=32",
-    "prep=tc", "prep=subst", "prep=blocked_pad", "prep=blocked", "rowexp=0", "prep=blocked,rowexp=0", "pmat=1",
+    "prep=tc", "prep=subst", "prep=blocked_pad", "prep=blocked", "rowexp=0", "prep=blocked,rowexp=0",
 ]
 
 

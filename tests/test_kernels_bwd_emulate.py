@@ -69,7 +69,7 @@ def _patch_kernels(monkeypatch):
         h_all, vnew = eb.emu_bwd_h(k, v, gcs, a_beta, stab, h_init, gcs.shape[1] // 64)
         return h_all.to(bf), vnew.to(bf)
 
-    def fake_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, block_v=64, target=None):
+    def fake_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, block_v=64, target=None, rowexp=False):
         N = int(stab[:, 2].max()) + 1
         dh_all, dvnew, d0 = eb.emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, gcs.shape[1] // 64, N)
         if dh0 is not None:
@@ -86,6 +86,7 @@ def _patch_kernels(monkeypatch):
         return dk_v, dv.to(bf), dg, db
 
     monkeypatch.setattr(ag, "run_bwd_h", fake_h)
+    monkeypatch.setattr(ag, "run_bwd_h_ws", fake_h)  # bwd_ws=1 (default): same outputs as bwd_h
     monkeypatch.setattr(ag, "run_bwd_dhu", fake_dhu)
     monkeypatch.setattr(ag, "run_bwd_dqkwg", fake_dqkwg)
     monkeypatch.setattr(ag, "run_bwd_wy", fake_wy)

@@ -164,16 +164,10 @@ def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
         init = r["h_start"]
     else:
         init = x["h0"]
-    p_all = None
-    if var["pmat"] == "1" and var["fwd_ws"] == "1":
-        from qlabench_kernels.pmat import run_pmat
-
-        p_all = run_pmat(x["q"], x["k"], r["gcs"], r["ctab"], scale)
-        stages["pmat"] = lambda: run_pmat(x["q"], x["k"], r["gcs"], r["ctab"], scale, p_all)
     stages["fwd_o"] = lambda: run_fwd_o(
         x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, scale, r["o"], r["final_state"],
         block_v=int(var["fwd_bv"]), num_stages=var["stages"], threads=int(var["fwd_threads"]), fastmath=fm,
-        ws=var["fwd_ws"] == "1", ws_stages=int(var["ws_stages"]), rowexp=var["rowexp"] == "1", p_all=p_all,
+        ws=var["fwd_ws"] == "1", ws_stages=int(var["ws_stages"]), rowexp=var["rowexp"] == "1",
     )  # fmt: skip
     out = {}
     for name, fn in stages.items():
