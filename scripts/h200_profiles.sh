@@ -22,7 +22,8 @@ if [ -n "${NCU_FULL_KERNEL:-}" ]; then
   # stall samples (where the warps wait)
   for r in "$OUT"/profile/ncu_full/*.ncu-rep; do
     [ -f "$r" ] || continue
-    timeout 60 ncu --import "$r" --page details --csv > "${r%.ncu-rep}.details.csv" 2>&1 || true
-    timeout 60 ncu --import "$r" --page source --csv --print-source sass > "${r%.ncu-rep}.source.csv" 2>&1 || true
+    timeout 60 ncu --import "$r" --page details --csv > "${r%.ncu-rep}.details.csv" 2>> "${r%.ncu-rep}.import.log" || true
+    timeout 60 ncu --import "$r" --page source --csv --print-source sass > "${r%.ncu-rep}.source.csv" \
+      2>> "${r%.ncu-rep}.import.log" || true
   done
 fi

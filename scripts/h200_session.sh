@@ -24,6 +24,7 @@ pack() { [ -d "$1" ] && tar czf "$OUT/$(basename "$1").tgz" --exclude=logs "$1";
 [ "${SKIP_INSTALL:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 cat "$OUT/nvidia-smi.csv"
+rm -f "$OUT/check_fwd.json" "$OUT/check_bwd.json"   # a warm machine keeps $OUT: never read an old check
 if [ "${CHECK:-0}" = 1 ]; then
   log "kernel check"
   pin timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_fwd.log" | tail -60
@@ -31,10 +32,11 @@ fi
 # PICK="spec;spec": the fastest of these variants that passed every check case (kernels/dev/pick_variant.py)
 # becomes SWEEP_VARIANT: $QLABENCH_GDN_VARIANT of the sweeps below only (their tilelang rows carry it
 # in the backend version); checks, tests and profiles keep their own variants
-if [ -n "${PICK:-}" ]; then
+# ("default" runs the sweeps with QLABENCH_GDN_VARIANT unset; the pick applies to backward sweeps too)
+if [ -n "${PICK:-}" ] && [ "${CHECK:-0}" = 1 ]; then
   picked=$(python3 kernels/dev/pick_variant.py "$OUT/check_fwd.json" "$PICK" 2> "$OUT/pick.log"); cat "$OUT/pick.log"
-  log "picked variant: ${picked:-default}"
-  if [ -n "$picked" ] && [ "$picked" != default ]; then SWEEP_VARIANT=$picked; fi
+  SWEEP_VARIANT=${picked:-default}
+  log "picked variant: $SWEEP_VARIANT"
 fi
 if [ "${BWDCHECK:-0}" = 1 ]; then
   log "backward kernel check"
@@ -59,8 +61,9 @@ for spec in ${PROFILES:-}; do
   if [ -n "$nkern" ]; then
     for r in "$pout"/*.ncu-rep; do
       [ -f "$r" ] || continue
-      timeout 60 ncu --import "$r" --page details --csv > "${r%.ncu-rep}.details.csv" 2>&1 || true
-      timeout 60 ncu --import "$r" --page source --csv --print-source sass > "${r%.ncu-rep}.source.csv" 2>&1 || true
+      timeout 60 ncu --import "$r" --page details --csv > "${r%.ncu-rep}.details.csv" 2>> "${r%.ncu-rep}.import.log" || true
+      timeout 60 ncu --import "$r" --page source --csv --print-source sass > "${r%.ncu-rep}.source.csv" \
+        2>> "${r%.ncu-rep}.import.log" || true
     done
   fi
 done
@@ -71,9 +74,12 @@ for spec in ${SWEEPS:-}; do
   extra=${extra//+/ }   # extra args joined by '+', e.g. --gpus=1+--backends=tilelang
   log "sweep $cfg -> $dir (budget ${budget}s) $extra"
   mkdir -p "$dir"
-  [ -n "${SWEEP_VARIANT:-}" ] && log "QLABENCH_GDN_VARIANT=$SWEEP_VARIANT"
-  QLABENCH_GDN_VARIANT=${SWEEP_VARIANT:-${QLABENCH_GDN_VARIANT:-}} \
-    timeout --signal=INT --kill-after=15 "$budget" qlabench run "$cfg" --out "$dir" --resume $extra 2>&1 | tee -a "$OUT/sweep.log"
+  venv=()
+  if [ "${SWEEP_VARIANT:-}" = default ]; then venv=(env -u QLABENCH_GDN_VARIANT)
+  elif [ -n "${SWEEP_VARIANT:-}" ]; then venv=(env "QLABENCH_GDN_VARIANT=$SWEEP_VARIANT"); fi
+  [ -n "${SWEEP_VARIANT:-}" ] && log "sweep variant: $SWEEP_VARIANT"
+  ${venv[@]+"${venv[@]}"} timeout --signal=INT --kill-after=15 "$budget" qlabench run "$cfg" --out "$dir" --resume $extra 2>&1 \
+    | tee -a "$OUT/sweep.log"
   log "packing $dir"
   pack "$dir"
 done

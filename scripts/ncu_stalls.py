@@ -3,7 +3,7 @@
     ncu --import report.ncu-rep --page source --csv --print-source sass > source.csv   # on the GPU box
     python scripts/ncu_stalls.py source.csv[.xz] [--top 25]
 
-Prints the stall reasons summed over the kernel, the same per code region (a region starts at
+Reads the first kernel of the export. Prints the stall reasons summed over the kernel, the same per code region (a region starts at
 each ``USETMAXREG``: the roles of a warp-specialised kernel), and the instructions with the most
 stall samples with their two main reasons. ``qlabench profile --ncu --ncu-set full`` with the
 device scripts' PROFILES kernel regex writes ``source.csv`` next to the report.
@@ -19,11 +19,27 @@ import sys
 def load(path: str) -> list[dict]:
     raw = lzma.open(path, "rt") if path.endswith(".xz") else open(path, newline="")
     rows = list(csv.reader(io.StringIO(raw.read())))
-    i = next(n for n, r in enumerate(rows) if r and r[0] == "Address")
+    i = next((n for n, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if i is None:  # an export that failed holds only its error text
+        return []
     hdr = rows[i]
-    out = [dict(zip(hdr, r)) for r in rows[i + 1 :] if len(r) == len(hdr)]
+    out = []
+    for r in rows[i + 1 :]:  # the first kernel's rows; a second kernel's block starts with its own header
+        if r and r[0] in ("Kernel Name", "Address"):
+            break
+        if len(r) == len(hdr):
+            out.append(dict(zip(hdr, r)))
+    out = [d for d in out if _is_hex(d["Address"])]
     out.sort(key=lambda d: int(d["Address"], 16))
     return out
+
+
+def _is_hex(s: str) -> bool:
+    try:
+        int(s, 16)
+        return True
+    except ValueError:
+        return False
 
 
 def num(x: str) -> float:

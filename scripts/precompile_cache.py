@@ -1,6 +1,6 @@
 """Fill a TileLang cache offline (no GPU, nvcc only) with the in-repo kernels the device runs.
 
-    TILELANG_CACHE_DIR=.devsite/tilelang-cache python scripts/precompile_cache.py [tests|sweep|variants|all]
+    TILELANG_CACHE_DIR=.devsite/tilelang-cache python scripts/precompile_cache.py [tests|sweep|variants|bwd|bwd_variant|all]
 
 Sweep head configs get the variants a sweep uses (initial + final state, default stages);
 the GPU-test configs get every state-flag variant; "variants" compiles every speed variant
@@ -98,7 +98,7 @@ if which in ("bwd", "all"):
         if (hq, hv) not in SWEEP and (hq, hv) not in TESTS:
             build(hq, hv, [(1, 1)], [1])
         build_bwd(hq, hv, (hq, hv) in BWD_TESTS, (64, 32))
-if which in ("bwd_variant", "all"):
+if which in ("bwd", "bwd_variant", "all"):  # bwd_ws=1, rowexp=1 are the backward defaults
     for hq, hv in BWD_TESTS:  # check_bwd.py's cases run block_v 64 unless they say otherwise
         build_bwd_variant(hq, hv, True, (32, 64))
     for hq, hv in BWD_SWEEP:

@@ -268,6 +268,7 @@ def main():
     want = set(filter(None, args.cases.split(",")))
     results, timings = [], []
     variants = [v for v in args.variants.split(";") if v] or ["default"]
+    os.environ.pop("QLABENCH_GDN_STAGES", None)  # each variant says what it runs (as check_fwd.py)
     for var in variants:
         if var == "default":
             os.environ.pop("QLABENCH_GDN_VARIANT", None)
