@@ -25,6 +25,43 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
 
+def _shared_macros(T):
+    """TileLang macros the prep programs share: ``load_l`` (k, g, β of one chunk slot → chunk-local
+    g cumsum, K Kᵀ on wgmma, L = StrictLower(diag β · Γ ⊙ K Kᵀ) in shared memory) and ``diag``
+    (the 16x16 diagonal blocks (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16)."""
+    C, D, B = CHUNK, HEAD_DIM, 16
+
+    @T.macro
+    def load_l(k, g, beta, bos, ln, hk, hv, k_sh, g_frag, g_sh, b_sh, kk, l_sh):
+        for i, j in T.Parallel(C, D):
+            k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
+        for i in T.Parallel(C):
+            g_frag[i] = T.if_then_else(i < ln, g[0, bos + i, hv], T.float32(0))
+            b_sh[i] = T.if_then_else(i < ln, beta[0, bos + i, hv], T.float32(0))
+        T.cumsum(g_frag, dim=0)
+        T.copy(g_frag, g_sh)
+
+        T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+
+        for i, j in T.Parallel(C, C):
+            l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
+
+    @T.macro
+    def diag(l_sh, ainv_sh, x16, acc_l, tx):
+        if tx < C:
+            for i in T.unroll(B):
+                x16[i] = T.float32(0)
+            for i in T.unroll(B):
+                acc_l[0] = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
+                for j in T.unroll(i):
+                    acc_l[0] = acc_l[0] - l_sh[(tx // B) * B + i, (tx // B) * B + j] * x16[j]
+                x16[i] = acc_l[0]
+            for i in T.unroll(B):
+                ainv_sh[(tx // B) * B + i, (tx // B) * B + tx % B] = x16[i]
+
+    return load_l, diag
+
+
 def prep_program(h_qk: int, h_v: int, method: str = "subst"):
     """method "subst": thread t < 64 solves column t by 64-step substitution (verified default).
     method "blocked": 16x16 diagonal blocks D_b = (I + L_bb)⁻¹ by substitution (64 threads,
@@ -54,6 +91,7 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
         method = "blocked"
 
     G = check_heads(h_qk, h_v)
+    load_l, diag = _shared_macros(T)
     C, D = CHUNK, HEAD_DIM
     B = 16
     Tn = T.dynamic("T")
@@ -104,32 +142,12 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
-            for i, j in T.Parallel(C, D):
-                k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
-            for i in T.Parallel(C):
-                g_frag[i] = T.if_then_else(i < ln, g[0, bos + i, hv], T.float32(0))
-                b_sh[i] = T.if_then_else(i < ln, beta[0, bos + i, hv], T.float32(0))
-            T.cumsum(g_frag, dim=0)
-            T.copy(g_frag, g_sh)
-
-            T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
-
-            for i, j in T.Parallel(C, C):
-                l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
+            load_l(k, g, beta, bos, ln, hk, hv, k_sh, g_frag, g_sh, b_sh, kk, l_sh)
 
             tx = T.get_thread_binding()
             if method == "blocked":
                 # 1. diagonal blocks: thread tx < 64 solves column tx % 16 of D_b, b = tx // 16
-                if tx < C:
-                    for i in T.unroll(B):
-                        x16[i] = T.float32(0)
-                    for i in T.unroll(B):
-                        acc_l[0] = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
-                        for j in T.unroll(i):
-                            acc_l[0] = acc_l[0] - l_sh[(tx // B) * B + i, (tx // B) * B + j] * x16[j]
-                        x16[i] = acc_l[0]
-                    for i in T.unroll(B):
-                        ainv_sh[(tx // B) * B + i, (tx // B) * B + tx % B] = x16[i]
+                diag(l_sh, ainv_sh, x16, acc_l, tx)
                 T.sync_threads()
                 # 2. off-diagonal blocks, one sub-diagonal level at a time (Y, sync, A_ij = −D_i Y, sync)
                 y_blk(l_sh, ainv_sh, y_sh, acc_l, tx, 1, 0, 0)
@@ -203,6 +221,7 @@ def _prep_rt_program(h_qk: int, h_v: int):
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
+    load_l, diag = _shared_macros(T)
     C, D, B, P = CHUNK, HEAD_DIM, 16, 4
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
@@ -278,31 +297,11 @@ def _prep_rt_program(h_qk: int, h_v: int):
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
-            for i, j in T.Parallel(C, D):
-                k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
-            for i in T.Parallel(C):
-                g_frag[i] = T.if_then_else(i < ln, g[0, bos + i, hv], T.float32(0))
-                b_sh[i] = T.if_then_else(i < ln, beta[0, bos + i, hv], T.float32(0))
-            T.cumsum(g_frag, dim=0)
-            T.copy(g_frag, g_sh)
-
-            T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
-
-            for i, j in T.Parallel(C, C):
-                l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
+            load_l(k, g, beta, bos, ln, hk, hv, k_sh, g_frag, g_sh, b_sh, kk, l_sh)
 
             tx = T.get_thread_binding()
             # diagonal blocks D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
-            if tx < C:
-                for i in T.unroll(B):
-                    x16[i] = T.float32(0)
-                for i in T.unroll(B):
-                    acc_l[0] = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
-                    for j in T.unroll(i):
-                        acc_l[0] = acc_l[0] - l_sh[(tx // B) * B + i, (tx // B) * B + j] * x16[j]
-                    x16[i] = acc_l[0]
-                for i in T.unroll(B):
-                    ainv_sh[(tx // B) * B + i, (tx // B) * B + tx % B] = x16[i]
+            diag(l_sh, ainv_sh, x16, acc_l, tx)
             T.sync_threads()
             level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 1)
             level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 2)
@@ -320,6 +319,7 @@ def _prep_tc_program(h_qk: int, h_v: int):
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
+    load_l, diag = _shared_macros(T)
     C, D, B = CHUNK, HEAD_DIM, 16
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
@@ -355,18 +355,7 @@ def _prep_tc_program(h_qk: int, h_v: int):
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
-            for i, j in T.Parallel(C, D):
-                k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
-            for i in T.Parallel(C):
-                g_frag[i] = T.if_then_else(i < ln, g[0, bos + i, hv], T.float32(0))
-                b_sh[i] = T.if_then_else(i < ln, beta[0, bos + i, hv], T.float32(0))
-            T.cumsum(g_frag, dim=0)
-            T.copy(g_frag, g_sh)
-
-            T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
-
-            for i, j in T.Parallel(C, C):
-                l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
+            load_l(k, g, beta, bos, ln, hk, hv, k_sh, g_frag, g_sh, b_sh, kk, l_sh)
             for i, j in T.Parallel(C, C):
                 # L_off transposed (B operand of N = D L_off; tf32 wgmma wants K-major B)
                 bt_sh[j, i] = T.if_then_else(i // B > j // B, l_sh[i, j], T.float32(0))

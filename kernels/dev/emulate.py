@@ -312,14 +312,7 @@ def solve_tc(L, tf32=True):
     rnd = _tf32 if tf32 else (lambda t: t)
     blk = torch.arange(64, device=L.device) // B
     off = (blk[:, None] > blk[None, :]).to(L.dtype)
-    Dm = torch.zeros_like(L)
-    eye = torch.eye(B, dtype=L.dtype, device=L.device)
-    for b in range(4):
-        Lb = L[..., b * B : (b + 1) * B, b * B : (b + 1) * B]
-        x = torch.zeros_like(Lb)
-        for i in range(B):
-            x[..., i, :] = eye[i] - (Lb[..., i, :i, None] * x[..., :i, :]).sum(-2)
-        Dm[..., b * B : (b + 1) * B, b * B : (b + 1) * B] = x
+    Dm = solve_blocked_diag(L)
     I = torch.eye(64, dtype=L.dtype, device=L.device)
     N = rnd(Dm) @ rnd(L * off)
     N2 = rnd(N) @ rnd(N)
