@@ -66,18 +66,24 @@ def test_tl_tables_algorithm_equals_torch_tables(lens, seg):
     assert torch.equal(cu_segs.int(), cs2)
 
 
+def _gated_l(batch: int, seed: int, no_decay: int):
+    """prep's L = StrictLower(diag β · Γ ⊙ K Kᵀ) for ``batch`` random chunks (the last ``no_decay``
+    with g = 0), and the fp64 reference (I + L)⁻¹."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.nn.functional.normalize(torch.randn(batch, 64, 128, generator=gen), dim=-1)
+    beta = torch.sigmoid(torch.randn(batch, 64, generator=gen))
+    g = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(batch, 64, generator=gen) + 3) * 0.5, -1)
+    g[-no_decay:] = 0  # no decay
+    L = torch.tril(beta[..., None] * torch.exp(g[..., :, None] - g[..., None, :]) * (k @ k.transpose(-1, -2)), -1)
+    eye = torch.eye(64, dtype=torch.float64)
+    return L, torch.linalg.solve_triangular(eye + L.double(), eye.expand(batch, 64, 64), upper=False)
+
+
 def test_blocked_solve_equals_inverse():
     _pkg()
     emu = importlib.import_module("qlabench_kernels.dev.emulate")
-    gen = torch.Generator().manual_seed(0)
-    k = torch.nn.functional.normalize(torch.randn(8, 64, 128, generator=gen), dim=-1)
-    beta = torch.sigmoid(torch.randn(8, 64, generator=gen))
-    g = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(8, 64, generator=gen) + 3) * 0.5, -1)
-    g[-2:] = 0  # no decay
-    L = torch.tril(beta[..., None] * torch.exp(g[..., :, None] - g[..., None, :]) * (k @ k.transpose(-1, -2)), -1)
+    L, ref = _gated_l(8, 0, 2)
     A = emu.solve_blocked(L.float())
-    eye = torch.eye(64, dtype=torch.float64)
-    ref = torch.linalg.solve_triangular(eye + L.double(), eye.expand(8, 64, 64), upper=False)
     err = float((A.double() - ref).norm() / ref.norm())
     assert err < 1e-5, err
     assert torch.equal(torch.triu(A, 1), torch.zeros_like(A))
@@ -88,15 +94,8 @@ def test_rt_solve_lane_mapping_equals_inverse():
     lane -> 2x4 tile mapping, covers every off-diagonal entry once and equals (I + L)⁻¹."""
     _pkg()
     emu = importlib.import_module("qlabench_kernels.dev.emulate")
-    gen = torch.Generator().manual_seed(1)
-    k = torch.nn.functional.normalize(torch.randn(3, 64, 128, generator=gen), dim=-1)
-    beta = torch.sigmoid(torch.randn(3, 64, generator=gen))
-    g = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(3, 64, generator=gen) + 3) * 0.5, -1)
-    g[-1:] = 0
-    L = torch.tril(beta[..., None] * torch.exp(g[..., :, None] - g[..., None, :]) * (k @ k.transpose(-1, -2)), -1)
+    L, ref = _gated_l(3, 1, 1)
     A = emu.solve_rt(L.float())
-    eye = torch.eye(64, dtype=torch.float64)
-    ref = torch.linalg.solve_triangular(eye + L.double(), eye.expand(3, 64, 64), upper=False)
     err = float((A.double() - ref).norm() / ref.norm())
     assert err < 1e-5, err
     # block lower triangle fully written (no entry left from the zero init where A is not 0)
@@ -148,14 +147,7 @@ def test_tc_solve_equals_inverse():
     in fp32 it is exact to fp32 rounding (N⁴ = 0: the series stops)."""
     _pkg()
     emu = importlib.import_module("qlabench_kernels.dev.emulate")
-    gen = torch.Generator().manual_seed(1)
-    k = torch.nn.functional.normalize(torch.randn(16, 64, 128, generator=gen), dim=-1)
-    beta = torch.sigmoid(torch.randn(16, 64, generator=gen))
-    g = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(16, 64, generator=gen) + 3) * 0.5, -1)
-    g[-4:] = 0  # no decay
-    L = torch.tril(beta[..., None] * torch.exp(g[..., :, None] - g[..., None, :]) * (k @ k.transpose(-1, -2)), -1)
-    eye = torch.eye(64, dtype=torch.float64)
-    ref = torch.linalg.solve_triangular(eye + L.double(), eye.expand(16, 64, 64), upper=False)
+    L, ref = _gated_l(16, 1, 4)
     exact = emu.solve_tc(L.float(), tf32=False)
     assert float((exact.double() - ref).norm() / ref.norm()) < 1e-6
     a = emu.solve_tc(L.float())
