@@ -126,7 +126,8 @@ def chunk_gdn_fwd_lowlevel(
         gcs [Hv, NCS*64] fp32 (chunk-local cumsum of g, natural log, chunk-slot rows);
         a_beta [Hv, NCS*64, 64] bf16 (FLA's gated A times diag(β), chunk-slot rows);
         ctab int32 [NCS,4], cu_chunks int64 [N+1] (chunk slots); stab int32 [NS,8] (segments);
-        split_tokens (int, 0 = unsplit); variant (dict used); and, when split, cu_segs, e_end, m_tr, h_start.
+        split_tokens (int, 0 = unsplit); variant (dict used); and, when split, cu_segs, e_end, m_tr, h_start;
+        with pprep=1 p_all [Hv, NCS*64, 64] bf16 (P = scale·Γ⊙QKᵀ per chunk slot).
         (With tables=tl, cu_chunks / cu_segs are int32.)
     """
     var = parse_variant(variant)
@@ -154,7 +155,11 @@ def chunk_gdn_fwd_lowlevel(
     else:
         ctab, cu_chunks = chunk_table(cu, T, N)
         stab, cu_segs = segment_table(cu, cu_chunks, T, N, seg_tokens, split=bool(split_tokens))
-    gcs, a_beta = run_prep(k, g, beta, ctab, method=var["prep"], target=target)
+    p_all = None
+    if var["pprep"] == "1":  # prep also writes P = scale·Γ⊙QKᵀ; the warp-specialised fwd_o loads it
+        gcs, a_beta, p_all = run_prep(k, g, beta, ctab, method=var["prep"], target=target, q=q, scale=scale)
+    else:
+        gcs, a_beta = run_prep(k, g, beta, ctab, method=var["prep"], target=target)
 
     if o is None:
         o = torch.empty(1, T, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -182,16 +187,18 @@ def chunk_gdn_fwd_lowlevel(
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h_start, scale, o, ht,
             block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
-            rowexp=var["rowexp"] == "1",
+            rowexp=var["rowexp"] == "1", p_all=p_all,
         )  # fmt: skip
         out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
     else:
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h0, scale, o, ht,
             block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
-            rowexp=var["rowexp"] == "1",
+            rowexp=var["rowexp"] == "1", p_all=p_all,
         )  # fmt: skip
     out.update(o=o, final_state=ht)
+    if p_all is not None:
+        out["p_all"] = p_all
     return out
 
 

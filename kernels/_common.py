@@ -70,9 +70,12 @@ def chunk_loop_stages() -> int:
 #:                             seg_state and the backward's bwd_dhu (with fast math)
 #:   bwd_ws  0 | 1             backward: bwd_h warp-specialised (bwd_h_ws.py: the forward's chain
 #:                             without its output warpgroup; 384 threads)
+#:   pprep   0 | 1             prep (rt) also writes P = scale·Γ⊙QKᵀ per (chunk, v-head) and the
+#:                             warp-specialised fwd_o TMA-loads it instead of computing it in its
+#:                             output warpgroup (needs prep=rt, fwd_ws=1)
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
-    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1",
+    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "0",
 }  # fmt: skip
 #: The first landing's path (every knob at its first value), kept for comparison.
 BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0"
@@ -87,6 +90,7 @@ VARIANT_CHOICES = {
     "ws_stages": ("2", "3"),
     "rowexp": ("0", "1"),
     "bwd_ws": ("0", "1"),
+    "pprep": ("0", "1"),
 }
 
 
@@ -99,6 +103,7 @@ CHECK_VARIANTS = [
     "prep=blocked",
     "rowexp=0",
     "fwd_bv=32",
+    "pprep=1",
 ]
 
 
@@ -119,6 +124,10 @@ def parse_variant(spec=None) -> dict:
             if val not in VARIANT_CHOICES[key]:
                 raise ValueError(f"GDN variant {key}={val!r} not in {VARIANT_CHOICES[key]}")
             out[key] = val
+    if out["pprep"] == "1" and (out["prep"] != "rt" or out["fwd_ws"] != "1"):
+        raise ValueError(
+            f"GDN variant pprep=1 needs prep=rt and fwd_ws=1 (got prep={out['prep']}, fwd_ws={out['fwd_ws']})"
+        )
     out["stages"] = int(out["stages"]) if out["stages"] is not None else chunk_loop_stages()
     return out
 

@@ -67,6 +67,16 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
         out.append(("prep", get_prep_kernel, (h_qk, h_v), {}))
     else:
         out.append((f"prep[{var['prep']}]", get_prep_kernel, (h_qk, h_v), {"method": var["prep"]}))
+    if var["pprep"] == "1":  # prep writes P; the warp-specialised fwd_o loads it (run_fwd_o(p_all=...))
+        from .fwd_o_ws import get_fwd_o_ws_p_kernel
+
+        out[-1] = (f"prep[{var['prep']},P]", get_prep_kernel, (h_qk, h_v), {"method": var["prep"], "with_p": True})
+        for hi, hh in flags:
+            out.append((
+                f"fwd_o_ws_p[init={hi},ht={hh}|{tag}]", get_fwd_o_ws_p_kernel, (h_qk, h_v, bool(hi), bool(hh), bv),
+                {"stages": 3} if var["ws_stages"] == "3" else {},
+            ))  # fmt: skip
+        flags = ()
     for hi, hh in flags:
         if var["fwd_ws"] == "1":  # same call as run_fwd_o(ws=True)
             out.append((

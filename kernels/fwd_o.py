@@ -176,16 +176,28 @@ def get_fwd_o_kernel(
 
 def run_fwd_o(
     q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_stages=None, target=None, threads=128,
-    fastmath=False, ws=False, ws_stages=2, rowexp=False,
+    fastmath=False, ws=False, ws_stages=2, rowexp=False, p_all=None,
 ):
     """Launch the fused recurrence + output kernel; writes ``o`` (and ``ht`` if given) in place.
 
     h_init: [R, Hv, 128, 128] fp32 or None.  ht: [N, Hv, 128, 128] fp32 or None.
     ws: the hand warp-specialised kernel (fwd_o_ws.py; same interface; ignores num_stages, threads);
     ws_stages: its input ring depth (2 or 3); rowexp: its per-row exps once per chunk (variant rowexp=1).
+    p_all: P = scale·Γ⊙QKᵀ written by prep (variant pprep=1; ws only): the kernel loads it.
     """
     h_qk, h_v = q.shape[2], v.shape[2]
     has_init, has_ht = h_init is not None, ht is not None
+    if p_all is not None:
+        if not ws:
+            raise ValueError("p_all (variant pprep=1) needs the warp-specialised fwd_o (fwd_ws=1)")
+        from .fwd_o_ws import get_fwd_o_ws_p_kernel
+
+        kern = get_fwd_o_ws_p_kernel(h_qk, h_v, has_init, has_ht, block_v, target_k=target_key(target), stages=ws_stages)
+        dummy = None
+        if h_init is None or ht is None:
+            dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+        kern(q, k, v, gcs, a_beta, p_all, stab, h_init if has_init else dummy, float(scale), o, ht if has_ht else dummy)
+        return o, ht
     if ws:
         from .fwd_o_ws import get_fwd_o_ws_kernel
 

@@ -47,6 +47,28 @@ def _shared_macros(T):
             l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
 
     @T.macro
+    def load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, q_sh, k_sh, g_frag, g_sh, b_sh, kk, qk, gam, l_sh, p_sh):
+        # load_l plus P = scale·Γ⊙QKᵀ (causal, diagonal included) into p_sh (bf16): q and k are
+        # loaded in one pass, the two wgmmas run back to back and the L and P passes share e^{g_i − g_j}
+        for i, j in T.Parallel(C, D):
+            k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
+            q_sh[i, j] = T.if_then_else(i < ln, q[0, bos + i, hk, j], T.bfloat16(0))
+        for i in T.Parallel(C):
+            g_frag[i] = T.if_then_else(i < ln, g[0, bos + i, hv], T.float32(0))
+            b_sh[i] = T.if_then_else(i < ln, beta[0, bos + i, hv], T.float32(0))
+        T.cumsum(g_frag, dim=0)
+        T.copy(g_frag, g_sh)
+
+        T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+        T.gemm(q_sh, k_sh, qk, transpose_B=True, clear_accum=True)
+
+        for i, j in T.Parallel(C, C):  # Γ in registers (same fragment layout as kk and qk)
+            gam[i, j] = T.if_then_else(i >= j, T.exp(g_sh[i] - g_sh[j]), T.float32(0))
+        for i, j in T.Parallel(C, C):
+            l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * gam[i, j] * kk[i, j], T.float32(0))
+            p_sh[i, j] = T.cast(scale * gam[i, j] * qk[i, j], "bfloat16")
+
+    @T.macro
     def diag(l_sh, ainv_sh, x16, acc_l, tx):
         if tx < C:
             for i in T.unroll(B):
@@ -59,10 +81,10 @@ def _shared_macros(T):
             for i in T.unroll(B):
                 ainv_sh[(tx // B) * B + i, (tx // B) * B + tx % B] = x16[i]
 
-    return load_l, diag
+    return load_l, diag, load_l_p
 
 
-def prep_program(h_qk: int, h_v: int, method: str = "subst"):
+def prep_program(h_qk: int, h_v: int, method: str = "subst", with_p: bool = False):
     """method "subst": thread t < 64 solves column t by 64-step substitution (verified default).
     method "blocked": 16x16 diagonal blocks D_b = (I + L_bb)⁻¹ by substitution (64 threads,
     16-step chains), then the off-diagonal blocks level by level with all 128 threads:
@@ -79,10 +101,11 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
     import tilelang.language as T
 
     assert method in ("subst", "blocked", "blocked_pad", "tc", "rt"), method
+    assert not with_p or method == "rt", "P output (variant pprep=1) is written by the rt prep only"
     if method == "tc":
         return _prep_tc_program(h_qk, h_v)
     if method == "rt":
-        return _prep_rt_program(h_qk, h_v)
+        return _prep_rt_program(h_qk, h_v, with_p)
     # "blocked_pad": the same as "blocked" with the fp32 [64, 64] buffers' rows padded to 65 words, so
     # the wgmma-fragment store of L (eight rows per instruction, same column) and column walks do
     # not hit one bank eight times (a 64-word row stride maps every row to the same banks)
@@ -91,7 +114,7 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
         method = "blocked"
 
     G = check_heads(h_qk, h_v)
-    load_l, diag = _shared_macros(T)
+    load_l, diag, _ = _shared_macros(T)
     C, D = CHUNK, HEAD_DIM
     B = 16
     Tn = T.dynamic("T")
@@ -202,8 +225,10 @@ def prep_program(h_qk: int, h_v: int, method: str = "subst"):
     return gdn_prep
 
 
-def _prep_rt_program(h_qk: int, h_v: int):
-    """prep with the blocked solve register-tiled ("rt").
+def _prep_rt_program(h_qk: int, h_v: int, with_p: bool = False):
+    """prep with the blocked solve register-tiled ("rt"); ``with_p`` (variant ``pprep=1``) also
+    takes q and scale and writes P = scale·Γ⊙QKᵀ (causal, diagonal included; bf16, [Hv, NCS*64, 64]
+    like a_beta) for the warp-specialised fwd_o, which then loads P instead of computing it.
 
     The blocked solve ("blocked") does two shared-memory loads per FMA (one output per thread):
     ~4,000 of prep's ~5,000 shared-memory wavefronts per CTA, and ncu saw prep shared-memory bound
@@ -221,7 +246,7 @@ def _prep_rt_program(h_qk: int, h_v: int):
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
-    load_l, diag = _shared_macros(T)
+    load_l, diag, load_l_p = _shared_macros(T)
     C, D, B, P = CHUNK, HEAD_DIM, 16, 4
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
@@ -268,6 +293,21 @@ def _prep_rt_program(h_qk: int, h_v: int):
                 ainv_sh[bi * B + rp + 8, bj * B + cq * 4 + v] = acc[4 + v]
         T.sync_threads()
 
+    @T.macro
+    def solve_store(l_sh, ainv_sh, y_sh, a_sh, g_sh, b_sh, x16, acc_l, acc, lv, dv, gcs, a_beta, c, hv):
+        tx = T.get_thread_binding()
+        # diagonal blocks D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
+        diag(l_sh, ainv_sh, x16, acc_l, tx)
+        T.sync_threads()
+        level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 1)
+        level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 2)
+        level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 3)
+        for i, j in T.Parallel(C, C):
+            a_sh[i, j] = T.cast(T.if_then_else(i // B >= j // B, ainv_sh[i, j] * b_sh[j], T.float32(0)), "bfloat16")
+
+        T.copy(a_sh, a_beta[hv, c * C : c * C + C, 0:C])
+        T.copy(g_sh, gcs[hv, c * C : c * C + C])
+
     @T.prim_func
     def gdn_prep_rt(
         k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
@@ -298,28 +338,57 @@ def _prep_rt_program(h_qk: int, h_v: int):
             ln = ctab[c, 1] - bos
 
             load_l(k, g, beta, bos, ln, hk, hv, k_sh, g_frag, g_sh, b_sh, kk, l_sh)
+            solve_store(l_sh, ainv_sh, y_sh, a_sh, g_sh, b_sh, x16, acc_l, acc, lv, dv, gcs, a_beta, c, hv)
 
-            tx = T.get_thread_binding()
-            # diagonal blocks D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
-            diag(l_sh, ainv_sh, x16, acc_l, tx)
-            T.sync_threads()
-            level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 1)
-            level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 2)
-            level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 3)
-            for i, j in T.Parallel(C, C):
-                a_sh[i, j] = T.cast(T.if_then_else(i // B >= j // B, ainv_sh[i, j] * b_sh[j], T.float32(0)), "bfloat16")
+    @T.prim_func
+    def gdn_prep_p(
+        q: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        g: T.Tensor((1, Tn, h_v), "float32"),
+        beta: T.Tensor((1, Tn, h_v), "float32"),
+        ctab: T.Tensor((NCS, 4), "int32"),
+        scale: T.float32,
+        gcs: T.Tensor((h_v, NCS * C), "float32"),
+        a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
+        p_all: T.Tensor((h_v, NCS * C, C), "bfloat16"),
+    ):
+        with T.Kernel(NCS, h_v, threads=128) as (c, hv):
+            hk = hv // G
+            q_sh = T.alloc_shared((C, D), "bfloat16")
+            k_sh = T.alloc_shared((C, D), "bfloat16")
+            kk = T.alloc_fragment((C, C), "float32")
+            qk = T.alloc_fragment((C, C), "float32")
+            gam = T.alloc_fragment((C, C), "float32")
+            l_sh = T.alloc_shared((C, C + P), "float32")
+            ainv_sh = T.alloc_shared((C, C + P), "float32")
+            y_sh = T.alloc_shared((C, B + P), "float32")
+            a_sh = T.alloc_shared((C, C), "bfloat16")
+            p_sh = T.alloc_shared((C, C), "bfloat16")
+            g_sh = T.alloc_shared((C,), "float32")
+            b_sh = T.alloc_shared((C,), "float32")
+            g_frag = T.alloc_fragment((C,), "float32")
+            x16 = T.alloc_local((B,), "float32")
+            acc_l = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((8,), "float32")
+            lv = T.alloc_local((4,), "float32")
+            dv = T.alloc_local((2,), "float32")
 
-            T.copy(a_sh, a_beta[hv, c * C : c * C + C, 0:C])
-            T.copy(g_sh, gcs[hv, c * C : c * C + C])
+            bos = ctab[c, 0]
+            ln = ctab[c, 1] - bos
 
-    return gdn_prep_rt
+            load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, q_sh, k_sh, g_frag, g_sh, b_sh, kk, qk, gam, l_sh, p_sh)
+            # P goes out before the solve, so its stores drain while the solve runs
+            T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
+            solve_store(l_sh, ainv_sh, y_sh, a_sh, g_sh, b_sh, x16, acc_l, acc, lv, dv, gcs, a_beta, c, hv)
+
+    return gdn_prep_p if with_p else gdn_prep_rt
 
 
 def _prep_tc_program(h_qk: int, h_v: int):
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
-    load_l, diag = _shared_macros(T)
+    load_l, diag, _ = _shared_macros(T)
     C, D, B = CHUNK, HEAD_DIM, 16
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
@@ -401,25 +470,33 @@ def _prep_tc_program(h_qk: int, h_v: int):
 
 
 @functools.cache
-def get_prep_kernel(h_qk: int, h_v: int, target_k=None, method: str = "subst"):
+def get_prep_kernel(h_qk: int, h_v: int, target_k=None, method: str = "subst", with_p: bool = False):
     import json
 
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(prep_program(h_qk, h_v, method), target=target)
+    return compile_program(prep_program(h_qk, h_v, method, with_p), target=target)
 
 
-def run_prep(k, g, beta, ctab, method="subst", target=None):
+def run_prep(k, g, beta, ctab, method="subst", target=None, q=None, scale=None, p_all=None):
     """Launch the prep kernel.
 
     Args:
         k: [1, T, Hqk, 128] bf16.  g, beta: [1, T, Hv] fp32.  ctab: int32 [NCS, 4].
+        q, scale: given (method "rt" only), prep also writes P = scale·Γ⊙QKᵀ (variant pprep=1);
+            ``p_all`` optionally preallocated.
     Returns:
-        gcs [Hv, NCS*64] fp32, a_beta [Hv, NCS*64, 64] bf16.
+        gcs [Hv, NCS*64] fp32, a_beta [Hv, NCS*64, 64] bf16 (and p_all [Hv, NCS*64, 64] bf16 when q is given).
     """
     h_qk, h_v = k.shape[2], g.shape[2]
     ncs = ctab.shape[0]
     gcs = torch.empty(h_v, ncs * CHUNK, device=k.device, dtype=torch.float32)
     a_beta = torch.empty(h_v, ncs * CHUNK, CHUNK, device=k.device, dtype=torch.bfloat16)
+    if q is not None:
+        if p_all is None:
+            p_all = torch.empty(h_v, ncs * CHUNK, CHUNK, device=k.device, dtype=torch.bfloat16)
+        kern = get_prep_kernel(h_qk, h_v, target_key(target), method, True)
+        kern(q, k, g, beta, ctab, float(scale), gcs, a_beta, p_all)
+        return gcs, a_beta, p_all
     kern = get_prep_kernel(h_qk, h_v, target_key(target), method)
     kern(k, g, beta, ctab, gcs, a_beta)
     return gcs, a_beta

@@ -4,7 +4,7 @@
 # results are always packed into $OUT before the call ends.
 #   SWEEPS="configs/h200_fwd_quick.yaml:runs/quick" TESTS=1 bash scripts/h200_session.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 # a TileLang cache filled offline (scripts/precompile_cache.py), carried compressed
 if [ -f .devsite/tlcache.tar.xz ] && [ -z "${TILELANG_CACHE_DIR:-}" ]; then
   [ -d /tmp/tlcache-full ] || tar -xJf .devsite/tlcache.tar.xz -C /tmp
@@ -45,6 +45,11 @@ fi
 if [ "${TESTS:-0}" = 1 ]; then
   log "gpu tests"
   pin timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+fi
+# RUN_CMD="...": any further command (e.g. kernels/dev/split_sweep.py), pinned, under RUN_TIMEOUT
+if [ -n "${RUN_CMD:-}" ]; then
+  log "run: $RUN_CMD"
+  OUT=$OUT pin timeout ${RUN_TIMEOUT:-180} bash -c "$RUN_CMD" 2>&1 | tee "$OUT/run_cmd.log" | tail -80
 fi
 for spec in ${PROFILES:-}; do
   # config:point:model:backend[:direction[:ncu[:kernel regex]]]  e.g. configs/h200_fwd_quick.yaml:1x32768:2/8:fla:fwd:ncu

@@ -150,7 +150,7 @@ def test_prep_matches_emulation():
 
 VARIANTS = [
     "tables=torch,prep=subst,fastmath=0,fwd_ws=0", "fwd_ws=0", "fwd_ws=0,fwd_threads=256", "fwd_bv=32",
-    "prep=tc", "prep=subst", "prep=blocked_pad", "prep=blocked", "rowexp=0", "prep=blocked,rowexp=0",
+    "prep=tc", "prep=subst", "prep=blocked_pad", "prep=blocked", "rowexp=0", "prep=blocked,rowexp=0", "pprep=1",
 ]  # fmt: skip
 
 
@@ -214,3 +214,38 @@ def test_prep_method_matches_subst(method):
     assert torch.equal(g1[:, valid], g2[:, valid])
     assert rel_l2(a2[:, valid].float(), a_e[:, valid].float()) < 1e-2
     assert rel_l2(a2[:, valid].float(), a1[:, valid].float()) < 1e-2
+
+
+def test_prep_p_matches_torch():
+    """pprep=1: prep's P equals scale·Γ⊙QKᵀ (causal incl. the diagonal) built in fp32 from its own gcs,
+    zero past each sequence's end; its gcs and A_β equal the plain rt prep's exactly."""
+    pkg = _kernels_pkg()
+    common = importlib.import_module("qlabench_kernels._common")
+    h_qk, h_v = 2, 8
+    x = make_inputs(SEQLENS, h_qk, h_v)
+    T, N = x["q"].shape[1], len(SEQLENS)
+    ctab, _ = common.chunk_table(x["cu"].long(), T, N)
+    scale = D**-0.5
+    p_all = torch.full((h_v, ctab.shape[0] * 64, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g1, a1 = pkg.prep.run_prep(x["k"], x["g"], x["beta"], ctab, method="rt")
+    g2, a2, p2 = pkg.prep.run_prep(x["k"], x["g"], x["beta"], ctab, method="rt", q=x["q"], scale=scale, p_all=p_all)
+    torch.cuda.synchronize()
+    valid = (ctab[:, 2] >= 0).repeat_interleave(64)
+    assert torch.equal(g1[:, valid], g2[:, valid]) and torch.equal(a1[:, valid], a2[:, valid])
+    checked = 0
+    for c in range(ctab.shape[0]):
+        bos, eos, seq = (int(t) for t in ctab[c, :3])
+        if seq < 0:
+            continue
+        ln = eos - bos
+        for hv in range(h_v):
+            hk = hv // (h_v // h_qk)
+            q = x["q"][0, bos:eos, hk].float()
+            k = x["k"][0, bos:eos, hk].float()
+            gc = g2[hv, c * 64 : c * 64 + ln]
+            ref = torch.tril(scale * torch.exp(gc[:, None] - gc[None, :]) * (q @ k.T))
+            got = p2[hv, c * 64 : c * 64 + 64].float()
+            assert rel_l2(got[:ln, :ln], ref) < 1e-2, (c, hv)
+            assert not got.isnan().any() and got[ln:].abs().max() == 0 and got[:, ln:].abs().max() == 0
+            checked += 1
+    assert checked > 0

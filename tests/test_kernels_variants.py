@@ -119,6 +119,11 @@ def test_variant_parsing(monkeypatch):
         pkg.parse_variant("fwd_bv=16")
     with pytest.raises(ValueError):
         pkg.parse_variant("nope=1")
+    monkeypatch.delenv("QLABENCH_GDN_VARIANT")
+    assert pkg.variant_name(pkg.parse_variant("pprep=1")) == "pprep=1"
+    for bad in ("pprep=1,prep=blocked", "pprep=1,fwd_ws=0"):  # P comes from the rt prep, for fwd_o_ws only
+        with pytest.raises(ValueError, match="pprep=1 needs prep=rt and fwd_ws=1"):
+            pkg.parse_variant(bad)
 
 
 def test_fwd_o_ws_barrier_protocol():

@@ -154,7 +154,13 @@ def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
             return segment_table(cu, cc, T, N, seg, split=bool(sp))
 
         stages = {"tables": _torch_tables}
-    stages["prep"] = lambda: run_prep(x["k"], x["g"], x["beta"], r["ctab"], method=var["prep"])
+    p_all = r.get("p_all")
+    if p_all is not None:  # pprep=1: prep also writes P, which fwd_o loads
+        stages["prep"] = lambda: run_prep(
+            x["k"], x["g"], x["beta"], r["ctab"], method=var["prep"], q=x["q"], scale=scale, p_all=p_all
+        )
+    else:
+        stages["prep"] = lambda: run_prep(x["k"], x["g"], x["beta"], r["ctab"], method=var["prep"])
     if sp:
         stages["seg_state"] = lambda: run_seg_state(
             x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"],
@@ -167,7 +173,7 @@ def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
     stages["fwd_o"] = lambda: run_fwd_o(
         x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, scale, r["o"], r["final_state"],
         block_v=int(var["fwd_bv"]), num_stages=var["stages"], threads=int(var["fwd_threads"]), fastmath=fm,
-        ws=var["fwd_ws"] == "1", ws_stages=int(var["ws_stages"]), rowexp=var["rowexp"] == "1",
+        ws=var["fwd_ws"] == "1", ws_stages=int(var["ws_stages"]), rowexp=var["rowexp"] == "1", p_all=p_all,
     )  # fmt: skip
     out = {}
     for name, fn in stages.items():

@@ -1,0 +1,110 @@
+"""Whole-forward latency against the segment length of sequence splitting, on a Hopper GPU.
+
+    python kernels/dev/split_sweep.py [--variant SPEC] [--cases NAME,...]
+
+For each case (head config + sequence lengths) the forward runs unsplit and with every segment
+length of ``SPLITS`` shorter than its longest sequence; every split output (o and final state)
+is compared with the unsplit one (rel L2, both bf16-class) before it is timed, then timed by
+CUDA-graph replay (median). The case's automatic choice (``plan_split``) is marked. Data for
+``plan_split``: which segment length wins where. Writes split_sweep.json / .txt to $OUT when set.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import traceback
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("_check_fwd", HERE / "check_fwd.py")
+cf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cf)
+
+SPLITS = [0, 512, 1024, 2048, 4096, 8192, 16384]
+
+#: (name, h_qk, h_v, seqlens): the kept run's weakest points against FLA (unsplit grids of 64-128
+#: CTAs, long or unequal sequences) and a few that split today.
+CASES = [
+    ("8/24 28672+4096", 8, 24, [28672, 4096]),
+    ("8/32 28672+4096", 8, 32, [28672, 4096]),
+    ("8/24 12288+4096", 8, 24, [12288, 4096]),
+    ("8/24 1024+7168", 8, 24, [1024, 7168]),
+    ("16/48 1x32768", 16, 48, [32768]),
+    ("16/48 1x8192", 16, 48, [8192]),
+    ("16/48 1x2048", 16, 48, [2048]),
+    ("16/64 1x2048", 16, 64, [2048]),
+    ("8/24 1x2048", 8, 24, [2048]),
+    ("8/32 1x4096", 8, 32, [4096]),
+    ("16/32 1x32768", 16, 32, [32768]),
+    ("2/8 1x32768", 2, 8, [32768]),
+    ("4/16 1x8192", 4, 16, [8192]),
+]
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def run_case(pkg, name, hq, hv, lens, variant):
+    x = cf.make_inputs(lens, hq, hv)
+    T, N = sum(lens), len(lens)
+    auto = pkg.plan_split(T, N, hv, torch.cuda.get_device_properties(0).multi_processor_count)
+
+    def fwd(sp):
+        return pkg.chunk_gdn_fwd_lowlevel(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], sp, variant=variant
+        )
+
+    base = fwd(0)
+    o0, h0 = base["o"].clone(), base["final_state"].clone()
+    rows = []
+    for sp in SPLITS:
+        if sp and sp >= max(lens):
+            continue
+        r = fwd(sp)
+        torch.cuda.synchronize()
+        eo, eh = rel(r["o"], o0), rel(r["final_state"], h0)
+        row = dict(case=name, split=sp, auto=sp == auto, rel_o_vs_unsplit=eo, rel_ht_vs_unsplit=eh)
+        if eo > 2e-2 or eh > 2e-2 or not torch.isfinite(r["o"]).all():
+            row.update(status="mismatch")
+        else:
+            row.update(status="ok", ms=cf.graph_time_ms(lambda sp=sp: fwd(sp)))
+        rows.append(row)
+        cf.log(f"  {name:18s} split {sp:6d}{' (auto)' if sp == auto else '       '}  "
+               f"{row.get('ms', float('nan')):8.4f} ms  rel o {eo:.1e} ht {eh:.1e}  {row['status']}")  # fmt: skip
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", default="default")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    args = ap.parse_args()
+    pkg, _ = cf._import_pkg()
+    want = {c.strip() for c in args.cases.split(",") if c.strip()}
+    out = []
+    cf.log(f"split sweep, variant {args.variant}, {torch.cuda.get_device_name(0)}")
+    for name, hq, hv, lens in CASES:
+        if want and name not in want:
+            continue
+        try:
+            out += run_case(pkg, name, hq, hv, lens, args.variant)
+        except Exception as e:  # one failing case does not stop the others
+            cf.log(f"  {name}: FAILED {type(e).__name__}: {e}")
+            cf.log(traceback.format_exc())
+            out.append(dict(case=name, status="error", error=f"{type(e).__name__}: {e}"))
+    dest = os.environ.get("OUT")
+    if dest:
+        tag = args.variant.replace("=", "").replace(",", "_")
+        pathlib.Path(dest, f"split_sweep_{tag}.json").write_text(json.dumps(out, indent=1))
+        pathlib.Path(dest, f"split_sweep_{tag}.txt").write_text("\n".join(cf.LINES) + "\n")
+    return 0 if all(r["status"] == "ok" for r in out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
