@@ -47,9 +47,10 @@ def _shared_macros(T):
             l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
 
     @T.macro
-    def load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, q_sh, k_sh, g_frag, g_sh, b_sh, kk, qk, gam, l_sh, p_sh):
-        # load_l plus P = scale·Γ⊙QKᵀ (causal, diagonal included) into p_sh (bf16): q and k are
-        # loaded in one pass, the two wgmmas run back to back and the L and P passes share e^{g_i − g_j}
+    def load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, c, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_all):
+        # load_l plus P = scale·Γ⊙QKᵀ (causal, diagonal included), stored straight from the wgmma
+        # fragment to p_all (bf16): q and k are loaded in one pass; Q Kᵀ reuses K Kᵀ's fragment
+        # after the L pass, so the registers stay those of the plain prep
         for i, j in T.Parallel(C, D):
             k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
             q_sh[i, j] = T.if_then_else(i < ln, q[0, bos + i, hk, j], T.bfloat16(0))
@@ -60,13 +61,13 @@ def _shared_macros(T):
         T.copy(g_frag, g_sh)
 
         T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
-        T.gemm(q_sh, k_sh, qk, transpose_B=True, clear_accum=True)
-
-        for i, j in T.Parallel(C, C):  # Γ in registers (same fragment layout as kk and qk)
-            gam[i, j] = T.if_then_else(i >= j, T.exp(g_sh[i] - g_sh[j]), T.float32(0))
         for i, j in T.Parallel(C, C):
-            l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * gam[i, j] * kk[i, j], T.float32(0))
-            p_sh[i, j] = T.cast(scale * gam[i, j] * qk[i, j], "bfloat16")
+            l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
+        T.gemm(q_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            p_all[hv, c * C + i, j] = T.cast(
+                T.if_then_else(i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0)), "bfloat16"
+            )
 
     @T.macro
     def diag(l_sh, ainv_sh, x16, acc_l, tx):
@@ -357,13 +358,10 @@ def _prep_rt_program(h_qk: int, h_v: int, with_p: bool = False):
             q_sh = T.alloc_shared((C, D), "bfloat16")
             k_sh = T.alloc_shared((C, D), "bfloat16")
             kk = T.alloc_fragment((C, C), "float32")
-            qk = T.alloc_fragment((C, C), "float32")
-            gam = T.alloc_fragment((C, C), "float32")
             l_sh = T.alloc_shared((C, C + P), "float32")
             ainv_sh = T.alloc_shared((C, C + P), "float32")
             y_sh = T.alloc_shared((C, B + P), "float32")
             a_sh = T.alloc_shared((C, C), "bfloat16")
-            p_sh = T.alloc_shared((C, C), "bfloat16")
             g_sh = T.alloc_shared((C,), "float32")
             b_sh = T.alloc_shared((C,), "float32")
             g_frag = T.alloc_fragment((C,), "float32")
@@ -376,9 +374,7 @@ def _prep_rt_program(h_qk: int, h_v: int, with_p: bool = False):
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
-            load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, q_sh, k_sh, g_frag, g_sh, b_sh, kk, qk, gam, l_sh, p_sh)
-            # P goes out before the solve, so its stores drain while the solve runs
-            T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
+            load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, c, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_all)
             solve_store(l_sh, ainv_sh, y_sh, a_sh, g_sh, b_sh, x16, acc_l, acc, lv, dv, gcs, a_beta, c, hv)
 
     return gdn_prep_p if with_p else gdn_prep_rt

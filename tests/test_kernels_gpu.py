@@ -246,6 +246,6 @@ def test_prep_p_matches_torch():
             ref = torch.tril(scale * torch.exp(gc[:, None] - gc[None, :]) * (q @ k.T))
             got = p2[hv, c * 64 : c * 64 + 64].float()
             assert rel_l2(got[:ln, :ln], ref) < 1e-2, (c, hv)
-            assert not got.isnan().any() and got[ln:].abs().max() == 0 and got[:, ln:].abs().max() == 0
+            assert not got.isnan().any() and bool((got[ln:] == 0).all()) and bool((got[:, ln:] == 0).all())
             checked += 1
     assert checked > 0
