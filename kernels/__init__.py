@@ -11,6 +11,7 @@ The bracketed passes run only when long sequences are split across CTAs (exact s
 passing; chosen from the shapes, see :func:`plan_split`). Nothing here imports ``qlabench``.
 """
 
+import functools
 import math
 
 import torch
@@ -31,7 +32,7 @@ from .prep import run_prep
 from .seg_state import run_seg_state
 from .tables import run_tables
 
-__all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel", "plan_split", "parse_variant", "variant_name", "VARIANT_CHOICES"]
+__all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel", "plan_split", "split_cost", "parse_variant", "variant_name", "VARIANT_CHOICES"]
 
 _SM_COUNT = {}
 
@@ -45,26 +46,86 @@ def _num_sms(device) -> int:
     return _SM_COUNT[idx]
 
 
-def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64) -> int:
+#: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30,
+#: ``dev/h200_split_sweep_2026-11-30*.txt``: 34 cases x 4-8 segment lengths, default and pprep=1;
+#: the model's pick is within 1% of the measured best on average, worst 5%): fwd_o chunk step
+#: per CTA (one CTA per SM), seg_state chunk step per CTA (two CTAs per SM), fixup per segment.
+_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0}
+_SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _lpt_makespan(groups, slots: int) -> float:
+    """Makespan of longest-processing-time-first list scheduling of ``groups`` = [(duration, count)]
+    on ``slots`` identical slots (what a grid of equal-cost CTAs does on the SMs)."""
+    import heapq
+
+    items = sorted(groups, reverse=True)
+    if not items:
+        return 0.0
+    heap = [0.0] * slots
+    for dur, cnt in items:
+        # assign cnt jobs of equal length: whole rounds over all slots at once, the rest one by one
+        rounds, rest = divmod(cnt, slots)
+        if rounds:
+            heap = [t + rounds * dur for t in heap]
+            heapq.heapify(heap)
+        for _ in range(rest):
+            heapq.heappush(heap, heapq.heappop(heap) + dur)
+    return max(heap)
+
+
+def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) -> float:
+    """Estimated time (relative units) of fwd_o (+ seg_state + fixup when ``seg`` > 0) for sequences of
+    ``lens`` tokens cut into ``seg``-token segments (0 = unsplit); prep and tables do not depend on it."""
+    cpb = HEAD_DIM // block_v
+    if not seg:
+        fwd = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
+        return _lpt_makespan(fwd, num_sms) * _SPLIT_COST["fwd_o"]
+    fwd, seg_state, serial = {}, {}, 0
+    for ln in lens:
+        ns = max(1, math.ceil(ln / seg))
+        for i in range(ns):
+            ch = math.ceil(min(seg, ln - i * seg) / CHUNK)
+            fwd[ch] = fwd.get(ch, 0) + h_v * cpb
+            if i < ns - 1:
+                seg_state[ch] = seg_state.get(ch, 0) + h_v * 4
+        serial = max(serial, ns - 1)
+    return (
+        _lpt_makespan(list(fwd.items()), num_sms) * _SPLIT_COST["fwd_o"]
+        + _lpt_makespan(list(seg_state.items()), 2 * num_sms) * _SPLIT_COST["seg_state"]
+        + serial * _SPLIT_COST["fixup"]
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_split_lens(lens: tuple, h_v: int, num_sms: int, block_v: int) -> int:
+    longest = max(lens, default=0)
+    best, best_cost = 0, split_cost(lens, h_v, 0, num_sms, block_v)
+    for seg in _SPLIT_CANDIDATES:
+        if seg >= longest:
+            break
+        c = split_cost(lens, h_v, seg, num_sms, block_v)
+        if c < best_cost * 0.99:  # split only for a clear gain
+            best, best_cost = seg, c
+    return best
+
+
+def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, seqlens=None) -> int:
     """Segment length in tokens for sequence splitting, or 0 for no splitting.
 
-    Decided from host-known shapes only (T, N, h_v), so no device sync is needed: splitting
-    pays when the unsplit grid (N · h_v · 128/block_v CTAs, each walking a whole sequence)
-    fills under half the SMs: for sequences of >= 4096 tokens on average the segment length is
-    a power of two (>= 1024 tokens) giving about two CTAs per SM in fwd_o; for 1024..4095
-    tokens on average it is 512.
+    Chosen by a cost model of the split path (:func:`split_cost`: longest-first scheduling of the
+    fwd_o and seg_state CTAs over the SMs, plus the serial fix-up), over segment lengths of
+    256..16384 tokens. ``seqlens`` (host ints, e.g. from the layout the caller already knows)
+    makes the plan exact for unequal sequences; without it the N sequences are taken as equal
+    (T / N tokens each). Host values only: no device sync.
     """
-    ctas = N * h_v * (HEAD_DIM // block_v)
-    if 2 * ctas > num_sms or T < 1024 * N:
+    if seqlens is not None:
+        lens = tuple(int(x) for x in seqlens)
+    else:
+        lens = (T // max(N, 1),) * max(N, 1) if T else ()
+    if not lens or max(lens) <= 256:
         return 0
-    if T < 4096 * N:
-        # short sequences (1024..4095 tokens on average): 512-token segments. Measured on the H200
-        # (2/8 1x2048, warp-specialised fwd_o): unsplit 0.122 ms, 512 -> 0.081, 1024 -> 0.125.
-        return 512
-    want_segments = max(1, math.ceil(2 * num_sms / (h_v * (HEAD_DIM // block_v))))
-    seg = T / want_segments
-    seg = 2 ** round(math.log2(max(seg, 1024)))
-    return int(max(1024, seg))
+    return _plan_split_lens(lens, h_v, num_sms, block_v)
 
 
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens):
@@ -109,6 +170,7 @@ def chunk_gdn_fwd_lowlevel(
     o=None,
     final_state=None,
     variant=None,
+    seqlens=None,
 ):
     """Forward with its intermediates.
 
@@ -120,6 +182,8 @@ def chunk_gdn_fwd_lowlevel(
             e.g. poisoned with NaN by a test to check every element is written.
         variant: speed-experiment knobs, "k=v,k=v" or dict (see ``_common.parse_variant``;
             default: $QLABENCH_GDN_VARIANT, then the verified defaults).
+        seqlens: optional host copy of the sequence lengths (ints; must match cu_seqlens), used
+            only to plan the split exactly for unequal sequences (:func:`plan_split`).
 
     Returns a dict:
         o [1,T,Hv,128] bf16; final_state [N,Hv,128,128] fp32 or None;
@@ -144,8 +208,15 @@ def chunk_gdn_fwd_lowlevel(
     bv, nthr, stages = int(var["fwd_bv"]), int(var["fwd_threads"]), var["stages"]
     fm = var["fastmath"] == "1"
     ws = var["fwd_ws"] == "1"
+    if seqlens is not None:
+        seqlens = [int(x) for x in seqlens]
+        if len(seqlens) != N or sum(seqlens) != T or min(seqlens, default=0) < 0:
+            raise ValueError(
+                f"seqlens (host lengths for planning) must be N={N} non-negative ints summing to T={T}, "
+                f"got {len(seqlens)} summing to {sum(seqlens)}"
+            )
     if split_tokens is None:
-        split_tokens = plan_split(T, N, h_v, _num_sms(dev), block_v=bv)
+        split_tokens = plan_split(T, N, h_v, _num_sms(dev), block_v=bv, seqlens=seqlens)
     if split_tokens and split_tokens % CHUNK != 0:
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")
     seg_tokens = split_tokens if split_tokens else _round_up(max(T, 1), CHUNK)
@@ -187,14 +258,14 @@ def chunk_gdn_fwd_lowlevel(
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h_start, scale, o, ht,
             block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
-            rowexp=var["rowexp"] == "1", p_all=p_all,
+            rowexp=var["rowexp"] == "1", p_all=p_all, uw=var["uw"] == "1",
         )  # fmt: skip
         out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
     else:
         run_fwd_o(
             q, k, v, gcs, a_beta, stab, h0, scale, o, ht,
             block_v=bv, num_stages=stages, threads=nthr, target=target, fastmath=fm, ws=ws, ws_stages=int(var["ws_stages"]),
-            rowexp=var["rowexp"] == "1", p_all=p_all,
+            rowexp=var["rowexp"] == "1", p_all=p_all, uw=var["uw"] == "1",
         )  # fmt: skip
     out.update(o=o, final_state=ht)
     if p_all is not None:
@@ -217,6 +288,7 @@ def chunk_gdn_fwd(
     output_final_state=True,
     cu_seqlens=None,
     variant=None,
+    seqlens=None,
 ):
     """Gated DeltaNet chunked prefill forward (FLA conventions).
 
@@ -230,13 +302,17 @@ def chunk_gdn_fwd(
         output_final_state: also return the final states.
         cu_seqlens: int32/int64 [N+1] on the device, or None for one sequence of length T.
         variant: speed-experiment knobs (``_common.parse_variant``), default $QLABENCH_GDN_VARIANT.
+        seqlens: optional host list of the sequence lengths (what cu_seqlens holds), only for
+            planning the sequence split of unequal lengths; without it lengths count as equal.
 
     Recurrence: S_t = exp(g_t)(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t).
 
     Returns:
         o [1, T, Hv, 128] bf16, final_state [N, Hv, 128, 128] fp32 (or None).
     """
-    r = chunk_gdn_fwd_lowlevel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, variant=variant)
+    r = chunk_gdn_fwd_lowlevel(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, variant=variant, seqlens=seqlens
+    )
     return r["o"], r["final_state"]
 
 

@@ -73,9 +73,12 @@ def chunk_loop_stages() -> int:
 #:   pprep   0 | 1             prep (rt) also writes P = scale·Γ⊙QKᵀ per (chunk, v-head) and the
 #:                             warp-specialised fwd_o TMA-loads it instead of computing it in its
 #:                             output warpgroup (needs prep=rt, fwd_ws=1)
+#:   uw      0 | 1             with pprep=1: the warp-specialised fwd_o's U/W warpgroup computes the
+#:                             S-independent −W₀ = −A_β diag(e^g) K and U₀ = A_β V while the state is
+#:                             updated, then Vd = U₀ − W₀ S is one wgmma on the chain (needs pprep=1)
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
-    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "0",
+    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "0", "uw": "0",
 }  # fmt: skip
 #: The first landing's path (every knob at its first value), kept for comparison.
 BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0"
@@ -91,6 +94,7 @@ VARIANT_CHOICES = {
     "rowexp": ("0", "1"),
     "bwd_ws": ("0", "1"),
     "pprep": ("0", "1"),
+    "uw": ("0", "1"),
 }
 
 
@@ -104,6 +108,7 @@ CHECK_VARIANTS = [
     "rowexp=0",
     "fwd_bv=32",
     "pprep=1",
+    "pprep=1,uw=1",
 ]
 
 
@@ -128,6 +133,8 @@ def parse_variant(spec=None) -> dict:
         raise ValueError(
             f"GDN variant pprep=1 needs prep=rt and fwd_ws=1 (got prep={out['prep']}, fwd_ws={out['fwd_ws']})"
         )
+    if out["uw"] == "1" and out["pprep"] != "1":
+        raise ValueError("GDN variant uw=1 needs pprep=1 (it is a mode of the P-loading fwd_o)")
     out["stages"] = int(out["stages"]) if out["stages"] is not None else chunk_loop_stages()
     return out
 

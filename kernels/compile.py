@@ -74,7 +74,7 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
         for hi, hh in flags:
             out.append((
                 f"fwd_o_ws_p[init={hi},ht={hh}|{tag}]", get_fwd_o_ws_p_kernel, (h_qk, h_v, bool(hi), bool(hh), bv),
-                {"stages": 3} if var["ws_stages"] == "3" else {},
+                {**({"stages": 3} if var["ws_stages"] == "3" else {}), **({"uw": True} if var["uw"] == "1" else {})},
             ))  # fmt: skip
         flags = ()
     for hi, hh in flags:

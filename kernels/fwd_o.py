@@ -176,7 +176,7 @@ def get_fwd_o_kernel(
 
 def run_fwd_o(
     q, k, v, gcs, a_beta, stab, h_init, scale, o, ht, block_v=64, num_stages=None, target=None, threads=128,
-    fastmath=False, ws=False, ws_stages=2, rowexp=False, p_all=None,
+    fastmath=False, ws=False, ws_stages=2, rowexp=False, p_all=None, uw=False,
 ):
     """Launch the fused recurrence + output kernel; writes ``o`` (and ``ht`` if given) in place.
 
@@ -184,6 +184,7 @@ def run_fwd_o(
     ws: the hand warp-specialised kernel (fwd_o_ws.py; same interface; ignores num_stages, threads);
     ws_stages: its input ring depth (2 or 3); rowexp: its per-row exps once per chunk (variant rowexp=1).
     p_all: P = scale·Γ⊙QKᵀ written by prep (variant pprep=1; ws only): the kernel loads it.
+    uw: with p_all, the S-independent −W₀ = −A_β diag(e^g) K and U₀ = A_β V off the chain (variant uw=1).
     """
     h_qk, h_v = q.shape[2], v.shape[2]
     has_init, has_ht = h_init is not None, ht is not None
@@ -192,7 +193,10 @@ def run_fwd_o(
             raise ValueError("p_all (variant pprep=1) needs the warp-specialised fwd_o (fwd_ws=1)")
         from .fwd_o_ws import get_fwd_o_ws_p_kernel
 
-        kern = get_fwd_o_ws_p_kernel(h_qk, h_v, has_init, has_ht, block_v, target_k=target_key(target), stages=ws_stages)
+        kw = {"uw": True} if uw else {}
+        kern = get_fwd_o_ws_p_kernel(
+            h_qk, h_v, has_init, has_ht, block_v, target_k=target_key(target), stages=ws_stages, **kw
+        )
         dummy = None
         if h_init is None or ht is None:
             dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)

@@ -274,12 +274,19 @@ def get_fwd_o_ws_kernel(
     )
 
 
-def fwd_o_ws_p_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, stages: int = 2):
+def fwd_o_ws_p_program(
+    h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, stages: int = 2, uw: bool = False
+):
     """Variant ``pprep=1``: the same roles, barriers and algebra as ``fwd_o_ws_program`` (with
     rowexp), except that P = scale·Γ⊙QKᵀ comes precomputed (by prep, [Hv, NCS*64, 64] bf16)
     and is TMA-loaded into the input ring with the chunk's other inputs: WG2 no longer computes
     Q Kᵀ and the per-element P pass (the H200 profile found WG2 the busiest role, the one the
-    others waited for). WG2 per chunk: O = Q S; O *= scale·e^g; O += P Vd; store."""
+    others waited for). WG2 per chunk: O = Q S; O *= scale·e^g; O += P Vd; store.
+
+    uw (variant ``uw=1``): WG1 takes the S-independent part off the chain. With
+    W₀ = A_β diag(e^g) K and U₀ = A_β V, Vd = A_β (V − e^g ⊙ K S) = U₀ − W₀ S, so per chunk WG1
+    computes −W₀ (bf16, [64, 128]) and U₀ (into Vd's accumulator) while WG0 updates S, and after
+    the S hand-off runs ONE wgmma (Vd += (−W₀) S) instead of K S, the W pass and A_β W."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -323,13 +330,16 @@ def fwd_o_ws_p_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_
             s_sh = T.alloc_shared((2, D, BV), "bfloat16")
             vd_sh = T.alloc_shared((2, C, BV), "bfloat16")
             vp_sh = T.alloc_shared((C, BV), "bfloat16")
-            w_sh = T.alloc_shared((C, BV), "bfloat16")
+            w_sh = T.alloc_shared((C, BV), "bfloat16") if not uw else None
+            ae_sh = T.alloc_shared((C, C), "bfloat16") if uw else None
+            w0_sh = T.alloc_shared((C, D), "bfloat16") if uw else None
 
             s_frag = T.alloc_fragment((D, BV), "float32")
-            u_frag = T.alloc_fragment((C, BV), "float32")
+            u_frag = T.alloc_fragment((C, BV), "float32") if not uw else None
+            w0_frag = T.alloc_fragment((C, D), "float32") if uw else None
             vd_frag = T.alloc_fragment((C, BV), "float32")
             o_frag = T.alloc_fragment((C, BV), "float32")
-            eg1 = T.alloc_fragment((C,), "float32")
+            eg1 = T.alloc_fragment((C,), "float32") if not uw else None
             el1 = T.alloc_fragment((C,), "float32")
             eo2 = T.alloc_fragment((C,), "float32")
 
@@ -389,16 +399,34 @@ def fwd_o_ws_p_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_
                     ps = (ci // NST) % 2
                     ln = T.min(eos - (bos + ci * C), C)
                     T.barrier_wait(full[js], ps)
-                    for i in T.Parallel(C):
-                        eg1[i] = T.exp(g_sh[js, i])
-                    for i in T.Parallel(C):
-                        el1[i] = T.if_then_else(i < ln, T.exp(g_sh[js, ln - 1] - g_sh[js, i]), T.float32(0))
-                    T.barrier_wait(s_ready[j], ph)
-                    T.gemm(k_sh[js, :, :], s_sh[j, :, :], u_frag, clear_accum=True)
-                    for i, jj in T.Parallel(C, BV):
-                        w_sh[i, jj] = T.cast(T.cast(v_sh[js, i, jj], "float32") - eg1[i] * u_frag[i, jj], "bfloat16")
-                    T.fence_proxy_async()
-                    T.gemm(a_sh[js, :, :], w_sh, vd_frag, clear_accum=True)
+                    if uw:
+                        # off the chain (S not needed): −W₀ = −A_β diag(e^g) K and U₀ = A_β V
+                        for i in T.Parallel(C):
+                            el1[i] = T.if_then_else(i < ln, T.exp(g_sh[js, ln - 1] - g_sh[js, i]), T.float32(0))
+                        for i, jj in T.Parallel(C, C):
+                            ae_sh[i, jj] = T.cast(-T.cast(a_sh[js, i, jj], "float32") * T.exp(g_sh[js, jj]), "bfloat16")
+                        T.fence_proxy_async()
+                        T.gemm(ae_sh, k_sh[js, :, :], w0_frag, clear_accum=True)
+                        for i, jj in T.Parallel(C, D):
+                            w0_sh[i, jj] = T.cast(w0_frag[i, jj], "bfloat16")
+                        T.fence_proxy_async()
+                        T.gemm(a_sh[js, :, :], v_sh[js, :, :], vd_frag, clear_accum=True)
+                        # on the chain: Vd = U₀ − W₀ S
+                        T.barrier_wait(s_ready[j], ph)
+                        T.gemm(w0_sh, s_sh[j, :, :], vd_frag)
+                    else:
+                        for i in T.Parallel(C):
+                            eg1[i] = T.exp(g_sh[js, i])
+                        for i in T.Parallel(C):
+                            el1[i] = T.if_then_else(i < ln, T.exp(g_sh[js, ln - 1] - g_sh[js, i]), T.float32(0))
+                        T.barrier_wait(s_ready[j], ph)
+                        T.gemm(k_sh[js, :, :], s_sh[j, :, :], u_frag, clear_accum=True)
+                        for i, jj in T.Parallel(C, BV):
+                            w_sh[i, jj] = T.cast(
+                                T.cast(v_sh[js, i, jj], "float32") - eg1[i] * u_frag[i, jj], "bfloat16"
+                            )
+                        T.fence_proxy_async()
+                        T.gemm(a_sh[js, :, :], w_sh, vd_frag, clear_accum=True)
                     T.barrier_wait(vd_free[j], 1 - ph)
                     for i, jj in T.Parallel(C, BV):
                         vd_sh[j, i, jj] = T.cast(vd_frag[i, jj], "bfloat16")
@@ -456,10 +484,11 @@ def fwd_o_ws_p_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_
 @functools.cache
 def get_fwd_o_ws_p_kernel(
     h_qk: int, h_v: int, has_init: bool, has_ht: bool, block_v: int = 64, target_k=None, stages: int = 2,
+    uw: bool = False,
 ):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
     return compile_program(
-        fwd_o_ws_p_program(h_qk, h_v, has_init, has_ht, block_v, stages),
+        fwd_o_ws_p_program(h_qk, h_v, has_init, has_ht, block_v, stages, uw),
         target=target,
         pass_configs={"tl.enable_fast_math": True},
     )

@@ -47,10 +47,10 @@ def _shared_macros(T):
             l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
 
     @T.macro
-    def load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, c, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_all):
-        # load_l plus P = scale·Γ⊙QKᵀ (causal, diagonal included), stored straight from the wgmma
-        # fragment to p_all (bf16): q and k are loaded in one pass; Q Kᵀ reuses K Kᵀ's fragment
-        # after the L pass, so the registers stay those of the plain prep
+    def load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_sh):
+        # load_l plus P = scale·Γ⊙QKᵀ (causal, diagonal included) into p_sh (bf16): q and k are
+        # loaded in one pass, and Q Kᵀ reuses K Kᵀ's accumulator after the L pass (a second
+        # fragment, as first measured, took prep to 136 registers and 3 CTAs per SM)
         for i, j in T.Parallel(C, D):
             k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
             q_sh[i, j] = T.if_then_else(i < ln, q[0, bos + i, hk, j], T.bfloat16(0))
@@ -65,7 +65,7 @@ def _shared_macros(T):
             l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
         T.gemm(q_sh, k_sh, kk, transpose_B=True, clear_accum=True)
         for i, j in T.Parallel(C, C):
-            p_all[hv, c * C + i, j] = T.cast(
+            p_sh[i, j] = T.cast(
                 T.if_then_else(i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0)), "bfloat16"
             )
 
@@ -362,6 +362,7 @@ def _prep_rt_program(h_qk: int, h_v: int, with_p: bool = False):
             ainv_sh = T.alloc_shared((C, C + P), "float32")
             y_sh = T.alloc_shared((C, B + P), "float32")
             a_sh = T.alloc_shared((C, C), "bfloat16")
+            p_sh = T.alloc_shared((C, C), "bfloat16")
             g_sh = T.alloc_shared((C,), "float32")
             b_sh = T.alloc_shared((C,), "float32")
             g_frag = T.alloc_fragment((C,), "float32")
@@ -374,7 +375,10 @@ def _prep_rt_program(h_qk: int, h_v: int, with_p: bool = False):
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
-            load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, c, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_all)
+            load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_sh)
+            # P goes out (TMA store) before the solve; storing it from the registers instead measured
+            # slower (scattered 2-byte stores)
+            T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
             solve_store(l_sh, ainv_sh, y_sh, a_sh, g_sh, b_sh, x16, acc_l, acc, lv, dv, gcs, a_beta, c, hv)
 
     return gdn_prep_p if with_p else gdn_prep_rt
@@ -470,7 +474,10 @@ def get_prep_kernel(h_qk: int, h_v: int, target_k=None, method: str = "subst", w
     import json
 
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(prep_program(h_qk, h_v, method, with_p), target=target)
+    # the P prep (variant pprep=1) with fast math: its two exp passes are ex2.approx (rel 2^-22, far
+    # below the bf16 rounding of the stored A_β and P)
+    pc = {"tl.enable_fast_math": True} if with_p else None
+    return compile_program(prep_program(h_qk, h_v, method, with_p), target=target, pass_configs=pc)
 
 
 def run_prep(k, g, beta, ctab, method="subst", target=None, q=None, scale=None, p_all=None):

@@ -124,6 +124,9 @@ def test_variant_parsing(monkeypatch):
     for bad in ("pprep=1,prep=blocked", "pprep=1,fwd_ws=0"):  # P comes from the rt prep, for fwd_o_ws only
         with pytest.raises(ValueError, match="pprep=1 needs prep=rt and fwd_ws=1"):
             pkg.parse_variant(bad)
+    with pytest.raises(ValueError, match="uw=1 needs pprep=1"):
+        pkg.parse_variant("uw=1")
+    assert pkg.variant_name(pkg.parse_variant("pprep=1,uw=1")) == "pprep=1,uw=1"
 
 
 def test_fwd_o_ws_barrier_protocol():
@@ -188,3 +191,22 @@ def test_pick_variant_needs_every_case_passed_and_a_gain(tmp_path, capsys):
     assert ok and n == 2 and rs == pytest.approx({"a": 1.25, "b": 1.25})
     assert pick.main([str(f), "mixed"]) == 0 and capsys.readouterr()[0].strip() == "default"
     assert pick.main([str(tmp_path / "missing.json")]) == 0 and capsys.readouterr()[0].strip() == "default"
+
+
+@pytest.mark.parametrize("split_tokens", [0, 512])
+def test_uw_algebra_matches_reference(split_tokens):
+    """uw=1 (Vd = A_β V − (A_β diag(e^g) K) S with the W₀ factor in bf16): the emulated forward is as
+    close to the fp64 token recurrence as the default algebra, on mixed lengths with g = 0 heads,
+    an initial state, and split or unsplit."""
+    _pkg()
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    x = emu.make_inputs([1, 63, 64, 65, 300], 2, 4, seed=3)
+    ref_o, ref_h = emu.reference(x["q"], x["k"], x["v"], x["g"], x["beta"], h0=x["h0"], cu=x["cu"])
+    errs = {}
+    for uw in (False, True):
+        r = emu.emu_pipeline(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], h0=x["h0"], cu=x["cu"], split_tokens=split_tokens, uw=uw
+        )
+        errs[uw] = (emu.rel_l2(r["o"], ref_o), emu.rel_l2(r["final_state"], ref_h))
+    assert errs[True][0] < 1e-2 and errs[True][1] < 1e-2, errs
+    assert errs[True][0] < 2 * errs[False][0] and errs[True][1] < 2 * errs[False][1], errs

@@ -61,7 +61,7 @@ def rel(a, b):
 def run_case(pkg, name, hq, hv, lens, variant):
     x = cf.make_inputs(lens, hq, hv)
     T, N = sum(lens), len(lens)
-    auto = pkg.plan_split(T, N, hv, torch.cuda.get_device_properties(0).multi_processor_count)
+    auto = pkg.plan_split(T, N, hv, torch.cuda.get_device_properties(0).multi_processor_count, seqlens=lens)
 
     def fwd(sp):
         return pkg.chunk_gdn_fwd_lowlevel(
