@@ -51,7 +51,9 @@ def chunk_loop_stages() -> int:
 #: check_fwd case on the H200 (2026-11-29: tables=tl, prep=blocked, fastmath=1, fwd_ws=1;
 #: 16/64 1x32768 5.33 -> 2.48 ms, 2/8 8x1024 0.312 -> 0.094 ms vs BASELINE_VARIANT; 2026-11-30:
 #: prep=rt, rowexp=1, 1.15x more on every timed case, 16/64 1x32768 2.47 -> 2.15 ms; backward
-#: bwd_ws=1 with rowexp=1: 16/32 1x32768 13.0 -> 9.0 ms).
+#: bwd_ws=1 with rowexp=1: 16/32 1x32768 13.0 -> 9.0 ms; session 4: pprep=1 with uw=1, P from prep and
+#: the S-independent W0/U0 off fwd_o's chain, 1.025x over the previous default in the check, every case
+#: correct; the prep grid was then turned v-head-fastest, see kernels/NOTES.md).
 #:   tables  torch | tl        work tables by ~60 torch ops (default) or one TileLang launch (tables.py)
 #:   prep    subst | blocked | blocked_pad | tc | rt   64-step substitution, 16x16 diagonal blocks + block
 #:                             merge (default; blocked_pad: rows padded to 65 words), diagonal blocks +
@@ -78,10 +80,10 @@ def chunk_loop_stages() -> int:
 #:                             updated, then Vd = U₀ − W₀ S is one wgmma on the chain (needs pprep=1)
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
-    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "0", "uw": "0",
+    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1",
 }  # fmt: skip
 #: The first landing's path (every knob at its first value), kept for comparison.
-BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0"
+BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0"
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
     "prep": ("subst", "blocked", "blocked_pad", "tc", "rt"),
@@ -107,8 +109,8 @@ CHECK_VARIANTS = [
     "prep=blocked",
     "rowexp=0",
     "fwd_bv=32",
-    "pprep=1",
-    "pprep=1,uw=1",
+    "pprep=0,uw=0",  # the default before 2026-11-30's session-4 check
+    "pprep=1,uw=0",
 ]
 
 
@@ -118,6 +120,7 @@ def parse_variant(spec=None) -> dict:
     ``stages`` falls back to $QLABENCH_GDN_STAGES (default ``DEFAULT_STAGES``). Returns str values (stages as int).
     """
     out = dict(VARIANT_DEFAULTS)
+    explicit = set()
     for src in (os.environ.get("QLABENCH_GDN_VARIANT", ""), spec):
         if not src or src == "default":
             continue
@@ -129,19 +132,32 @@ def parse_variant(spec=None) -> dict:
             if val not in VARIANT_CHOICES[key]:
                 raise ValueError(f"GDN variant {key}={val!r} not in {VARIANT_CHOICES[key]}")
             out[key] = val
+            explicit.add(key)
+    # pprep / uw are defaults that yield to an explicitly chosen other prep or fwd_o; asked for
+    # explicitly with them, they are an error
     if out["pprep"] == "1" and (out["prep"] != "rt" or out["fwd_ws"] != "1"):
-        raise ValueError(
-            f"GDN variant pprep=1 needs prep=rt and fwd_ws=1 (got prep={out['prep']}, fwd_ws={out['fwd_ws']})"
-        )
+        if "pprep" in explicit:
+            raise ValueError(
+                f"GDN variant pprep=1 needs prep=rt and fwd_ws=1 (got prep={out['prep']}, fwd_ws={out['fwd_ws']})"
+            )
+        out["pprep"] = "0"
     if out["uw"] == "1" and out["pprep"] != "1":
-        raise ValueError("GDN variant uw=1 needs pprep=1 (it is a mode of the P-loading fwd_o)")
+        if "uw" in explicit:
+            raise ValueError("GDN variant uw=1 needs pprep=1 (it is a mode of the P-loading fwd_o)")
+        out["uw"] = "0"
     out["stages"] = int(out["stages"]) if out["stages"] is not None else chunk_loop_stages()
     return out
 
 
 def variant_name(v: dict) -> str:
     """Short label listing only the knobs that differ from the defaults ("default" if none)."""
-    parts = [f"{k}={v[k]}" for k in VARIANT_CHOICES if k != "stages" and v.get(k) != VARIANT_DEFAULTS[k]]
+    # pprep / uw are not named where they cannot apply (another prep or fwd_o; uw without pprep)
+    moot = set()
+    if v.get("prep") != "rt" or v.get("fwd_ws") != "1":
+        moot |= {"pprep", "uw"}
+    if v.get("pprep") != "1":
+        moot.add("uw")
+    parts = [f"{k}={v[k]}" for k in VARIANT_CHOICES if k not in ("stages", *moot) and v.get(k) != VARIANT_DEFAULTS[k]]
     if v.get("stages") is not None and int(v["stages"]) != DEFAULT_STAGES:
         parts.append(f"stages={v['stages']}")
     return ",".join(parts) or "default"

@@ -150,8 +150,8 @@ def test_prep_matches_emulation():
 
 VARIANTS = [
     "tables=torch,prep=subst,fastmath=0,fwd_ws=0", "fwd_ws=0", "fwd_ws=0,fwd_threads=256", "fwd_bv=32",
-    "prep=tc", "prep=subst", "prep=blocked_pad", "prep=blocked", "rowexp=0", "prep=blocked,rowexp=0", "pprep=1",
-    "pprep=1,uw=1",
+    "prep=tc", "prep=subst", "prep=blocked_pad", "prep=blocked", "rowexp=0", "prep=blocked,rowexp=0", "pprep=0,uw=0",
+    "pprep=1,uw=0",
 ]  # fmt: skip
 
 
@@ -232,7 +232,9 @@ def test_prep_p_matches_torch():
     g2, a2, p2 = pkg.prep.run_prep(x["k"], x["g"], x["beta"], ctab, method="rt", q=x["q"], scale=scale, p_all=p_all)
     torch.cuda.synchronize()
     valid = (ctab[:, 2] >= 0).repeat_interleave(64)
-    assert torch.equal(g1[:, valid], g2[:, valid]) and torch.equal(a1[:, valid], a2[:, valid])
+    # same gcs; A_β to bf16 rounding (the P prep is built with fast math: ex2.approx in the L pass)
+    assert torch.equal(g1[:, valid], g2[:, valid])
+    assert rel_l2(a2[:, valid].float(), a1[:, valid].float()) < 1e-2
     checked = 0
     for c in range(ctab.shape[0]):
         bos, eos, seq = (int(t) for t in ctab[c, :3])

@@ -110,7 +110,7 @@ def test_variant_parsing(monkeypatch):
     v = pkg.parse_variant(None)
     assert pkg.variant_name(v) == "default" and v["stages"] == 2  # pipelined seg_state loop
     assert (v["tables"], v["prep"], v["fastmath"], v["fwd_ws"]) == ("tl", "rt", "1", "1")
-    assert (v["rowexp"], v["bwd_ws"]) == ("1", "1")
+    assert (v["rowexp"], v["bwd_ws"], v["pprep"], v["uw"]) == ("1", "1", "1", "1")
     monkeypatch.setenv("QLABENCH_GDN_VARIANT", "tables=torch,prep=subst")
     v = pkg.parse_variant("fwd_bv=32")
     assert (v["tables"], v["prep"], v["fwd_bv"], v["fwd_threads"]) == ("torch", "subst", "32", "128")
@@ -120,13 +120,19 @@ def test_variant_parsing(monkeypatch):
     with pytest.raises(ValueError):
         pkg.parse_variant("nope=1")
     monkeypatch.delenv("QLABENCH_GDN_VARIANT")
-    assert pkg.variant_name(pkg.parse_variant("pprep=1")) == "pprep=1"
+    assert pkg.variant_name(pkg.parse_variant("pprep=1,uw=1")) == "default"
+    assert pkg.variant_name(pkg.parse_variant("pprep=0,uw=0")) == "pprep=0"
     for bad in ("pprep=1,prep=blocked", "pprep=1,fwd_ws=0"):  # P comes from the rt prep, for fwd_o_ws only
         with pytest.raises(ValueError, match="pprep=1 needs prep=rt and fwd_ws=1"):
             pkg.parse_variant(bad)
     with pytest.raises(ValueError, match="uw=1 needs pprep=1"):
-        pkg.parse_variant("uw=1")
-    assert pkg.variant_name(pkg.parse_variant("pprep=1,uw=1")) == "pprep=1,uw=1"
+        pkg.parse_variant("uw=1,pprep=0")
+    # the pprep / uw defaults yield to an explicitly chosen other prep or fwd_o
+    for spec in ("prep=blocked", "fwd_ws=0", pkg.BASELINE_VARIANT if hasattr(pkg, "BASELINE_VARIANT") else "prep=subst"):
+        v = pkg.parse_variant(spec)
+        assert (v["pprep"], v["uw"]) == ("0", "0"), spec
+    v = pkg.parse_variant("pprep=0")
+    assert (v["pprep"], v["uw"]) == ("0", "0")
 
 
 def test_fwd_o_ws_barrier_protocol():
