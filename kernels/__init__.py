@@ -32,7 +32,7 @@ from .prep import run_prep
 from .seg_state import run_seg_state
 from .tables import run_tables
 
-__all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel", "plan_split", "split_cost", "parse_variant", "variant_name", "VARIANT_CHOICES"]
+__all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel", "plan_split", "plan_fwd", "split_cost", "parse_variant", "variant_name", "VARIANT_CHOICES"]
 
 _SM_COUNT = {}
 
@@ -50,7 +50,10 @@ def _num_sms(device) -> int:
 #: ``dev/h200_split_sweep_2026-11-30*.txt``: 34 cases x 4-8 segment lengths, default and pprep=1;
 #: the model's pick is within 1% of the measured best on average, worst 5%): fwd_o chunk step
 #: per CTA (one CTA per SM), seg_state chunk step per CTA (two CTAs per SM), fixup per segment.
-_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0}
+_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0}
+#: fwd_o's chunk step at block_v 32 relative to 64 (H200, warp-specialised fwd_o before pprep:
+#: 16/64 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
+_BV32_STEP = 0.8
 _SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -78,9 +81,10 @@ def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) 
     """Estimated time (relative units) of fwd_o (+ seg_state + fixup when ``seg`` > 0) for sequences of
     ``lens`` tokens cut into ``seg``-token segments (0 = unsplit); prep and tables do not depend on it."""
     cpb = HEAD_DIM // block_v
+    step = _SPLIT_COST["fwd_o"] * (_BV32_STEP if block_v == 32 else 1.0)
     if not seg:
         fwd = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
-        return _lpt_makespan(fwd, num_sms) * _SPLIT_COST["fwd_o"]
+        return _lpt_makespan(fwd, num_sms) * step
     fwd, seg_state, serial = {}, {}, 0
     for ln in lens:
         ns = max(1, math.ceil(ln / seg))
@@ -91,23 +95,42 @@ def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) 
                 seg_state[ch] = seg_state.get(ch, 0) + h_v * 4
         serial = max(serial, ns - 1)
     return (
-        _lpt_makespan(list(fwd.items()), num_sms) * _SPLIT_COST["fwd_o"]
+        _lpt_makespan(list(fwd.items()), num_sms) * step
         + _lpt_makespan(list(seg_state.items()), 2 * num_sms) * _SPLIT_COST["seg_state"]
         + serial * _SPLIT_COST["fixup"]
+        + _SPLIT_COST["launch"]
     )
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_split_lens(lens: tuple, h_v: int, num_sms: int, block_v: int) -> int:
+def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple) -> tuple:
     longest = max(lens, default=0)
-    best, best_cost = 0, split_cost(lens, h_v, 0, num_sms, block_v)
-    for seg in _SPLIT_CANDIDATES:
-        if seg >= longest:
-            break
-        c = split_cost(lens, h_v, seg, num_sms, block_v)
-        if c < best_cost * 0.99:  # split only for a clear gain
-            best, best_cost = seg, c
+    best, best_cost = (blocks[0], 0), None
+    for bv in blocks:
+        for seg in (0, *_SPLIT_CANDIDATES):
+            if seg and seg >= longest:
+                break
+            c = split_cost(lens, h_v, seg, num_sms, bv)
+            if best_cost is None or c < best_cost * 0.99:  # change only for a clear gain
+                best, best_cost = (bv, seg), c
     return best
+
+
+def _lens_of(T, N, seqlens):
+    if seqlens is not None:
+        return tuple(int(x) for x in seqlens)
+    return (T // max(N, 1),) * max(N, 1) if T else ()
+
+
+def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(64, 32)) -> tuple:
+    """(block_v, segment length) for the warp-specialised forward (variant autobv=1): the pair of
+    ``blocks`` x {unsplit, 256..16384-token segments} that :func:`split_cost` rates fastest.
+    block_v 32 doubles the fwd_o CTAs at ~0.8x the chunk step, which pays where the heads alone
+    do not fill the SMs."""
+    lens = _lens_of(T, N, seqlens)
+    if not lens or max(lens) <= 256:
+        return (blocks[0], 0)
+    return _plan_lens(lens, h_v, num_sms, tuple(blocks))
 
 
 def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, seqlens=None) -> int:
@@ -119,13 +142,10 @@ def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, 
     makes the plan exact for unequal sequences; without it the N sequences are taken as equal
     (T / N tokens each). Host values only: no device sync.
     """
-    if seqlens is not None:
-        lens = tuple(int(x) for x in seqlens)
-    else:
-        lens = (T // max(N, 1),) * max(N, 1) if T else ()
+    lens = _lens_of(T, N, seqlens)
     if not lens or max(lens) <= 256:
         return 0
-    return _plan_split_lens(lens, h_v, num_sms, block_v)
+    return _plan_lens(lens, h_v, num_sms, (block_v,))[1]
 
 
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens):
@@ -215,6 +235,8 @@ def chunk_gdn_fwd_lowlevel(
                 f"seqlens (host lengths for planning) must be N={N} non-negative ints summing to T={T}, "
                 f"got {len(seqlens)} summing to {sum(seqlens)}"
             )
+    if split_tokens is None and var["autobv"] == "1" and ws:
+        bv, split_tokens = plan_fwd(T, N, h_v, _num_sms(dev), seqlens=seqlens, blocks=(bv, 32) if bv != 32 else (32,))
     if split_tokens is None:
         split_tokens = plan_split(T, N, h_v, _num_sms(dev), block_v=bv, seqlens=seqlens)
     if split_tokens and split_tokens % CHUNK != 0:

@@ -75,12 +75,15 @@ def chunk_loop_stages() -> int:
 #:   pprep   0 | 1             prep (rt) also writes P = scale·Γ⊙QKᵀ per (chunk, v-head) and the
 #:                             warp-specialised fwd_o TMA-loads it instead of computing it in its
 #:                             output warpgroup (needs prep=rt, fwd_ws=1)
+#:   autobv  0 | 1             warp-specialised fwd_o: its V block (64 or 32) chosen per shape together
+#:                             with the split by the planner's cost model (``plan_fwd``), 32 where the heads
+#:                             alone leave SMs idle
 #:   uw      0 | 1             with pprep=1: the warp-specialised fwd_o's U/W warpgroup computes the
 #:                             S-independent −W₀ = −A_β diag(e^g) K and U₀ = A_β V while the state is
 #:                             updated, then Vd = U₀ − W₀ S is one wgmma on the chain (needs pprep=1)
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
-    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1",
+    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "0",
 }  # fmt: skip
 #: The first landing's path (every knob at its first value), kept for comparison.
 BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0"
@@ -97,6 +100,7 @@ VARIANT_CHOICES = {
     "bwd_ws": ("0", "1"),
     "pprep": ("0", "1"),
     "uw": ("0", "1"),
+    "autobv": ("0", "1"),
 }
 
 
@@ -111,6 +115,7 @@ CHECK_VARIANTS = [
     "fwd_bv=32",
     "pprep=0,uw=0",  # the default before 2026-11-30's session-4 check
     "pprep=1,uw=0",
+    "autobv=1",
 ]
 
 

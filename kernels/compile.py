@@ -71,11 +71,13 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
         from .fwd_o_ws import get_fwd_o_ws_p_kernel
 
         out[-1] = (f"prep[{var['prep']},P]", get_prep_kernel, (h_qk, h_v), {"method": var["prep"], "with_p": True})
+        bvs = (bv, 32) if var["autobv"] == "1" and bv != 32 else (bv,)  # autobv: plan_fwd picks 64 or 32
         for hi, hh in flags:
-            out.append((
-                f"fwd_o_ws_p[init={hi},ht={hh}|{tag}]", get_fwd_o_ws_p_kernel, (h_qk, h_v, bool(hi), bool(hh), bv),
-                {**({"stages": 3} if var["ws_stages"] == "3" else {}), **({"uw": True} if var["uw"] == "1" else {})},
-            ))  # fmt: skip
+            for b in bvs:
+                out.append((
+                    f"fwd_o_ws_p[init={hi},ht={hh},bv={b}|{tag}]", get_fwd_o_ws_p_kernel, (h_qk, h_v, bool(hi), bool(hh), b),
+                    {**({"stages": 3} if var["ws_stages"] == "3" else {}), **({"uw": True} if var["uw"] == "1" else {})},
+                ))  # fmt: skip
         flags = ()
     for hi, hh in flags:
         if var["fwd_ws"] == "1":  # same call as run_fwd_o(ws=True)
