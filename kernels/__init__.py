@@ -210,7 +210,7 @@ def chunk_gdn_fwd_lowlevel(
         gcs [Hv, NCS*64] fp32 (chunk-local cumsum of g, natural log, chunk-slot rows);
         a_beta [Hv, NCS*64, 64] bf16 (FLA's gated A times diag(β), chunk-slot rows);
         ctab int32 [NCS,4], cu_chunks int64 [N+1] (chunk slots); stab int32 [NS,8] (segments);
-        split_tokens (int, 0 = unsplit); variant (dict used); and, when split, cu_segs, e_end, m_tr, h_start;
+        split_tokens (int, 0 = unsplit); variant (dict used); block_v (fwd_o's V block used); and, when split, cu_segs, e_end, m_tr, h_start;
         with pprep=1 p_all [Hv, NCS*64, 64] bf16 (P = scale·Γ⊙QKᵀ per chunk slot).
         (With tables=tl, cu_chunks / cu_segs are int32.)
     """
@@ -263,7 +263,7 @@ def chunk_gdn_fwd_lowlevel(
             ht = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
     out = dict(
         gcs=gcs, a_beta=a_beta, ctab=ctab, cu_chunks=cu_chunks, stab=stab,
-        split_tokens=int(split_tokens or 0), variant=var,
+        split_tokens=int(split_tokens or 0), variant=var, block_v=bv,
     )  # fmt: skip
 
     if split_tokens:

@@ -53,7 +53,8 @@ def chunk_loop_stages() -> int:
 #: prep=rt, rowexp=1, 1.15x more on every timed case, 16/64 1x32768 2.47 -> 2.15 ms; backward
 #: bwd_ws=1 with rowexp=1: 16/32 1x32768 13.0 -> 9.0 ms; session 4: pprep=1 with uw=1, P from prep and
 #: the S-independent W0/U0 off fwd_o's chain, 1.025x over the previous default in the check, every case
-#: correct; the prep grid was then turned v-head-fastest, see kernels/NOTES.md).
+#: correct; the prep grid was then turned v-head-fastest; autobv=1, the planner choosing fwd_o's V block:
+#: 1.039x over the same defaults without it on the 171-point sweep, see kernels/NOTES.md).
 #:   tables  torch | tl        work tables by ~60 torch ops (default) or one TileLang launch (tables.py)
 #:   prep    subst | blocked | blocked_pad | tc | rt   64-step substitution, 16x16 diagonal blocks + block
 #:                             merge (default; blocked_pad: rows padded to 65 words), diagonal blocks +
@@ -83,10 +84,10 @@ def chunk_loop_stages() -> int:
 #:                             updated, then Vd = U₀ − W₀ S is one wgmma on the chain (needs pprep=1)
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
-    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "0",
+    "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "1",
 }  # fmt: skip
 #: The first landing's path (every knob at its first value), kept for comparison.
-BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0"
+BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0,autobv=0"
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
     "prep": ("subst", "blocked", "blocked_pad", "tc", "rt"),
@@ -100,7 +101,7 @@ VARIANT_CHOICES = {
     "bwd_ws": ("0", "1"),
     "pprep": ("0", "1"),
     "uw": ("0", "1"),
-    "autobv": ("0", "1"),
+    "autobv": ("1", "0"),
 }
 
 
@@ -115,7 +116,7 @@ CHECK_VARIANTS = [
     "fwd_bv=32",
     "pprep=0,uw=0",  # the default before 2026-11-30's session-4 check
     "pprep=1,uw=0",
-    "autobv=1",
+    "autobv=0",
 ]
 
 

@@ -110,7 +110,7 @@ def test_variant_parsing(monkeypatch):
     v = pkg.parse_variant(None)
     assert pkg.variant_name(v) == "default" and v["stages"] == 2  # pipelined seg_state loop
     assert (v["tables"], v["prep"], v["fastmath"], v["fwd_ws"]) == ("tl", "rt", "1", "1")
-    assert (v["rowexp"], v["bwd_ws"], v["pprep"], v["uw"]) == ("1", "1", "1", "1")
+    assert (v["rowexp"], v["bwd_ws"], v["pprep"], v["uw"], v["autobv"]) == ("1", "1", "1", "1", "1")
     monkeypatch.setenv("QLABENCH_GDN_VARIANT", "tables=torch,prep=subst")
     v = pkg.parse_variant("fwd_bv=32")
     assert (v["tables"], v["prep"], v["fwd_bv"], v["fwd_threads"]) == ("torch", "subst", "32", "128")

@@ -172,7 +172,7 @@ def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
         init = x["h0"]
     stages["fwd_o"] = lambda: run_fwd_o(
         x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, scale, r["o"], r["final_state"],
-        block_v=int(var["fwd_bv"]), num_stages=var["stages"], threads=int(var["fwd_threads"]), fastmath=fm,
+        block_v=int(r.get("block_v", var["fwd_bv"])), num_stages=var["stages"], threads=int(var["fwd_threads"]), fastmath=fm,
         ws=var["fwd_ws"] == "1", ws_stages=int(var["ws_stages"]), rowexp=var["rowexp"] == "1", p_all=p_all,
         uw=var["uw"] == "1",
     )  # fmt: skip
