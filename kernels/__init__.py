@@ -47,9 +47,10 @@ def _num_sms(device) -> int:
 
 
 #: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30,
-#: ``dev/h200_split_sweep_2026-11-30*.txt``: 34 cases x 4-8 segment lengths, default and pprep=1;
-#: the model's pick is within 1% of the measured best on average, worst 5%): fwd_o chunk step
-#: per CTA (one CTA per SM), seg_state chunk step per CTA (two CTAs per SM), fixup per segment.
+#: ``dev/h200_split_sweep_2026-11-30.txt``: 13-21 cases x 4-8 segment lengths in each of four
+#: sweeps (default, pprep=1 twice, pprep=1,uw=1); over those 68 rows the model's pick is within
+#: 0.3% of the measured best on average, worst 3.7%): fwd_o chunk step per CTA (one CTA per SM),
+#: seg_state chunk step per CTA (two CTAs per SM), fixup per segment, the split path's launches.
 _SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0}
 #: fwd_o's chunk step at block_v 32 relative to 64 (H200, warp-specialised fwd_o before pprep:
 #: 16/64 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
@@ -67,12 +68,12 @@ def _lpt_makespan(groups, slots: int) -> float:
         return 0.0
     heap = [0.0] * slots
     for dur, cnt in items:
-        # assign cnt jobs of equal length: whole rounds over all slots at once, the rest one by one
-        rounds, rest = divmod(cnt, slots)
-        if rounds:
+        # cnt jobs of equal length: while every slot is equally loaded, whole rounds over all slots
+        # at once (exactly what LPT does then); otherwise one by one onto the least-loaded slot
+        if heap[0] == max(heap) and cnt >= slots:
+            rounds, cnt = divmod(cnt, slots)
             heap = [t + rounds * dur for t in heap]
-            heapq.heapify(heap)
-        for _ in range(rest):
+        for _ in range(cnt):
             heapq.heappush(heap, heapq.heappop(heap) + dur)
     return max(heap)
 
@@ -216,6 +217,10 @@ def chunk_gdn_fwd_lowlevel(
     """
     var = parse_variant(variant)
     T, N, h_qk, h_v = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    if var["pprep"] == "1" and T // CHUNK + N > 65535:
+        # the P prep's grid has the chunk slots on gridDim.y (at most 65535): beyond ~4.2 M tokens
+        # per call the plain prep and fwd_o_ws run instead
+        var = dict(var, pprep="0", uw="0")
     dev = q.device
     if scale is None:
         scale = HEAD_DIM**-0.5

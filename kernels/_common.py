@@ -67,7 +67,8 @@ def chunk_loop_stages() -> int:
 #:   fwd_ws  0 | 1             fwd_o hand warp-specialised (fwd_o_ws.py: TMA producer + 3 consumer warpgroups,
 #:                             mbarriers, setmaxnreg; 512 threads; ignores fwd_threads and stages)
 #:   ws_stages 2 | 3           input ring depth of the warp-specialised fwd_o (3: loads two chunks ahead;
-#:                             ~217 KB shared memory at fwd_bv=64)
+#:                             ~217 KB shared memory at fwd_bv=64 without pprep; with pprep's P ring
+#:                             it does not fit, so pprep steps aside for an explicit ws_stages=3)
 #:   rowexp  0 | 1             warp-specialised fwd_o: per-row exps once per chunk into row fragments,
 #:                             off the S hand-off chain (0: one exp + g load per element); also
 #:                             seg_state and the backward's bwd_dhu (with fast math)
@@ -75,7 +76,9 @@ def chunk_loop_stages() -> int:
 #:                             without its output warpgroup; 384 threads)
 #:   pprep   0 | 1             prep (rt) also writes P = scale·Γ⊙QKᵀ per (chunk, v-head) and the
 #:                             warp-specialised fwd_o TMA-loads it instead of computing it in its
-#:                             output warpgroup (needs prep=rt, fwd_ws=1)
+#:                             output warpgroup (needs prep=rt, fwd_ws=1, ws_stages=2; that fwd_o and
+#:                             the P prep always use per-row exps and fast math, so rowexp / fastmath
+#:                             then only change seg_state)
 #:   autobv  0 | 1             warp-specialised fwd_o: its V block (64 or 32) chosen per shape together
 #:                             with the split by the planner's cost model (``plan_fwd``), 32 where the heads
 #:                             alone leave SMs idle
@@ -86,7 +89,7 @@ VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
     "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "1",
 }  # fmt: skip
-#: The first landing's path (every knob at its first value), kept for comparison.
+#: The first landing's path (the knobs at their oldest values), kept for comparison.
 BASELINE_VARIANT = "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0,autobv=0"
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
@@ -112,7 +115,7 @@ CHECK_VARIANTS = [
     BASELINE_VARIANT,
     "prep=blocked,rowexp=0",  # the default before 2026-11-30's check
     "prep=blocked",
-    "rowexp=0",
+    "rowexp=0,pprep=0",  # rowexp only changes fwd_o_ws; the P-loading fwd_o always uses row exps
     "fwd_bv=32",
     "pprep=0,uw=0",  # the default before 2026-11-30's session-4 check
     "pprep=1,uw=0",
@@ -141,10 +144,11 @@ def parse_variant(spec=None) -> dict:
             explicit.add(key)
     # pprep / uw are defaults that yield to an explicitly chosen other prep or fwd_o; asked for
     # explicitly with them, they are an error
-    if out["pprep"] == "1" and (out["prep"] != "rt" or out["fwd_ws"] != "1"):
+    if out["pprep"] == "1" and (out["prep"] != "rt" or out["fwd_ws"] != "1" or out["ws_stages"] != "2"):
         if "pprep" in explicit:
             raise ValueError(
-                f"GDN variant pprep=1 needs prep=rt and fwd_ws=1 (got prep={out['prep']}, fwd_ws={out['fwd_ws']})"
+                f"GDN variant pprep=1 needs prep=rt, fwd_ws=1 and ws_stages=2 (got prep={out['prep']}, "
+                f"fwd_ws={out['fwd_ws']}, ws_stages={out['ws_stages']})"
             )
         out["pprep"] = "0"
     if out["uw"] == "1" and out["pprep"] != "1":
@@ -159,7 +163,9 @@ def variant_name(v: dict) -> str:
     """Short label listing only the knobs that differ from the defaults ("default" if none)."""
     # pprep / uw are not named where they cannot apply (another prep or fwd_o; uw without pprep)
     moot = set()
-    if v.get("prep") != "rt" or v.get("fwd_ws") != "1":
+    if v.get("fwd_ws") != "1":
+        moot.add("autobv")
+    if v.get("prep") != "rt" or v.get("fwd_ws") != "1" or v.get("ws_stages") != "2":
         moot |= {"pprep", "uw"}
     if v.get("pprep") != "1":
         moot.add("uw")

@@ -67,11 +67,12 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
         out.append(("prep", get_prep_kernel, (h_qk, h_v), {}))
     else:
         out.append((f"prep[{var['prep']}]", get_prep_kernel, (h_qk, h_v), {"method": var["prep"]}))
+    # autobv: plan_fwd picks fwd_o's V block, 64 or 32, per shape
+    bvs = (bv, 32) if var["autobv"] == "1" and var["fwd_ws"] == "1" and bv != 32 else (bv,)
     if var["pprep"] == "1":  # prep writes P; the warp-specialised fwd_o loads it (run_fwd_o(p_all=...))
         from .fwd_o_ws import get_fwd_o_ws_p_kernel
 
         out[-1] = (f"prep[{var['prep']},P]", get_prep_kernel, (h_qk, h_v), {"method": var["prep"], "with_p": True})
-        bvs = (bv, 32) if var["autobv"] == "1" and bv != 32 else (bv,)  # autobv: plan_fwd picks 64 or 32
         for hi, hh in flags:
             for b in bvs:
                 out.append((
@@ -81,11 +82,12 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
         flags = ()
     for hi, hh in flags:
         if var["fwd_ws"] == "1":  # same call as run_fwd_o(ws=True)
-            out.append((
-                f"fwd_o_ws[init={hi},ht={hh}|{tag}]", get_fwd_o_ws_kernel, (h_qk, h_v, bool(hi), bool(hh), bv),
-                {"fastmath": fm, **({"stages": 3} if var["ws_stages"] == "3" else {}),
-                 **({"rowexp": True} if var["rowexp"] == "1" else {})},
-            ))  # fmt: skip
+            for b in bvs:
+                out.append((
+                    f"fwd_o_ws[init={hi},ht={hh},bv={b}|{tag}]", get_fwd_o_ws_kernel, (h_qk, h_v, bool(hi), bool(hh), b),
+                    {"fastmath": fm, **({"stages": 3} if var["ws_stages"] == "3" else {}),
+                     **({"rowexp": True} if var["rowexp"] == "1" else {})},
+                ))  # fmt: skip
             continue
         args = (h_qk, h_v, bool(hi), bool(hh), bv, st)
         kw = {"threads": thr} if thr != 128 else {}

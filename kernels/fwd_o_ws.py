@@ -294,6 +294,7 @@ def fwd_o_ws_p_program(
     assert D % BV == 0 and BV in (32, 64)
     NST = stages
     assert NST in (2, 3)
+    assert NST == 2 or BV == 32, "a 3-deep ring with the P tiles needs > 227 KB shared memory at block_v 64"
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")

@@ -9,7 +9,6 @@ import importlib.util
 import pathlib
 
 import pytest
-import torch
 from kernel_helpers import kernels_pkg as _kernels_pkg
 from kernel_helpers import why_cannot_compile as _why_cannot_compile
 
@@ -46,34 +45,6 @@ def test_every_kernel_uses_wgmma(sources):
 def test_gva_head_index_is_compiled_in(sources):
     # v-head j reads q/k head j // 4 for 2/8: the kernels divide the v-head index by 4 (a shift).
     assert ">> 2" in sources["prep"] or "/ 4" in sources["prep"]
-
-
-def test_plan_split_from_shapes_only():
-    """The split planner's picks on cases the H200 split sweep measured (kernels/dev/h200_split_sweep_*.txt)."""
-    pkg = _kernels_pkg()
-    assert pkg.plan_split(32768, 1, 8) == 4096  # 0.447 ms (2048: 0.474, unsplit 1.330)
-    assert pkg.plan_split(2048, 1, 8) == 256  # 0.059 ms (512: 0.062, unsplit 0.097)
-    assert pkg.plan_split(8192, 1, 16) == 2048  # 4/16: 0.237 ms (1024: 0.253, unsplit 0.380)
-    assert pkg.plan_split(32768, 1, 64) == 0  # 128 CTAs already
-    assert pkg.plan_split(4 * 8192, 4, 64) == 0
-    assert pkg.plan_split(4 * 8192, 4, 8) in (0, 4096)  # 2/8 8192x4: 0.436 ms either way (2048: 0.448)
-    assert pkg.plan_split(8 * 1024, 8, 8) == 0
-    assert pkg.plan_split(200, 1, 8) == 0  # too short to cut
-    # unequal lengths: only the host lengths show the long sequence (8/24 28672+4096: 1.294 ms at 4096, unsplit 1.493)
-    assert pkg.plan_split(32768, 2, 24) == 0
-    assert pkg.plan_split(32768, 2, 24, seqlens=[28672, 4096]) == 4096
-    assert pkg.split_cost([28672, 4096], 24, 4096) < pkg.split_cost([28672, 4096], 24, 0)
-
-
-def test_seqlens_hint_is_checked():
-    pkg = _kernels_pkg()
-    T, h = 192, 2
-    q = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
-    v = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
-    g = torch.zeros(1, T, h)
-    cu = torch.tensor([0, 64, 192])
-    with pytest.raises(ValueError, match="seqlens"):
-        pkg.chunk_gdn_fwd_lowlevel(q, q, v, g, g, cu_seqlens=cu, seqlens=[100, 100])
 
 
 def test_speed_variants_compile_with_wgmma():

@@ -123,12 +123,13 @@ def test_variant_parsing(monkeypatch):
     assert pkg.variant_name(pkg.parse_variant("pprep=1,uw=1")) == "default"
     assert pkg.variant_name(pkg.parse_variant("pprep=0,uw=0")) == "pprep=0"
     for bad in ("pprep=1,prep=blocked", "pprep=1,fwd_ws=0"):  # P comes from the rt prep, for fwd_o_ws only
-        with pytest.raises(ValueError, match="pprep=1 needs prep=rt and fwd_ws=1"):
+        with pytest.raises(ValueError, match="pprep=1 needs prep=rt, fwd_ws=1 and ws_stages=2"):
             pkg.parse_variant(bad)
     with pytest.raises(ValueError, match="uw=1 needs pprep=1"):
         pkg.parse_variant("uw=1,pprep=0")
     # the pprep / uw defaults yield to an explicitly chosen other prep or fwd_o
-    for spec in ("prep=blocked", "fwd_ws=0", pkg.BASELINE_VARIANT if hasattr(pkg, "BASELINE_VARIANT") else "prep=subst"):
+    common = importlib.import_module("qlabench_kernels._common")
+    for spec in ("prep=blocked", "fwd_ws=0", "ws_stages=3", common.BASELINE_VARIANT):
         v = pkg.parse_variant(spec)
         assert (v["pprep"], v["uw"]) == ("0", "0"), spec
     v = pkg.parse_variant("pprep=0")
@@ -216,3 +217,41 @@ def test_uw_algebra_matches_reference(split_tokens):
         errs[uw] = (emu.rel_l2(r["o"], ref_o), emu.rel_l2(r["final_state"], ref_h))
     assert errs[True][0] < 1e-2 and errs[True][1] < 1e-2, errs
     assert errs[True][0] < 2 * errs[False][0] and errs[True][1] < 2 * errs[False][1], errs
+
+
+def test_plan_split_from_shapes_only():
+    """The split planner's picks on cases the H200 split sweep measured (kernels/dev/h200_split_sweep_*.txt)."""
+    pkg = _pkg()
+    assert pkg.plan_split(32768, 1, 8) == 4096  # 0.447 ms (2048: 0.474, unsplit 1.330)
+    assert pkg.plan_split(2048, 1, 8) == 256  # 0.059 ms (512: 0.062, unsplit 0.097)
+    assert pkg.plan_split(8192, 1, 16) == 2048  # 4/16: 0.237 ms (1024: 0.253, unsplit 0.380)
+    assert pkg.plan_split(32768, 1, 64) == 0  # 128 CTAs already
+    assert pkg.plan_split(4 * 8192, 4, 64) == 0
+    assert pkg.plan_split(4 * 8192, 4, 8) == 4096  # 2/8 8192x4: 0.436 ms, unsplit the same (2048: 0.448)
+    assert pkg.plan_split(8 * 1024, 8, 8) == 0
+    assert pkg.plan_split(200, 1, 8) == 0  # too short to cut
+    # unequal lengths: only the host lengths show the long sequence (8/24 28672+4096: 1.294 ms at 4096, unsplit 1.493)
+    assert pkg.plan_split(32768, 2, 24) == 0
+    assert pkg.plan_split(32768, 2, 24, seqlens=[28672, 4096]) == 4096
+    assert pkg.split_cost([28672, 4096], 24, 4096) < pkg.split_cost([28672, 4096], 24, 0)
+
+
+def test_seqlens_hint_is_checked():
+    pkg = _pkg()
+    T, h = 192, 2
+    q = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
+    v = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, T, h)
+    cu = torch.tensor([0, 64, 192])
+    with pytest.raises(ValueError, match="seqlens"):
+        pkg.chunk_gdn_fwd_lowlevel(q, q, v, g, g, cu_seqlens=cu, seqlens=[100, 100])
+
+
+def test_lpt_makespan_is_list_scheduling():
+    pkg = _pkg()
+    lpt = importlib.import_module("qlabench_kernels")._lpt_makespan
+    assert lpt([(10, 1), (1, 2)], 2) == 10  # both short jobs go to the idle slot
+    assert lpt([(4, 264)], 132) == 8  # two full rounds
+    assert lpt([(3, 133)], 132) == 6
+    assert lpt([], 132) == 0
+    assert pkg.plan_fwd(32768, 1, 32) == (32, 0)  # Hv 32, one sequence: 128 CTAs at V block 32, unsplit

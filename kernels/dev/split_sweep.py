@@ -61,7 +61,9 @@ def rel(a, b):
 def run_case(pkg, name, hq, hv, lens, variant):
     x = cf.make_inputs(lens, hq, hv)
     T, N = sum(lens), len(lens)
-    auto = pkg.plan_split(T, N, hv, torch.cuda.get_device_properties(0).multi_processor_count, seqlens=lens)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    auto = pkg.plan_split(T, N, hv, sms, seqlens=lens)  # the segment length plan_split picks at block_v 64
+    cf.log(f"  {name}: plan_split (bv 64) -> {auto}; plan_fwd (autobv) -> {pkg.plan_fwd(T, N, hv, sms, seqlens=lens)}")
 
     def fwd(sp):
         return pkg.chunk_gdn_fwd_lowlevel(
