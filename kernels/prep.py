@@ -47,7 +47,7 @@ def _shared_macros(T):
             l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
 
     @T.macro
-    def load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_sh):
+    def load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, c, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_sh, p_all):
         # load_l plus P = scale·Γ⊙QKᵀ (causal, diagonal included) into p_sh (bf16): q and k are
         # loaded in one pass, and Q Kᵀ reuses K Kᵀ's accumulator after the L pass (a second
         # fragment, as first measured, took prep to 136 registers and 3 CTAs per SM)
@@ -60,14 +60,17 @@ def _shared_macros(T):
         T.cumsum(g_frag, dim=0)
         T.copy(g_frag, g_sh)
 
-        T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
-        for i, j in T.Parallel(C, C):
-            l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
+        # Q Kᵀ and P first, then K Kᵀ and L: q is dead after the first wgmma and k after the
+        # second, so P can take q's place and L k's (TileLang reuses dead shared buffers)
         T.gemm(q_sh, k_sh, kk, transpose_B=True, clear_accum=True)
         for i, j in T.Parallel(C, C):
             p_sh[i, j] = T.cast(
                 T.if_then_else(i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0)), "bfloat16"
             )
+        T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
+        T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
 
     @T.macro
     def diag(l_sh, ainv_sh, x16, acc_l, tx):
@@ -357,16 +360,19 @@ def _prep_rt_program(h_qk: int, h_v: int, with_p: bool = False):
         # (chunk fastest read them from DRAM G times: prep with P moved ~1.6 GB on 16/64 1x32768)
         with T.Kernel(h_v, NCS, threads=128) as (hv, c):
             hk = hv // G
-            q_sh = T.alloc_shared((C, D), "bfloat16")
-            k_sh = T.alloc_shared((C, D), "bfloat16")
-            kk = T.alloc_fragment((C, C), "float32")
-            l_sh = T.alloc_shared((C, C + P), "float32")
+            # g and β in static shared memory: kept out of the dynamic buffer that TileLang packs by
+            # live range, where these two long-lived vectors split the space that the short-lived
+            # q/k/P and L/A/Y buffers could share
+            g_sh = T.alloc_shared((C,), "float32", scope="shared")
+            b_sh = T.alloc_shared((C,), "float32", scope="shared")
             ainv_sh = T.alloc_shared((C, C + P), "float32")
+            l_sh = T.alloc_shared((C, C + P), "float32")
             y_sh = T.alloc_shared((C, B + P), "float32")
             a_sh = T.alloc_shared((C, C), "bfloat16")
+            q_sh = T.alloc_shared((C, D), "bfloat16")
+            k_sh = T.alloc_shared((C, D), "bfloat16")
             p_sh = T.alloc_shared((C, C), "bfloat16")
-            g_sh = T.alloc_shared((C,), "float32")
-            b_sh = T.alloc_shared((C,), "float32")
+            kk = T.alloc_fragment((C, C), "float32")
             g_frag = T.alloc_fragment((C,), "float32")
             x16 = T.alloc_local((B,), "float32")
             acc_l = T.alloc_local((1,), "float32")
@@ -377,10 +383,9 @@ def _prep_rt_program(h_qk: int, h_v: int, with_p: bool = False):
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
-            load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_sh)
             # P goes out (TMA store) before the solve; storing it from the registers instead measured
             # slower (scattered 2-byte stores)
-            T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
+            load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, c, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_sh, p_all)
             solve_store(l_sh, ainv_sh, y_sh, a_sh, g_sh, b_sh, x16, acc_l, acc, lv, dv, gcs, a_beta, c, hv)
 
     return gdn_prep_p if with_p else gdn_prep_rt
