@@ -32,7 +32,7 @@ from .prep import run_prep
 from .seg_state import run_seg_state
 from .tables import run_tables
 
-__all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel", "plan_split", "plan_fwd", "split_cost", "parse_variant", "variant_name", "VARIANT_CHOICES"]
+__all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel", "plan_split", "plan_fwd", "split_cost", "plan_bwd_split", "bwd_split_cost", "parse_variant", "variant_name", "VARIANT_CHOICES"]
 
 _SM_COUNT = {}
 
@@ -115,6 +115,64 @@ def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple) -> tuple:
             if best_cost is None or c < best_cost * 0.99:  # change only for a clear gain
                 best, best_cost = (bv, seg), c
     return best
+
+
+#: Backward split cost model (µs per chunk step per CTA, H200): bwd_dhu (128 threads, ~74 KB shared
+#: memory: two CTAs per SM counted as slots), the warp-specialised bwd_h (one per SM), seg_state
+#: (two per SM), each fix-up segment (forward and reverse), the split path's extra launches.
+_BWD_SPLIT_COST = {"dhu": 6.0, "bwd_h": 1.7, "seg_state": 1.5, "fixup": 3.0, "launch": 20.0}
+
+
+def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 32) -> float:
+    """Estimated time (µs-like units) of the backward's chains for sequences of ``lens`` tokens cut
+    into ``seg``-token segments (0 = unsplit): bwd_h and bwd_dhu (two passes when split: pass 1 on
+    every segment but the first of its sequence), plus seg_state and the two fix-ups when split."""
+    cpb = HEAD_DIM // block_v
+    c = _BWD_SPLIT_COST
+    if not seg:
+        items = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
+        return _lpt_makespan(items, 2 * num_sms) * c["dhu"] + _lpt_makespan(items, num_sms) * c["bwd_h"]
+    every, not_first, not_last, serial = {}, {}, {}, 0
+    for ln in lens:
+        ns = max(1, math.ceil(ln / seg))
+        for i in range(ns):
+            ch = math.ceil(min(seg, ln - i * seg) / CHUNK)
+            every[ch] = every.get(ch, 0) + h_v * cpb
+            if i > 0:
+                not_first[ch] = not_first.get(ch, 0) + h_v * cpb
+            if i < ns - 1:
+                not_last[ch] = not_last.get(ch, 0) + h_v * 4
+        serial = max(serial, ns - 1)
+    return (
+        (_lpt_makespan(list(every.items()), 2 * num_sms) + _lpt_makespan(list(not_first.items()), 2 * num_sms))
+        * c["dhu"]
+        + _lpt_makespan(list(every.items()), num_sms) * c["bwd_h"]
+        + _lpt_makespan(list(not_last.items()), 2 * num_sms) * c["seg_state"]
+        + 2 * serial * c["fixup"]
+        + c["launch"]
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_bwd_lens(lens: tuple, h_v: int, num_sms: int, block_v: int) -> int:
+    longest = max(lens, default=0)
+    best, best_cost = 0, None
+    for seg in (0, *_SPLIT_CANDIDATES[1:]):
+        if seg and seg >= longest:
+            break
+        c = bwd_split_cost(lens, h_v, seg, num_sms, block_v)
+        if best_cost is None or c < best_cost * 0.95:  # split only for a clear gain
+            best, best_cost = seg, c
+    return best
+
+
+def plan_bwd_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 32, seqlens=None) -> int:
+    """Segment length in tokens for the backward's sequence split (0 = unsplit), by
+    :func:`bwd_split_cost` over 512..16384-token segments; host values only."""
+    lens = _lens_of(T, N, seqlens)
+    if not lens or max(lens) <= 512:
+        return 0
+    return _plan_bwd_lens(lens, h_v, num_sms, block_v)
 
 
 def _lens_of(T, N, seqlens):

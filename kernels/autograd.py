@@ -59,6 +59,8 @@ def chunk_gdn_bwd(
     target=None,
     return_intermediates=False,
     variant=None,
+    split_tokens=None,
+    seqlens=None,
 ):
     """Gradients of the GDN chunked prefill (FLA conventions).
 
@@ -74,6 +76,11 @@ def chunk_gdn_bwd(
         variant: ``_common.parse_variant`` spec (over $QLABENCH_GDN_VARIANT): ``prep`` picks the
             recomputed prep's solve, ``bwd_ws=1`` the warp-specialised bwd_h (bwd_h_ws.py),
             ``rowexp=1`` bwd_dhu's per-row exps.
+        split_tokens: the chains (bwd_h, bwd_dhu) walk segments of this many tokens (a multiple
+            of 64) instead of whole sequences: None = automatic (``plan_bwd_split``, needs
+            bwd_ws=1), 0 = never. Segment start states come from the forward's seg_state + fixup;
+            segment-end gradients from a first bwd_dhu pass (split="seg") and the reverse fix-up.
+        seqlens: host sequence lengths (ints), only to plan the split exactly for unequal sequences.
     Returns:
         dq, dk [1,T,Hqk,128] (q.dtype, summed over each GVA group), dv [1,T,Hv,128] (v.dtype),
         dg [1,T,Hv] fp32 (for the raw g), dbeta [1,T,Hv] fp32, dh0 [N,Hv,128,128] fp32 or None.
@@ -109,20 +116,73 @@ def chunk_gdn_bwd(
         from .prep import run_prep
 
         gcs, a_beta = run_prep(k, g, beta, ctab, method=var["prep"], target=target)
-    stab, _ = segment_table(cu, cu_chunks, T, N, _round_up(max(T, 1), CHUNK), split=False)
+    if seqlens is not None:
+        seqlens = [int(x) for x in seqlens]
+        if len(seqlens) != N or sum(seqlens) != T or min(seqlens, default=0) < 0:
+            raise ValueError(
+                f"seqlens (host lengths for planning) must be N={N} non-negative ints summing to T={T}, "
+                f"got {len(seqlens)} summing to {sum(seqlens)}"
+            )
+    if split_tokens is None and var["bwd_split"] != "auto":
+        split_tokens = int(var["bwd_split"])
+    if split_tokens is None:
+        from . import _num_sms, plan_bwd_split
 
-    if var["bwd_ws"] == "1":
-        h_all, vnew = run_bwd_h_ws(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
-    else:
-        h_all, vnew = run_bwd_h(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
+        split_tokens = plan_bwd_split(T, N, h_v, _num_sms(dev), block_v, seqlens) if var["bwd_ws"] == "1" else 0
+    split_tokens = int(split_tokens)
+    if split_tokens and (split_tokens % CHUNK or split_tokens < 0):
+        raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")
+    if split_tokens and var["bwd_ws"] != "1":
+        raise ValueError("split_tokens needs the warp-specialised bwd_h (variant bwd_ws=1)")
     dh0 = None
     if h0 is not None:
         dh0 = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
     dhu_kw = {"rowexp": True} if var["rowexp"] == "1" else {}
-    dh_all, dvnew, dh0 = run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, block_v=block_v, target=target, **dhu_kw)
-    dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target)
+    if var["bwd_stages"] != "0":
+        if var["rowexp"] != "1":
+            raise ValueError("GDN variant bwd_stages=2 needs rowexp=1")
+        dhu_kw["stages"] = int(var["bwd_stages"])
+    split_out = {}
+    if split_tokens:
+        from .fixup import run_fixup, run_rfixup
+        from .seg_state import run_seg_state
+
+        stab, cu_segs = segment_table(cu, cu_chunks, T, N, split_tokens, split=True)
+        cu_segs = cu_segs.to(torch.int32)
+        ns = stab.shape[0]
+        f32 = dict(device=dev, dtype=torch.float32)
+        e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+        m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, num_stages=var["stages"], target=target,
+                      fastmath=var["fastmath"] == "1",
+                      rowexp=var["rowexp"] == "1")  # fmt: skip
+        h_start = run_fixup(m_tr, e_end, cu_segs, h0, torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32), target=target)
+        h_all, vnew = run_bwd_h_ws(k, v, gcs, a_beta, stab, h_start, block_v=block_v, target=target)
+        f_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+        dh_all, dvnew, _ = run_bwd_dhu(
+            q, k, gcs, a_beta, do, dht, stab, scale, f_start, block_v=block_v, target=target, split="seg", **dhu_kw
+        )
+        d_end = run_rfixup(m_tr, f_start, cu_segs, dht, torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32), target=target)
+        dh_all, dvnew, dh0 = run_bwd_dhu(
+            q, k, gcs, a_beta, do, d_end, stab, scale, dh0, dh_all=dh_all, dvnew=dvnew, block_v=block_v,
+            target=target, split="carry", **dhu_kw,
+        )  # fmt: skip
+        split_out = dict(cu_segs=cu_segs, h_start=h_start, f_start=f_start, d_end=d_end)
+    else:
+        stab, _ = segment_table(cu, cu_chunks, T, N, _round_up(max(T, 1), CHUNK), split=False)
+        if var["bwd_ws"] == "1":
+            h_all, vnew = run_bwd_h_ws(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
+        else:
+            h_all, vnew = run_bwd_h(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
+        dh_all, dvnew, dh0 = run_bwd_dhu(
+            q, k, gcs, a_beta, do, dht, stab, scale, dh0, block_v=block_v, target=target, **dhu_kw
+        )
+    nthr = int(var["bwd_threads"])
+    dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
+        q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr
+    )
     dk_part = dk_v.clone() if return_intermediates else None
-    dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)
+    dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr)
     dq = _group_sum(dq_v, h_qk).to(q.dtype)
     dk = _group_sum(dk_v, h_qk).to(k.dtype)
     dv = dv.to(v.dtype)
@@ -131,7 +191,7 @@ def chunk_gdn_bwd(
     return dict(
         dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dh0=dh0,
         ctab=ctab, stab=stab, gcs=gcs, a_beta=a_beta, h_all=h_all, vnew=vnew, dh_all=dh_all, dvnew=dvnew,
-        dq_v=dq_v, dk_part=dk_part, dw=dw, dg_part=dg_part, dk_v=dk_v,
+        dq_v=dq_v, dk_part=dk_part, dw=dw, dg_part=dg_part, dk_v=dk_v, split_tokens=split_tokens, **split_out,
     )  # fmt: skip
 
 

@@ -29,10 +29,30 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
 
-def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, rowexp: bool = False):
+def bwd_dhu_program(
+    h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, rowexp: bool = False, split: str = "",
+    stages: int = 0,
+):
     """rowexp (variant ``rowexp=1``): mask·e^{g_l − g} and e^g once per row into row fragments and
     e^{g_l} once per chunk, instead of one exp (and g load) per element of the dv, qdo / ky and
-    dH-decay passes (compiled with fast math)."""
+    dH-decay passes (compiled with fast math).
+
+    split (sequences cut into segments, ``stab`` from a split segment table; the adjoint of the
+    forward's seg_state / fixup):
+      "seg"   pass 1: every segment but the first of its sequence walks its chunks from
+              dH_end = d(final state) (the last segment, when ``has_dht``) or 0 and writes the
+              gradient reaching its start, F_s, to ``dh0[s]`` (row = segment); nothing else stored.
+      "carry" pass 2: every segment starts from ``dht[s]`` (row = segment: the true dH at its end,
+              from the reverse fix-up) and stores dh / dv_new; the first segment of each sequence
+              writes dh0[seq] when ``has_dh0``.
+    stages (variant ``bwd_stages=2``, needs rowexp): the chunk loop is ``T.Pipelined`` — q, k, dO,
+      A_β and g of the next chunk arrive by TMA (TileLang's producer warpgroup) while this one is
+      computed. Those loads are unmasked (rows past the sequence are finite: the next sequence's,
+      or TMA's zero fill past T), so the masks move into the per-element passes: Pᵀ keeps i < ln,
+      e^g is 0 on rows past the end (q·dO and K·Y terms), mask·e^{g_l − g} as before.
+    """
+    assert split in ("", "seg", "carry")
+    assert stages in (0, 2) and (rowexp or not stages)
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -90,9 +110,23 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: 
             eos = stab[s, 1]
             seq = stab[s, 2]
             cslot = stab[s, 3]
-            nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
+            if split:
+                is_last = stab[s, 5]
+                # first segment of its sequence (segments of a sequence are consecutive rows)
+                is_first = T.if_then_else(s == 0, 1, T.if_then_else(stab[T.max(s - 1, 0), 2] != seq, 1, 0))
+            if split == "seg":
+                nchunks = T.if_then_else(seq >= 0 and is_first == 0, T.ceildiv(eos - bos, C), 0)
+            else:
+                nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
 
-            if has_dht:
+            if split == "carry":
+                T.copy(dht[s, hv, 0:D, v0 : v0 + BV], dh_frag)
+            elif split == "seg" and has_dht:
+                if seq >= 0 and is_last == 1:
+                    T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
+                else:
+                    T.clear(dh_frag)
+            elif has_dht:
                 if seq >= 0:
                     T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
                 else:
@@ -100,37 +134,56 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: 
             else:
                 T.clear(dh_frag)
 
-            for cr in T.serial(nchunks):
+            for cr in T.Pipelined(nchunks, num_stages=stages) if stages else T.serial(nchunks):
                 ci = nchunks - 1 - cr
                 t0 = bos + ci * C
                 ln = T.min(eos - t0, C)
                 r0 = (cslot + ci) * C
-                for i, j in T.Parallel(C, D):
-                    q_sh[i, j] = T.if_then_else(i < ln, q[0, t0 + i, hk, j], T.bfloat16(0))
-                    k_sh[i, j] = T.if_then_else(i < ln, k[0, t0 + i, hk, j], T.bfloat16(0))
-                for i, j in T.Parallel(C, BV):
-                    do_sh[i, j] = T.if_then_else(i < ln, do[0, t0 + i, hv, v0 + j], T.bfloat16(0))
+                if stages:
+                    T.copy(q[0, t0 : t0 + C, hk, 0:D], q_sh)
+                    T.copy(k[0, t0 : t0 + C, hk, 0:D], k_sh)
+                    T.copy(do[0, t0 : t0 + C, hv, v0 : v0 + BV], do_sh)
+                else:
+                    for i, j in T.Parallel(C, D):
+                        q_sh[i, j] = T.if_then_else(i < ln, q[0, t0 + i, hk, j], T.bfloat16(0))
+                        k_sh[i, j] = T.if_then_else(i < ln, k[0, t0 + i, hk, j], T.bfloat16(0))
+                    for i, j in T.Parallel(C, BV):
+                        do_sh[i, j] = T.if_then_else(i < ln, do[0, t0 + i, hv, v0 + j], T.bfloat16(0))
                 T.copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh)
                 T.copy(gcs[hv, r0 : r0 + C], g_sh)
                 T.copy(dh_frag, dh_sh)
-                T.copy(dh_sh, dh_all[hv, cslot + ci, 0:D, v0 : v0 + BV])
+                if split != "seg":
+                    T.copy(dh_sh, dh_all[hv, cslot + ci, 0:D, v0 : v0 + BV])
                 glast = g_sh[ln - 1]
 
                 # Pᵀ[j, i] = scale e^{g_i − g_j} k_j·q_i for i >= j
                 T.gemm(k_sh, q_sh, kq_frag, transpose_B=True, clear_accum=True)
-                for j, i in T.Parallel(C, C):
-                    pt_sh[j, i] = T.cast(
-                        T.if_then_else(i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * kq_frag[j, i], T.float32(0)),
-                        "bfloat16",
-                    )
+                if stages:
+                    for j, i in T.Parallel(C, C):
+                        pt_sh[j, i] = T.cast(
+                            T.if_then_else(
+                                i >= j and i < ln, scale * T.exp(g_sh[i] - g_sh[j]) * kq_frag[j, i], T.float32(0)
+                            ),
+                            "bfloat16",
+                        )
+                else:
+                    for j, i in T.Parallel(C, C):
+                        pt_sh[j, i] = T.cast(
+                            T.if_then_else(i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * kq_frag[j, i], T.float32(0)),
+                            "bfloat16",
+                        )
                 T.gemm(k_sh, dh_sh, kdh_frag, clear_accum=True)
                 T.gemm(pt_sh, do_sh, dv_frag, clear_accum=True)
                 if rowexp:
                     egl = T.exp(glast)
                     for i in T.Parallel(C):
                         el[i] = T.if_then_else(i < ln, T.exp(glast - g_sh[i]), T.float32(0))
-                    for i in T.Parallel(C):
-                        eg[i] = T.exp(g_sh[i])
+                    if stages:
+                        for i in T.Parallel(C):
+                            eg[i] = T.if_then_else(i < ln, T.exp(g_sh[i]), T.float32(0))
+                    else:
+                        for i in T.Parallel(C):
+                            eg[i] = T.exp(g_sh[i])
                     for i, j in T.Parallel(C, BV):
                         dv_frag[i, j] = dv_frag[i, j] + el[i] * kdh_frag[i, j]
                 else:
@@ -139,7 +192,8 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: 
                             i < ln, T.exp(glast - g_sh[i]) * kdh_frag[i, j], T.float32(0)
                         )
                 T.copy(dv_frag, dv_sh)
-                T.copy(dv_sh, dvnew[hv, r0 : r0 + C, v0 : v0 + BV])
+                if split != "seg":
+                    T.copy(dv_sh, dvnew[hv, r0 : r0 + C, v0 : v0 + BV])
 
                 T.gemm(a_sh, dv_sh, y_frag, transpose_A=True, clear_accum=True)
                 if rowexp:
@@ -157,7 +211,13 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: 
                 T.gemm(q_sh, qdo_sh, dh_frag, transpose_A=True)
                 T.gemm(k_sh, ky_sh, dh_frag, transpose_A=True)
 
-            if has_dh0:
+            if split == "seg":
+                if seq >= 0 and is_first == 0:
+                    T.copy(dh_frag, dh0[s, hv, 0:D, v0 : v0 + BV])
+            elif split == "carry" and has_dh0:
+                if seq >= 0 and is_first == 1:
+                    T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
+            elif has_dh0:
                 if seq >= 0:
                     T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
 
@@ -166,9 +226,20 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: 
 
 @functools.cache
 def get_bwd_dhu_kernel(
-    h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, target_k=None, rowexp: bool = False
+    h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, target_k=None, rowexp: bool = False,
+    split: str = "", stages: int = 0,
 ):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+    if stages:
+        return compile_program(
+            bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v, rowexp, split, stages), target=target,
+            pass_configs={"tl.enable_fast_math": True},
+        )  # fmt: skip
+    if split:
+        return compile_program(
+            bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v, rowexp, split), target=target,
+            pass_configs={"tl.enable_fast_math": True} if rowexp else None,
+        )  # fmt: skip
     if rowexp:
         return compile_program(
             bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v, True), target=target,
@@ -178,10 +249,15 @@ def get_bwd_dhu_kernel(
 
 
 def run_bwd_dhu(
-    q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=64, target=None, rowexp=False
+    q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=64, target=None, rowexp=False,
+    split="", stages=0,
 ):
     """Launch the reverse recurrence. dht: [N,Hv,128,128] fp32 or None; dh0: preallocated
-    [N,Hv,128,128] fp32 to fill, or None. Returns dh_all, dvnew, dh0."""
+    [N,Hv,128,128] fp32 to fill, or None. Returns dh_all, dvnew, dh0.
+
+    split="seg" (pass 1 over a split ``stab``): dh0 = F [NS,Hv,128,128] fp32 to fill (row =
+    segment), dh_all / dvnew are not written. split="carry" (pass 2): dht = d_end [NS,Hv,128,128]
+    fp32 (row = segment, from ``fixup.run_rfixup``), dh0 as unsplit (row = sequence) or None."""
     h_qk, h_v = q.shape[2], do.shape[2]
     ncs = gcs.shape[1] // CHUNK
     dev = q.device
@@ -190,7 +266,15 @@ def run_bwd_dhu(
     if dvnew is None:
         dvnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     has_dht, has_dh0 = dht is not None, dh0 is not None
+    if split == "seg" and not has_dh0:
+        raise ValueError("run_bwd_dhu(split='seg') needs dh0: the [NS, Hv, 128, 128] fp32 buffer of F")
+    if split == "carry" and not has_dht:
+        raise ValueError("run_bwd_dhu(split='carry') needs dht: the [NS, Hv, 128, 128] fp32 segment-end gradients")
     kw = {"rowexp": True} if rowexp else {}
+    if split:
+        kw["split"] = split
+    if stages:
+        kw["stages"] = stages
     kern = get_bwd_dhu_kernel(h_qk, h_v, has_dht, has_dh0, block_v, target_key(target), **kw)
     dummy = None
     if not (has_dht and has_dh0):

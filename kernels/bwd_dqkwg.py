@@ -29,7 +29,8 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
 
-def bwd_dqkwg_program(h_qk: int, h_v: int):
+def bwd_dqkwg_program(h_qk: int, h_v: int, threads: int = 128):
+    """threads 128 (one warpgroup) or 256 (TileLang splits every GEMM over two warpgroups)."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -54,7 +55,7 @@ def bwd_dqkwg_program(h_qk: int, h_v: int):
         dw: T.Tensor((h_v, NCS * C, D), "bfloat16"),
         dg_part: T.Tensor((h_v, NCS * C), "float32"),
     ):
-        with T.Kernel(NCS, h_v, threads=128) as (c, hv):
+        with T.Kernel(NCS, h_v, threads=threads) as (c, hv):
             hk = hv // G
             q_sh = T.alloc_shared((C, D), "bfloat16")
             k_sh = T.alloc_shared((C, D), "bfloat16")
@@ -139,10 +140,11 @@ def bwd_dqkwg_program(h_qk: int, h_v: int):
                     dk_v[0, bos + i, hv, j] = acc1[i, j]
 
             # Σ h ⊙ dH: thread t sums row t (rotated columns against bank conflicts)
-            sacc = T.float32(0)
-            for jj in T.serial(D):
-                sacc = sacc + T.cast(h_sh[tx, (jj + tx) % D], "float32") * T.cast(dh_sh[tx, (jj + tx) % D], "float32")
-            hd_sh[tx] = sacc
+            if tx < D:
+                sacc = T.float32(0)
+                for jj in T.serial(D):
+                    sacc = sacc + T.cast(h_sh[tx, (jj + tx) % D], "float32") * T.cast(dh_sh[tx, (jj + tx) % D], "float32")
+                hd_sh[tx] = sacc
 
             if tx < C:
                 sacc = r1_sh[tx] - r2_sh[tx]
@@ -163,12 +165,14 @@ def bwd_dqkwg_program(h_qk: int, h_v: int):
 
 
 @functools.cache
-def get_bwd_dqkwg_kernel(h_qk: int, h_v: int, target_k=None):
+def get_bwd_dqkwg_kernel(h_qk: int, h_v: int, target_k=None, threads: int = 128):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+    if threads != 128:
+        return compile_program(bwd_dqkwg_program(h_qk, h_v, threads), target=target)
     return compile_program(bwd_dqkwg_program(h_qk, h_v), target=target)
 
 
-def run_bwd_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None):
+def run_bwd_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128):
     """Launch dqkwg. Returns dq_v, dk_v [1,T,Hv,128] fp32 (per v-head; dk partial),
     dw [Hv,NCS*64,128] bf16, dg_part [Hv,NCS*64] fp32."""
     h_qk, h_v = q.shape[2], do.shape[2]
@@ -178,6 +182,6 @@ def run_bwd_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target
     dk_v = torch.empty(1, T_, h_v, HEAD_DIM, device=dev, dtype=torch.float32)
     dw = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     dg_part = torch.empty(h_v, ncs * CHUNK, device=dev, dtype=torch.float32)
-    kern = get_bwd_dqkwg_kernel(h_qk, h_v, target_key(target))
+    kern = get_bwd_dqkwg_kernel(h_qk, h_v, target_key(target), **({"threads": threads} if threads != 128 else {}))
     kern(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, float(scale), dq_v, dk_v, dw, dg_part)
     return dq_v, dk_v, dw, dg_part

@@ -26,7 +26,8 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
 
-def bwd_wy_program(h_qk: int, h_v: int):
+def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128):
+    """threads 128 (one warpgroup) or 256 (TileLang splits every GEMM over two warpgroups)."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -50,7 +51,7 @@ def bwd_wy_program(h_qk: int, h_v: int):
         dg: T.Tensor((1, Tn, h_v), "float32"),
         dbeta: T.Tensor((1, Tn, h_v), "float32"),
     ):
-        with T.Kernel(NCS, h_v, threads=128) as (c, hv):
+        with T.Kernel(NCS, h_v, threads=threads) as (c, hv):
             hk = hv // G
             k_sh = T.alloc_shared((C, D), "bfloat16")
             v_sh = T.alloc_shared((C, D), "bfloat16")
@@ -169,12 +170,16 @@ def bwd_wy_program(h_qk: int, h_v: int):
 
 
 @functools.cache
-def get_bwd_wy_kernel(h_qk: int, h_v: int, target_k=None):
+def get_bwd_wy_kernel(h_qk: int, h_v: int, target_k=None, threads: int = 128):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+    if threads != 128:
+        return compile_program(bwd_wy_program(h_qk, h_v, threads), target=target)
     return compile_program(bwd_wy_program(h_qk, h_v), target=target)
 
 
-def run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None, dg=None, dbeta=None, target=None):
+def run_bwd_wy(
+    k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None, dg=None, dbeta=None, target=None, threads=128
+):
     """Launch the WY backward. dk_v is updated in place (partial → complete).
     Returns dk_v, dv [1,T,Hv,128] bf16, dg, dbeta [1,T,Hv] fp32."""
     h_qk, h_v = k.shape[2], v.shape[2]
@@ -186,6 +191,6 @@ def run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None,
         dg = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
     if dbeta is None:
         dbeta = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
-    kern = get_bwd_wy_kernel(h_qk, h_v, target_key(target))
+    kern = get_bwd_wy_kernel(h_qk, h_v, target_key(target), **({"threads": threads} if threads != 128 else {}))
     kern(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv, dg, dbeta)
     return dk_v, dv, dg, dbeta

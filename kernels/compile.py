@@ -105,6 +105,72 @@ def variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), h0s=(1,), split:
     return out
 
 
+def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), split: bool = True):
+    """[(name, getter, args, kwargs)] of the backward kernels one variant spec runs for (h_qk, h_v):
+    flags = (has_h0, has_dht) pairs; ``split`` adds the split chains' kernels (seg_state, fixup,
+    bwd_dhu's two split passes, the reverse fix-up). The forward's are :func:`variant_kernels`."""
+    from ._common import parse_variant, variant_name
+    from .bwd_dhu import get_bwd_dhu_kernel
+    from .bwd_dqkwg import get_bwd_dqkwg_kernel
+    from .bwd_h import get_bwd_h_kernel
+    from .bwd_h_ws import get_bwd_h_ws_kernel
+    from .bwd_wy import get_bwd_wy_kernel
+    from .fixup import get_fixup_kernel, get_rfixup_kernel
+    from .seg_state import get_seg_state_kernel
+
+    var = parse_variant(spec)
+    tag = variant_name(var)
+    ws, rx = var["bwd_ws"] == "1", var["rowexp"] == "1"
+    rkw = {"rowexp": True} if rx else {}
+    if var["bwd_stages"] != "0":
+        rkw["stages"] = int(var["bwd_stages"])
+    out = []
+    for bv in bvs:
+        for h0, dht in flags:
+            get_h = get_bwd_h_ws_kernel if ws else get_bwd_h_kernel
+            out.append((f"bwd_h{'_ws' if ws else ''}[init={h0},bv={bv}]", get_h, (h_qk, h_v, bool(h0), bv), {}))
+            out.append((f"bwd_dhu[dht={dht},dh0={h0},bv={bv}|{tag}]", get_bwd_dhu_kernel,
+                        (h_qk, h_v, bool(dht), bool(h0), bv), dict(rkw)))  # fmt: skip
+            if split and ws:
+                out.append((f"bwd_h_ws[init=1,bv={bv}]", get_bwd_h_ws_kernel, (h_qk, h_v, True, bv), {}))
+                out.append((f"bwd_dhu[seg,dht={dht},bv={bv}|{tag}]", get_bwd_dhu_kernel,
+                            (h_qk, h_v, bool(dht), True, bv), {**rkw, "split": "seg"}))  # fmt: skip
+                out.append((f"bwd_dhu[carry,dh0={h0},bv={bv}|{tag}]", get_bwd_dhu_kernel,
+                            (h_qk, h_v, True, bool(h0), bv), {**rkw, "split": "carry"}))  # fmt: skip
+    if split and ws:
+        st, fm = var["stages"], var["fastmath"] == "1"
+        kw = {"fastmath": fm, "rowexp": True} if rx else ({"fastmath": True} if fm else {})
+        out.append((f"seg_state[stages={st}|{tag}]", get_seg_state_kernel, (h_qk, h_v, 64, st), kw))
+        for h0, dht in flags:
+            out.append((f"fixup[h0={h0}]", get_fixup_kernel, (h_v, bool(h0), 32), {}))
+            out.append((f"rfixup[dht={dht}]", get_rfixup_kernel, (h_v, bool(dht), 32), {}))
+    thr = int(var["bwd_threads"])
+    tkw = {"threads": thr} if thr != 128 else {}
+    out.append((f"bwd_dqkwg[threads={thr}]", get_bwd_dqkwg_kernel, (h_qk, h_v), tkw))
+    out.append((f"bwd_wy[threads={thr}]", get_bwd_wy_kernel, (h_qk, h_v), tkw))
+    return out
+
+
+def precompile_bwd_variants(h_qk: int, h_v: int, specs, target=None, verbose=False, **kw):
+    """Compile every backward kernel of each variant spec for (h_qk, h_v) (see :func:`bwd_variant_kernels`)."""
+    tk = target_key(target)
+    times_s = {}
+    seen = set()
+    for spec in specs:
+        for name, getter, args, kwargs in bwd_variant_kernels(h_qk, h_v, spec, **kw):
+            key = (getter, args, tuple(sorted(kwargs.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            t0 = time.perf_counter()
+            getter(*args, target_k=tk, **kwargs)
+            dt = time.perf_counter() - t0
+            times_s[name] = times_s.get(name, 0.0) + dt
+            if verbose and dt > 0.5:
+                print(f"  {name:48s} {dt:7.1f} s", flush=True)
+    return times_s
+
+
 def precompile_variants(h_qk: int, h_v: int, specs, target=None, verbose=False, **kw):
     """Compile every kernel of each variant spec for (h_qk, h_v) (duplicates are cached)."""
     tk = target_key(target)

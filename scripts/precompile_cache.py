@@ -91,6 +91,26 @@ def build_bwd_variant(hq, hv, all_flags, bvs):
     print(f"{hq}/{hv} bwd variant: {time.time() - t0:.0f} s", flush=True)
 
 
+if which == "bwdnew":
+    # `precompile_cache.py bwdnew "spec;spec" [2/8,1/3,...]`: the backward kernels (split and unsplit
+    # chains) of these variants with the state flags check_bwd.py / the backward sweep use, plus the
+    # forward kernels of the default for those heads
+    from qlabench_kernels.compile import precompile_bwd_variants
+
+    specs = (sys.argv[2] if len(sys.argv) > 2 else "default").split(";")
+    # (has_h0, has_dht) per head config: check_bwd.py's cases, then the sweep's (h0 + dht)
+    BWD_FLAGS = {(2, 8): ((1, 1), (1, 0)), (1, 3): ((0, 0),), (2, 4): ((1, 1),), (4, 8): ((1, 1),),
+                 (8, 16): ((1, 1),), (16, 32): ((1, 1),)}  # fmt: skip
+    heads = BWD_FLAGS
+    if len(sys.argv) > 3:
+        heads = [tuple(int(x) for x in hh.split("/")) for hh in sys.argv[3].split(",")]
+    for hq, hv in heads:
+        t0 = time.time()
+        fl = BWD_FLAGS.get((hq, hv), ((1, 1),))
+        precompile_bwd_variants(hq, hv, specs, flags=fl, bvs=(32,), verbose=True)
+        h0s = tuple(sorted({h0 for h0, _ in fl}))
+        precompile_variants(hq, hv, ["default"], flags=tuple((h0, 1) for h0 in h0s), h0s=h0s)
+        print(f"{hq}/{hv} bwd: {time.time() - t0:.0f} s", flush=True)
 if which in ("bwd", "all"):
     for hq, hv in BWD_TESTS:
         build_bwd(hq, hv, True, (32, 64) if (hq, hv) == (1, 3) else (32,))

@@ -64,3 +64,23 @@ def test_backward_exports():
     pkg = _kernels_pkg()
     for name in ("chunk_gdn_bwd", "chunk_gdn", "ChunkGDNFunction"):
         assert hasattr(pkg, name), name
+
+
+def test_split_backward_kernels_compile():
+    """The split chains: bwd_dhu's pass 1 (split="seg": writes F only) and pass 2 (split="carry"),
+    the pipelined bwd_dhu (stages=2: TMA loads), and the reverse fix-up, all with wgmma."""
+    _kernels_pkg()
+    dhu = importlib.import_module("qlabench_kernels.bwd_dhu")
+    fx = importlib.import_module("qlabench_kernels.fixup")
+    seg = dhu.get_bwd_dhu_kernel(2, 8, True, True, 32, target_k=TARGET_K, rowexp=True, split="seg").get_kernel_source()
+    carry = dhu.get_bwd_dhu_kernel(2, 8, True, True, 32, target_k=TARGET_K, rowexp=True, split="carry")
+    carry = carry.get_kernel_source()
+    for src in (seg, carry):
+        assert "wgmma" in src
+    # pass 1 stores neither dh nor dv_new: no writes through those parameters
+    for buf in ("dh_all", "dvnew"):
+        assert f"{buf}[" not in seg and f"tma_store({buf}_desc" not in seg, buf
+    piped = dhu.get_bwd_dhu_kernel(2, 8, True, True, 32, target_k=TARGET_K, rowexp=True, stages=2)
+    src = piped.get_kernel_source()
+    assert "wgmma" in src and "tma_load" in src
+    assert "wgmma" in fx.get_rfixup_kernel(8, True, 32, target_k=TARGET_K).get_kernel_source()

@@ -69,18 +69,37 @@ def _patch_kernels(monkeypatch):
         h_all, vnew = eb.emu_bwd_h(k, v, gcs, a_beta, stab, h_init, gcs.shape[1] // 64)
         return h_all.to(bf), vnew.to(bf)
 
-    def fake_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, block_v=64, target=None, rowexp=False):
+    def fake_dhu(
+        q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=64, target=None,
+        rowexp=False, split="", stages=0,
+    ):  # fmt: skip
         N = int(stab[:, 2].max()) + 1
-        dh_all, dvnew, d0 = eb.emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, gcs.shape[1] // 64, N)
+        dha, dvn, d0 = eb.emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, gcs.shape[1] // 64, N, split=split)
         if dh0 is not None:
             dh0.copy_(d0[: dh0.shape[0]])
-        return dh_all.to(bf), dvnew.to(bf), dh0
+        if split == "seg":  # pass 1 writes only F
+            return dh_all, dvnew, dh0
+        return dha.to(bf), dvn.to(bf), dh0
 
-    def fake_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None):
+    def fake_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, **kw):
+        e, m = emu.emu_seg_state(k, v, gcs, a_beta, stab)
+        e_end.copy_(e)
+        m_tr.copy_(m.to(m_tr.dtype))
+        return e_end, m_tr
+
+    def fake_fixup(m_tr, e_end, cu_segs, h0, h_start, **kw):
+        h_start.copy_(emu.emu_fixup(m_tr, e_end, cu_segs, h0))
+        return h_start
+
+    def fake_rfixup(m_tr, f_start, cu_segs, dht, d_end, **kw):
+        d_end.copy_(eb.emu_rfixup(m_tr, f_start, cu_segs, dht))
+        return d_end
+
+    def fake_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128):
         dq_v, dk_v, dw, dg_p = eb.emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
         return dq_v, dk_v, dw.to(bf), dg_p
 
-    def fake_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=None):
+    def fake_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=None, threads=128):
         dk, dv, dg, db = eb.emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_v, dg_part, ctab)
         dk_v.copy_(dk)
         return dk_v, dv.to(bf), dg, db
@@ -90,6 +109,10 @@ def _patch_kernels(monkeypatch):
     monkeypatch.setattr(ag, "run_bwd_dhu", fake_dhu)
     monkeypatch.setattr(ag, "run_bwd_dqkwg", fake_dqkwg)
     monkeypatch.setattr(ag, "run_bwd_wy", fake_wy)
+    monkeypatch.setattr(importlib.import_module("qlabench_kernels.seg_state"), "run_seg_state", fake_seg_state)
+    fx = importlib.import_module("qlabench_kernels.fixup")
+    monkeypatch.setattr(fx, "run_fixup", fake_fixup)
+    monkeypatch.setattr(fx, "run_rfixup", fake_rfixup)
 
     def fake_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, cu_seqlens=None, **kw):
         r = emu.emu_pipeline(q, k, v, g, beta, scale, initial_state, cu_seqlens)
@@ -120,6 +143,41 @@ def test_chunk_gdn_bwd_glue_with_emulated_kernels(monkeypatch):
     assert dv.shape == (1, T, h_v, D) and dg.shape == db.shape == (1, T, h_v) and dg.dtype == torch.float32
     assert dh0.shape == (N, h_v, D, D) and dh0.dtype == torch.float32
     _check(dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db, dh0=dh0), _ref(x), True)
+
+
+@pytest.mark.parametrize(
+    "seqlens,split,with_h0,with_dht",
+    [((1, 63, 64, 65, 300), 64, True, True), ((200, 130), 128, False, True), ((257,), 64, True, False),
+     ((0, 190, 3), 128, False, False)],
+)  # fmt: skip
+def test_split_backward_with_emulated_kernels(monkeypatch, seqlens, split, with_h0, with_dht):
+    """The split chains (seg_state + fixup start states, bwd_dhu pass 1, the reverse fix-up,
+    pass 2) give the unsplit gradients: kernels replaced by emulations, against the reference."""
+    pkg = _patch_kernels(monkeypatch)
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    common = importlib.import_module("qlabench_kernels._common")
+    x = _inputs(seqlens, 2, 4, with_h0, with_dht, seed=11)
+    T, N = sum(seqlens), len(seqlens)
+    ctab, _ = common.chunk_table(x["cu"].long(), T, N)
+    gcs, a_beta = emu.emu_prep(x["k"], x["g"], x["beta"], ctab)
+    r = pkg.chunk_gdn_bwd(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
+        cu_seqlens=x["cu"], gcs=gcs, a_beta=a_beta, ctab=ctab, split_tokens=split, return_intermediates=True,
+    )  # fmt: skip
+    assert r["split_tokens"] == split and r["d_end"].shape[0] == r["stab"].shape[0]
+    assert int(r["stab"][:, 2].ge(0).sum()) > N  # some sequence really was cut
+    _check({n: r[n] for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0")}, _ref(x), with_h0)
+
+
+def test_split_tokens_bad_value():
+    pkg = _kernels_pkg()
+    x = _inputs((100,), 1, 1, False, False)
+    with pytest.raises(ValueError, match="split_tokens=100 must be a multiple of 64"):
+        pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], cu_seqlens=x["cu"],
+                          gcs=torch.zeros(1, 128), a_beta=torch.zeros(1, 128, 64), split_tokens=100)  # fmt: skip
+    with pytest.raises(ValueError, match="seqlens"):
+        pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], cu_seqlens=x["cu"],
+                          gcs=torch.zeros(1, 128), a_beta=torch.zeros(1, 128, 64), seqlens=[50])  # fmt: skip
 
 
 def test_autograd_function_with_emulated_kernels(monkeypatch):

@@ -255,3 +255,16 @@ def test_lpt_makespan_is_list_scheduling():
     assert lpt([(3, 133)], 132) == 6
     assert lpt([], 132) == 0
     assert pkg.plan_fwd(32768, 1, 32) == (32, 0)  # Hv 32, one sequence: 128 CTAs at V block 32, unsplit
+
+
+def test_plan_bwd_split_cuts_only_few_long_chains():
+    """The backward's split planner cuts a long sequence when its chains (h_v x 4 V blocks) leave
+    SMs idle, never short ones, and reads the host lengths for unequal sequences."""
+    pkg = _pkg()
+    assert pkg.plan_bwd_split(32768, 1, 4) > 0  # 16 chains of 512 chunks
+    assert pkg.plan_bwd_split(8192, 1, 4) > 0
+    assert pkg.plan_bwd_split(400, 1, 4) == 0  # too short to cut
+    assert pkg.plan_bwd_split(32768, 8, 32) == 0  # 1024 chains already
+    seg = pkg.plan_bwd_split(32768, 2, 4, seqlens=[32000, 768])
+    assert seg > 0 and pkg.bwd_split_cost([32000, 768], 4, seg) < pkg.bwd_split_cost([32000, 768], 4, 0)
+    assert pkg.bwd_split_cost([32768], 4, 0) > pkg.bwd_split_cost([32768], 4, 2048)

@@ -78,7 +78,8 @@ def graph_time_ms(fn, reps=20, inner=None):
 
 TOL = {"dq": 4e-2, "dk": 4e-2, "dv": 4e-2, "dbeta": 4e-2, "dh0": 4e-2, "dg": 8e-2}
 LINES = []
-FLASHQLA_MS = {"16_32_1x32768": 2.07, "4_8_8way32768": 0.665}  # issue 5 (lent H200, backward)
+# issue 5 (lent H200, backward); 2/4 from the kept run results/h200_bwd (FlashQLA 0.1.3)
+FLASHQLA_MS = {"16_32_1x32768": 2.07, "4_8_8way32768": 0.665, "2_4_1x32768": 0.655, "2_4_1x8192": 0.381}
 
 
 def log(*a):
@@ -106,6 +107,7 @@ def make_inputs(seqlens, h_qk, h_v, seed=0, dev="cuda", with_h0=True, with_dht=T
     x["do"] = rn(1, T, h_v, D).to(torch.bfloat16)
     x["dht"] = rn(N, h_v, D, D) * 0.1 if with_dht else None
     x["cu"] = torch.tensor([0, *torch.cumsum(torch.tensor(seqlens), 0).tolist()], dtype=torch.int32, device=dev)
+    x["lens"] = list(seqlens)
     return x
 
 
@@ -114,11 +116,11 @@ def rel_l2(a, b):
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
 
 
-def run_bwd(pkg, x, r, block_v=64, inter=False):
+def run_bwd(pkg, x, r, block_v=64, inter=False, split=None):
     return pkg.chunk_gdn_bwd(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
         cu_seqlens=x["cu"], gcs=r["gcs"], a_beta=r["a_beta"], ctab=r["ctab"], block_v=block_v,
-        return_intermediates=inter,
+        return_intermediates=inter, split_tokens=split, seqlens=x["lens"],
     )  # fmt: skip
 
 
@@ -128,21 +130,24 @@ def run_fwd(pkg, x):
     )  # fmt: skip
 
 
-def check_case(pkg, name, seqlens, h_qk, h_v, results, stages=True, block_v=64, with_h0=True, with_dht=True):
+def check_case(
+    pkg, name, seqlens, h_qk, h_v, results, stages=True, block_v=64, with_h0=True, with_dht=True, split=None
+):
     from qlabench_kernels.dev import emulate_bwd as eb
 
     from qlabench.backends.reference import gdn_chunked_grads
 
     log(f"\n=== {name}: h_qk={h_qk} h_v={h_v} seqlens={seqlens if len(seqlens) <= 8 else len(seqlens)} "
-        f"block_v={block_v} h0={with_h0} dht={with_dht}")  # fmt: skip
+        f"block_v={block_v} h0={with_h0} dht={with_dht} split={split}")  # fmt: skip
     x = make_inputs(seqlens, h_qk, h_v, with_h0=with_h0, with_dht=with_dht)
     t0 = time.perf_counter()
     r = run_fwd(pkg, x)
-    g = run_bwd(pkg, x, r, block_v, inter=True)
+    g = run_bwd(pkg, x, r, block_v, inter=True, split=split)
     torch.cuda.synchronize()
-    log(f"first fwd+bwd call (incl. compile / cache load) {time.perf_counter() - t0:.1f} s")
+    log(f"first fwd+bwd call (incl. compile / cache load) {time.perf_counter() - t0:.1f} s; "
+        f"backward split_tokens={g['split_tokens']}")  # fmt: skip
     ref = gdn_chunked_grads(x["q"], x["k"], x["v"], x["g"], x["beta"], 128**-0.5, x["h0"], x["cu"], x["do"], x["dht"])
-    rec = dict(case=name, h_qk=h_qk, h_v=h_v, seqlens=list(seqlens), block_v=block_v)
+    rec = dict(case=name, h_qk=h_qk, h_v=h_v, seqlens=list(seqlens), block_v=block_v, split=g["split_tokens"])
     ok = True
     for n in ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if with_h0 else []):
         t = g[n].float()
@@ -152,7 +157,14 @@ def check_case(pkg, name, seqlens, h_qk, h_v, results, stages=True, block_v=64, 
         rec[f"nonfinite_{n}"] = nonfinite
         ok = ok and nonfinite == 0 and e < TOL[n]
     log("vs reference: " + " ".join(f"{n[4:]}={rec[n]:.2e}" for n in rec if n.startswith("rel_")))
-    if stages:
+    if stages and g["split_tokens"]:
+        # the split path's stages: h and dh per chunk against the unsplit kernels' (same inputs)
+        u = run_bwd(pkg, x, r, block_v, inter=True, split=0)
+        errs = {n: rel_l2(g[n].float(), u[n].float()) for n in ("h_all", "vnew", "dh_all", "dvnew")}
+        rec["stages"] = errs
+        log("split vs unsplit stages: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+        del u
+    elif stages:
         errs = eb.stage_errors(g, x["q"], x["k"], x["v"], x["beta"], x["do"], x["dht"], x["h0"], 128**-0.5)
         rec["stages"] = errs
         log("stages vs emulation: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
@@ -170,25 +182,59 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
     from qlabench_kernels.bwd_h import run_bwd_h
     from qlabench_kernels.bwd_h_ws import run_bwd_h_ws
     from qlabench_kernels.bwd_wy import run_bwd_wy
+    from qlabench_kernels.fixup import run_fixup, run_rfixup
+    from qlabench_kernels.seg_state import run_seg_state
 
     var = parse_variant()  # $QLABENCH_GDN_VARIANT, as chunk_gdn_bwd reads it
     bwd_h = run_bwd_h_ws if var["bwd_ws"] == "1" else run_bwd_h
     rowexp = var["rowexp"] == "1"
+    dkw = {"stages": int(var["bwd_stages"])} if var["bwd_stages"] != "0" else {}
+    nthr = int(var["bwd_threads"])
     sc = 128**-0.5
     dk_tmp = g["dk_v"].clone()
+    if g["split_tokens"]:
+        e_end = torch.empty_like(g["h_start"])
+        m_tr = torch.empty_like(g["h_start"], dtype=torch.bfloat16)
+        run_seg_state(x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], e_end, m_tr, num_stages=var["stages"],
+                      fastmath=var["fastmath"] == "1", rowexp=rowexp)  # fmt: skip
+        chains = {
+            "seg_state": lambda: run_seg_state(
+                x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], e_end, m_tr, num_stages=var["stages"],
+                fastmath=var["fastmath"] == "1", rowexp=rowexp,
+            ),
+            "fixup": lambda: run_fixup(m_tr, e_end, g["cu_segs"], x["h0"], torch.empty_like(e_end)),
+            "bwd_h": lambda: bwd_h(
+                x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], g["h_start"], g["h_all"], g["vnew"], block_v
+            ),
+            "dhu_seg": lambda: run_bwd_dhu(
+                x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], x["dht"], g["stab"], sc, torch.empty_like(e_end),
+                g["dh_all"], g["dvnew"], block_v, rowexp=rowexp, split="seg", **dkw,
+            ),
+            "rfixup": lambda: run_rfixup(m_tr, g["f_start"], g["cu_segs"], x["dht"], torch.empty_like(e_end)),
+            "dhu_carry": lambda: run_bwd_dhu(
+                x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], g["d_end"], g["stab"], sc, g["dh0"],
+                g["dh_all"], g["dvnew"], block_v, rowexp=rowexp, split="carry", **dkw,
+            ),
+        }  # fmt: skip
+    else:
+        chains = {
+            "bwd_h": lambda: bwd_h(
+                x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], x["h0"], g["h_all"], g["vnew"], block_v
+            ),
+            "bwd_dhu": lambda: run_bwd_dhu(
+                x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], x["dht"], g["stab"], sc, g["dh0"],
+                g["dh_all"], g["dvnew"], block_v, rowexp=rowexp, **dkw,
+            ),
+        }  # fmt: skip
     stages = {
-        "bwd_h": lambda: bwd_h(
-            x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], x["h0"], g["h_all"], g["vnew"], block_v
-        ),
-        "bwd_dhu": lambda: run_bwd_dhu(
-            x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], x["dht"], g["stab"], sc, g["dh0"],
-            g["dh_all"], g["dvnew"], block_v, rowexp=rowexp,
-        ),
+        **chains,
         "bwd_dqkwg": lambda: run_bwd_dqkwg(
-            x["q"], x["k"], x["do"], g["gcs"], g["ctab"], g["h_all"], g["dh_all"], g["vnew"], g["dvnew"], sc
+            x["q"], x["k"], x["do"], g["gcs"], g["ctab"], g["h_all"], g["dh_all"], g["vnew"], g["dvnew"], sc,
+            threads=nthr,
         ),
         "bwd_wy": lambda: run_bwd_wy(
-            x["k"], x["v"], x["beta"], g["gcs"], g["a_beta"], g["ctab"], g["dw"], g["dvnew"], g["dg_part"], dk_tmp
+            x["k"], x["v"], x["beta"], g["gcs"], g["a_beta"], g["ctab"], g["dw"], g["dvnew"], g["dg_part"], dk_tmp,
+            threads=nthr,
         ),
     }  # fmt: skip
     out = {}
@@ -208,25 +254,28 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
     return out
 
 
-def time_case(pkg, name, seqlens, h_qk, h_v, block_vs, timings):
+def time_case(pkg, name, seqlens, h_qk, h_v, block_vs, timings, bwd_only=False):
     x = make_inputs(seqlens, h_qk, h_v)
     r = run_fwd(pkg, x)
     for bv in block_vs:
         try:
             ms_b = graph_time_ms(lambda bv=bv: run_bwd(pkg, x, r, bv))
-            ms_f = graph_time_ms(lambda: run_fwd(pkg, x))
-            ms_fb = graph_time_ms(lambda bv=bv: run_bwd(pkg, x, run_fwd(pkg, x), bv))
+            ms_f = ms_fb = float("nan")
+            if not bwd_only:
+                ms_f = graph_time_ms(lambda: run_fwd(pkg, x))
+                ms_fb = graph_time_ms(lambda bv=bv: run_bwd(pkg, x, run_fwd(pkg, x), bv))
             g = run_bwd(pkg, x, r, bv, inter=True)
+            g_split = g["split_tokens"]
             st = stage_times_ms(x, r, g, bv)
             del g
             ref = FLASHQLA_MS.get(name.split("@")[0])
             rs = f" | FlashQLA bwd {ref:.3f} ms -> ratio {ref / ms_b:.2f}x" if ref else ""
             log(
-                f"TIME {name:18s} bv={bv} bwd {ms_b:8.3f} ms  fwd {ms_f:7.3f}  fwd+bwd {ms_fb:8.3f} | "
+                f"TIME {name:18s} bv={bv} split={g_split} bwd {ms_b:8.3f} ms  fwd {ms_f:7.3f}  fwd+bwd {ms_fb:8.3f} | "
                 + " ".join(f"{k}={v:.3f}" for k, v in st.items())
                 + rs
             )
-            timings.append(dict(case=name, block_v=bv, bwd_ms=ms_b, fwd_ms=ms_f, fwdbwd_ms=ms_fb, stage_ms=st))
+            timings.append(dict(case=name, block_v=bv, split=g_split, bwd_ms=ms_b, fwd_ms=ms_f, fwdbwd_ms=ms_fb, stage_ms=st))
             torch.cuda.empty_cache()
         except Exception:  # noqa: BLE001
             log(f"TIME {name} bv={bv} FAILED:\n" + "".join(traceback.format_exc().splitlines(True)[-10:]))
@@ -238,6 +287,9 @@ CHECKS = [
     ("mixed_2_8", (1, 63, 64, 65, 1000, 4097), 2, 8, {}),
     ("mixed_1_3_noh0", (1, 63, 64, 65, 1000, 4097), 1, 3, dict(with_h0=False, with_dht=False)),
     ("mixed_2_4_bv32", (5, 700, 0, 2000), 2, 4, dict(block_v=32)),
+    ("split_2_4_bv32", (5, 700, 0, 2000, 3001), 2, 4, dict(block_v=32, split=512)),
+    ("split_1_3_noh0", (1, 63, 1000, 4097), 1, 3, dict(block_v=32, split=256, with_h0=False, with_dht=False)),
+    ("split_2_8_h0only", (4097, 1000), 2, 8, dict(block_v=32, split=1024, with_dht=False)),
     ("2_4_1x8192", (8192,), 2, 4, {}),
     ("4_8_8way32768", EIGHT, 4, 8, {}),
     ("16_32_1x32768", (32768,), 16, 32, {}),
@@ -246,6 +298,7 @@ TIMES = [
     ("16_32_1x32768", (32768,), 16, 32),
     ("4_8_8way32768", EIGHT, 4, 8),
     ("2_4_1x8192", (8192,), 2, 4),
+    ("2_4_1x32768", (32768,), 2, 4),
 ]
 
 
@@ -255,7 +308,8 @@ def main():
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--no-check", action="store_true", help="timing only")
     ap.add_argument("--cases", default="", help="comma-separated case names (default all)")
-    ap.add_argument("--block-v", default="64,32", help="bwd_h / bwd_dhu V-block widths to time")
+    ap.add_argument("--block-v", default="32", help="bwd_h / bwd_dhu V-block widths to time")
+    ap.add_argument("--bwd-only", action="store_true", help="time the backward alone (not fwd, fwd+bwd)")
     ap.add_argument(
         "--variants", default="default",
         help='";"-separated variant specs run one after another through $QLABENCH_GDN_VARIANT '
@@ -291,7 +345,7 @@ def main():
             for name, seqlens, hq, hv in TIMES:
                 if want and name not in want:
                     continue
-                time_case(pkg, name + sfx, seqlens, hq, hv, bvs, timings)
+                time_case(pkg, name + sfx, seqlens, hq, hv, bvs, timings, bwd_only=args.bwd_only)
     log("\n=== summary")
     for r in results:
         errs = " ".join(f"{k[4:]}={v:.2e}" for k, v in r.items() if k.startswith("rel_"))

@@ -106,22 +106,36 @@ def emu_bwd_h(k, v, gcs, a_beta, stab, h_init, ncs):
     return h_all, vnew
 
 
-def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N):
+def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split=""):
     """Mirror of bwd_dhu.py. Returns dh_all [Hv, NCS, K, V] (bf16 values; d(state at chunk end)),
-    dvnew [Hv, NCS*64, V] (bf16 values) and dh0 [N, Hv, K, V] fp32."""
+    dvnew [Hv, NCS*64, V] (bf16 values) and dh0 [N, Hv, K, V] fp32.
+
+    split="seg": segments that are not the first of their sequence, from dht[seq] (last segment)
+    or 0; returns F [NS, Hv, K, V] as the third value (NaN rows elsewhere), dh_all / dvnew NaN.
+    split="carry": every segment from dht[s] (row = segment); dh0 from first segments only."""
     T, h_qk, h_v = q.shape[1], q.shape[2], do.shape[2]
     G = h_v // h_qk
     dev = q.device
     dh_all = torch.full((h_v, ncs, D, D), float("nan"), device=dev)
     dvnew = torch.full((h_v, ncs * C, D), float("nan"), device=dev)
-    dh0 = torch.full((N, h_v, D, D), float("nan"), device=dev)
+    ns = stab.shape[0]
+    dh0 = torch.full((ns if split == "seg" else N, h_v, D, D), float("nan"), device=dev)
     ar = torch.arange(C, device=dev)
     upper = ar[:, None] <= ar[None, :]  # [j, i]: i >= j
-    for row in stab.tolist():
-        bos, eos, seq, cslot = row[:4]
+    rows = stab.tolist()
+    for s, row in enumerate(rows):
+        bos, eos, seq, cslot, _, is_last = row[:6]
         if seq < 0:
             continue
-        dH = torch.zeros(h_v, D, D, device=dev) if dht is None else dht[seq].float().clone()
+        is_first = s == 0 or rows[s - 1][2] != seq
+        if split == "seg" and is_first:
+            continue
+        if split == "carry":
+            dH = dht[s].float().clone()
+        elif dht is None or (split == "seg" and not is_last):
+            dH = torch.zeros(h_v, D, D, device=dev)
+        else:
+            dH = dht[seq].float().clone()
         nch = (eos - bos + C - 1) // C
         for ci in reversed(range(nch)):
             t0 = bos + ci * C
@@ -135,19 +149,39 @@ def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N):
             ab = a_beta[:, r0 : r0 + C].float()
             gl = gch[:, ln - 1]
             dh_sh = _r(dH)
-            dh_all[:, cslot + ci] = dh_sh
+            if split != "seg":
+                dh_all[:, cslot + ci] = dh_sh
             kq = kc @ qc.transpose(-1, -2)  # [j, i]
             pt = _r(torch.where(upper, scale * torch.exp(gch[:, None, :] - gch[:, :, None]) * kq, 0.0))
             dv = pt @ dc + m * torch.exp(gl[:, None, None] - gch[..., None]) * (kc @ dh_sh)
             dvs = _r(dv)
-            dvnew[:, r0 : r0 + C] = dvs
+            if split != "seg":
+                dvnew[:, r0 : r0 + C] = dvs
             y = ab.transpose(-1, -2) @ dvs
             eg = torch.exp(gch)[..., None]
             qdo = _r(scale * eg * dc)
             ky = _r(-eg * y)
             dH = dH * torch.exp(gl)[:, None, None] + qc.transpose(-1, -2) @ qdo + kc.transpose(-1, -2) @ ky
-        dh0[seq] = dH
+        if split == "seg":
+            dh0[s] = dH
+        elif is_first:
+            dh0[seq] = dH
     return dh_all, dvnew, dh0
+
+
+def emu_rfixup(m_tr, f_start, cu_segs, dht):
+    """Mirror of fixup.rfixup_program. Returns d_end [NS, Hv, K, V] fp32 (unused rows NaN)."""
+    ns, h_v = f_start.shape[0], f_start.shape[1]
+    d_end = torch.full((ns, h_v, D, D), float("nan"), device=f_start.device)
+    cs = [int(x) for x in cu_segs.tolist()]
+    for n in range(len(cs) - 1):
+        s0, s1 = cs[n], cs[n + 1]
+        G = torch.zeros(h_v, D, D, device=f_start.device) if dht is None else dht[n].float().clone()
+        d_end[s1 - 1] = G
+        for s in range(s1 - 1, s0, -1):  # G = the gradient at segment s's start
+            G = f_start[s].float().clone() if s == s1 - 1 else f_start[s] + m_tr[s].float().transpose(-1, -2) @ _r(G)
+            d_end[s - 1] = G
+    return d_end
 
 
 def emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale):

@@ -80,7 +80,7 @@ class TileLangBackend(Backend):
 
         def bwd(sv):
             return qk.chunk_gdn_bwd(x.q, x.k, x.v, x.g, x.beta, x.do, x.dht, scale=x.scale,
-                                    initial_state=x.h0, cu_seqlens=x.cu_seqlens, **sv)
+                                    initial_state=x.h0, cu_seqlens=x.cu_seqlens, seqlens=lens, **sv)
 
         if direction == "bwd":
             sv = saved()  # a forward's saved tensors, outside the timed region
