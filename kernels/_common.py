@@ -84,19 +84,26 @@ def chunk_loop_stages() -> int:
 #:                             alone leave SMs idle
 #:   bwd_split auto | 0 | 512 .. 8192   backward: the chains (bwd_h, bwd_dhu) walk segments of this many
 #:                             tokens (auto = ``plan_bwd_split``'s cost model; 0 = whole sequences)
-#:   bwd_threads 128 | 256     backward: threads of bwd_dqkwg / bwd_wy (256: two warpgroups split each GEMM)
-#:   bwd_stages 0 | 2          backward: bwd_dhu's chunk loop pipelined (TMA loads of the next chunk; needs rowexp=1)
+#:   bwd_threads 128 | 256     backward: threads of bwd_dqkwg / bwd_wy (256: two warpgroups split each GEMM;
+#:                             H200 session 5: 16/32 1x32768 dqkwg 2.50 -> 2.14 ms, wy 1.95 -> 1.49 ms)
+#:   bwd_stages auto | 0 | 2   backward: bwd_dhu's chunk loop pipelined (2: TMA loads of the next chunk,
+#:                             needs rowexp=1; 256 threads, ~106 KB: two CTAs per SM instead of three);
+#:                             auto = 2 where the bwd_dhu CTAs fit two per SM (16/32 1x32768 unsplit:
+#:                             3.02 -> 2.06 ms), else 0 (split chains: 0.58 vs 0.63 ms)
+#:   bwd_pipe 0 | 1            backward: bwd_dqkwg streams its V-indexed inputs through a T.Pipelined
+#:                             loop (bwd_dqkwg_pipe_program: TMA one V block ahead, 384 threads)
 #:   uw      0 | 1             with pprep=1: the warp-specialised fwd_o's U/W warpgroup computes the
 #:                             S-independent −W₀ = −A_β diag(e^g) K and U₀ = A_β V while the state is
 #:                             updated, then Vd = U₀ − W₀ S is one wgmma on the chain (needs pprep=1)
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
     "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "1",
-    "bwd_split": "auto", "bwd_threads": "128", "bwd_stages": "0",
+    "bwd_split": "auto", "bwd_threads": "256", "bwd_stages": "auto", "bwd_pipe": "1",
 }  # fmt: skip
 #: The first landing's path (the knobs at their oldest values), kept for comparison.
 BASELINE_VARIANT = (
-    "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0,autobv=0,bwd_split=0"
+    "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0,autobv=0,bwd_split=0,"
+    "bwd_threads=128,bwd_stages=0,bwd_pipe=0"
 )
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
@@ -114,7 +121,8 @@ VARIANT_CHOICES = {
     "autobv": ("1", "0"),
     "bwd_split": ("auto", "0", "512", "1024", "2048", "4096", "8192"),
     "bwd_threads": ("128", "256"),
-    "bwd_stages": ("0", "2"),
+    "bwd_stages": ("auto", "0", "2"),
+    "bwd_pipe": ("0", "1"),
 }
 
 

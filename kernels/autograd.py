@@ -17,6 +17,8 @@ inside bwd_wy as A = I − A_β M. Per-chunk states are recomputed, never saved.
 Nothing here imports ``qlabench``.
 """
 
+import math
+
 import torch
 
 from ._common import CHUNK, HEAD_DIM, chunk_table, default_cu_seqlens, parse_variant, segment_table
@@ -39,6 +41,21 @@ def _group_sum(x_v, h_qk):
     if G == 1:
         return x_v
     return x_v.view(1, T, h_qk, G, d).sum(3)
+
+
+def _dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev) -> dict:
+    """bwd_dhu's loop pipelining for this call: bwd_stages=2 / 0 as asked; auto = 2 (TMA loads, two
+    CTAs per SM) where the bwd_dhu CTAs fit two per SM, else 0 (three per SM hide more)."""
+    if var["bwd_stages"] == "0" or var["rowexp"] != "1":
+        return {}
+    if var["bwd_stages"] == "2":
+        return {"stages": 2}
+    from . import _lens_of, _num_sms
+
+    lens = _lens_of(T, N, seqlens)
+    seg = split_tokens or max(lens, default=0) or 1
+    ctas = sum(max(1, math.ceil(ln / seg)) for ln in lens) * h_v * (HEAD_DIM // block_v)
+    return {"stages": 2} if ctas <= 2 * _num_sms(dev) else {}
 
 
 def chunk_gdn_bwd(
@@ -138,10 +155,9 @@ def chunk_gdn_bwd(
     if h0 is not None:
         dh0 = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
     dhu_kw = {"rowexp": True} if var["rowexp"] == "1" else {}
-    if var["bwd_stages"] != "0":
-        if var["rowexp"] != "1":
-            raise ValueError("GDN variant bwd_stages=2 needs rowexp=1")
-        dhu_kw["stages"] = int(var["bwd_stages"])
+    if var["bwd_stages"] == "2" and var["rowexp"] != "1":
+        raise ValueError("GDN variant bwd_stages=2 needs rowexp=1")
+    dhu_kw.update(_dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev))
     split_out = {}
     if split_tokens:
         from .fixup import run_fixup, run_rfixup
@@ -179,8 +195,9 @@ def chunk_gdn_bwd(
         )
     nthr = int(var["bwd_threads"])
     dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
-        q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr
-    )
+        q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr,
+        pipe=var["bwd_pipe"] == "1",
+    )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
     dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr)
     dq = _group_sum(dq_v, h_qk).to(q.dtype)

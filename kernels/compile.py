@@ -122,21 +122,26 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
     tag = variant_name(var)
     ws, rx = var["bwd_ws"] == "1", var["rowexp"] == "1"
     rkw = {"rowexp": True} if rx else {}
-    if var["bwd_stages"] != "0":
-        rkw["stages"] = int(var["bwd_stages"])
+    # bwd_stages=auto runs both forms of bwd_dhu (by shape); 2 / 0 only that one
+    stage_kws = [{}] if var["bwd_stages"] == "0" or not rx else [{"stages": 2}]
+    if var["bwd_stages"] == "auto" and rx:
+        stage_kws = [{}, {"stages": 2}]
     out = []
     for bv in bvs:
         for h0, dht in flags:
             get_h = get_bwd_h_ws_kernel if ws else get_bwd_h_kernel
             out.append((f"bwd_h{'_ws' if ws else ''}[init={h0},bv={bv}]", get_h, (h_qk, h_v, bool(h0), bv), {}))
-            out.append((f"bwd_dhu[dht={dht},dh0={h0},bv={bv}|{tag}]", get_bwd_dhu_kernel,
-                        (h_qk, h_v, bool(dht), bool(h0), bv), dict(rkw)))  # fmt: skip
+            for skw in stage_kws:
+                st = f",stages={skw['stages']}" if skw else ""
+                out.append((f"bwd_dhu[dht={dht},dh0={h0},bv={bv}{st}|{tag}]", get_bwd_dhu_kernel,
+                            (h_qk, h_v, bool(dht), bool(h0), bv), {**rkw, **skw}))  # fmt: skip
+                if split and ws:
+                    out.append((f"bwd_dhu[seg,dht={dht},bv={bv}{st}|{tag}]", get_bwd_dhu_kernel,
+                                (h_qk, h_v, bool(dht), True, bv), {**rkw, **skw, "split": "seg"}))  # fmt: skip
+                    out.append((f"bwd_dhu[carry,dh0={h0},bv={bv}{st}|{tag}]", get_bwd_dhu_kernel,
+                                (h_qk, h_v, True, bool(h0), bv), {**rkw, **skw, "split": "carry"}))  # fmt: skip
             if split and ws:
                 out.append((f"bwd_h_ws[init=1,bv={bv}]", get_bwd_h_ws_kernel, (h_qk, h_v, True, bv), {}))
-                out.append((f"bwd_dhu[seg,dht={dht},bv={bv}|{tag}]", get_bwd_dhu_kernel,
-                            (h_qk, h_v, bool(dht), True, bv), {**rkw, "split": "seg"}))  # fmt: skip
-                out.append((f"bwd_dhu[carry,dh0={h0},bv={bv}|{tag}]", get_bwd_dhu_kernel,
-                            (h_qk, h_v, True, bool(h0), bv), {**rkw, "split": "carry"}))  # fmt: skip
     if split and ws:
         st, fm = var["stages"], var["fastmath"] == "1"
         kw = {"fastmath": fm, "rowexp": True} if rx else ({"fastmath": True} if fm else {})
@@ -146,7 +151,12 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
             out.append((f"rfixup[dht={dht}]", get_rfixup_kernel, (h_v, bool(dht), 32), {}))
     thr = int(var["bwd_threads"])
     tkw = {"threads": thr} if thr != 128 else {}
-    out.append((f"bwd_dqkwg[threads={thr}]", get_bwd_dqkwg_kernel, (h_qk, h_v), tkw))
+    if var["bwd_pipe"] == "1":
+        from .bwd_dqkwg import get_bwd_dqkwg_pipe_kernel
+
+        out.append(("bwd_dqkwg_pipe", get_bwd_dqkwg_pipe_kernel, (h_qk, h_v), {}))
+    else:
+        out.append((f"bwd_dqkwg[threads={thr}]", get_bwd_dqkwg_kernel, (h_qk, h_v), tkw))
     out.append((f"bwd_wy[threads={thr}]", get_bwd_wy_kernel, (h_qk, h_v), tkw))
     return out
 

@@ -129,7 +129,8 @@ def profile_main(sweep, config_path, point, model, backend, direction, ncu, out,
         return 0
     rows = kernel_breakdown(prep.fn)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{backend}-{direction}-{p.tp_label.replace('/', '_')}-{p.layout_label}"
+    # one file name: layout labels such as "32768/8seq" carry a slash too
+    tag = f"{backend}-{direction}-{p.tp_label}-{p.layout_label}".replace("/", "_")
     t = Table(title=f"{backend} {direction} on {p.describe()}: {len(rows)} kernels per call")
     for c in ("kernel", "calls", "us/call", "share %", "grid", "block", "CTAs", "regs", "smem B"):
         t.add_column(c)

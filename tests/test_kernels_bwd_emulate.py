@@ -95,7 +95,7 @@ def _patch_kernels(monkeypatch):
         d_end.copy_(eb.emu_rfixup(m_tr, f_start, cu_segs, dht))
         return d_end
 
-    def fake_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128):
+    def fake_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128, pipe=False):
         dq_v, dk_v, dw, dg_p = eb.emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
         return dq_v, dk_v, dw.to(bf), dg_p
 
