@@ -17,6 +17,7 @@ inside bwd_wy as A = I − A_β M. Per-chunk states are recomputed, never saved.
 Nothing here imports ``qlabench``.
 """
 
+import contextlib
 import math
 
 import torch
@@ -41,6 +42,19 @@ def _group_sum(x_v, h_qk):
     if G == 1:
         return x_v
     return x_v.view(1, T, h_qk, G, d).sum(3)
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(dev):
+    """The second stream of the backward's state chain on this device (None off CUDA)."""
+    if dev.type != "cuda":
+        return None
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
 
 
 def _dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev) -> dict:
@@ -120,19 +134,7 @@ def chunk_gdn_bwd(
     h0 = None if initial_state is None else initial_state.float().contiguous()
     cu = default_cu_seqlens(T, dev) if cu_seqlens is None else cu_seqlens.to(device=dev, dtype=torch.int64)
     N = cu.numel() - 1
-    ctab_new, cu_chunks = chunk_table(cu, T, N)
-    ncs = ctab_new.shape[0]
-    if ctab is None or tuple(ctab.shape) != (ncs, 4):
-        ctab = ctab_new
-    if (
-        gcs is None
-        or a_beta is None
-        or tuple(gcs.shape) != (h_v, ncs * CHUNK)
-        or tuple(a_beta.shape) != (h_v, ncs * CHUNK, CHUNK)
-    ):
-        from .prep import run_prep
-
-        gcs, a_beta = run_prep(k, g, beta, ctab, method=var["prep"], target=target)
+    ncs = T // CHUNK + N  # chunk slots (chunk_table's rows)
     if seqlens is not None:
         seqlens = [int(x) for x in seqlens]
         if len(seqlens) != N or sum(seqlens) != T or min(seqlens, default=0) < 0:
@@ -151,6 +153,26 @@ def chunk_gdn_bwd(
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")
     if split_tokens and var["bwd_ws"] != "1":
         raise ValueError("split_tokens needs the warp-specialised bwd_h (variant bwd_ws=1)")
+    seg_tokens = split_tokens if split_tokens else _round_up(max(T, 1), CHUNK)
+    if var["tables"] == "tl" and dev.type == "cuda":  # chunk and segment tables in one launch
+        from .tables import run_tables
+
+        ctab_new, cu_chunks, stab, cu_segs = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target=target)
+    else:
+        ctab_new, cu_chunks = chunk_table(cu, T, N)
+        stab, cu_segs = segment_table(cu, cu_chunks, T, N, seg_tokens, split=bool(split_tokens))
+    cu_segs = cu_segs.to(torch.int32)
+    if ctab is None or tuple(ctab.shape) != (ncs, 4):
+        ctab = ctab_new
+    if (
+        gcs is None
+        or a_beta is None
+        or tuple(gcs.shape) != (h_v, ncs * CHUNK)
+        or tuple(a_beta.shape) != (h_v, ncs * CHUNK, CHUNK)
+    ):
+        from .prep import run_prep
+
+        gcs, a_beta = run_prep(k, g, beta, ctab, method=var["prep"], target=target)
     dh0 = None
     if h0 is not None:
         dh0 = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
@@ -158,41 +180,61 @@ def chunk_gdn_bwd(
     if var["bwd_stages"] == "2" and var["rowexp"] != "1":
         raise ValueError("GDN variant bwd_stages=2 needs rowexp=1")
     dhu_kw.update(_dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev))
+    # every buffer is allocated here, on the calling stream, before the chains fork
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    h_all = torch.empty(h_v, ncs, HEAD_DIM, HEAD_DIM, **bf)
+    vnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, **bf)
+    dh_all = torch.empty(h_v, ncs, HEAD_DIM, HEAD_DIM, **bf)
+    dvnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, **bf)
+    # bwd_h (state recompute) and bwd_dhu (reverse gradient chain) do not depend on each other:
+    # with bwd_streams=1 the state side runs on a second stream (joined before dqkwg)
+    side = _side_stream(dev) if var["bwd_streams"] == "1" else None
+    main = torch.cuda.current_stream(dev) if side is not None else None
+    on_side = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+    if side is not None:
+        side.wait_stream(main)
     split_out = {}
     if split_tokens:
         from .fixup import run_fixup, run_rfixup
         from .seg_state import run_seg_state
 
-        stab, cu_segs = segment_table(cu, cu_chunks, T, N, split_tokens, split=True)
-        cu_segs = cu_segs.to(torch.int32)
         ns = stab.shape[0]
         f32 = dict(device=dev, dtype=torch.float32)
         e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
-        m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-        run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, num_stages=var["stages"], target=target,
-                      fastmath=var["fastmath"] == "1",
-                      rowexp=var["rowexp"] == "1")  # fmt: skip
-        h_start = run_fixup(m_tr, e_end, cu_segs, h0, torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32), target=target)
-        h_all, vnew = run_bwd_h_ws(k, v, gcs, a_beta, stab, h_start, block_v=block_v, target=target)
+        m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **bf)
+        h_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
         f_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
-        dh_all, dvnew, _ = run_bwd_dhu(
-            q, k, gcs, a_beta, do, dht, stab, scale, f_start, block_v=block_v, target=target, split="seg", **dhu_kw
-        )
-        d_end = run_rfixup(m_tr, f_start, cu_segs, dht, torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32), target=target)
+        d_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+        m_ready = torch.cuda.Event() if side is not None else None
+        with on_side:  # segment maps and start states, then h per chunk
+            run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, num_stages=var["stages"], target=target,
+                          fastmath=var["fastmath"] == "1", rowexp=var["rowexp"] == "1")  # fmt: skip
+            if m_ready is not None:
+                m_ready.record(side)
+            run_fixup(m_tr, e_end, cu_segs, h0, h_start, target=target)
+            run_bwd_h_ws(k, v, gcs, a_beta, stab, h_start, h_all, vnew, block_v=block_v, target=target)
+        # pass 1 needs no segment map; the reverse fix-up does
+        run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, f_start, dh_all, dvnew, block_v=block_v,
+                    target=target, split="seg", **dhu_kw)  # fmt: skip
+        if m_ready is not None:
+            main.wait_event(m_ready)
+        run_rfixup(m_tr, f_start, cu_segs, dht, d_end, target=target)
         dh_all, dvnew, dh0 = run_bwd_dhu(
             q, k, gcs, a_beta, do, d_end, stab, scale, dh0, dh_all=dh_all, dvnew=dvnew, block_v=block_v,
             target=target, split="carry", **dhu_kw,
         )  # fmt: skip
         split_out = dict(cu_segs=cu_segs, h_start=h_start, f_start=f_start, d_end=d_end)
     else:
-        stab, _ = segment_table(cu, cu_chunks, T, N, _round_up(max(T, 1), CHUNK), split=False)
-        if var["bwd_ws"] == "1":
-            h_all, vnew = run_bwd_h_ws(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
-        else:
-            h_all, vnew = run_bwd_h(k, v, gcs, a_beta, stab, h0, block_v=block_v, target=target)
+        with on_side:
+            if var["bwd_ws"] == "1":
+                run_bwd_h_ws(k, v, gcs, a_beta, stab, h0, h_all, vnew, block_v=block_v, target=target)
+            else:
+                run_bwd_h(k, v, gcs, a_beta, stab, h0, h_all, vnew, block_v=block_v, target=target)
         dh_all, dvnew, dh0 = run_bwd_dhu(
-            q, k, gcs, a_beta, do, dht, stab, scale, dh0, block_v=block_v, target=target, **dhu_kw
+            q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all, dvnew, block_v=block_v, target=target, **dhu_kw
         )
+    if side is not None:
+        main.wait_stream(side)
     nthr = int(var["bwd_threads"])
     dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
         q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr,

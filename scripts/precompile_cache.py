@@ -111,6 +111,25 @@ if which == "bwdnew":
         h0s = tuple(sorted({h0 for h0, _ in fl}))
         precompile_variants(hq, hv, ["default"], flags=tuple((h0, 1) for h0 in h0s), h0s=h0s)
         print(f"{hq}/{hv} bwd: {time.time() - t0:.0f} s", flush=True)
+if which == "bwdtests":
+    # `precompile_cache.py bwdtests [2/2,2/4,...]`: what tests/test_kernels_bwd_gpu.py runs (default variant
+    # with every state flag, the bwd_ws / rowexp variants on 2/8 and 1/3, prep recomputed without P)
+    from qlabench_kernels.compile import precompile_bwd_variants
+    from qlabench_kernels.prep import get_prep_kernel
+
+    FLAGS4 = ((1, 1), (1, 0), (0, 1), (0, 0))
+    heads = [(2, 2), (2, 4), (1, 3), (2, 8)]
+    if len(sys.argv) > 2:
+        heads = [tuple(int(x) for x in hh.split("/")) for hh in sys.argv[2].split(",")]
+    for hq, hv in heads:
+        t0 = time.time()
+        precompile_bwd_variants(hq, hv, ["default"], flags=FLAGS4, bvs=(32,), verbose=True)
+        precompile_variants(hq, hv, ["default"], flags=((1, 1), (0, 1), (1, 0), (0, 0)), h0s=(1, 0))
+        get_prep_kernel(hq, hv, method="rt", target_k=target_key(None))
+        if (hq, hv) in ((2, 8), (1, 3)):
+            precompile_bwd_variants(hq, hv, ["bwd_ws=1,rowexp=1", "bwd_ws=0,rowexp=0"], flags=((1, 1), (0, 1)),
+                                    bvs=(32,), verbose=True)  # fmt: skip
+        print(f"{hq}/{hv} bwd tests: {time.time() - t0:.0f} s", flush=True)
 if which in ("bwd", "all"):
     for hq, hv in BWD_TESTS:
         build_bwd(hq, hv, True, (32, 64) if (hq, hv) == (1, 3) else (32,))

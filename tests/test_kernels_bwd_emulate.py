@@ -65,9 +65,13 @@ def _patch_kernels(monkeypatch):
     emu = importlib.import_module("qlabench_kernels.dev.emulate")
     bf = torch.bfloat16
 
-    def fake_h(k, v, gcs, a_beta, stab, h_init, block_v=64, target=None):
-        h_all, vnew = eb.emu_bwd_h(k, v, gcs, a_beta, stab, h_init, gcs.shape[1] // 64)
-        return h_all.to(bf), vnew.to(bf)
+    def fake_h(k, v, gcs, a_beta, stab, h_init, h_all=None, vnew=None, block_v=64, target=None):
+        ha, vn = eb.emu_bwd_h(k, v, gcs, a_beta, stab, h_init, gcs.shape[1] // 64)
+        if h_all is None:
+            return ha.to(bf), vn.to(bf)
+        h_all.copy_(ha)
+        vnew.copy_(vn)
+        return h_all, vnew
 
     def fake_dhu(
         q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=64, target=None,
@@ -79,7 +83,11 @@ def _patch_kernels(monkeypatch):
             dh0.copy_(d0[: dh0.shape[0]])
         if split == "seg":  # pass 1 writes only F
             return dh_all, dvnew, dh0
-        return dha.to(bf), dvn.to(bf), dh0
+        if dh_all is None:
+            return dha.to(bf), dvn.to(bf), dh0
+        dh_all.copy_(dha)
+        dvnew.copy_(dvn)
+        return dh_all, dvnew, dh0
 
     def fake_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, **kw):
         e, m = emu.emu_seg_state(k, v, gcs, a_beta, stab)
