@@ -95,6 +95,10 @@ def chunk_loop_stages() -> int:
 #:                             but slower on the H200 (16/32 1x32768 dqkwg 2.92 vs 2.21 ms), so off
 #:   bwd_streams 1 | 0         backward: the state chain (seg_state, fixup, bwd_h) on a second CUDA stream,
 #:                             concurrent with bwd_dhu (which does not depend on it)
+#:   bwd_rsum 0 | 1            backward: bwd_dqkwg's row / column sums as fragment reductions (no per-thread
+#:                             loops over shared memory, no single-thread tail)
+#:   bwd_bf16 0 | 1            backward: the per-v-head dq and dk intermediates (before the GVA group sum)
+#:                             in bf16 instead of fp32 (bwd_wy's dk read-modify-write halves)
 #:   uw      0 | 1             with pprep=1: the warp-specialised fwd_o's U/W warpgroup computes the
 #:                             S-independent −W₀ = −A_β diag(e^g) K and U₀ = A_β V while the state is
 #:                             updated, then Vd = U₀ − W₀ S is one wgmma on the chain (needs pprep=1)
@@ -102,12 +106,12 @@ VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
     "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "1",
     "bwd_split": "auto", "bwd_threads": "256", "bwd_stages": "auto", "bwd_pipe": "0",
-    "bwd_streams": "1",
+    "bwd_streams": "1", "bwd_rsum": "1", "bwd_bf16": "1",
 }  # fmt: skip
 #: The first landing's path (the knobs at their oldest values), kept for comparison.
 BASELINE_VARIANT = (
     "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0,autobv=0,bwd_split=0,"
-    "bwd_threads=128,bwd_stages=0,bwd_pipe=0,bwd_streams=0"
+    "bwd_threads=128,bwd_stages=0,bwd_pipe=0,bwd_streams=0,bwd_rsum=0,bwd_bf16=0"
 )
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
@@ -128,6 +132,8 @@ VARIANT_CHOICES = {
     "bwd_stages": ("auto", "0", "2"),
     "bwd_pipe": ("0", "1"),
     "bwd_streams": ("1", "0"),
+    "bwd_rsum": ("0", "1"),
+    "bwd_bf16": ("0", "1"),
 }
 
 

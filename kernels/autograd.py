@@ -41,7 +41,7 @@ def _group_sum(x_v, h_qk):
     G = h_v // h_qk
     if G == 1:
         return x_v
-    return x_v.view(1, T, h_qk, G, d).sum(3)
+    return x_v.view(1, T, h_qk, G, d).sum(3, dtype=torch.float32)
 
 
 _SIDE_STREAMS = {}
@@ -238,7 +238,7 @@ def chunk_gdn_bwd(
     nthr = int(var["bwd_threads"])
     dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
         q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr,
-        pipe=var["bwd_pipe"] == "1",
+        pipe=var["bwd_pipe"] == "1", rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1",
     )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
     dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr)

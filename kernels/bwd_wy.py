@@ -26,8 +26,11 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
 
-def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128):
-    """threads 128 (one warpgroup) or 256 (TileLang splits every GEMM over two warpgroups)."""
+def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = False):
+    """threads 128 (one warpgroup) or 256 (TileLang splits every GEMM over two warpgroups).
+    bf16_dk (variant ``bwd_bf16=1``): the per-v-head dk it completes in place is bf16 (from
+    bwd_dqkwg's bf16 partial; the sum is formed in fp32 and rounded once)."""
+    kdt = "bfloat16" if bf16_dk else "float32"
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -46,7 +49,7 @@ def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128):
         dw: T.Tensor((h_v, NCS * C, D), "bfloat16"),
         dvnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
         dg_part: T.Tensor((h_v, NCS * C), "float32"),
-        dk_v: T.Tensor((1, Tn, h_v, D), "float32"),
+        dk_v: T.Tensor((1, Tn, h_v, D), kdt),
         dv: T.Tensor((1, Tn, h_v, D), "bfloat16"),
         dg: T.Tensor((1, Tn, h_v), "float32"),
         dbeta: T.Tensor((1, Tn, h_v), "float32"),
@@ -145,7 +148,7 @@ def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128):
             T.gemm(dkk_sh, k_sh, acc1, transpose_A=True)
             for i, j in T.Parallel(C, D):
                 if i < ln:
-                    dk_v[0, bos + i, hv, j] = dk_v[0, bos + i, hv, j] + acc1[i, j]
+                    dk_v[0, bos + i, hv, j] = T.cast(T.cast(dk_v[0, bos + i, hv, j], "float32") + acc1[i, j], kdt)
 
             # per row: dβ, dg on the cumsum, then reverse cumsum → dg of the raw g
             if tx < C:
@@ -170,8 +173,10 @@ def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128):
 
 
 @functools.cache
-def get_bwd_wy_kernel(h_qk: int, h_v: int, target_k=None, threads: int = 128):
+def get_bwd_wy_kernel(h_qk: int, h_v: int, target_k=None, threads: int = 128, bf16_dk: bool = False):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+    if bf16_dk:
+        return compile_program(bwd_wy_program(h_qk, h_v, threads, True), target=target)
     if threads != 128:
         return compile_program(bwd_wy_program(h_qk, h_v, threads), target=target)
     return compile_program(bwd_wy_program(h_qk, h_v), target=target)
@@ -191,6 +196,9 @@ def run_bwd_wy(
         dg = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
     if dbeta is None:
         dbeta = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
-    kern = get_bwd_wy_kernel(h_qk, h_v, target_key(target), **({"threads": threads} if threads != 128 else {}))
+    kw = {"threads": threads} if threads != 128 else {}
+    if dk_v.dtype == torch.bfloat16:
+        kw["bf16_dk"] = True
+    kern = get_bwd_wy_kernel(h_qk, h_v, target_key(target), **kw)
     kern(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv, dg, dbeta)
     return dk_v, dv, dg, dbeta

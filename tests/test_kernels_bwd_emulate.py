@@ -103,8 +103,13 @@ def _patch_kernels(monkeypatch):
         d_end.copy_(eb.emu_rfixup(m_tr, f_start, cu_segs, dht))
         return d_end
 
-    def fake_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128, pipe=False):
+    def fake_dqkwg(
+        q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128, pipe=False, rsum=False,
+        bf16_out=False,
+    ):  # fmt: skip
         dq_v, dk_v, dw, dg_p = eb.emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
+        if bf16_out:  # the kernels' bf16 per-v-head intermediates
+            dq_v, dk_v = dq_v.to(bf), dk_v.to(bf)
         return dq_v, dk_v, dw.to(bf), dg_p
 
     def fake_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=None, threads=128):
@@ -175,6 +180,23 @@ def test_split_backward_with_emulated_kernels(monkeypatch, seqlens, split, with_
     assert r["split_tokens"] == split and r["d_end"].shape[0] == r["stab"].shape[0]
     assert int(r["stab"][:, 2].ge(0).sum()) > N  # some sequence really was cut
     _check({n: r[n] for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0")}, _ref(x), with_h0)
+
+
+def test_bf16_intermediates_with_emulated_kernels(monkeypatch):
+    """bwd_bf16=1: dq / dk per v-head rounded to bf16 before the group sum stay within the thresholds."""
+    pkg = _patch_kernels(monkeypatch)
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    common = importlib.import_module("qlabench_kernels._common")
+    x = _inputs((1, 63, 64, 65, 300), 2, 4, True, True, seed=13)
+    T, N = 493, 5
+    ctab, _ = common.chunk_table(x["cu"].long(), T, N)
+    gcs, a_beta = emu.emu_prep(x["k"], x["g"], x["beta"], ctab)
+    dq, dk, dv, dg, db, dh0 = pkg.chunk_gdn_bwd(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
+        cu_seqlens=x["cu"], gcs=gcs, a_beta=a_beta, ctab=ctab, variant="bwd_bf16=1",
+    )  # fmt: skip
+    assert dq.dtype == dk.dtype == torch.bfloat16
+    _check(dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db, dh0=dh0), _ref(x), True)
 
 
 def test_split_tokens_bad_value():
