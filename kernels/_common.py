@@ -88,16 +88,15 @@ def chunk_loop_stages() -> int:
 #:                             H200 session 5: 16/32 1x32768 dqkwg 2.50 -> 2.14 ms, wy 1.95 -> 1.49 ms)
 #:   bwd_stages auto | 0 | 2   backward: bwd_dhu's chunk loop pipelined (2: TMA loads of the next chunk,
 #:                             needs rowexp=1; 256 threads, ~106 KB: two CTAs per SM instead of three);
-#:                             auto = 2 where the bwd_dhu CTAs are at most one per SM (16/32 1x32768
-#:                             unsplit: 3.02 -> 2.06 ms), else 0 (split chains: 2/4 1x32768 0.50 vs 0.60 ms)
+#:                             auto = 2 where the bwd_dhu CTAs fit two per SM (16/32 1x32768 unsplit:
+#:                             3.02 -> 2.06 ms), else 0 (split chains: 0.58 vs 0.63 ms)
 #:   bwd_pipe 0 | 1            backward: bwd_dqkwg streams its V-indexed inputs through a T.Pipelined
 #:                             loop (bwd_dqkwg_pipe_program: TMA one V block ahead, 384 threads); correct,
 #:                             but slower on the H200 (16/32 1x32768 dqkwg 2.92 vs 2.21 ms), so off
 #:   bwd_streams 1 | 0         backward: the state chain (seg_state, fixup, bwd_h) on a second CUDA stream,
 #:                             concurrent with bwd_dhu (which does not depend on it)
-#:   bwd_rsum 0 | 1            backward: bwd_dqkwg's and bwd_wy's row / column sums (and wy's in-chunk reverse
-#:                             cumsum) as fragment reductions (no per-thread loops over shared memory, no
-#:                             single-thread tail)
+#:   bwd_rsum 0 | 1            backward: bwd_dqkwg's row / column sums as fragment reductions (no per-thread
+#:                             loops over shared memory, no single-thread tail)
 #:   bwd_bf16 0 | 1            backward: the per-v-head dq and dk intermediates (before the GVA group sum)
 #:                             in bf16 instead of fp32 (bwd_wy's dk read-modify-write halves)
 #:   uw      0 | 1             with pprep=1: the warp-specialised fwd_o's U/W warpgroup computes the

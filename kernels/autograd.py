@@ -58,10 +58,8 @@ def _side_stream(dev):
 
 
 def _dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev) -> dict:
-    """bwd_dhu's loop pipelining for this call: bwd_stages=2 / 0 as asked; auto = 2 (TMA loads; 256
-    threads, ~106 KB: two CTAs per SM) where the bwd_dhu CTAs are at most one per SM, else 0 (up to
-    three per SM hide the loads better). H200, session 5: 16/32 1x32768 unsplit (128 CTAs) 3.0 -> 2.0
-    ms with 2; 2/4 1x32768 split in 2048 (256 CTAs) 0.50 ms with 0 vs 0.60 with 2."""
+    """bwd_dhu's loop pipelining for this call: bwd_stages=2 / 0 as asked; auto = 2 (TMA loads, two
+    CTAs per SM) where the bwd_dhu CTAs fit two per SM, else 0 (three per SM hide more)."""
     if var["bwd_stages"] == "0" or var["rowexp"] != "1":
         return {}
     if var["bwd_stages"] == "2":
@@ -71,7 +69,7 @@ def _dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev) -> dict:
     lens = _lens_of(T, N, seqlens)
     seg = split_tokens or max(lens, default=0) or 1
     ctas = sum(max(1, math.ceil(ln / seg)) for ln in lens) * h_v * (HEAD_DIM // block_v)
-    return {"stages": 2} if ctas <= _num_sms(dev) else {}
+    return {"stages": 2} if ctas <= 2 * _num_sms(dev) else {}
 
 
 def chunk_gdn_bwd(
@@ -243,10 +241,7 @@ def chunk_gdn_bwd(
         pipe=var["bwd_pipe"] == "1", rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1",
     )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
-    dk_v, dv, dg, dbeta = run_bwd_wy(
-        k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr,
-        rsum=var["bwd_rsum"] == "1",
-    )  # fmt: skip
+    dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr)
     dq = _group_sum(dq_v, h_qk).to(q.dtype)
     dk = _group_sum(dk_v, h_qk).to(k.dtype)
     dv = dv.to(v.dtype)

@@ -26,12 +26,10 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
 
-def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = False, rsum: bool = False):
+def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = False):
     """threads 128 (one warpgroup) or 256 (TileLang splits every GEMM over two warpgroups).
     bf16_dk (variant ``bwd_bf16=1``): the per-v-head dk it completes in place is bf16 (from
-    bwd_dqkwg's bf16 partial; the sum is formed in fp32 and rounded once).
-    rsum (variant ``bwd_rsum=1``): Z's row sums, its β-weighted column sums and the in-chunk reverse
-    cumsum as fragment reductions instead of 64-step per-thread loops over shared memory."""
+    bwd_dqkwg's bf16 partial; the sum is formed in fp32 and rounded once)."""
     kdt = "bfloat16" if bf16_dk else "float32"
     import tilelang.language as T
 
@@ -70,14 +68,7 @@ def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = Fals
             x_sh = T.alloc_shared((C, C), "bfloat16")
             dkk_sh = T.alloc_shared((C, C), "bfloat16")
             mf_sh = T.alloc_shared((C, C), "float32")
-            if rsum:
-                zf = T.alloc_fragment((C, C), "float32")
-                zr = T.alloc_fragment((C,), "float32")
-                zcb = T.alloc_fragment((C,), "float32")
-                zr_sh = T.alloc_shared((C,), "float32")
-                zcb_sh = T.alloc_shared((C,), "float32")
-            else:
-                z_sh = T.alloc_shared((C, C), "float32")
+            z_sh = T.alloc_shared((C, C), "float32")
             g_sh = T.alloc_shared((C,), "float32")
             b_sh = T.alloc_shared((C,), "float32")
             diag_sh = T.alloc_shared((C,), "float32")
@@ -139,26 +130,12 @@ def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = Fals
 
             # dL = −X A_βᵀ (strictly lower); z = dL ⊙ M; dM ⊙ Γ = β_i dL_ij Γ_ij
             T.gemm(x_sh, a_sh, f64, transpose_B=True, clear_accum=True)
-            if rsum:
-                for i, j in T.Parallel(C, C):
-                    zf[i, j] = T.if_then_else(i > j, -f64[i, j] * mf_sh[i, j], T.float32(0))
-                    dkk_sh[i, j] = T.cast(
-                        T.if_then_else(i > j, -f64[i, j] * b_sh[i] * T.exp(g_sh[i] - g_sh[j]), T.float32(0)),
-                        "bfloat16",
-                    )
-                T.reduce_sum(zf, zr, dim=1)
-                for i, j in T.Parallel(C, C):
-                    zf[i, j] = b_sh[i] * zf[i, j]
-                T.reduce_sum(zf, zcb, dim=0)
-                T.copy(zr, zr_sh)
-                T.copy(zcb, zcb_sh)
-            else:
-                for i, j in T.Parallel(C, C):
-                    z_sh[i, j] = T.if_then_else(i > j, -f64[i, j] * mf_sh[i, j], T.float32(0))
-                    dkk_sh[i, j] = T.cast(
-                        T.if_then_else(i > j, -f64[i, j] * b_sh[i] * T.exp(g_sh[i] - g_sh[j]), T.float32(0)),
-                        "bfloat16",
-                    )
+            for i, j in T.Parallel(C, C):
+                z_sh[i, j] = T.if_then_else(i > j, -f64[i, j] * mf_sh[i, j], T.float32(0))
+                dkk_sh[i, j] = T.cast(
+                    T.if_then_else(i > j, -f64[i, j] * b_sh[i] * T.exp(g_sh[i] - g_sh[j]), T.float32(0)),
+                    "bfloat16",
+                )
 
             # dk = e^g ⊙ (A_βᵀ dw) + (dM⊙Γ) K + (dM⊙Γ)ᵀ K + dk_part;  dg += rowsum(e^g (A_βᵀ dw) ⊙ K)
             T.gemm(a_sh, dw_sh, acc1, transpose_A=True, clear_accum=True)
@@ -174,49 +151,30 @@ def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = Fals
                     dk_v[0, bos + i, hv, j] = T.cast(T.cast(dk_v[0, bos + i, hv, j], "float32") + acc1[i, j], kdt)
 
             # per row: dβ, dg on the cumsum, then reverse cumsum → dg of the raw g
-            if rsum:
-                if tx < C:
-                    dgc_sh[tx] = T.if_then_else(
-                        tx < ln, r1_sh[tx] + b_sh[tx] * zr_sh[tx] - zcb_sh[tx] + dg_part[hv, r0 + tx], T.float32(0)
-                    )
-                    if tx < ln:
-                        dbeta[0, bos + tx, hv] = diag_sh[tx] + zr_sh[tx]
-                for i, j in T.Parallel(C, C):
-                    zf[i, j] = T.if_then_else(j >= i, dgc_sh[j], T.float32(0))
-                T.reduce_sum(zf, zr, dim=1)
-                T.copy(zr, zr_sh)
-                if tx < C:
-                    if tx < ln:
-                        dg[0, bos + tx, hv] = zr_sh[tx]
-            else:
-                if tx < C:
-                    sacc = T.float32(0)
-                    bsum = T.float32(0)
-                    for jj in T.serial(C):
-                        sacc = sacc + z_sh[tx, (jj + tx) % C]
-                        bsum = bsum + b_sh[jj] * z_sh[jj, tx]
-                    dgc_sh[tx] = T.if_then_else(
-                        tx < ln, r1_sh[tx] + b_sh[tx] * sacc - bsum + dg_part[hv, r0 + tx], T.float32(0)
-                    )
-                    if tx < ln:
-                        dbeta[0, bos + tx, hv] = diag_sh[tx] + sacc
-                if tx < C:
-                    sacc = T.float32(0)
-                    for jj in T.serial(C):
-                        sacc = sacc + T.if_then_else(jj >= tx, dgc_sh[jj], T.float32(0))
-                    if tx < ln:
-                        dg[0, bos + tx, hv] = sacc
+            if tx < C:
+                sacc = T.float32(0)
+                bsum = T.float32(0)
+                for jj in T.serial(C):
+                    sacc = sacc + z_sh[tx, (jj + tx) % C]
+                    bsum = bsum + b_sh[jj] * z_sh[jj, tx]
+                dgc_sh[tx] = T.if_then_else(
+                    tx < ln, r1_sh[tx] + b_sh[tx] * sacc - bsum + dg_part[hv, r0 + tx], T.float32(0)
+                )
+                if tx < ln:
+                    dbeta[0, bos + tx, hv] = diag_sh[tx] + sacc
+            if tx < C:
+                sacc = T.float32(0)
+                for jj in T.serial(C):
+                    sacc = sacc + T.if_then_else(jj >= tx, dgc_sh[jj], T.float32(0))
+                if tx < ln:
+                    dg[0, bos + tx, hv] = sacc
 
     return gdn_bwd_wy
 
 
 @functools.cache
-def get_bwd_wy_kernel(
-    h_qk: int, h_v: int, target_k=None, threads: int = 128, bf16_dk: bool = False, rsum: bool = False
-):
+def get_bwd_wy_kernel(h_qk: int, h_v: int, target_k=None, threads: int = 128, bf16_dk: bool = False):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    if rsum:
-        return compile_program(bwd_wy_program(h_qk, h_v, threads, bf16_dk, True), target=target)
     if bf16_dk:
         return compile_program(bwd_wy_program(h_qk, h_v, threads, True), target=target)
     if threads != 128:
@@ -225,8 +183,7 @@ def get_bwd_wy_kernel(
 
 
 def run_bwd_wy(
-    k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None, dg=None, dbeta=None, target=None, threads=128,
-    rsum=False,
+    k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None, dg=None, dbeta=None, target=None, threads=128
 ):
     """Launch the WY backward. dk_v is updated in place (partial → complete).
     Returns dk_v, dv [1,T,Hv,128] bf16, dg, dbeta [1,T,Hv] fp32."""
@@ -242,8 +199,6 @@ def run_bwd_wy(
     kw = {"threads": threads} if threads != 128 else {}
     if dk_v.dtype == torch.bfloat16:
         kw["bf16_dk"] = True
-    if rsum:
-        kw["rsum"] = True
     kern = get_bwd_wy_kernel(h_qk, h_v, target_key(target), **kw)
     kern(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv, dg, dbeta)
     return dk_v, dv, dg, dbeta

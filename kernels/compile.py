@@ -160,9 +160,7 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
         if var["bwd_rsum"] == "1" or var["bwd_bf16"] == "1":
             dkw.update(rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1")
         out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
-    wkw = {**tkw, "bf16_dk": True} if var["bwd_bf16"] == "1" and var["bwd_pipe"] != "1" else dict(tkw)
-    if var["bwd_rsum"] == "1":
-        wkw["rsum"] = True
+    wkw = {**tkw, "bf16_dk": True} if var["bwd_bf16"] == "1" and var["bwd_pipe"] != "1" else tkw
     out.append((f"bwd_wy[threads={thr}|{tag}]", get_bwd_wy_kernel, (h_qk, h_v), wkw))
     return out
 

@@ -112,7 +112,7 @@ def _patch_kernels(monkeypatch):
             dq_v, dk_v = dq_v.to(bf), dk_v.to(bf)
         return dq_v, dk_v, dw.to(bf), dg_p
 
-    def fake_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=None, threads=128, rsum=False):
+    def fake_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=None, threads=128):
         dk, dv, dg, db = eb.emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_v, dg_part, ctab)
         dk_v.copy_(dk)
         return dk_v, dv.to(bf), dg, db

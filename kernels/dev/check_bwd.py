@@ -246,7 +246,7 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
         ),
         "bwd_wy": lambda: run_bwd_wy(
             x["k"], x["v"], x["beta"], g["gcs"], g["a_beta"], g["ctab"], g["dw"], g["dvnew"], g["dg_part"], dk_tmp,
-            threads=nthr, rsum=var["bwd_rsum"] == "1",
+            threads=nthr,
         ),
     }  # fmt: skip
     out = {}
