@@ -20,6 +20,7 @@ from ._common import (
     CHUNK,
     HEAD_DIM,
     VARIANT_CHOICES,
+    check_seqlens,
     chunk_table,
     default_cu_seqlens,
     parse_variant,
@@ -291,13 +292,7 @@ def chunk_gdn_fwd_lowlevel(
     bv, nthr, stages = int(var["fwd_bv"]), int(var["fwd_threads"]), var["stages"]
     fm = var["fastmath"] == "1"
     ws = var["fwd_ws"] == "1"
-    if seqlens is not None:
-        seqlens = [int(x) for x in seqlens]
-        if len(seqlens) != N or sum(seqlens) != T or min(seqlens, default=0) < 0:
-            raise ValueError(
-                f"seqlens (host lengths for planning) must be N={N} non-negative ints summing to T={T}, "
-                f"got {len(seqlens)} summing to {sum(seqlens)}"
-            )
+    seqlens = check_seqlens(seqlens, N, T)
     if split_tokens is None and var["autobv"] == "1" and ws:
         bv, split_tokens = plan_fwd(T, N, h_v, _num_sms(dev), seqlens=seqlens, blocks=(bv, 32) if bv != 32 else (32,))
     if split_tokens is None:

@@ -90,9 +90,6 @@ def chunk_loop_stages() -> int:
 #:                             needs rowexp=1; 256 threads, ~106 KB: two CTAs per SM instead of three);
 #:                             auto = 2 where the bwd_dhu CTAs fit two per SM (16/32 1x32768 unsplit:
 #:                             3.02 -> 2.06 ms), else 0 (split chains: 0.58 vs 0.63 ms)
-#:   bwd_pipe 0 | 1            backward: bwd_dqkwg streams its V-indexed inputs through a T.Pipelined
-#:                             loop (bwd_dqkwg_pipe_program: TMA one V block ahead, 384 threads); correct,
-#:                             but slower on the H200 (16/32 1x32768 dqkwg 2.92 vs 2.21 ms), so off
 #:   bwd_streams 1 | 0         backward: the state chain (seg_state, fixup, bwd_h) on a second CUDA stream,
 #:                             concurrent with bwd_dhu (which does not depend on it)
 #:   bwd_rsum 0 | 1            backward: bwd_dqkwg's row / column sums as fragment reductions (no per-thread
@@ -105,13 +102,13 @@ def chunk_loop_stages() -> int:
 VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
     "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "1",
-    "bwd_split": "auto", "bwd_threads": "256", "bwd_stages": "auto", "bwd_pipe": "0",
+    "bwd_split": "auto", "bwd_threads": "256", "bwd_stages": "auto",
     "bwd_streams": "1", "bwd_rsum": "1", "bwd_bf16": "1",
 }  # fmt: skip
 #: The first landing's path (the knobs at their oldest values), kept for comparison.
 BASELINE_VARIANT = (
     "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0,autobv=0,bwd_split=0,"
-    "bwd_threads=128,bwd_stages=0,bwd_pipe=0,bwd_streams=0,bwd_rsum=0,bwd_bf16=0"
+    "bwd_threads=128,bwd_stages=0,bwd_streams=0,bwd_rsum=0,bwd_bf16=0"
 )
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
@@ -130,7 +127,6 @@ VARIANT_CHOICES = {
     "bwd_split": ("auto", "0", "512", "1024", "2048", "4096", "8192"),
     "bwd_threads": ("128", "256"),
     "bwd_stages": ("auto", "0", "2"),
-    "bwd_pipe": ("0", "1"),
     "bwd_streams": ("1", "0"),
     "bwd_rsum": ("0", "1"),
     "bwd_bf16": ("0", "1"),
@@ -202,6 +198,20 @@ def variant_name(v: dict) -> str:
     if v.get("stages") is not None and int(v["stages"]) != DEFAULT_STAGES:
         parts.append(f"stages={v['stages']}")
     return ",".join(parts) or "default"
+
+
+def check_seqlens(seqlens, N: int, T: int):
+    """Host sequence lengths given for planning, as ints (or None): N non-negative ints summing to T,
+    else ValueError naming seqlens, N and T."""
+    if seqlens is None:
+        return None
+    seqlens = [int(x) for x in seqlens]
+    if len(seqlens) != N or sum(seqlens) != T or min(seqlens, default=0) < 0:
+        raise ValueError(
+            f"seqlens (host lengths for planning) must be N={N} non-negative ints summing to T={T}, "
+            f"got {len(seqlens)} summing to {sum(seqlens)}"
+        )
+    return seqlens
 
 
 def target_key(target) -> str:

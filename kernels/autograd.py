@@ -22,7 +22,15 @@ import math
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, chunk_table, default_cu_seqlens, parse_variant, segment_table
+from ._common import (
+    CHUNK,
+    HEAD_DIM,
+    check_seqlens,
+    chunk_table,
+    default_cu_seqlens,
+    parse_variant,
+    segment_table,
+)
 from .bwd_dhu import run_bwd_dhu
 from .bwd_dqkwg import run_bwd_dqkwg
 from .bwd_h import run_bwd_h
@@ -135,13 +143,7 @@ def chunk_gdn_bwd(
     cu = default_cu_seqlens(T, dev) if cu_seqlens is None else cu_seqlens.to(device=dev, dtype=torch.int64)
     N = cu.numel() - 1
     ncs = T // CHUNK + N  # chunk slots (chunk_table's rows)
-    if seqlens is not None:
-        seqlens = [int(x) for x in seqlens]
-        if len(seqlens) != N or sum(seqlens) != T or min(seqlens, default=0) < 0:
-            raise ValueError(
-                f"seqlens (host lengths for planning) must be N={N} non-negative ints summing to T={T}, "
-                f"got {len(seqlens)} summing to {sum(seqlens)}"
-            )
+    seqlens = check_seqlens(seqlens, N, T)
     if split_tokens is None and var["bwd_split"] != "auto":
         split_tokens = int(var["bwd_split"])
     if split_tokens is None:
@@ -238,7 +240,7 @@ def chunk_gdn_bwd(
     nthr = int(var["bwd_threads"])
     dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
         q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr,
-        pipe=var["bwd_pipe"] == "1", rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1",
+        rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1",
     )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
     dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr)

@@ -208,162 +208,6 @@ def bwd_dqkwg_program(h_qk: int, h_v: int, threads: int = 128, rsum: bool = Fals
     return gdn_bwd_dqkwg
 
 
-def bwd_dqkwg_pipe_program(h_qk: int, h_v: int, threads: int = 256, block_v: int = 32):
-    """The same outputs as :func:`bwd_dqkwg_program` (variant ``bwd_pipe=1``), with every V-indexed
-    input streamed: the V contraction of dO v_newᵀ, dv_new hᵀ, dO hᵀ and v_new dHᵀ (and Σ h ⊙ dH)
-    runs as a ``T.Pipelined`` loop over ``block_v``-column blocks of dO, v_new, dv_new, h and dH,
-    which TileLang's producer warpgroup TMA-loads one block ahead, so the loads overlap the wgmma
-    (~113 KB of shared memory instead of 173 KB, two consumer warpgroups). q, k load unmasked
-    before the loop (rows past the chunk are finite: the next sequence's, or TMA's zero fill past
-    T); the masks sit in the element passes (dS and Z keep i < ln; the dq / dk scalings are 0
-    there). Row and column sums (Z, dq_inter ⊙ q, dk_state ⊙ k, Σ h ⊙ dH) are fragment
-    reductions instead of per-thread loops over shared memory."""
-    import tilelang.language as T
-
-    G = check_heads(h_qk, h_v)
-    C, D, BV = CHUNK, HEAD_DIM, block_v
-    assert D % BV == 0
-    NV = D // BV
-    Tn = T.dynamic("T")
-    NCS = T.dynamic("NCS")
-
-    @T.prim_func
-    def gdn_bwd_dqkwg_pipe(
-        q: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
-        k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
-        do: T.Tensor((1, Tn, h_v, D), "bfloat16"),
-        gcs: T.Tensor((h_v, NCS * C), "float32"),
-        ctab: T.Tensor((NCS, 4), "int32"),
-        h_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
-        dh_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
-        vnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
-        dvnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
-        scale: T.float32,
-        dq_v: T.Tensor((1, Tn, h_v, D), "float32"),
-        dk_v: T.Tensor((1, Tn, h_v, D), "float32"),
-        dw: T.Tensor((h_v, NCS * C, D), "bfloat16"),
-        dg_part: T.Tensor((h_v, NCS * C), "float32"),
-    ):
-        with T.Kernel(NCS, h_v, threads=threads) as (c, hv):
-            hk = hv // G
-            q_sh = T.alloc_shared((C, D), "bfloat16")
-            k_sh = T.alloc_shared((C, D), "bfloat16")
-            do_sh = T.alloc_shared((C, BV), "bfloat16")
-            vn_sh = T.alloc_shared((C, BV), "bfloat16")
-            dvn_sh = T.alloc_shared((C, BV), "bfloat16")
-            h_sh = T.alloc_shared((D, BV), "bfloat16")
-            dh_sh = T.alloc_shared((D, BV), "bfloat16")
-            ds_sh = T.alloc_shared((C, C), "bfloat16")
-            g_sh = T.alloc_shared((C,), "float32")
-            r1_sh = T.alloc_shared((C,), "float32")
-            r2_sh = T.alloc_shared((C,), "float32")
-            zr_sh = T.alloc_shared((C,), "float32")
-            zc_sh = T.alloc_shared((C,), "float32")
-
-            dp = T.alloc_fragment((C, C), "float32")
-            qk = T.alloc_fragment((C, C), "float32")
-            zf = T.alloc_fragment((C, C), "float32")
-            dwf = T.alloc_fragment((C, D), "float32")
-            dqf = T.alloc_fragment((C, D), "float32")
-            dkf = T.alloc_fragment((C, D), "float32")
-            hdf = T.alloc_fragment((D, BV), "float32")
-            rr1 = T.alloc_fragment((C,), "float32")
-            rr2 = T.alloc_fragment((C,), "float32")
-            zr = T.alloc_fragment((C,), "float32")
-            zc = T.alloc_fragment((C,), "float32")
-            hdr = T.alloc_fragment((D,), "float32")
-            hdt = T.alloc_fragment((1,), "float32")
-            r2t = T.alloc_fragment((1,), "float32")
-            glast = T.alloc_var("float32")
-
-            bos = ctab[c, 0]
-            ln = ctab[c, 1] - bos
-            r0 = c * C
-            tx = T.get_thread_binding()
-
-            T.copy(q[0, bos : bos + C, hk, 0:D], q_sh)
-            T.copy(k[0, bos : bos + C, hk, 0:D], k_sh)
-            T.copy(gcs[hv, r0 : r0 + C], g_sh)
-            T.clear(dp)
-            T.clear(dwf)
-            T.clear(dqf)
-            T.clear(dkf)
-            T.clear(hdf)
-            for vb in T.Pipelined(NV, num_stages=2):
-                T.copy(do[0, bos : bos + C, hv, vb * BV : vb * BV + BV], do_sh)
-                T.copy(vnew[hv, r0 : r0 + C, vb * BV : vb * BV + BV], vn_sh)
-                T.copy(dvnew[hv, r0 : r0 + C, vb * BV : vb * BV + BV], dvn_sh)
-                T.copy(h_all[hv, c, 0:D, vb * BV : vb * BV + BV], h_sh)
-                T.copy(dh_all[hv, c, 0:D, vb * BV : vb * BV + BV], dh_sh)
-                T.gemm(do_sh, vn_sh, dp, transpose_B=True)
-                T.gemm(dvn_sh, h_sh, dwf, transpose_B=True)
-                T.gemm(do_sh, h_sh, dqf, transpose_B=True)
-                T.gemm(vn_sh, dh_sh, dkf, transpose_B=True)
-                for i, j in T.Parallel(D, BV):
-                    hdf[i, j] = hdf[i, j] + T.cast(h_sh[i, j], "float32") * T.cast(dh_sh[i, j], "float32")
-
-            glast = g_sh[T.max(ln - 1, 0)]
-            # dS = scale Γ ⊙ dO v_newᵀ and Z = dS ⊙ QKᵀ on rows i < ln (lower incl. diagonal)
-            T.gemm(q_sh, k_sh, qk, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                zf[i, j] = T.if_then_else(i >= j and i < ln, scale * T.exp(g_sh[i] - g_sh[j]), T.float32(0)) * dp[i, j]
-                ds_sh[i, j] = T.cast(zf[i, j], "bfloat16")
-                zf[i, j] = zf[i, j] * qk[i, j]
-            T.reduce_sum(zf, zr, dim=1)
-            T.reduce_sum(zf, zc, dim=0)
-
-            # dw = −dv_new hᵀ
-            for i, j in T.Parallel(C, D):
-                dw[hv, r0 + i, j] = T.cast(-dwf[i, j], "bfloat16")
-
-            # dq = scale e^g ⊙ (dO hᵀ) + dS K;  r1 = rowsum(dq_inter ⊙ q)
-            for i, j in T.Parallel(C, D):
-                dqf[i, j] = T.if_then_else(i < ln, scale * T.exp(g_sh[i]), T.float32(0)) * dqf[i, j]
-                dwf[i, j] = dqf[i, j] * T.cast(q_sh[i, j], "float32")
-            T.reduce_sum(dwf, rr1, dim=1)
-            T.gemm(ds_sh, k_sh, dqf)
-            for i, j in T.Parallel(C, D):
-                if i < ln:
-                    dq_v[0, bos + i, hv, j] = dqf[i, j]
-
-            # dk = dSᵀ Q + e^{g_l − g} ⊙ (v_new dHᵀ);  r2 = rowsum(dk_state ⊙ k)
-            for i, j in T.Parallel(C, D):
-                dkf[i, j] = T.if_then_else(i < ln, T.exp(glast - g_sh[i]), T.float32(0)) * dkf[i, j]
-                dwf[i, j] = dkf[i, j] * T.cast(k_sh[i, j], "float32")
-            T.reduce_sum(dwf, rr2, dim=1)
-            T.gemm(ds_sh, q_sh, dkf, transpose_A=True)
-            for i, j in T.Parallel(C, D):
-                if i < ln:
-                    dk_v[0, bos + i, hv, j] = dkf[i, j]
-
-            # dg (on the cumsum) = r1 − r2 + rowsum Z − colsum Z, plus at the last row
-            # Σ r2 + e^{g_l} Σ h ⊙ dH
-            T.reduce_sum(hdf, hdr, dim=1)
-            T.reduce_sum(hdr, hdt, dim=0)
-            T.reduce_sum(rr2, r2t, dim=0)
-            T.copy(rr1, r1_sh)
-            T.copy(rr2, r2_sh)
-            T.copy(zr, zr_sh)
-            T.copy(zc, zc_sh)
-            if tx < C:
-                dg_part[hv, r0 + tx] = T.if_then_else(
-                    tx < ln,
-                    r1_sh[tx] - r2_sh[tx] + zr_sh[tx] - zc_sh[tx]
-                    + T.if_then_else(tx == ln - 1, r2t[0] + T.exp(glast) * hdt[0], T.float32(0)),
-                    T.float32(0),
-                )  # fmt: skip
-
-    return gdn_bwd_dqkwg_pipe
-
-
-@functools.cache
-def get_bwd_dqkwg_pipe_kernel(h_qk: int, h_v: int, target_k=None, threads: int = 256, block_v: int = 32):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(
-        bwd_dqkwg_pipe_program(h_qk, h_v, threads, block_v), target=target, pass_configs={"tl.enable_fast_math": True}
-    )
-
-
 @functools.cache
 def get_bwd_dqkwg_kernel(
     h_qk: int, h_v: int, target_k=None, threads: int = 128, rsum: bool = False, bf16_out: bool = False
@@ -380,25 +224,21 @@ def get_bwd_dqkwg_kernel(
 
 
 def run_bwd_dqkwg(
-    q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128, pipe=False, rsum=False,
-    bf16_out=False,
+    q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128, rsum=False, bf16_out=False
 ):
     """Launch dqkwg. Returns dq_v, dk_v [1,T,Hv,128] fp32 (per v-head; dk partial),
     dw [Hv,NCS*64,128] bf16, dg_part [Hv,NCS*64] fp32."""
     h_qk, h_v = q.shape[2], do.shape[2]
     T_, ncs = q.shape[1], ctab.shape[0]
     dev = q.device
-    odt = torch.bfloat16 if bf16_out and not pipe else torch.float32
+    odt = torch.bfloat16 if bf16_out else torch.float32
     dq_v = torch.empty(1, T_, h_v, HEAD_DIM, device=dev, dtype=odt)
     dk_v = torch.empty(1, T_, h_v, HEAD_DIM, device=dev, dtype=odt)
     dw = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     dg_part = torch.empty(h_v, ncs * CHUNK, device=dev, dtype=torch.float32)
-    if pipe:
-        kern = get_bwd_dqkwg_pipe_kernel(h_qk, h_v, target_key(target))
-    else:
-        kw = {"threads": threads} if threads != 128 else {}
-        if rsum or bf16_out:
-            kw.update(rsum=bool(rsum), bf16_out=bool(bf16_out))
-        kern = get_bwd_dqkwg_kernel(h_qk, h_v, target_key(target), **kw)
+    kw = {"threads": threads} if threads != 128 else {}
+    if rsum or bf16_out:
+        kw.update(rsum=bool(rsum), bf16_out=bool(bf16_out))
+    kern = get_bwd_dqkwg_kernel(h_qk, h_v, target_key(target), **kw)
     kern(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, float(scale), dq_v, dk_v, dw, dg_part)
     return dq_v, dk_v, dw, dg_part

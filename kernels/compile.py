@@ -151,16 +151,11 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
             out.append((f"rfixup[dht={dht}]", get_rfixup_kernel, (h_v, bool(dht), 32), {}))
     thr = int(var["bwd_threads"])
     tkw = {"threads": thr} if thr != 128 else {}
-    if var["bwd_pipe"] == "1":
-        from .bwd_dqkwg import get_bwd_dqkwg_pipe_kernel
-
-        out.append(("bwd_dqkwg_pipe", get_bwd_dqkwg_pipe_kernel, (h_qk, h_v), {}))
-    else:
-        dkw = dict(tkw)
-        if var["bwd_rsum"] == "1" or var["bwd_bf16"] == "1":
-            dkw.update(rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1")
-        out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
-    wkw = {**tkw, "bf16_dk": True} if var["bwd_bf16"] == "1" and var["bwd_pipe"] != "1" else tkw
+    dkw = dict(tkw)
+    if var["bwd_rsum"] == "1" or var["bwd_bf16"] == "1":
+        dkw.update(rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1")
+    out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
+    wkw = {**tkw, "bf16_dk": True} if var["bwd_bf16"] == "1" else tkw
     out.append((f"bwd_wy[threads={thr}|{tag}]", get_bwd_wy_kernel, (h_qk, h_v), wkw))
     return out
 

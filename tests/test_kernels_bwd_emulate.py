@@ -104,8 +104,7 @@ def _patch_kernels(monkeypatch):
         return d_end
 
     def fake_dqkwg(
-        q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128, pipe=False, rsum=False,
-        bf16_out=False,
+        q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128, rsum=False, bf16_out=False,
     ):  # fmt: skip
         dq_v, dk_v, dw, dg_p = eb.emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
         if bf16_out:  # the kernels' bf16 per-v-head intermediates
