@@ -160,39 +160,34 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
     return out
 
 
+def _compile_all(items, tk, verbose=False) -> dict:
+    """Compile [(name, getter, args, kwargs)] once each (same getter, args and kwargs: once);
+    returns {name: seconds}."""
+    times_s, seen = {}, set()
+    for name, getter, args, kwargs in items:
+        key = (getter, args, tuple(sorted(kwargs.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        t0 = time.perf_counter()
+        getter(*args, target_k=tk, **kwargs)
+        dt = time.perf_counter() - t0
+        times_s[name] = times_s.get(name, 0.0) + dt
+        if verbose and dt > 0.5:
+            print(f"  {name:48s} {dt:7.1f} s", flush=True)
+    return times_s
+
+
 def precompile_bwd_variants(h_qk: int, h_v: int, specs, target=None, verbose=False, **kw):
     """Compile every backward kernel of each variant spec for (h_qk, h_v) (see :func:`bwd_variant_kernels`)."""
-    tk = target_key(target)
-    times_s = {}
-    seen = set()
-    for spec in specs:
-        for name, getter, args, kwargs in bwd_variant_kernels(h_qk, h_v, spec, **kw):
-            key = (getter, args, tuple(sorted(kwargs.items())))
-            if key in seen:
-                continue
-            seen.add(key)
-            t0 = time.perf_counter()
-            getter(*args, target_k=tk, **kwargs)
-            dt = time.perf_counter() - t0
-            times_s[name] = times_s.get(name, 0.0) + dt
-            if verbose and dt > 0.5:
-                print(f"  {name:48s} {dt:7.1f} s", flush=True)
-    return times_s
+    items = [it for spec in specs for it in bwd_variant_kernels(h_qk, h_v, spec, **kw)]
+    return _compile_all(items, target_key(target), verbose)
 
 
 def precompile_variants(h_qk: int, h_v: int, specs, target=None, verbose=False, **kw):
     """Compile every kernel of each variant spec for (h_qk, h_v) (duplicates are cached)."""
-    tk = target_key(target)
-    times_s = {}
-    for spec in specs:
-        for name, getter, args, kwargs in variant_kernels(h_qk, h_v, spec, **kw):
-            t0 = time.perf_counter()
-            getter(*args, target_k=tk, **kwargs)
-            dt = time.perf_counter() - t0
-            times_s[name] = times_s.get(name, 0.0) + dt
-            if verbose and dt > 0.5:
-                print(f"  {name:48s} {dt:7.1f} s", flush=True)
-    return times_s
+    items = [it for spec in specs for it in variant_kernels(h_qk, h_v, spec, **kw)]
+    return _compile_all(items, target_key(target), verbose)
 
 
 def precompile(h_qk: int, h_v: int, target=None, full: bool = True, verbose: bool = False):
