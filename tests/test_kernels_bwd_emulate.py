@@ -220,6 +220,11 @@ def test_autograd_function_with_emulated_kernels(monkeypatch):
     )  # fmt: skip
     ((o.float() * x["do"].float()).sum() + (ht * x["dht"]).sum()).backward()
     _check({"d" + n: t.grad for n, t in leaves.items()}, _ref(x), True)
-    o2, ht2 = pkg.chunk_gdn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], cu_seqlens=x["cu"])
+    # host lengths plan both passes' splits; a wrong list is an error naming seqlens
+    with pytest.raises(ValueError, match="seqlens"):
+        pkg.chunk_gdn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], cu_seqlens=x["cu"],
+                      seqlens=[1, 2])  # fmt: skip
+    o2, ht2 = pkg.chunk_gdn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], cu_seqlens=x["cu"],
+                            seqlens=[1, 63, 64, 65, 130])  # fmt: skip
     assert ht2 is None
     (o2.float() * x["do"].float()).sum().backward()
