@@ -268,3 +268,9 @@ def test_plan_bwd_split_cuts_only_few_long_chains():
     seg = pkg.plan_bwd_split(32768, 2, 4, seqlens=[32000, 768])
     assert seg > 0 and pkg.bwd_split_cost([32000, 768], 4, seg) < pkg.bwd_split_cost([32000, 768], 4, 0)
     assert pkg.bwd_split_cost([32768], 4, 0) > pkg.bwd_split_cost([32768], 4, 2048)
+    # the H200 timings of session 5 (kernels/dev/h200_check_bwd_2026-11-30b.txt, call 2, whole backward):
+    assert pkg.plan_bwd_split(32768, 1, 4) == 2048  # 2/4 1x32768: 1.42 ms (1024: 1.51, unsplit 4.40)
+    assert pkg.plan_bwd_split(8192, 1, 4) == 512  # 2/4 1x8192: 0.50 ms (1024: 0.55, unsplit 1.19)
+    assert pkg.plan_bwd_split(32768, 1, 32) == 0  # 16/32 1x32768: 9.05 ms (1024: 9.25)
+    eight = [3274, 1029, 2909, 5061, 2011, 3793, 9932, 4759]
+    assert pkg.plan_bwd_split(32768, 8, 8, seqlens=eight) == 2048  # 4/8: 2.47 ms (1024: 2.45, unsplit 2.67)
