@@ -57,6 +57,22 @@ def test_emulated_backward_matches_reference(seqlens, h_qk, h_v, with_h0, with_d
     _check(r, _ref(x), with_h0)
 
 
+@pytest.mark.parametrize("seqlens,with_h0,with_dht", [((1, 63, 64, 65, 300), True, True), ((129, 70), False, False)])
+def test_dhu_uw_algebra_matches_reference(seqlens, with_h0, with_dht):
+    """The S-independent form of bwd_dhu's chain (Y = Y₀ + W' dH, the next kernel step in
+    kernels/NOTES.md) at bf16 rounding points: the gradients stay within the thresholds and
+    within bf16 noise of today's algebra."""
+    _kernels_pkg()
+    eb = importlib.import_module("qlabench_kernels.dev.emulate_bwd")
+    x = _inputs(seqlens, 2, 4, with_h0, with_dht, seed=17)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"], None, x["h0"], x["cu"])
+    new, old = eb.emu_bwd_pipeline(*args, uw=True), eb.emu_bwd_pipeline(*args)
+    _check(new, _ref(x), with_h0)
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    for n in ("dq", "dk", "dv", "dg", "dbeta"):
+        assert emu.rel_l2(new[n].float(), old[n].float()) < 1e-2, n
+
+
 def _patch_kernels(monkeypatch):
     """Swap the backward launchers (and the forward) for their torch emulations."""
     pkg = _kernels_pkg()

@@ -106,13 +106,18 @@ def emu_bwd_h(k, v, gcs, a_beta, stab, h_init, ncs):
     return h_all, vnew
 
 
-def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split=""):
+def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split="", uw=False):
     """Mirror of bwd_dhu.py. Returns dh_all [Hv, NCS, K, V] (bf16 values; d(state at chunk end)),
     dvnew [Hv, NCS*64, V] (bf16 values) and dh0 [N, Hv, K, V] fp32.
 
     split="seg": segments that are not the first of their sequence, from dht[seq] (last segment)
     or 0; returns F [NS, Hv, K, V] as the third value (NaN rows elsewhere), dh_all / dvnew NaN.
-    split="carry": every segment from dht[s] (row = segment); dh0 from first segments only."""
+    split="carry": every segment from dht[s] (row = segment); dh0 from first segments only.
+
+    uw=True: the dH-independent algebra a warp-specialised bwd_dhu would use (not a kernel yet):
+    Y = A_βᵀ dv_new = Y₀ + W' dH with Y₀ = A_βᵀ bf16(Pᵀ dO) and W' = bf16(A_βᵀ bf16(e^{g_l − g} ⊙ K)),
+    both computable before dH arrives, so the chain per chunk is W' dH and Kᵀ(e^g ⊙ Y); dv_new (an
+    output only) is formed as before."""
     T, h_qk, h_v = q.shape[1], q.shape[2], do.shape[2]
     G = h_v // h_qk
     dev = q.device
@@ -157,7 +162,12 @@ def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split=""):
             dvs = _r(dv)
             if split != "seg":
                 dvnew[:, r0 : r0 + C] = dvs
-            y = ab.transpose(-1, -2) @ dvs
+            if uw:
+                el = m * torch.exp(gl[:, None, None] - gch[..., None])
+                w_p = _r(ab.transpose(-1, -2) @ _r(el * kc))
+                y = ab.transpose(-1, -2) @ _r(pt @ dc) + w_p @ dh_sh
+            else:
+                y = ab.transpose(-1, -2) @ dvs
             eg = torch.exp(gch)[..., None]
             qdo = _r(scale * eg * dc)
             ky = _r(-eg * y)
@@ -300,7 +310,7 @@ def group_sum(x_v, h_qk):
     return x_v.reshape(1, T, h_qk, h_v // h_qk, d).sum(3)
 
 
-def emu_bwd_pipeline(q, k, v, g, beta, do, dht=None, scale=None, h0=None, cu=None):
+def emu_bwd_pipeline(q, k, v, g, beta, do, dht=None, scale=None, h0=None, cu=None, uw=False):
     """The whole backward, emulated (the forward's prep emulated too). Returns a dict with
     dq, dk [1,T,Hqk,K], dv [1,T,Hv,V], dg, dbeta [1,T,Hv], dh0 (or None) and each stage's output."""
     from .._common import chunk_table, default_cu_seqlens, segment_table
@@ -315,7 +325,7 @@ def emu_bwd_pipeline(q, k, v, g, beta, do, dht=None, scale=None, h0=None, cu=Non
     gcs, a_beta = emu_prep(k, g, beta, ctab)
     stab, _ = segment_table(cu, cu_chunks, T, N, max(64, (T + 63) // 64 * 64), split=False)
     h_all, vnew = emu_bwd_h(k, v, gcs, a_beta, stab, h0, ncs)
-    dh_all, dvnew, dh0 = emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N)
+    dh_all, dvnew, dh0 = emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, uw=uw)
     dq_v, dk_p, dw, dg_p = emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
     dk_v, dv, dg, db = emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_p, dg_p, ctab)
     return dict(
