@@ -32,6 +32,7 @@ from ._common import (
     segment_table,
 )
 from .bwd_dhu import run_bwd_dhu
+from .bwd_dhu_ws import run_bwd_dhu_ws
 from .bwd_dqkwg import run_bwd_dqkwg
 from .bwd_h import run_bwd_h
 from .bwd_h_ws import run_bwd_h_ws
@@ -182,6 +183,9 @@ def chunk_gdn_bwd(
     if var["bwd_stages"] == "2" and var["rowexp"] != "1":
         raise ValueError("GDN variant bwd_stages=2 needs rowexp=1")
     dhu_kw.update(_dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev))
+    dhu = run_bwd_dhu
+    if var["bwd_dhu_ws"] == "1":  # DRAFT: the warp-specialised reverse chain (not yet run on a GPU)
+        dhu, dhu_kw = run_bwd_dhu_ws, {}
     # every buffer is allocated here, on the calling stream, before the chains fork
     bf = dict(device=dev, dtype=torch.bfloat16)
     h_all = torch.empty(h_v, ncs, HEAD_DIM, HEAD_DIM, **bf)
@@ -216,12 +220,12 @@ def chunk_gdn_bwd(
             run_fixup(m_tr, e_end, cu_segs, h0, h_start, target=target)
             run_bwd_h_ws(k, v, gcs, a_beta, stab, h_start, h_all, vnew, block_v=block_v, target=target)
         # pass 1 needs no segment map; the reverse fix-up does
-        run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, f_start, dh_all, dvnew, block_v=block_v,
+        dhu(q, k, gcs, a_beta, do, dht, stab, scale, f_start, dh_all, dvnew, block_v=block_v,
                     target=target, split="seg", **dhu_kw)  # fmt: skip
         if m_ready is not None:
             main.wait_event(m_ready)
         run_rfixup(m_tr, f_start, cu_segs, dht, d_end, target=target)
-        dh_all, dvnew, dh0 = run_bwd_dhu(
+        dh_all, dvnew, dh0 = dhu(
             q, k, gcs, a_beta, do, d_end, stab, scale, dh0, dh_all=dh_all, dvnew=dvnew, block_v=block_v,
             target=target, split="carry", **dhu_kw,
         )  # fmt: skip
@@ -232,7 +236,7 @@ def chunk_gdn_bwd(
                 run_bwd_h_ws(k, v, gcs, a_beta, stab, h0, h_all, vnew, block_v=block_v, target=target)
             else:
                 run_bwd_h(k, v, gcs, a_beta, stab, h0, h_all, vnew, block_v=block_v, target=target)
-        dh_all, dvnew, dh0 = run_bwd_dhu(
+        dh_all, dvnew, dh0 = dhu(
             q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all, dvnew, block_v=block_v, target=target, **dhu_kw
         )
     if side is not None:

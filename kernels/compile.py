@@ -122,6 +122,11 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
     tag = variant_name(var)
     ws, rx = var["bwd_ws"] == "1", var["rowexp"] == "1"
     rkw = {"rowexp": True} if rx else {}
+    if var["bwd_dhu_ws"] == "1":  # the warp-specialised bwd_dhu instead (no rowexp / stages forms)
+        from .bwd_dhu_ws import get_bwd_dhu_ws_kernel
+
+        get_bwd_dhu_kernel = get_bwd_dhu_ws_kernel  # noqa: N806 -- same signature, minus rowexp / stages
+        rx, rkw = False, {}
     # bwd_stages=auto runs both forms of bwd_dhu (by shape); 2 / 0 only that one
     stage_kws = [{}] if var["bwd_stages"] == "0" or not rx else [{"stages": 2}]
     if var["bwd_stages"] == "auto" and rx:

@@ -135,6 +135,7 @@ def _patch_kernels(monkeypatch):
     monkeypatch.setattr(ag, "run_bwd_h", fake_h)
     monkeypatch.setattr(ag, "run_bwd_h_ws", fake_h)  # bwd_ws=1 (default): same outputs as bwd_h
     monkeypatch.setattr(ag, "run_bwd_dhu", fake_dhu)
+    monkeypatch.setattr(ag, "run_bwd_dhu_ws", fake_dhu)  # same call and outputs
     monkeypatch.setattr(ag, "run_bwd_dqkwg", fake_dqkwg)
     monkeypatch.setattr(ag, "run_bwd_wy", fake_wy)
     monkeypatch.setattr(importlib.import_module("qlabench_kernels.seg_state"), "run_seg_state", fake_seg_state)
@@ -212,6 +213,36 @@ def test_bf16_intermediates_with_emulated_kernels(monkeypatch):
     )  # fmt: skip
     assert dq.dtype == dk.dtype == torch.bfloat16
     _check(dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db, dh0=dh0), _ref(x), True)
+
+
+def test_dhu_ws_variant_takes_the_same_glue(monkeypatch):
+    """bwd_dhu_ws=1 routes every bwd_dhu launch (unsplit, split pass 1 and 2) to the warp-specialised
+    launcher with the same arguments, and no rowexp / stages keywords."""
+    pkg = _patch_kernels(monkeypatch)
+    ag = importlib.import_module("qlabench_kernels.autograd")
+    seen = []
+    base = ag.run_bwd_dhu_ws
+
+    def spy(*a, **kw):
+        seen.append((kw.get("split", ""), sorted(kw)))
+        return base(*a, **kw)
+
+    monkeypatch.setattr(ag, "run_bwd_dhu_ws", spy)
+    monkeypatch.setattr(ag, "run_bwd_dhu", lambda *a, **kw: pytest.fail("bwd_dhu launched under bwd_dhu_ws=1"))
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    common = importlib.import_module("qlabench_kernels._common")
+    x = _inputs((5, 700, 300), 2, 4, True, True, seed=19)
+    ctab, _ = common.chunk_table(x["cu"].long(), 1005, 3)
+    gcs, a_beta = emu.emu_prep(x["k"], x["g"], x["beta"], ctab)
+    for split in (0, 256):
+        got = pkg.chunk_gdn_bwd(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
+            cu_seqlens=x["cu"], gcs=gcs, a_beta=a_beta, ctab=ctab, split_tokens=split, variant="bwd_dhu_ws=1",
+            return_intermediates=True,
+        )  # fmt: skip
+        _check(got, _ref(x), True)
+    assert [s for s, _ in seen] == ["", "seg", "carry"]
+    assert all("rowexp" not in kws and "stages" not in kws for _, kws in seen)
 
 
 def test_split_tokens_bad_value():

@@ -181,3 +181,22 @@ def test_split_chains_match_reference(split, variant):
     valid = (ln > 0).nonzero().flatten()
     for n in ("h_all", "dh_all"):
         assert rel_l2(got[n][:, valid].float(), base[n][:, valid].float()) < 1e-2, n
+
+
+@pytest.mark.parametrize("split", [0, 512])
+def test_dhu_ws_draft_matches_reference(split):
+    """variant bwd_dhu_ws=1 (the warp-specialised bwd_dhu, added in session 5 without a GPU run):
+    the reference gradients, and the default path's dh and dv_new on every defined row."""
+    pkg = _kernels_pkg()
+    x, ref = _case(2, 4, True, True)
+    kw = dict(dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"], return_intermediates=True, split_tokens=split)
+    got = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], variant="bwd_dhu_ws=1", **kw)
+    base = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], **kw)
+    torch.cuda.synchronize()
+    _assert_close(got, ref, list(TOL))
+    ln = (got["ctab"][:, 1] - got["ctab"][:, 0]).long()
+    valid = (ln > 0).nonzero().flatten()
+    assert rel_l2(got["dh_all"][:, valid].float(), base["dh_all"][:, valid].float()) < 1e-2
+    rows = (valid[:, None] * 64 + torch.arange(64, device=valid.device)).flatten()
+    rows = rows[(torch.arange(64, device=valid.device)[None, :] < ln[valid][:, None]).flatten()]
+    assert rel_l2(got["dvnew"][:, rows].float(), base["dvnew"][:, rows].float()) < 1e-2

@@ -186,7 +186,8 @@ def check_case(
 
 def stage_times_ms(x, r, g, block_v=64, reps=10):
     from qlabench_kernels._common import parse_variant
-    from qlabench_kernels.bwd_dhu import run_bwd_dhu
+    from qlabench_kernels.bwd_dhu import run_bwd_dhu as dhu_plain
+    from qlabench_kernels.bwd_dhu_ws import run_bwd_dhu_ws
     from qlabench_kernels.bwd_dqkwg import run_bwd_dqkwg
     from qlabench_kernels.bwd_h import run_bwd_h
     from qlabench_kernels.bwd_h_ws import run_bwd_h_ws
@@ -198,6 +199,13 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
     bwd_h = run_bwd_h_ws if var["bwd_ws"] == "1" else run_bwd_h
     rowexp = var["rowexp"] == "1"
     from qlabench_kernels.autograd import _dhu_stages
+
+    def run_bwd_dhu(*a, **kw):  # the launcher chunk_gdn_bwd uses for this variant
+        if var["bwd_dhu_ws"] == "1":
+            kw.pop("rowexp", None)
+            kw.pop("stages", None)
+            return run_bwd_dhu_ws(*a, **kw)
+        return dhu_plain(*a, **kw)
 
     dkw = _dhu_stages(var, sum(x["lens"]), len(x["lens"]), x["v"].shape[2], block_v, g["split_tokens"], x["lens"],
                       x["q"].device)  # fmt: skip
