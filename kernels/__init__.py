@@ -118,9 +118,9 @@ def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple) -> tuple:
     return best
 
 
-#: Backward split cost model (µs per chunk step per CTA, H200): bwd_dhu (128 threads, ~74 KB shared
-#: memory: two CTAs per SM counted as slots), the warp-specialised bwd_h (one per SM), seg_state
-#: (two per SM), each fix-up segment (forward and reverse), the split path's extra launches.
+#: Backward split cost model (µs per chunk step per CTA, H200): bwd_dhu (three CTAs fit per SM at
+#: stages=0, two pipelined; counted as two slots per SM), the warp-specialised bwd_h (one per SM),
+#: seg_state (two per SM), each fix-up segment (forward and reverse), the split path's extra launches.
 _BWD_SPLIT_COST = {"dhu": 6.0, "bwd_h": 1.7, "seg_state": 1.5, "fixup": 3.0, "launch": 20.0}
 
 

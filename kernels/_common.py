@@ -209,8 +209,9 @@ def check_seqlens(seqlens, N: int, T: int):
     else ValueError naming seqlens, N and T."""
     if seqlens is None:
         return None
-    seqlens = [int(x) for x in seqlens]
-    if len(seqlens) != N or sum(seqlens) != T or min(seqlens, default=0) < 0:
+    given = list(seqlens)
+    seqlens = [int(x) for x in given]
+    if seqlens != given or len(seqlens) != N or sum(seqlens) != T or min(seqlens, default=0) < 0:
         raise ValueError(
             f"seqlens (host lengths for planning) must be N={N} non-negative ints summing to T={T}, "
             f"got {len(seqlens)} summing to {sum(seqlens)}"

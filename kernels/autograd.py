@@ -200,47 +200,49 @@ def chunk_gdn_bwd(
     if side is not None:
         side.wait_stream(main)
     split_out = {}
-    if split_tokens:
-        from .fixup import run_fixup, run_rfixup
-        from .seg_state import run_seg_state
+    try:  # the join also runs when a launch raises, before any buffer here can be freed
+        if split_tokens:
+            from .fixup import run_fixup, run_rfixup
+            from .seg_state import run_seg_state
 
-        ns = stab.shape[0]
-        f32 = dict(device=dev, dtype=torch.float32)
-        e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
-        m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **bf)
-        h_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
-        f_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
-        d_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
-        m_ready = torch.cuda.Event() if side is not None else None
-        with on_side:  # segment maps and start states, then h per chunk
-            run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, num_stages=var["stages"], target=target,
-                          fastmath=var["fastmath"] == "1", rowexp=var["rowexp"] == "1")  # fmt: skip
+            ns = stab.shape[0]
+            f32 = dict(device=dev, dtype=torch.float32)
+            e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+            m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **bf)
+            h_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+            f_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+            d_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+            m_ready = torch.cuda.Event() if side is not None else None
+            with on_side:  # segment maps and start states, then h per chunk
+                run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, num_stages=var["stages"], target=target,
+                              fastmath=var["fastmath"] == "1", rowexp=var["rowexp"] == "1")  # fmt: skip
+                if m_ready is not None:
+                    m_ready.record(side)
+                run_fixup(m_tr, e_end, cu_segs, h0, h_start, target=target)
+                run_bwd_h_ws(k, v, gcs, a_beta, stab, h_start, h_all, vnew, block_v=block_v, target=target)
+            # pass 1 needs no segment map; the reverse fix-up does
+            dhu(q, k, gcs, a_beta, do, dht, stab, scale, f_start, dh_all, dvnew, block_v=block_v,
+                target=target, split="seg", **dhu_kw)  # fmt: skip
             if m_ready is not None:
-                m_ready.record(side)
-            run_fixup(m_tr, e_end, cu_segs, h0, h_start, target=target)
-            run_bwd_h_ws(k, v, gcs, a_beta, stab, h_start, h_all, vnew, block_v=block_v, target=target)
-        # pass 1 needs no segment map; the reverse fix-up does
-        dhu(q, k, gcs, a_beta, do, dht, stab, scale, f_start, dh_all, dvnew, block_v=block_v,
-                    target=target, split="seg", **dhu_kw)  # fmt: skip
-        if m_ready is not None:
-            main.wait_event(m_ready)
-        run_rfixup(m_tr, f_start, cu_segs, dht, d_end, target=target)
-        dh_all, dvnew, dh0 = dhu(
-            q, k, gcs, a_beta, do, d_end, stab, scale, dh0, dh_all=dh_all, dvnew=dvnew, block_v=block_v,
-            target=target, split="carry", **dhu_kw,
-        )  # fmt: skip
-        split_out = dict(cu_segs=cu_segs, h_start=h_start, f_start=f_start, d_end=d_end)
-    else:
-        with on_side:
-            if var["bwd_ws"] == "1":
-                run_bwd_h_ws(k, v, gcs, a_beta, stab, h0, h_all, vnew, block_v=block_v, target=target)
-            else:
-                run_bwd_h(k, v, gcs, a_beta, stab, h0, h_all, vnew, block_v=block_v, target=target)
-        dh_all, dvnew, dh0 = dhu(
-            q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all, dvnew, block_v=block_v, target=target, **dhu_kw
-        )
-    if side is not None:
-        main.wait_stream(side)
+                main.wait_event(m_ready)
+            run_rfixup(m_tr, f_start, cu_segs, dht, d_end, target=target)
+            dh_all, dvnew, dh0 = dhu(
+                q, k, gcs, a_beta, do, d_end, stab, scale, dh0, dh_all=dh_all, dvnew=dvnew, block_v=block_v,
+                target=target, split="carry", **dhu_kw,
+            )  # fmt: skip
+            split_out = dict(cu_segs=cu_segs, h_start=h_start, f_start=f_start, d_end=d_end)
+        else:
+            with on_side:
+                if var["bwd_ws"] == "1":
+                    run_bwd_h_ws(k, v, gcs, a_beta, stab, h0, h_all, vnew, block_v=block_v, target=target)
+                else:
+                    run_bwd_h(k, v, gcs, a_beta, stab, h0, h_all, vnew, block_v=block_v, target=target)
+            dh_all, dvnew, dh0 = dhu(
+                q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all, dvnew, block_v=block_v, target=target, **dhu_kw
+            )
+    finally:
+        if side is not None:
+            main.wait_stream(side)
     nthr = int(var["bwd_threads"])
     dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
         q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr,

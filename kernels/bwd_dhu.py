@@ -1,9 +1,10 @@
 """Backward kernel 2: the reverse state-gradient recurrence, fused with dv_local (FLA's
 ``chunk_bwd_dv_local`` + ``chunk_gated_delta_rule_bwd_dhu``).
 
-One CTA (128 threads) per (V block of ``block_v`` columns, segment, v-head); segments are one
-per sequence (unsplit table). dH [128, block_v] (the gradient of the state at the END of the
-current chunk) stays in fp32 registers, starting from d(final state) (or 0); chunks in reverse:
+One CTA (128 threads; 256 with ``stages=2``) per (V block of ``block_v`` columns, segment, v-head);
+segments are one per sequence (unsplit table) or cut by ``split`` (below). dH [128, block_v] (the
+gradient of the state at the END of the current chunk) stays in fp32 registers, starting from
+d(final state) (or 0); chunks in reverse:
 
     dh[slot] = bf16(dH)
     Pᵀ       = scale · Γᵀ ⊙ K Qᵀ    (i ≥ j, i.e. upper incl. diagonal in [j, i])      wgmma
@@ -12,8 +13,9 @@ current chunk) stays in fp32 registers, starting from d(final state) (or 0); chu
     dH      ← e^{g_l} dH + Qᵀ (scale e^g ⊙ dO) − Kᵀ (e^g ⊙ Y)                    wgmma M = 128
     dh0      = dH after the first chunk (when ``has_dh0``)
 
-Loads of q, k, dO are masked to 0 past the chunk's valid rows (so padded rows contribute
-nothing and dv_new rows past the end are 0).
+Loads of q, k, dO are masked to 0 past the chunk's valid rows (``stages=0``; with ``stages=2`` they
+are unmasked TMA loads and the element passes mask instead), so padded rows contribute
+nothing and dv_new rows past the end are 0.
 
 Inputs:  q, k [1,T,Hqk,128] bf16, gcs, a_beta (forward prep), do [1,T,Hv,128] bf16,
          dht [N,Hv,128,128] fp32 (read when ``has_dht``), stab int32 [NS,8], scale.

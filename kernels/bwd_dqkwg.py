@@ -17,7 +17,8 @@ Row sums over 128 columns use ``T.reduce_sum``; the [64,64] row/column sums and 
 
 Inputs:  q, k [1,T,Hqk,128] bf16, do [1,T,Hv,128] bf16, gcs [Hv,NCS*64] fp32, ctab [NCS,4],
          h_all, dh_all [Hv,NCS,128,128] bf16, vnew, dvnew [Hv,NCS*64,128] bf16, scale.
-Outputs: dq_v, dk_v [1,T,Hv,128] fp32 (per v-head; dk partial), dw [Hv,NCS*64,128] bf16,
+Outputs: dq_v, dk_v [1,T,Hv,128] fp32, or bf16 with ``bwd_bf16=1`` (per v-head; dk partial),
+         dw [Hv,NCS*64,128] bf16,
          dg_part [Hv,NCS*64] fp32 (0 on rows past the end).
 """
 
@@ -226,7 +227,7 @@ def get_bwd_dqkwg_kernel(
 def run_bwd_dqkwg(
     q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128, rsum=False, bf16_out=False
 ):
-    """Launch dqkwg. Returns dq_v, dk_v [1,T,Hv,128] fp32 (per v-head; dk partial),
+    """Launch dqkwg. Returns dq_v, dk_v [1,T,Hv,128] fp32 (bf16 with ``bf16_out``; per v-head; dk partial),
     dw [Hv,NCS*64,128] bf16, dg_part [Hv,NCS*64] fp32."""
     h_qk, h_v = q.shape[2], do.shape[2]
     T_, ncs = q.shape[1], ctab.shape[0]

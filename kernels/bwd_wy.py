@@ -14,7 +14,8 @@ A = (I + diag(β) M)⁻¹, M = StrictLower(Γ ⊙ K Kᵀ):
 
 Inputs:  k [1,T,Hqk,128], v [1,T,Hv,128] bf16, beta [1,T,Hv] fp32, gcs, a_beta (forward prep),
          dw [Hv,NCS*64,128] bf16, dvnew [Hv,NCS*64,128] bf16, dg_part [Hv,NCS*64] fp32, ctab.
-In/out:  dk_v [1,T,Hv,128] fp32 (partial from bwd_dqkwg in, complete out; valid rows).
+In/out:  dk_v [1,T,Hv,128] fp32, or bf16 with ``bwd_bf16=1`` (partial from bwd_dqkwg in, complete
+         out; valid rows).
 Outputs: dv [1,T,Hv,128] bf16, dg [1,T,Hv] fp32, dbeta [1,T,Hv] fp32 (valid rows).
 """
 
@@ -29,7 +30,8 @@ from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = False):
     """threads 128 (one warpgroup) or 256 (TileLang splits every GEMM over two warpgroups).
     bf16_dk (variant ``bwd_bf16=1``): the per-v-head dk it completes in place is bf16 (from
-    bwd_dqkwg's bf16 partial; the sum is formed in fp32 and rounded once)."""
+    bwd_dqkwg's bf16 partial; the sum with this kernel's part is formed in fp32 and rounded to bf16,
+    the GVA group sum then adds those in fp32)."""
     kdt = "bfloat16" if bf16_dk else "float32"
     import tilelang.language as T
 

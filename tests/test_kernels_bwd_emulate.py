@@ -254,6 +254,9 @@ def test_split_tokens_bad_value():
     with pytest.raises(ValueError, match="seqlens"):
         pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], cu_seqlens=x["cu"],
                           gcs=torch.zeros(1, 128), a_beta=torch.zeros(1, 128, 64), seqlens=[50])  # fmt: skip
+    with pytest.raises(ValueError, match="seqlens"):  # not an integer length
+        pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], cu_seqlens=x["cu"],
+                          gcs=torch.zeros(1, 128), a_beta=torch.zeros(1, 128, 64), seqlens=[99.5])  # fmt: skip
     with pytest.raises(ValueError, match="bwd_stages=2 needs rowexp=1"):
         pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], cu_seqlens=x["cu"],
                           gcs=torch.zeros(1, 128), a_beta=torch.zeros(1, 128, 64),
