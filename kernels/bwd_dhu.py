@@ -31,6 +31,47 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
 
+def dh_io_macros(split: str, has_dht: bool, has_dh0: bool, D: int, BV: int):
+    """The start and the end of one (V block, segment, v-head) walk of the reverse chain, shared by
+    bwd_dhu and bwd_dhu_ws: ``dh_start`` loads dH at the segment's end (d(final state), the
+    reverse fix-up's d_end, or 0, by ``split`` and ``has_dht``); ``dh_end`` writes dH at its start
+    (dh0 by sequence, or F by segment in pass 1). ``is_last`` / ``is_first`` come from the split
+    table; unsplit programs pass 0 (not read). The parameter names match the callers' variables,
+    which keeps the generated CUDA the same as with the code written inline."""
+    import tilelang.language as T
+
+    @T.macro
+    def dh_start(dh_frag, dht, s, seq, hv, v0, is_last):
+        if split == "carry":
+            T.copy(dht[s, hv, 0:D, v0 : v0 + BV], dh_frag)
+        elif split == "seg" and has_dht:
+            if seq >= 0 and is_last == 1:
+                T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
+            else:
+                T.clear(dh_frag)
+        elif has_dht:
+            if seq >= 0:
+                T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
+            else:
+                T.clear(dh_frag)
+        else:
+            T.clear(dh_frag)
+
+    @T.macro
+    def dh_end(dh_frag, dh0, s, seq, hv, v0, is_first):
+        if split == "seg":
+            if seq >= 0 and is_first == 0:
+                T.copy(dh_frag, dh0[s, hv, 0:D, v0 : v0 + BV])
+        elif split == "carry" and has_dh0:
+            if seq >= 0 and is_first == 1:
+                T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
+        elif has_dh0:
+            if seq >= 0:
+                T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
+
+    return dh_start, dh_end
+
+
 def bwd_dhu_program(
     h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, rowexp: bool = False, split: str = "",
     stages: int = 0,
@@ -56,6 +97,8 @@ def bwd_dhu_program(
     assert split in ("", "seg", "carry")
     assert stages in (0, 2) and (rowexp or not stages)
     import tilelang.language as T
+
+    dh_start, dh_end = dh_io_macros(split, has_dht, has_dh0, HEAD_DIM, block_v)
 
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, block_v
@@ -121,20 +164,10 @@ def bwd_dhu_program(
             else:
                 nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
 
-            if split == "carry":
-                T.copy(dht[s, hv, 0:D, v0 : v0 + BV], dh_frag)
-            elif split == "seg" and has_dht:
-                if seq >= 0 and is_last == 1:
-                    T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
-                else:
-                    T.clear(dh_frag)
-            elif has_dht:
-                if seq >= 0:
-                    T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
-                else:
-                    T.clear(dh_frag)
+            if split:
+                dh_start(dh_frag, dht, s, seq, hv, v0, is_last)
             else:
-                T.clear(dh_frag)
+                dh_start(dh_frag, dht, s, seq, hv, v0, 0)
 
             for cr in T.Pipelined(nchunks, num_stages=stages) if stages else T.serial(nchunks):
                 ci = nchunks - 1 - cr
@@ -213,15 +246,10 @@ def bwd_dhu_program(
                 T.gemm(q_sh, qdo_sh, dh_frag, transpose_A=True)
                 T.gemm(k_sh, ky_sh, dh_frag, transpose_A=True)
 
-            if split == "seg":
-                if seq >= 0 and is_first == 0:
-                    T.copy(dh_frag, dh0[s, hv, 0:D, v0 : v0 + BV])
-            elif split == "carry" and has_dh0:
-                if seq >= 0 and is_first == 1:
-                    T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
-            elif has_dh0:
-                if seq >= 0:
-                    T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
+            if split:
+                dh_end(dh_frag, dh0, s, seq, hv, v0, is_first)
+            else:
+                dh_end(dh_frag, dh0, s, seq, hv, v0, 0)
 
     return gdn_bwd_dhu
 

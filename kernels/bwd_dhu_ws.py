@@ -35,6 +35,7 @@ import json
 import torch
 
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+from .bwd_dhu import dh_io_macros
 
 #: setmaxnreg budgets of WG0 (dH owner), WG1 (P, W', Y, dv_new), WG2 (producer); 384 threads.
 NREG = (168, 240, 40)
@@ -45,6 +46,7 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
     import tilelang.language as T
 
     assert split in ("", "seg", "carry")
+    dh_start, dh_end = dh_io_macros(split, has_dht, has_dh0, HEAD_DIM, block_v)
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, block_v
     assert D % BV == 0 and BV in (32, 64)
@@ -120,20 +122,10 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
             if tx < 128:
                 # ---------------- WG0: dH owner ----------------
                 T.set_max_nreg(R0, 1)
-                if split == "carry":
-                    T.copy(dht[s, hv, 0:D, v0 : v0 + BV], dh_frag)
-                elif split == "seg" and has_dht:
-                    if seq >= 0 and is_last == 1:
-                        T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
-                    else:
-                        T.clear(dh_frag)
-                elif has_dht:
-                    if seq >= 0:
-                        T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
-                    else:
-                        T.clear(dh_frag)
+                if split:
+                    dh_start(dh_frag, dht, s, seq, hv, v0, is_last)
                 else:
-                    T.clear(dh_frag)
+                    dh_start(dh_frag, dht, s, seq, hv, v0, 0)
                 for cr in T.serial(nchunks):
                     j = cr % 2
                     ph = (cr // 2) % 2
@@ -153,15 +145,10 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
                     T.gemm(q_sh[j, :, :], qdo_sh[j, :, :], dh_frag, transpose_A=True)
                     T.gemm(k_sh[j, :, :], ky_sh, dh_frag, transpose_A=True)
                     T.barrier_arrive(empty[j])
-                if split == "seg":
-                    if seq >= 0 and is_first == 0:
-                        T.copy(dh_frag, dh0[s, hv, 0:D, v0 : v0 + BV])
-                elif split == "carry" and has_dh0:
-                    if seq >= 0 and is_first == 1:
-                        T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
-                elif has_dh0:
-                    if seq >= 0:
-                        T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
+                if split:
+                    dh_end(dh_frag, dh0, s, seq, hv, v0, is_first)
+                else:
+                    dh_end(dh_frag, dh0, s, seq, hv, v0, 0)
             elif tx < 256:
                 # ---------------- WG1: Pᵀ, Pᵀ dO, qdo, Y₀, W' (before dH); Y → ky; dv_new ----------------
                 T.set_max_nreg(R1, 1)
