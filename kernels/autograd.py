@@ -45,12 +45,17 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _group_sum(x_v, h_qk):
+def _group_sum(x_v, h_qk, dtype):
+    """Sum per-v-head gradients over each GVA group into ``dtype`` in one pass (the reduction
+    accumulates in fp32 and rounds once: no fp32 intermediate tensor and no separate cast)."""
     _, T, h_v, d = x_v.shape
     G = h_v // h_qk
     if G == 1:
-        return x_v
-    return x_v.view(1, T, h_qk, G, d).sum(3, dtype=torch.float32)
+        return x_v.to(dtype)
+    x = x_v.view(1, T, h_qk, G, d)
+    if x_v.dtype == dtype:  # e.g. bf16 partials to a bf16 gradient: fp32 accumulation inside
+        return x.sum(3)
+    return x.sum(3, dtype=torch.float32).to(dtype)  # (sum(dtype=) would cast the operand first)
 
 
 _SIDE_STREAMS = {}
@@ -250,8 +255,8 @@ def chunk_gdn_bwd(
     )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
     dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr)
-    dq = _group_sum(dq_v, h_qk).to(q.dtype)
-    dk = _group_sum(dk_v, h_qk).to(k.dtype)
+    dq = _group_sum(dq_v, h_qk, q.dtype)
+    dk = _group_sum(dk_v, h_qk, k.dtype)
     dv = dv.to(v.dtype)
     if not return_intermediates:
         return dq, dk, dv, dg, dbeta, dh0
