@@ -96,9 +96,9 @@ def chunk_loop_stages() -> int:
 #:                             loops over shared memory, no single-thread tail)
 #:   bwd_bf16 0 | 1            backward: the per-v-head dq and dk intermediates (before the GVA group sum)
 #:                             in bf16 instead of fp32 (bwd_wy's dk read-modify-write halves)
-#:   bwd_dhu_ws 0 | 1          backward: bwd_dhu warp-specialised (bwd_dhu_ws.py; Y = Y0 + W' dH with the
-#:                             dH-independent parts built off the chain). DRAFT: compiled and its algebra
-#:                             emulated, NOT yet run on a GPU, so off
+#:   bwd_dhu_ws 0 | 1          backward: bwd_dhu warp-specialised (bwd_dhu_ws.py; Y = Y0 + W' dH, with Pᵀ and
+#:                             W' from the parallel bwd_pw.py and Y0 built by a warpgroup off the chain);
+#:                             block_v 32 only (other widths run bwd_dhu)
 #:   uw      0 | 1             with pprep=1: the warp-specialised fwd_o's U/W warpgroup computes the
 #:                             S-independent −W₀ = −A_β diag(e^g) K and U₀ = A_β V while the state is
 #:                             updated, then Vd = U₀ − W₀ S is one wgmma on the chain (needs pprep=1)
@@ -106,7 +106,7 @@ VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
     "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "1",
     "bwd_split": "auto", "bwd_threads": "256", "bwd_stages": "auto",
-    "bwd_streams": "1", "bwd_rsum": "1", "bwd_bf16": "1", "bwd_dhu_ws": "0",
+    "bwd_streams": "1", "bwd_rsum": "1", "bwd_bf16": "1", "bwd_dhu_ws": "1",
 }  # fmt: skip
 #: The first landing's path (the knobs at their oldest values), kept for comparison.
 BASELINE_VARIANT = (

@@ -189,8 +189,11 @@ def chunk_gdn_bwd(
         raise ValueError("GDN variant bwd_stages=2 needs rowexp=1")
     dhu_kw.update(_dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev))
     dhu = run_bwd_dhu
-    if var["bwd_dhu_ws"] == "1":  # DRAFT: the warp-specialised reverse chain (not yet run on a GPU)
-        dhu, dhu_kw = run_bwd_dhu_ws, {}
+    if var["bwd_dhu_ws"] == "1" and block_v == 32:  # the warp-specialised reverse chain (bwd_dhu_ws.py)
+        from .bwd_pw import run_bwd_pw
+
+        pt_all, w_all = run_bwd_pw(q, k, gcs, a_beta, ctab, scale, target=target)
+        dhu, dhu_kw = run_bwd_dhu_ws, {"pt": pt_all, "w": w_all}
     # every buffer is allocated here, on the calling stream, before the chains fork
     bf = dict(device=dev, dtype=torch.bfloat16)
     h_all = torch.empty(h_v, ncs, HEAD_DIM, HEAD_DIM, **bf)

@@ -1,6 +1,5 @@
-"""Backward kernel 2, warp-specialised (variant ``bwd_dhu_ws=1``; DRAFT: compiled for sm_90a and its
-algebra emulated on CPU, NOT yet run on a GPU): the outputs of bwd_dhu.py (dh per chunk, dv_new,
-dh0 / the split passes' F) with the dH-independent work taken off the chain.
+"""Backward kernel 2, warp-specialised (variant ``bwd_dhu_ws=1``): the outputs of bwd_dhu.py (dh per
+chunk, dv_new, dh0 / the split passes' F) with the dH-independent work taken off the chain.
 
 With Pᵀ = scale Γᵀ ⊙ K Qᵀ (i ≥ j, i < ln), el = mask·e^{g_l − g}, eg = mask·e^g:
 
@@ -10,21 +9,35 @@ With Pᵀ = scale Γᵀ ⊙ K Qᵀ (i ≥ j, i < ln), el = mask·e^{g_l − g}, 
 
 (``emulate_bwd.emu_bwd_dhu(uw=True)``: gradients within bf16 noise of bwd_dhu's algebra.)
 
-One CTA of 384 threads = 3 warpgroups per (V block of ``block_v`` columns, segment, v-head):
+Pᵀ and W' are the same for every V block, so bwd_pw.py computes them once per (chunk, v-head), in
+parallel, before this kernel; its producer loads them with q, k, dO, A_β and g.
 
-    WG0 (tx   0..127)  owns dH [128, bv] in fp32 registers: publish bf16 dH to dh_sh[c%2] (and store
-                       it as dh from registers); dH *= e^{g_l}; wait Y; dH += Qᵀ qdo + Kᵀ ky
-    WG1 (tx 128..255)  per chunk before the hand-off: row exps, Pᵀ, Pᵀ dO, qdo, Y₀, W'; then
-                       Y = Y₀ + W' dH → ky (hand back); then K dH and dv_new (store)
-    WG2 (tx 256..383)  producer: warp 8 TMA-loads q, k, dO, A_β, g of the next chunk (reverse order)
+One CTA of 512 threads = 4 warpgroups per (V block of 32 columns, segment, v-head):
+
+    WG0 (tx   0..127)  owns dH [128, 32] in fp32 registers: publish bf16 dH to dh_sh[j]; dH *= e^{g_l};
+                       += Qᵀ qdo (once built); wait ky; += Kᵀ ky
+    WG1 (tx 128..255)  the chain step: Y = Y₀ + W' dH → ky (hand back); then K dH and dv_new (to
+                       dvn_sh[j] for the store warp)
+    WG2 (tx 256..383)  builder, up to a stage ahead: qdo, Pᵀ dO (fp32 for dv_new), Y₀ = A_βᵀ bf16(Pᵀ dO)
+    WG3 (tx 384..511)  warp 12 TMA-loads the next chunk (reverse order); warp 13 TMA-stores each
+                       published dH as dh, warp 14 each dv_new (stores off the chain: 1.33 → 1.11 ms
+                       on 16/32 1×32768 for the dH store alone)
+
+Measured on the H200 (16/32 1×32768, kernel alone): bwd_dhu 2.02 ms (3.9 µs per chunk step); a
+first version with three warpgroups that built Pᵀ and W' in the chain's warpgroup 2.44 ms; four
+warpgroups with the builder doing Pᵀ and W' 2.71 ms (ablations: Pᵀ 1.9 µs and W' 0.9 µs per step);
+with bwd_pw (0.41 ms) 1.33 ms (2.6 µs per step), 1.11 ms with the dH store warp.
 
 mbarriers (r = step in reverse order, j = r % 2, n = r // 2): full[j] (count 32 + tx bytes),
-empty[j] (count 256: WG0 and WG1 after their last read of stage j), dh_ready[j] (count 128,
-WG0 → WG1, parity n % 2), ky_ready (count 128, WG1 → WG0, parity r % 2). dh_sh[j] is rewritten by
-WG0 (step r + 2) only after ky_ready(r + 1), which WG1 arrives after all of step r (its K dH read
-of dh_sh[j] included). qdo_sh[j] is rewritten by WG1 (step r + 2) only after dh_ready(r + 1), which
-WG0 arrives after its gemms of step r read it; ky_sh (single) is written by WG1 after dh_ready(r),
-which WG0 arrives after its gemms of step r − 1.
+built[j] (count 128, WG2 → WG0 and WG1, parity n % 2), empty[j] (count 384: WG0, WG1, WG2 after
+their last read of stage j, which includes everything the builder wrote for it), dh_ready[j]
+(count 128, WG0 → WG1 and the dh store warp, parity n % 2), ky_ready (count 128, WG1 → WG0, parity
+r % 2), dh_stored[j] / dvn_stored[j] (count 32, store warp → WG0 / WG1 once its TMA store has read
+the buffer; waited with parity (n + 1) % 2 before rewriting it), dvn_ready[j] (count 128, WG1 → dv
+store warp). The builder rewrites stage j (step r + 2) only after full[j](r + 2), i.e. after
+empty[j](r). dh_sh[j] is rewritten by WG0 (step r + 2) only after ky_ready(r + 1), which WG1
+arrives after all of step r (its K dH read of dh_sh[j] included), and after dh_stored[j](r); ky_sh
+(single) is written by WG1 after dh_ready(r), which WG0 arrives after its gemms of step r − 1.
 
 Split modes and inputs / outputs as bwd_dhu.run_bwd_dhu (split "", "seg", "carry").
 """
@@ -37,8 +50,12 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 from .bwd_dhu import dh_io_macros
 
-#: setmaxnreg budgets of WG0 (dH owner), WG1 (P, W', Y, dv_new), WG2 (producer); 384 threads.
-NREG = (168, 240, 40)
+#: setmaxnreg budgets of WG0 (dH owner), WG1 (the chain's Y, dv_new), WG2 (builder: P, qdo, Y₀, W'),
+#: WG3 (producer); 512 threads, so they may sum to 512.
+NREG = (168, 152, 152, 40)
+#: what each thread starts with (65536 / 512): setmaxnreg.inc above it, .dec below (a .dec to a larger
+#: count is an illegal instruction on the GPU, which the offline compile does not catch)
+NREG_LAUNCH = 65536 // 512
 assert sum(NREG) * 128 <= 65536 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 
 
@@ -49,13 +66,13 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
     dh_start, dh_end = dh_io_macros(split, has_dht, has_dh0, HEAD_DIM, block_v)
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, block_v
-    assert D % BV == 0 and BV in (32, 64)
+    assert BV == 32, "bwd_dhu_ws: block_v 32 only (shared memory)"
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
     ND = T.dynamic("ND")
     N0 = T.dynamic("N0")
-    R0, R1, RP = NREG
+    R0, R1, R2, RP = NREG
 
     @T.prim_func
     def gdn_bwd_dhu_ws(
@@ -70,40 +87,46 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
         dh_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
         dvnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
         dh0: T.Tensor((N0, h_v, D, D), "float32"),
+        pt: T.Tensor((h_v, NCS * C, C), "bfloat16"),
+        w: T.Tensor((h_v, NCS * C, D), "bfloat16"),
     ):
-        with T.Kernel(D // BV, NS * h_v, threads=384) as (bv, sh):
+        with T.Kernel(D // BV, NS * h_v, threads=512) as (bv, sh):
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
             v0 = bv * BV
 
+            # stage j (two): the producer's loads, and what the builder hands on for that chunk
             q_sh = T.alloc_shared((2, C, D), "bfloat16")
             k_sh = T.alloc_shared((2, C, D), "bfloat16")
             do_sh = T.alloc_shared((2, C, BV), "bfloat16")
             a_sh = T.alloc_shared((2, C, C), "bfloat16")
             g_sh = T.alloc_shared((2, C), "float32")
-            dh_sh = T.alloc_shared((2, D, BV), "bfloat16")
+            pt_sh = T.alloc_shared((2, C, C), "bfloat16")
+            w_sh = T.alloc_shared((2, C, D), "bfloat16")
             qdo_sh = T.alloc_shared((2, C, BV), "bfloat16")
-            pt_sh = T.alloc_shared((C, C), "bfloat16")
-            pdo_sh = T.alloc_shared((C, BV), "bfloat16")
-            ek_sh = T.alloc_shared((C, D), "bfloat16")
-            w_sh = T.alloc_shared((C, D), "bfloat16")
+            y0_sh = T.alloc_shared((2, C, BV), "float32")
+            pdo_sh = T.alloc_shared((2, C, BV), "float32")
+            dh_sh = T.alloc_shared((2, D, BV), "bfloat16")
             ky_sh = T.alloc_shared((C, BV), "bfloat16")
+            dvn_sh = T.alloc_shared((2, C, BV), "bfloat16")  # dv_new on its way out
+            pdob_sh = T.alloc_shared((C, BV), "bfloat16")  # the builder's own
 
             dh_frag = T.alloc_fragment((D, BV), "float32")
-            kq_frag = T.alloc_fragment((C, C), "float32")
-            pdo_frag = T.alloc_fragment((C, BV), "float32")
             y_frag = T.alloc_fragment((C, BV), "float32")
-            w_frag = T.alloc_fragment((C, D), "float32")
             kdh_frag = T.alloc_fragment((C, BV), "float32")
-            eg1 = T.alloc_fragment((C,), "float32")
-            el1 = T.alloc_fragment((C,), "float32")
+            pdo_frag = T.alloc_fragment((C, BV), "float32")
+            y0_frag = T.alloc_fragment((C, BV), "float32")
             egl = T.alloc_var("float32")
 
             full = T.alloc_barrier([32, 32])
-            empty = T.alloc_barrier([256, 256])
+            empty = T.alloc_barrier([384, 384])
+            built = T.alloc_barrier([128, 128])
             dh_ready = T.alloc_barrier([128, 128])
             ky_ready = T.alloc_barrier(128)
+            dh_stored = T.alloc_barrier([32, 32])
+            dvn_ready = T.alloc_barrier([128, 128])
+            dvn_stored = T.alloc_barrier([32, 32])
 
             bos = stab[s, 0]
             eos = stab[s, 1]
@@ -121,7 +144,7 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
 
             if tx < 128:
                 # ---------------- WG0: dH owner ----------------
-                T.set_max_nreg(R0, 1)
+                T.set_max_nreg(R0, int(R0 > NREG_LAUNCH))
                 if split:
                     dh_start(dh_frag, dht, s, seq, hv, v0, is_last)
                 else:
@@ -131,18 +154,18 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
                     ph = (cr // 2) % 2
                     ci = nchunks - 1 - cr
                     ln = T.min(eos - (bos + ci * C), C)
+                    if split != "seg":  # the storer warp has written dh_sh[j] (step r - 2) out
+                        T.barrier_wait(dh_stored[j], 1 - ph)
                     T.copy(dh_frag, dh_sh[j, :, :])
                     T.fence_proxy_async()
                     T.barrier_arrive(dh_ready[j])
-                    if split != "seg":
-                        for i, jj in T.Parallel(D, BV):
-                            dh_all[hv, cslot + ci, i, v0 + jj] = T.cast(dh_frag[i, jj], "bfloat16")
                     T.barrier_wait(full[j], ph)
                     egl = T.exp(g_sh[j, ln - 1])
                     for i, jj in T.Parallel(D, BV):
                         dh_frag[i, jj] = dh_frag[i, jj] * egl
-                    T.barrier_wait(ky_ready[0], cr % 2)
+                    T.barrier_wait(built[j], ph)  # qdo of this chunk
                     T.gemm(q_sh[j, :, :], qdo_sh[j, :, :], dh_frag, transpose_A=True)
+                    T.barrier_wait(ky_ready[0], cr % 2)
                     T.gemm(k_sh[j, :, :], ky_sh, dh_frag, transpose_A=True)
                     T.barrier_arrive(empty[j])
                 if split:
@@ -150,66 +173,66 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
                 else:
                     dh_end(dh_frag, dh0, s, seq, hv, v0, 0)
             elif tx < 256:
-                # ---------------- WG1: Pᵀ, Pᵀ dO, qdo, Y₀, W' (before dH); Y → ky; dv_new ----------------
-                T.set_max_nreg(R1, 1)
+                # ---------------- WG1: the chain's Y = Y₀ + W' dH → ky; then dv_new ----------------
+                T.set_max_nreg(R1, int(R1 > NREG_LAUNCH))
                 for cr in T.serial(nchunks):
                     j = cr % 2
                     ph = (cr // 2) % 2
                     ci = nchunks - 1 - cr
                     ln = T.min(eos - (bos + ci * C), C)
                     r0 = (cslot + ci) * C
+                    T.barrier_wait(built[j], ph)
+                    T.copy(y0_sh[j, :, :], y_frag)
+                    T.barrier_wait(dh_ready[j], ph)
+                    T.gemm(w_sh[j, :, :], dh_sh[j, :, :], y_frag)
+                    for i, jj in T.Parallel(C, BV):
+                        ky_sh[i, jj] = T.cast(
+                            T.if_then_else(i < ln, -T.exp(g_sh[j, i]), T.float32(0)) * y_frag[i, jj], "bfloat16"
+                        )
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ky_ready[0])
+                    # off the chain: dv_new = Pᵀ dO + el ⊙ (K dH)
+                    T.gemm(k_sh[j, :, :], dh_sh[j, :, :], kdh_frag, clear_accum=True)
+                    if split != "seg":
+                        T.barrier_wait(dvn_stored[j], 1 - ph)
+                        for i, jj in T.Parallel(C, BV):
+                            dvn_sh[j, i, jj] = T.cast(
+                                pdo_sh[j, i, jj]
+                                + T.if_then_else(i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]), T.float32(0))
+                                * kdh_frag[i, jj],
+                                "bfloat16",
+                            )
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dvn_ready[j])
+                    T.barrier_arrive(empty[j])
+            elif tx < 384:
+                # ---------------- WG2: builder (everything without dH), a stage ahead ----------------
+                T.set_max_nreg(R2, int(R2 > NREG_LAUNCH))
+                for cr in T.serial(nchunks):
+                    j = cr % 2
+                    ph = (cr // 2) % 2
+                    ci = nchunks - 1 - cr
+                    ln = T.min(eos - (bos + ci * C), C)
                     T.barrier_wait(full[j], ph)
-                    for i in T.Parallel(C):
-                        eg1[i] = T.if_then_else(i < ln, T.exp(g_sh[j, i]), T.float32(0))
-                    for i in T.Parallel(C):
-                        el1[i] = T.if_then_else(i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]), T.float32(0))
-                    T.gemm(k_sh[j, :, :], q_sh[j, :, :], kq_frag, transpose_B=True, clear_accum=True)
-                    for jr, i in T.Parallel(C, C):
-                        pt_sh[jr, i] = T.cast(
-                            T.if_then_else(
-                                i >= jr and i < ln, scale * T.exp(g_sh[j, i] - g_sh[j, jr]) * kq_frag[jr, i],
-                                T.float32(0),
-                            ),
-                            "bfloat16",
-                        )  # fmt: skip
-                    # shared-to-shared passes: exps per element (the row fragments' replicated layout
-                    # would leave these loops to one thread in four)
                     for i, jj in T.Parallel(C, BV):
                         qdo_sh[j, i, jj] = T.cast(
                             T.if_then_else(i < ln, scale * T.exp(g_sh[j, i]), T.float32(0))
                             * T.cast(do_sh[j, i, jj], "float32"),
                             "bfloat16",
                         )
-                    for i, kk in T.Parallel(C, D):
-                        ek_sh[i, kk] = T.cast(
-                            T.if_then_else(i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]), T.float32(0))
-                            * T.cast(k_sh[j, i, kk], "float32"),
-                            "bfloat16",
-                        )
-                    T.fence_proxy_async()  # pt_sh, ek_sh: generic writes -> wgmma reads
-                    T.gemm(pt_sh, do_sh[j, :, :], pdo_frag, clear_accum=True)
-                    T.gemm(a_sh[j, :, :], ek_sh, w_frag, transpose_A=True, clear_accum=True)
-                    T.copy(pdo_frag, pdo_sh)
-                    T.copy(w_frag, w_sh)
+                    T.gemm(pt_sh[j, :, :], do_sh[j, :, :], pdo_frag, clear_accum=True)
+                    T.copy(pdo_frag, pdob_sh)
+                    T.copy(pdo_frag, pdo_sh[j, :, :])
                     T.fence_proxy_async()
-                    T.gemm(a_sh[j, :, :], pdo_sh, y_frag, transpose_A=True, clear_accum=True)
-                    # the chain: Y = Y₀ + W' dH, ky = −eg ⊙ Y
-                    T.barrier_wait(dh_ready[j], ph)
-                    T.gemm(w_sh, dh_sh[j, :, :], y_frag)
-                    for i, jj in T.Parallel(C, BV):
-                        ky_sh[i, jj] = T.cast(-eg1[i] * y_frag[i, jj], "bfloat16")
+                    T.gemm(a_sh[j, :, :], pdob_sh, y0_frag, transpose_A=True, clear_accum=True)
+                    T.copy(y0_frag, y0_sh[j, :, :])
                     T.fence_proxy_async()
-                    T.barrier_arrive(ky_ready[0])
-                    # off the chain: dv_new = Pᵀ dO + el ⊙ (K dH)
-                    T.gemm(k_sh[j, :, :], dh_sh[j, :, :], kdh_frag, clear_accum=True)
-                    if split != "seg":
-                        for i, jj in T.Parallel(C, BV):
-                            dvnew[hv, r0 + i, v0 + jj] = T.cast(pdo_frag[i, jj] + el1[i] * kdh_frag[i, jj], "bfloat16")
+                    T.barrier_arrive(built[j])
                     T.barrier_arrive(empty[j])
             else:
-                # ---------------- WG2: producer (warp 8) ----------------
-                T.set_max_nreg(RP, 0)
-                if tx < 288:
+                # ---------------- WG3: producer (warp 12) ----------------
+                T.set_max_nreg(RP, int(RP > NREG_LAUNCH))
+                if tx < 416:
                     for cr in T.serial(nchunks):
                         j = cr % 2
                         ph = (cr // 2) % 2
@@ -222,7 +245,28 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
                         T.tma_copy(do[0, t0 : t0 + C, hv, v0 : v0 + BV], do_sh[j, :, :], barrier=full[j])
                         T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[j, :, :], barrier=full[j])
                         T.tma_copy(gcs[hv, r0 : r0 + C], g_sh[j, :], barrier=full[j])
+                        T.tma_copy(pt[hv, r0 : r0 + C, 0:C], pt_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(w[hv, r0 : r0 + C, 0:D], w_sh[j, :, :], barrier=full[j])
                         T.barrier_arrive(full[j])
+                elif tx < 448:  # warp 13: TMA-stores each published dH as dh (off WG0's path)
+                    if split != "seg":
+                        for cr in T.serial(nchunks):
+                            j = cr % 2
+                            ph = (cr // 2) % 2
+                            ci = nchunks - 1 - cr
+                            T.barrier_wait(dh_ready[j], ph)
+                            T.copy(dh_sh[j, :, :], dh_all[hv, cslot + ci, 0:D, v0 : v0 + BV])
+                            T.barrier_arrive(dh_stored[j])
+                elif tx < 480:  # warp 14: TMA-stores dv_new
+                    if split != "seg":
+                        for cr in T.serial(nchunks):
+                            j = cr % 2
+                            ph = (cr // 2) % 2
+                            ci = nchunks - 1 - cr
+                            r0 = (cslot + ci) * C
+                            T.barrier_wait(dvn_ready[j], ph)
+                            T.copy(dvn_sh[j, :, :], dvnew[hv, r0 : r0 + C, v0 : v0 + BV])
+                            T.barrier_arrive(dvn_stored[j])
 
     return gdn_bwd_dhu_ws
 
@@ -239,8 +283,9 @@ def get_bwd_dhu_ws_kernel(
 
 
 def run_bwd_dhu_ws(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=32, target=None,
-                   split=""):  # fmt: skip
-    """Same call and outputs as ``bwd_dhu.run_bwd_dhu`` (DRAFT kernel, not yet run on a GPU)."""
+                   split="", pt=None, w=None):  # fmt: skip
+    """Same call and outputs as ``bwd_dhu.run_bwd_dhu`` (block_v 32 only); pt and w are bwd_pw's
+    outputs (``chunk_gdn_bwd`` computes them once for both split passes)."""
     h_qk, h_v = q.shape[2], do.shape[2]
     ncs = gcs.shape[1] // CHUNK
     dev = q.device
@@ -253,5 +298,8 @@ def run_bwd_dhu_ws(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dv
     dummy = None
     if not (has_dht and has_dh0):
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
-    kern(q, k, gcs, a_beta, do, dht if has_dht else dummy, stab, float(scale), dh_all, dvnew, dh0 if has_dh0 else dummy)
+    if pt is None or w is None:
+        raise ValueError("run_bwd_dhu_ws needs bwd_pw's pt and w (kernels.bwd_pw.run_bwd_pw)")
+    kern(q, k, gcs, a_beta, do, dht if has_dht else dummy, stab, float(scale), dh_all, dvnew, dh0 if has_dh0 else dummy,
+         pt, w)  # fmt: skip
     return dh_all, dvnew, dh0

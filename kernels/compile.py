@@ -122,29 +122,29 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
     tag = variant_name(var)
     ws, rx = var["bwd_ws"] == "1", var["rowexp"] == "1"
     rkw = {"rowexp": True} if rx else {}
-    if var["bwd_dhu_ws"] == "1":  # the warp-specialised bwd_dhu instead (no rowexp / stages forms)
-        from .bwd_dhu_ws import get_bwd_dhu_ws_kernel
-
-        get_bwd_dhu_kernel = get_bwd_dhu_ws_kernel  # noqa: N806 -- same signature, minus rowexp / stages
-        rx, rkw = False, {}
     # bwd_stages=auto runs both forms of bwd_dhu (by shape); 2 / 0 only that one
-    stage_kws = [{}] if var["bwd_stages"] == "0" or not rx else [{"stages": 2}]
+    stage_kws0 = [{}] if var["bwd_stages"] == "0" or not rx else [{"stages": 2}]
     if var["bwd_stages"] == "auto" and rx:
-        stage_kws = [{}, {"stages": 2}]
+        stage_kws0 = [{}, {"stages": 2}]
     out = []
     for bv in bvs:
+        get_dhu, dkw0, stage_kws = get_bwd_dhu_kernel, rkw, stage_kws0
+        if var["bwd_dhu_ws"] == "1" and bv == 32:  # the warp-specialised bwd_dhu (no rowexp / stages forms)
+            from .bwd_dhu_ws import get_bwd_dhu_ws_kernel
+
+            get_dhu, dkw0, stage_kws = get_bwd_dhu_ws_kernel, {}, [{}]
         for h0, dht in flags:
             get_h = get_bwd_h_ws_kernel if ws else get_bwd_h_kernel
             out.append((f"bwd_h{'_ws' if ws else ''}[init={h0},bv={bv}]", get_h, (h_qk, h_v, bool(h0), bv), {}))
             for skw in stage_kws:
                 st = f",stages={skw['stages']}" if skw else ""
-                out.append((f"bwd_dhu[dht={dht},dh0={h0},bv={bv}{st}|{tag}]", get_bwd_dhu_kernel,
-                            (h_qk, h_v, bool(dht), bool(h0), bv), {**rkw, **skw}))  # fmt: skip
+                out.append((f"bwd_dhu[dht={dht},dh0={h0},bv={bv}{st}|{tag}]", get_dhu,
+                            (h_qk, h_v, bool(dht), bool(h0), bv), {**dkw0, **skw}))  # fmt: skip
                 if split and ws:
-                    out.append((f"bwd_dhu[seg,dht={dht},bv={bv}{st}|{tag}]", get_bwd_dhu_kernel,
-                                (h_qk, h_v, bool(dht), True, bv), {**rkw, **skw, "split": "seg"}))  # fmt: skip
-                    out.append((f"bwd_dhu[carry,dh0={h0},bv={bv}{st}|{tag}]", get_bwd_dhu_kernel,
-                                (h_qk, h_v, True, bool(h0), bv), {**rkw, **skw, "split": "carry"}))  # fmt: skip
+                    out.append((f"bwd_dhu[seg,dht={dht},bv={bv}{st}|{tag}]", get_dhu,
+                                (h_qk, h_v, bool(dht), True, bv), {**dkw0, **skw, "split": "seg"}))  # fmt: skip
+                    out.append((f"bwd_dhu[carry,dh0={h0},bv={bv}{st}|{tag}]", get_dhu,
+                                (h_qk, h_v, True, bool(h0), bv), {**dkw0, **skw, "split": "carry"}))  # fmt: skip
             if split and ws:
                 out.append((f"bwd_h_ws[init=1,bv={bv}]", get_bwd_h_ws_kernel, (h_qk, h_v, True, bv), {}))
     if split and ws:
@@ -159,6 +159,10 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
     dkw = dict(tkw)
     if var["bwd_rsum"] == "1" or var["bwd_bf16"] == "1":
         dkw.update(rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1")
+    if var["bwd_dhu_ws"] == "1":
+        from .bwd_pw import get_bwd_pw_kernel
+
+        out.append(("bwd_pw", get_bwd_pw_kernel, (h_qk, h_v), {}))
     out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
     wkw = {**tkw, "bf16_dk": True} if var["bwd_bf16"] == "1" else tkw
     out.append((f"bwd_wy[threads={thr}|{tag}]", get_bwd_wy_kernel, (h_qk, h_v), wkw))

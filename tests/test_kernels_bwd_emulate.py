@@ -91,7 +91,7 @@ def _patch_kernels(monkeypatch):
 
     def fake_dhu(
         q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=64, target=None,
-        rowexp=False, split="", stages=0,
+        rowexp=False, split="", stages=0, pt=None, w=None,
     ):  # fmt: skip
         N = int(stab[:, 2].max()) + 1
         dha, dvn, d0 = eb.emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, gcs.shape[1] // 64, N, split=split)
@@ -142,6 +142,10 @@ def _patch_kernels(monkeypatch):
     fx = importlib.import_module("qlabench_kernels.fixup")
     monkeypatch.setattr(fx, "run_fixup", fake_fixup)
     monkeypatch.setattr(fx, "run_rfixup", fake_rfixup)
+    monkeypatch.setattr(
+        importlib.import_module("qlabench_kernels.bwd_pw"), "run_bwd_pw",
+        lambda q, k, gcs, a_beta, ctab, scale, target=None: tuple(x.to(bf) for x in eb.emu_bwd_pw(q, k, gcs, a_beta, ctab, scale)),
+    )  # fmt: skip
 
     def fake_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, cu_seqlens=None, **kw):
         r = emu.emu_pipeline(q, k, v, g, beta, scale, initial_state, cu_seqlens)

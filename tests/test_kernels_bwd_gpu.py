@@ -184,9 +184,9 @@ def test_split_chains_match_reference(split, variant):
 
 
 @pytest.mark.parametrize("split", [0, 512])
-def test_dhu_ws_draft_matches_reference(split):
-    """variant bwd_dhu_ws=1 (the warp-specialised bwd_dhu, added in session 5 without a GPU run):
-    the reference gradients, and the default path's dh and dv_new on every defined row."""
+def test_dhu_ws_matches_reference(split):
+    """variant bwd_dhu_ws=1 (bwd_pw + the warp-specialised bwd_dhu): the reference gradients, and the
+    bwd_dhu path's dh and dv_new on every defined row."""
     pkg = _kernels_pkg()
     x, ref = _case(2, 4, True, True)
     kw = dict(dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"], return_intermediates=True, split_tokens=split)
@@ -200,3 +200,17 @@ def test_dhu_ws_draft_matches_reference(split):
     rows = (valid[:, None] * 64 + torch.arange(64, device=valid.device)).flatten()
     rows = rows[(torch.arange(64, device=valid.device)[None, :] < ln[valid][:, None]).flatten()]
     assert rel_l2(got["dvnew"][:, rows].float(), base["dvnew"][:, rows].float()) < 1e-2
+
+
+def test_bwd_pw_matches_emulation():
+    """bwd_pw's Pᵀ and W' on every chunk slot (mixed lengths, unused slots zero) against the torch
+    mirror fed the same prep outputs."""
+    pkg = _kernels_pkg()
+    eb = importlib.import_module("qlabench_kernels.dev.emulate_bwd")
+    pw = importlib.import_module("qlabench_kernels.bwd_pw")
+    x, _ = _case(2, 4, True, True)
+    r = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], cu_seqlens=x["cu"], return_intermediates=True)
+    pt, w = pw.run_bwd_pw(x["q"], x["k"], r["gcs"], r["a_beta"], r["ctab"], D**-0.5)
+    ept, ew = eb.emu_bwd_pw(x["q"], x["k"], r["gcs"], r["a_beta"], r["ctab"], D**-0.5)
+    torch.cuda.synchronize()
+    assert rel_l2(pt.float(), ept) < 1e-2 and rel_l2(w.float(), ew) < 1e-2

@@ -200,17 +200,27 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
     rowexp = var["rowexp"] == "1"
     from qlabench_kernels.autograd import _dhu_stages
 
+    use_ws = var["bwd_dhu_ws"] == "1" and block_v == 32
+    sc = 128**-0.5
+    pw = {}
+    if use_ws:
+        from qlabench_kernels.bwd_pw import run_bwd_pw
+
+        def pw_stage():
+            pw["pt"], pw["w"] = run_bwd_pw(x["q"], x["k"], g["gcs"], g["a_beta"], g["ctab"], sc)
+
+        pw_stage()
+
     def run_bwd_dhu(*a, **kw):  # the launcher chunk_gdn_bwd uses for this variant
-        if var["bwd_dhu_ws"] == "1":
+        if use_ws:
             kw.pop("rowexp", None)
             kw.pop("stages", None)
-            return run_bwd_dhu_ws(*a, **kw)
+            return run_bwd_dhu_ws(*a, **kw, **pw)
         return dhu_plain(*a, **kw)
 
     dkw = _dhu_stages(var, sum(x["lens"]), len(x["lens"]), x["v"].shape[2], block_v, g["split_tokens"], x["lens"],
                       x["q"].device)  # fmt: skip
     nthr = int(var["bwd_threads"])
-    sc = 128**-0.5
     dk_tmp = g["dk_v"].clone()
     if g["split_tokens"]:
         e_end = torch.empty_like(g["h_start"])
@@ -247,6 +257,7 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
             ),
         }  # fmt: skip
     stages = {
+        **({"bwd_pw": pw_stage} if use_ws else {}),
         **chains,
         "bwd_dqkwg": lambda: run_bwd_dqkwg(
             x["q"], x["k"], x["do"], g["gcs"], g["ctab"], g["h_all"], g["dh_all"], g["vnew"], g["dvnew"], sc,
