@@ -99,6 +99,8 @@ def chunk_loop_stages() -> int:
 #:   bwd_dhu_ws 0 | 1          backward: bwd_dhu warp-specialised (bwd_dhu_ws.py; Y = Y0 + W' dH, with Pᵀ and
 #:                             W' from the parallel bwd_pw.py and Y0 built by a warpgroup off the chain);
 #:                             block_v 32 only (other widths run bwd_dhu)
+#:   bwd_grp 0 | 1             backward: bwd_dqkwg and bwd_wy run one CTA per (chunk, qk head) over the G
+#:                             v-heads of its GVA group and store dq, dk summed (no group sum in torch)
 #:   uw      0 | 1             with pprep=1: the warp-specialised fwd_o's U/W warpgroup computes the
 #:                             S-independent −W₀ = −A_β diag(e^g) K and U₀ = A_β V while the state is
 #:                             updated, then Vd = U₀ − W₀ S is one wgmma on the chain (needs pprep=1)
@@ -106,12 +108,12 @@ VARIANT_DEFAULTS = {
     "tables": "tl", "prep": "rt", "fwd_bv": "64", "fwd_threads": "128", "fastmath": "1", "stages": None,
     "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "1",
     "bwd_split": "auto", "bwd_threads": "256", "bwd_stages": "auto",
-    "bwd_streams": "1", "bwd_rsum": "1", "bwd_bf16": "1", "bwd_dhu_ws": "1",
+    "bwd_streams": "1", "bwd_rsum": "1", "bwd_bf16": "1", "bwd_dhu_ws": "1", "bwd_grp": "1",
 }  # fmt: skip
 #: The first landing's path (the knobs at their oldest values), kept for comparison.
 BASELINE_VARIANT = (
     "tables=torch,prep=subst,fastmath=0,fwd_ws=0,stages=0,rowexp=0,bwd_ws=0,pprep=0,uw=0,autobv=0,bwd_split=0,"
-    "bwd_threads=128,bwd_stages=0,bwd_streams=0,bwd_rsum=0,bwd_bf16=0"
+    "bwd_threads=128,bwd_stages=0,bwd_streams=0,bwd_rsum=0,bwd_bf16=0,bwd_dhu_ws=0,bwd_grp=0"
 )
 VARIANT_CHOICES = {
     "tables": ("torch", "tl"),
@@ -134,6 +136,7 @@ VARIANT_CHOICES = {
     "bwd_rsum": ("0", "1"),
     "bwd_bf16": ("0", "1"),
     "bwd_dhu_ws": ("0", "1"),
+    "bwd_grp": ("0", "1"),
 }
 
 

@@ -252,14 +252,17 @@ def chunk_gdn_bwd(
         if side is not None:
             main.wait_stream(side)
     nthr = int(var["bwd_threads"])
+    grp = var["bwd_grp"] == "1"  # dq, dk summed over each GVA group inside the kernels
     dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
         q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr,
-        rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1",
+        rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1", grp=grp,
     )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
-    dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr)
-    dq = _group_sum(dq_v, h_qk, q.dtype)
-    dk = _group_sum(dk_v, h_qk, k.dtype)
+    dk_v, dv, dg, dbeta = run_bwd_wy(
+        k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr, grp=grp
+    )
+    dq = dq_v.to(q.dtype) if grp else _group_sum(dq_v, h_qk, q.dtype)
+    dk = dk_v.to(k.dtype) if grp else _group_sum(dk_v, h_qk, k.dtype)
     dv = dv.to(v.dtype)
     if not return_intermediates:
         return dq, dk, dv, dg, dbeta, dh0

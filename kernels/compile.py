@@ -159,12 +159,14 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
     dkw = dict(tkw)
     if var["bwd_rsum"] == "1" or var["bwd_bf16"] == "1":
         dkw.update(rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1")
+    gkw = {"grp": True} if var["bwd_grp"] == "1" else {}
+    dkw.update(gkw)
     if var["bwd_dhu_ws"] == "1":
         from .bwd_pw import get_bwd_pw_kernel
 
         out.append(("bwd_pw", get_bwd_pw_kernel, (h_qk, h_v), {}))
     out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
-    wkw = {**tkw, "bf16_dk": True} if var["bwd_bf16"] == "1" else tkw
+    wkw = {**tkw, "bf16_dk": True, **gkw} if var["bwd_bf16"] == "1" else {**tkw, **gkw}
     out.append((f"bwd_wy[threads={thr}|{tag}]", get_bwd_wy_kernel, (h_qk, h_v), wkw))
     return out
 

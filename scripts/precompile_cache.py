@@ -129,8 +129,8 @@ if which == "bwdtests":
         if (hq, hv) in ((2, 8), (1, 3)):
             precompile_bwd_variants(hq, hv, ["bwd_ws=1,rowexp=1", "bwd_ws=0,rowexp=0"], flags=((1, 1), (0, 1)),
                                     bvs=(32,), verbose=True)  # fmt: skip
-        if (hq, hv) == (2, 4):  # the bwd_dhu_ws GPU tests
-            precompile_bwd_variants(hq, hv, ["bwd_dhu_ws=1"], flags=((1, 1),), bvs=(32,), verbose=True)
+        if (hq, hv) == (2, 4):  # the bwd_dhu_ws=0 / bwd_grp=0 GPU tests
+            precompile_bwd_variants(hq, hv, ["bwd_dhu_ws=0", "bwd_grp=0"], flags=((1, 1),), bvs=(32,), verbose=True)
         print(f"{hq}/{hv} bwd tests: {time.time() - t0:.0f} s", flush=True)
 if which in ("bwd", "all"):
     for hq, hv in BWD_TESTS:

@@ -121,13 +121,16 @@ def _patch_kernels(monkeypatch):
 
     def fake_dqkwg(
         q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, threads=128, rsum=False, bf16_out=False,
+        grp=False,
     ):  # fmt: skip
         dq_v, dk_v, dw, dg_p = eb.emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
+        if grp:  # summed over each GVA group in the kernel
+            dq_v, dk_v = eb.group_sum(dq_v, q.shape[2]), eb.group_sum(dk_v, q.shape[2])
         if bf16_out:  # the kernels' bf16 per-v-head intermediates
             dq_v, dk_v = dq_v.to(bf), dk_v.to(bf)
         return dq_v, dk_v, dw.to(bf), dg_p
 
-    def fake_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=None, threads=128):
+    def fake_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=None, threads=128, grp=False):
         dk, dv, dg, db = eb.emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_v, dg_part, ctab)
         dk_v.copy_(dk)
         return dk_v, dv.to(bf), dg, db

@@ -185,13 +185,13 @@ def test_split_chains_match_reference(split, variant):
 
 @pytest.mark.parametrize("split", [0, 512])
 def test_dhu_ws_matches_reference(split):
-    """variant bwd_dhu_ws=1 (bwd_pw + the warp-specialised bwd_dhu): the reference gradients, and the
-    bwd_dhu path's dh and dv_new on every defined row."""
+    """variant bwd_dhu_ws=1 (the default: bwd_pw + the warp-specialised bwd_dhu): the reference
+    gradients, and the bwd_dhu path's (bwd_dhu_ws=0) dh and dv_new on every defined row."""
     pkg = _kernels_pkg()
     x, ref = _case(2, 4, True, True)
     kw = dict(dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"], return_intermediates=True, split_tokens=split)
     got = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], variant="bwd_dhu_ws=1", **kw)
-    base = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], **kw)
+    base = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], variant="bwd_dhu_ws=0", **kw)
     torch.cuda.synchronize()
     _assert_close(got, ref, list(TOL))
     ln = (got["ctab"][:, 1] - got["ctab"][:, 0]).long()
@@ -214,3 +214,18 @@ def test_bwd_pw_matches_emulation():
     ept, ew = eb.emu_bwd_pw(x["q"], x["k"], r["gcs"], r["a_beta"], r["ctab"], D**-0.5)
     torch.cuda.synchronize()
     assert rel_l2(pt.float(), ept) < 1e-2 and rel_l2(w.float(), ew) < 1e-2
+
+
+def test_grp_matches_per_v_head_path():
+    """variant bwd_grp=1 (the default: dqkwg / wy per (chunk, qk head) over the GVA group) against the
+    reference, and its dq / dk against the per-v-head kernels plus the torch group sum (bwd_grp=0)."""
+    pkg = _kernels_pkg()
+    x, ref = _case(2, 4, True, True)
+    kw = dict(dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"])
+    got = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], variant="bwd_grp=1", **kw)
+    base = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], variant="bwd_grp=0", **kw)
+    torch.cuda.synchronize()
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    _assert_close(dict(zip(names, got)), ref, names)
+    for n, a, b in zip(names, got, base):
+        assert rel_l2(a.float(), b.float()) < 1e-2, n

@@ -261,11 +261,11 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
         **chains,
         "bwd_dqkwg": lambda: run_bwd_dqkwg(
             x["q"], x["k"], x["do"], g["gcs"], g["ctab"], g["h_all"], g["dh_all"], g["vnew"], g["dvnew"], sc,
-            threads=nthr, rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1",
+            threads=nthr, rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1", grp=var["bwd_grp"] == "1",
         ),
         "bwd_wy": lambda: run_bwd_wy(
             x["k"], x["v"], x["beta"], g["gcs"], g["a_beta"], g["ctab"], g["dw"], g["dvnew"], g["dg_part"], dk_tmp,
-            threads=nthr,
+            threads=nthr, grp=var["bwd_grp"] == "1",
         ),
     }  # fmt: skip
     out = {}

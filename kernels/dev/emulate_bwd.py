@@ -279,7 +279,8 @@ def emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale):
 
 def emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_part, dg_part, ctab):
     """Mirror of bwd_wy.py. Returns dk_v [1,T,Hv,K] fp32 (complete), dv [1,T,Hv,V] fp32
-    (bf16 values), dg [1,T,Hv] fp32 (raw g) and dbeta [1,T,Hv] fp32."""
+    (bf16 values), dg [1,T,Hv] fp32 (raw g) and dbeta [1,T,Hv] fp32. A dk_part of [1,T,Hqk,K]
+    (variant bwd_grp=1: summed over each GVA group) gives dk_v summed likewise."""
     T, h_qk, h_v = k.shape[1], k.shape[2], v.shape[2]
     G = h_v // h_qk
     dev = k.device
@@ -322,8 +323,9 @@ def emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_part, dg_part, ctab):
     dgr = torch.flip(torch.cumsum(torch.flip(dgt, [-1]), -1), [-1])
 
     vr = rows[valid]
-    dk_v = dk_part.clone().float()
-    dk_v[0, vr] += dk.transpose(1, 2)[valid]
+    dk_add = torch.zeros(1, T, h_v, D, device=dev)
+    dk_add[0, vr] = dk.transpose(1, 2)[valid]
+    dk_v = dk_part.float() + (group_sum(dk_add, h_qk) if dk_part.shape[2] != h_v else dk_add)
     dv_out = torch.zeros(1, T, h_v, D, device=dev)
     dv_out[0, vr] = _r(dv).transpose(1, 2)[valid]
     dg_out = torch.zeros(1, T, h_v, device=dev)
@@ -392,6 +394,8 @@ def stage_errors(r, q, k, v, beta, do, dht, h0, scale):
     dq_e, dkp_e, dw_e, dgp_e = emu_bwd_dqkwg(
         q, k, do, gcs, r["h_all"], r["dh_all"], r["vnew"], r["dvnew"], ctab, scale
     )  # fmt: skip
+    if r["dq_v"].shape[2] != dq_e.shape[2]:  # bwd_grp=1: stored summed over each GVA group
+        dq_e, dkp_e = group_sum(dq_e, q.shape[2]), group_sum(dkp_e, q.shape[2])
     out["bwd_dqkwg.dq"] = _rel(r["dq_v"], dq_e)
     if r.get("dk_part") is not None:
         out["bwd_dqkwg.dk"] = _rel(r["dk_part"], dkp_e)
