@@ -165,8 +165,11 @@ def parse_variant(spec=None) -> dict:
     for src in (os.environ.get("QLABENCH_GDN_VARIANT", ""), spec):
         if not src or src == "default":
             continue
-        items = src.items() if isinstance(src, dict) else (kv.split("=", 1) for kv in str(src).split(",") if kv.strip())
-        for key, val in items:
+        items = src.items() if isinstance(src, dict) else [kv.split("=", 1) for kv in str(src).split(",") if kv.strip()]
+        for item in items:
+            if len(item) != 2:
+                raise ValueError(f"GDN variant item {item[0].strip()!r} must be knob=value (in {src!r})")
+            key, val = item
             key, val = str(key).strip(), str(val).strip()
             if key not in VARIANT_CHOICES:
                 raise ValueError(f"unknown GDN variant knob {key!r}; knobs: {sorted(VARIANT_CHOICES)}")

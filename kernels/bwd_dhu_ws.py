@@ -286,6 +286,8 @@ def run_bwd_dhu_ws(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dv
                    split="", pt=None, w=None):  # fmt: skip
     """Same call and outputs as ``bwd_dhu.run_bwd_dhu`` (block_v 32 only); pt and w are bwd_pw's
     outputs (``chunk_gdn_bwd`` computes them once for both split passes)."""
+    if pt is None or w is None:
+        raise ValueError("run_bwd_dhu_ws needs bwd_pw's pt and w (kernels.bwd_pw.run_bwd_pw)")
     h_qk, h_v = q.shape[2], do.shape[2]
     ncs = gcs.shape[1] // CHUNK
     dev = q.device
@@ -298,8 +300,6 @@ def run_bwd_dhu_ws(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dv
     dummy = None
     if not (has_dht and has_dh0):
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
-    if pt is None or w is None:
-        raise ValueError("run_bwd_dhu_ws needs bwd_pw's pt and w (kernels.bwd_pw.run_bwd_pw)")
     kern(q, k, gcs, a_beta, do, dht if has_dht else dummy, stab, float(scale), dh_all, dvnew, dh0 if has_dh0 else dummy,
          pt, w)  # fmt: skip
     return dh_all, dvnew, dh0

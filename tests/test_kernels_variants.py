@@ -119,6 +119,12 @@ def test_variant_parsing(monkeypatch):
         pkg.parse_variant("fwd_bv=16")
     with pytest.raises(ValueError):
         pkg.parse_variant("nope=1")
+    with pytest.raises(ValueError, match="item 'bwd_grp' must be knob=value"):
+        pkg.parse_variant("fwd_bv=32,bwd_grp")
+    v = pkg.parse_variant("fwd_bv=64")
+    assert (v["bwd_dhu_ws"], v["bwd_grp"]) == ("1", "1")  # the backward's session-6 defaults
+    with pytest.raises(ValueError, match="bwd_grp='2' not in"):
+        pkg.parse_variant("bwd_grp=2")
     monkeypatch.delenv("QLABENCH_GDN_VARIANT")
     assert pkg.variant_name(pkg.parse_variant("pprep=1,uw=1")) == "default"
     assert pkg.variant_name(pkg.parse_variant("pprep=0,uw=0")) == "pprep=0"
@@ -274,3 +280,12 @@ def test_plan_bwd_split_cuts_only_few_long_chains():
     assert pkg.plan_bwd_split(32768, 1, 32) == 0  # 16/32 1x32768: 9.05 ms (1024: 9.25)
     eight = [3274, 1029, 2909, 5061, 2011, 3793, 9932, 4759]
     assert pkg.plan_bwd_split(32768, 8, 8, seqlens=eight) == 2048  # 4/8: 2.47 ms (1024: 2.45, unsplit 2.67)
+
+
+def test_bwd_dhu_ws_needs_bwd_pw_outputs():
+    """run_bwd_dhu_ws called without bwd_pw's Pᵀ / W' says so before compiling anything."""
+    _pkg()
+    ws = importlib.import_module("qlabench_kernels.bwd_dhu_ws")
+    z = torch.zeros(1, 64, 1, 128)
+    with pytest.raises(ValueError, match="needs bwd_pw's pt and w"):
+        ws.run_bwd_dhu_ws(z, z, torch.zeros(1, 128), None, z, None, None, 1.0, None)
