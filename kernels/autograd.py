@@ -129,7 +129,9 @@ def chunk_gdn_bwd(
     Returns:
         dq, dk [1,T,Hqk,128] (q.dtype, summed over each GVA group), dv [1,T,Hv,128] (v.dtype),
         dg [1,T,Hv] fp32 (for the raw g), dbeta [1,T,Hv] fp32, dh0 [N,Hv,128,128] fp32 or None.
-        With ``return_intermediates`` a dict with those and every stage's output.
+        With ``return_intermediates`` a dict with those and every stage's output (dq_v, dk_part, dk_v
+        are [1,T,Hqk,128], summed over each GVA group, under the default ``bwd_grp=1``; per v-head
+        [1,T,Hv,128] with ``bwd_grp=0``).
     """
     if q.dim() != 4 or q.shape[0] != 1 or q.shape[3] != HEAD_DIM:
         raise ValueError(f"q must be [1, T, Hqk, {HEAD_DIM}], got {tuple(q.shape)}")
@@ -189,11 +191,7 @@ def chunk_gdn_bwd(
         raise ValueError("GDN variant bwd_stages=2 needs rowexp=1")
     dhu_kw.update(_dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev))
     dhu = run_bwd_dhu
-    if var["bwd_dhu_ws"] == "1" and block_v == 32:  # the warp-specialised reverse chain (bwd_dhu_ws.py)
-        from .bwd_pw import run_bwd_pw
-
-        pt_all, w_all = run_bwd_pw(q, k, gcs, a_beta, ctab, scale, target=target)
-        dhu, dhu_kw = run_bwd_dhu_ws, {"pt": pt_all, "w": w_all}
+    dhu_ws = var["bwd_dhu_ws"] == "1" and block_v == 32  # the warp-specialised reverse chain (bwd_dhu_ws.py)
     # every buffer is allocated here, on the calling stream, before the chains fork
     bf = dict(device=dev, dtype=torch.bfloat16)
     h_all = torch.empty(h_v, ncs, HEAD_DIM, HEAD_DIM, **bf)
@@ -209,6 +207,11 @@ def chunk_gdn_bwd(
         side.wait_stream(main)
     split_out = {}
     try:  # the join also runs when a launch raises, before any buffer here can be freed
+        if dhu_ws:  # its Pᵀ / W' on the main stream, after the fork: the state side does not wait for them
+            from .bwd_pw import run_bwd_pw
+
+            pt_all, w_all = run_bwd_pw(q, k, gcs, a_beta, ctab, scale, target=target)
+            dhu, dhu_kw = run_bwd_dhu_ws, {"pt": pt_all, "w": w_all}
         if split_tokens:
             from .fixup import run_fixup, run_rfixup
             from .seg_state import run_seg_state

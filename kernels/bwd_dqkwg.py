@@ -1,5 +1,6 @@
 """Backward kernel 3: dq, the P / state parts of dk, dw and the dq/dk/state parts of dg
-(FLA's ``chunk_bwd_dqkwg``), one CTA (128 threads) per (chunk slot, v-head), V = 128 whole.
+(FLA's ``chunk_bwd_dqkwg``), one CTA (128 or 256 threads) per (chunk slot, v-head), V = 128 whole;
+with ``grp`` (variant ``bwd_grp=1``, the default) per (chunk slot, qk head) over its GVA group.
 
 With h = state at the chunk start, dH = d(state at its end) (bwd_dhu), g = chunk-local cumsum,
 g_l = g at the last valid row, Γ_ij = e^{g_i − g_j} (i ≥ j):
@@ -17,7 +18,8 @@ Row sums over 128 columns use ``T.reduce_sum``; the [64,64] row/column sums and 
 
 Inputs:  q, k [1,T,Hqk,128] bf16, do [1,T,Hv,128] bf16, gcs [Hv,NCS*64] fp32, ctab [NCS,4],
          h_all, dh_all [Hv,NCS,128,128] bf16, vnew, dvnew [Hv,NCS*64,128] bf16, scale.
-Outputs: dq_v, dk_v [1,T,Hv,128] fp32, or bf16 with ``bwd_bf16=1`` (per v-head; dk partial),
+Outputs: dq_v, dk_v [1,T,Hv,128] fp32, or bf16 with ``bwd_bf16=1`` (per v-head; dk partial;
+         [1,T,Hqk,128] summed over each GVA group with ``grp``),
          dw [Hv,NCS*64,128] bf16,
          dg_part [Hv,NCS*64] fp32 (0 on rows past the end).
 """

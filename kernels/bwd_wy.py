@@ -1,6 +1,7 @@
 """Backward kernel 4: back-propagation through w, u and A (FLA's ``prepare_wy_repr_bwd``),
-finishing dk, dv, dβ and dg (with the reverse in-chunk cumsum). One CTA (128 threads) per
-(chunk slot, v-head). With X_w = e^g ⊙ K, w = A_β X_w, u = A_β V, A_β = A diag(β),
+finishing dk, dv, dβ and dg (with the reverse in-chunk cumsum). One CTA (128 or 256 threads) per
+(chunk slot, v-head), or with ``grp`` (variant ``bwd_grp=1``, the default) per (chunk slot, qk head)
+over its GVA group. With X_w = e^g ⊙ K, w = A_β X_w, u = A_β V, A_β = A diag(β),
 A = (I + diag(β) M)⁻¹, M = StrictLower(Γ ⊙ K Kᵀ):
 
     dA_β = dw X_wᵀ + du Vᵀ   (lower incl. diagonal)                  wgmma ×2   (du = dv_new)
@@ -15,7 +16,7 @@ A = (I + diag(β) M)⁻¹, M = StrictLower(Γ ⊙ K Kᵀ):
 Inputs:  k [1,T,Hqk,128], v [1,T,Hv,128] bf16, beta [1,T,Hv] fp32, gcs, a_beta (forward prep),
          dw [Hv,NCS*64,128] bf16, dvnew [Hv,NCS*64,128] bf16, dg_part [Hv,NCS*64] fp32, ctab.
 In/out:  dk_v [1,T,Hv,128] fp32, or bf16 with ``bwd_bf16=1`` (partial from bwd_dqkwg in, complete
-         out; valid rows).
+         out; valid rows; [1,T,Hqk,128] summed over each GVA group with ``grp``).
 Outputs: dv [1,T,Hv,128] bf16, dg [1,T,Hv] fp32, dbeta [1,T,Hv] fp32 (valid rows).
 """
 
@@ -34,7 +35,8 @@ def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = Fals
     the GVA group sum then adds those in fp32).
     grp (variant ``bwd_grp=1``): one CTA per (chunk slot, qk head) walks the G v-heads of its group
     (k loaded once); dk_v is [1,T,Hqk,128], bwd_dqkwg's group-summed partial in, the complete dk out
-    (this kernel's parts summed over the group in fp32 registers, added to the partial, rounded once)."""
+    (this kernel's parts summed over the group in fp32 registers, added to the partial in fp32, the sum
+    rounded to dk_v's dtype once)."""
     kdt = "bfloat16" if bf16_dk else "float32"
     import tilelang.language as T
 

@@ -161,7 +161,7 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
         dkw.update(rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1")
     gkw = {"grp": True} if var["bwd_grp"] == "1" else {}
     dkw.update(gkw)
-    if var["bwd_dhu_ws"] == "1":
+    if var["bwd_dhu_ws"] == "1" and 32 in bvs:
         from .bwd_pw import get_bwd_pw_kernel
 
         out.append(("bwd_pw", get_bwd_pw_kernel, (h_qk, h_v), {}))

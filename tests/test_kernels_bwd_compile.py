@@ -89,10 +89,10 @@ def test_split_backward_kernels_compile():
 def test_bwd_dhu_ws_compiles_warp_specialised():
     """The warp-specialised bwd_dhu (variant bwd_dhu_ws=1, the default at block_v 32) compiles for
     sm_90a: 512 threads, wgmma, TMA loads behind mbarriers, setmaxnreg per role, one CTA-wide
-    barrier (after the mbarrier init), in the unsplit and the split pass-1 forms."""
+    barrier (after the mbarrier init), in the unsplit and both split-pass forms."""
     _kernels_pkg()
     ws = importlib.import_module("qlabench_kernels.bwd_dhu_ws")
-    for split in ("", "seg"):
+    for split in ("", "seg", "carry"):
         src = ws.get_bwd_dhu_ws_kernel(2, 8, True, True, 32, target_k=TARGET_K, split=split).get_kernel_source()
         assert "__launch_bounds__(512" in src
         assert "wgmma" in src and "tma_load" in src and "expect_transaction" in src
@@ -100,3 +100,20 @@ def test_bwd_dhu_ws_compiles_warp_specialised():
             assert f"warpgroup_reg_{'alloc' if nreg > ws.NREG_LAUNCH else 'dealloc'}<{nreg}>" in src
         assert src.count("__syncthreads()") == 1
         assert ("tma_store" in src) == (split != "seg")  # dh / dv_new leave through the store warps
+
+
+def test_bwd_pw_and_group_forms_compile():
+    """bwd_pw (Pᵀ, W' per chunk and v-head) and the GVA-group forms of dqkwg / wy (bwd_grp=1, the
+    defaults) compile for sm_90a with wgmma; the group forms loop over the group's v-heads."""
+    _kernels_pkg()
+    pw = importlib.import_module("qlabench_kernels.bwd_pw")
+    dq = importlib.import_module("qlabench_kernels.bwd_dqkwg")
+    wy = importlib.import_module("qlabench_kernels.bwd_wy")
+    src = pw.get_bwd_pw_kernel(2, 8, TARGET_K).get_kernel_source()
+    assert "wgmma" in src
+    for src in (
+        dq.get_bwd_dqkwg_kernel(2, 8, TARGET_K, threads=256, rsum=True, bf16_out=True, grp=True).get_kernel_source(),
+        wy.get_bwd_wy_kernel(2, 8, TARGET_K, threads=256, bf16_dk=True, grp=True).get_kernel_source(),
+    ):
+        assert "wgmma" in src and "for (int gi = 0; gi < 4; ++gi)" in src
+

@@ -222,6 +222,24 @@ def test_bf16_intermediates_with_emulated_kernels(monkeypatch):
     _check(dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db, dh0=dh0), _ref(x), True)
 
 
+@pytest.mark.parametrize("spec", ["bwd_grp=0", "bwd_grp=0,bwd_bf16=0", "bwd_grp=1,bwd_bf16=0"])
+def test_group_forms_with_emulated_kernels(monkeypatch, spec):
+    """bwd_grp=0 (per-v-head dq / dk summed by ``_group_sum``, bf16 or fp32 partials) and bwd_grp=1
+    with fp32 partials give the reference gradients in the inputs' dtype."""
+    pkg = _patch_kernels(monkeypatch)
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    common = importlib.import_module("qlabench_kernels._common")
+    x = _inputs((1, 63, 64, 65, 300), 2, 4, True, True, seed=17)
+    ctab, _ = common.chunk_table(x["cu"].long(), 493, 5)
+    gcs, a_beta = emu.emu_prep(x["k"], x["g"], x["beta"], ctab)
+    dq, dk, dv, dg, db, dh0 = pkg.chunk_gdn_bwd(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
+        cu_seqlens=x["cu"], gcs=gcs, a_beta=a_beta, ctab=ctab, variant=spec,
+    )  # fmt: skip
+    assert dq.shape == x["q"].shape and dk.shape == x["k"].shape and dq.dtype == dk.dtype == x["q"].dtype
+    _check(dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db, dh0=dh0), _ref(x), True)
+
+
 def test_dhu_ws_variant_takes_the_same_glue(monkeypatch):
     """bwd_dhu_ws=1 routes every bwd_dhu launch (unsplit, split pass 1 and 2) to the warp-specialised
     launcher with the same arguments, and no rowexp / stages keywords."""
