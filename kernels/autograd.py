@@ -189,9 +189,10 @@ def chunk_gdn_bwd(
     dhu_kw = {"rowexp": True} if var["rowexp"] == "1" else {}
     if var["bwd_stages"] == "2" and var["rowexp"] != "1":
         raise ValueError("GDN variant bwd_stages=2 needs rowexp=1")
-    dhu_kw.update(_dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev))
     dhu = run_bwd_dhu
     dhu_ws = var["bwd_dhu_ws"] == "1" and block_v == 32  # the warp-specialised reverse chain (bwd_dhu_ws.py)
+    if not dhu_ws:  # bwd_dhu's loop form (bwd_dhu_ws has one)
+        dhu_kw.update(_dhu_stages(var, T, N, h_v, block_v, split_tokens, seqlens, dev))
     # every buffer is allocated here, on the calling stream, before the chains fork
     bf = dict(device=dev, dtype=torch.bfloat16)
     h_all = torch.empty(h_v, ncs, HEAD_DIM, HEAD_DIM, **bf)

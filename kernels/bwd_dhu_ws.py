@@ -180,7 +180,6 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
                     ph = (cr // 2) % 2
                     ci = nchunks - 1 - cr
                     ln = T.min(eos - (bos + ci * C), C)
-                    r0 = (cslot + ci) * C
                     T.barrier_wait(built[j], ph)
                     T.copy(y0_sh[j, :, :], y_frag)
                     T.barrier_wait(dh_ready[j], ph)
