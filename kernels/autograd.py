@@ -257,14 +257,24 @@ def chunk_gdn_bwd(
             main.wait_stream(side)
     nthr = int(var["bwd_threads"])
     grp = var["bwd_grp"] == "1"  # dq, dk summed over each GVA group inside the kernels
-    dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
-        q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr,
-        rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1", grp=grp,
-    )  # fmt: skip
+    if grp and var["bwd_dqkwg_ws"] == "1" and var["bwd_rsum"] == "1" and var["bwd_bf16"] == "1":
+        from .bwd_dqkwg_ws import run_bwd_dqkwg_ws  # persistent, warp-specialised
+
+        dq_v, dk_v, dw, dg_part = run_bwd_dqkwg_ws(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target)
+    else:
+        dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
+            q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target, threads=nthr,
+            rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1", grp=grp,
+        )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
-    dk_v, dv, dg, dbeta = run_bwd_wy(
-        k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr, grp=grp
-    )
+    if grp and var["bwd_wy_ws"] == "1" and dk_v.dtype == torch.bfloat16:  # persistent, warp-specialised
+        from .bwd_wy_ws import run_bwd_wy_ws
+
+        dk_v, dv, dg, dbeta = run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)
+    else:
+        dk_v, dv, dg, dbeta = run_bwd_wy(
+            k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr, grp=grp
+        )
     dq = dq_v.to(q.dtype) if grp else _group_sum(dq_v, h_qk, q.dtype)
     dk = dk_v.to(k.dtype) if grp else _group_sum(dk_v, h_qk, k.dtype)
     dv = dv.to(v.dtype)

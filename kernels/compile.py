@@ -165,7 +165,17 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
         from .bwd_pw import get_bwd_pw_kernel
 
         out.append(("bwd_pw", get_bwd_pw_kernel, (h_qk, h_v), {}))
-    out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
+    if var["bwd_dqkwg_ws"] == "1" and gkw and var["bwd_rsum"] == "1" and var["bwd_bf16"] == "1":
+        from .bwd_dqkwg_ws import get_bwd_dqkwg_ws_kernel
+
+        out.append(("bwd_dqkwg_ws", get_bwd_dqkwg_ws_kernel, (h_qk, h_v), {}))
+    else:
+        out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
+    if var["bwd_wy_ws"] == "1" and gkw and var["bwd_bf16"] == "1":  # what chunk_gdn_bwd runs then
+        from .bwd_wy_ws import get_bwd_wy_ws_kernel
+
+        out.append(("bwd_wy_ws", get_bwd_wy_ws_kernel, (h_qk, h_v), {}))
+        return out
     wkw = {**tkw, "bf16_dk": True, **gkw} if var["bwd_bf16"] == "1" else {**tkw, **gkw}
     out.append((f"bwd_wy[threads={thr}|{tag}]", get_bwd_wy_kernel, (h_qk, h_v), wkw))
     return out

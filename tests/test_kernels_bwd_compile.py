@@ -117,3 +117,39 @@ def test_bwd_pw_and_group_forms_compile():
     ):
         assert "wgmma" in src and "for (int gi = 0; gi < 4; ++gi)" in src
 
+
+
+def test_bwd_wy_ws_compiles_warp_specialised():
+    """bwd_wy_ws (variant bwd_wy_ws=1): 384 threads, wgmma, TMA loads behind mbarriers, setmaxnreg
+    per role with .inc / .dec chosen against the launch count, one CTA-wide barrier (the mbarrier
+    init) and a persistent loop; the variant's compile list names it instead of bwd_wy."""
+    _kernels_pkg()
+    ws = importlib.import_module("qlabench_kernels.bwd_wy_ws")
+    comp = importlib.import_module("qlabench_kernels.compile")
+    src = ws.get_bwd_wy_ws_kernel(2, 8, TARGET_K).get_kernel_source()
+    assert "__launch_bounds__(384" in src
+    assert "wgmma" in src and "tma_load" in src and "expect_transaction" in src
+    for nreg in ws.NREG:
+        assert f"warpgroup_reg_{'alloc' if nreg > ws.NREG_LAUNCH else 'dealloc'}<{nreg}>" in src
+    assert src.count("__syncthreads()") == 1
+    names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_wy_ws=1")]
+    assert "bwd_wy_ws" in names and not any(n.startswith("bwd_wy[") for n in names)
+    names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_wy_ws=1,bwd_bf16=0")]
+    assert "bwd_wy_ws" not in names  # fp32 dk partials: the group wy
+
+
+def test_bwd_dqkwg_ws_compiles_warp_specialised():
+    """bwd_dqkwg_ws (variant bwd_dqkwg_ws=1): the same launch shape and roles as bwd_wy_ws; the
+    variant's compile list names it instead of bwd_dqkwg."""
+    _kernels_pkg()
+    ws = importlib.import_module("qlabench_kernels.bwd_dqkwg_ws")
+    wy = importlib.import_module("qlabench_kernels.bwd_wy_ws")
+    comp = importlib.import_module("qlabench_kernels.compile")
+    src = ws.get_bwd_dqkwg_ws_kernel(2, 8, TARGET_K).get_kernel_source()
+    assert "__launch_bounds__(384" in src
+    assert "wgmma" in src and "tma_load" in src and "expect_transaction" in src
+    for nreg in wy.NREG:
+        assert f"warpgroup_reg_{'alloc' if nreg > wy.NREG_LAUNCH else 'dealloc'}<{nreg}>" in src
+    assert src.count("__syncthreads()") == 1
+    names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_dqkwg_ws=1")]
+    assert "bwd_dqkwg_ws" in names and not any(n.startswith("bwd_dqkwg[") for n in names)

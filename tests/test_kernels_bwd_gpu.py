@@ -229,3 +229,67 @@ def test_grp_matches_per_v_head_path():
     _assert_close(dict(zip(names, got)), ref, names)
     for n, a, b in zip(names, got, base):
         assert rel_l2(a.float(), b.float()) < 1e-2, n
+
+
+@pytest.mark.parametrize("h_qk,h_v", [(2, 4), (1, 3), (2, 2)])
+def test_wy_ws_matches_group_wy(h_qk, h_v):
+    """variant bwd_wy_ws=1 (the persistent warp-specialised wy) against the reference, and every
+    gradient against the group wy it replaces (bwd_wy_ws=0); outputs poisoned before the run."""
+    pkg = _kernels_pkg()
+    x, ref = _case(h_qk, h_v, True, True)
+    kw = dict(dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"], return_intermediates=True)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"])
+    base = pkg.chunk_gdn_bwd(*args, variant="bwd_wy_ws=0", **kw)
+    got = pkg.chunk_gdn_bwd(*args, variant="bwd_wy_ws=1", **kw)
+    torch.cuda.synchronize()
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    _assert_close({n: got[n] for n in names}, ref, names)
+    for n in names:
+        assert rel_l2(got[n].float(), base[n].float()) < 1e-2, n
+    # the kernel alone, on poisoned outputs: every valid row written, the same as the group wy
+    from qlabench_kernels.bwd_wy_ws import run_bwd_wy_ws
+
+    T = x["q"].shape[1]
+    dv = torch.full((1, T, h_v, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    dg = torch.full((1, T, h_v), float("nan"), device="cuda")
+    db = torch.full((1, T, h_v), float("nan"), device="cuda")
+    dk = base["dk_part"].clone()
+    run_bwd_wy_ws(x["k"], x["v"], x["beta"], base["gcs"], base["a_beta"], base["ctab"], base["dw"], base["dvnew"],
+                  base["dg_part"], dk, dv=dv, dg=dg, dbeta=db)  # fmt: skip
+    torch.cuda.synchronize()
+    for n, a in (("dv", dv), ("dg", dg), ("dbeta", db), ("dk", dk)):
+        assert torch.isfinite(a.float()).all(), f"{n}: rows left unwritten"
+    assert rel_l2(dv.float(), base["dv"].float()) < 1e-2
+    assert rel_l2(dg, base["dg"]) < 1e-2
+    assert rel_l2(db, base["dbeta"]) < 1e-2
+    assert rel_l2(dk.float(), base["dk_v"].float()) < 1e-2
+
+
+@pytest.mark.parametrize("h_qk,h_v", [(2, 4), (1, 3), (2, 2)])
+def test_dqkwg_ws_matches_group_dqkwg(h_qk, h_v):
+    """variant bwd_dqkwg_ws=1 (persistent warp-specialised dqkwg, with and without bwd_wy_ws) against
+    the reference, and its dq / dk partial / dw / dg_part against the group dqkwg it replaces."""
+    pkg = _kernels_pkg()
+    x, ref = _case(h_qk, h_v, True, True)
+    kw = dict(dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"], return_intermediates=True)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"])
+    base = pkg.chunk_gdn_bwd(*args, variant="bwd_dqkwg_ws=0,bwd_wy_ws=0", **kw)
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    for spec in ("bwd_dqkwg_ws=1,bwd_wy_ws=0", "bwd_dqkwg_ws=1,bwd_wy_ws=1"):
+        got = pkg.chunk_gdn_bwd(*args, variant=spec, **kw)
+        torch.cuda.synchronize()
+        _assert_close({n: got[n] for n in names}, ref, names)
+        for n in names:
+            assert rel_l2(got[n].float(), base[n].float()) < 1e-2, (spec, n)
+    # the kernel alone: the same intermediates as the group dqkwg (dw / dg_part on every row of a slot)
+    from qlabench_kernels.bwd_dqkwg_ws import run_bwd_dqkwg_ws
+
+    dq_v, dk_v, dw, dg_part = run_bwd_dqkwg_ws(
+        x["q"], x["k"], x["do"], base["gcs"], base["ctab"], base["h_all"], base["dh_all"], base["vnew"],
+        base["dvnew"], D**-0.5,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert rel_l2(dq_v.float(), base["dq_v"].float()) < 1e-2
+    assert rel_l2(dk_v.float(), base["dk_part"].float()) < 1e-2
+    assert rel_l2(dw.float(), base["dw"].float()) < 1e-2
+    assert rel_l2(dg_part, base["dg_part"]) < 1e-2

@@ -1,0 +1,284 @@
+"""Backward kernel 4, warp-specialised and persistent (variant ``bwd_wy_ws=1``): bwd_wy.py's group
+form (the same algebra and outputs) with its loads taken off the compute path.
+
+bwd_wy loads everything, then computes, one (chunk, qk head) per CTA at one CTA per SM, so its
+load and compute phases never overlap (Nsight Compute, session 5: 45% of its warp stalls wait on
+global loads). Here a CTA of 384 threads stays on its SM and walks a list of work items:
+
+    WG0 + WG1 (tx   0..255)  consumers: every GEMM and element pass of one (chunk, v-head) tile,
+                             the GEMMs split over the two warpgroups; dk summed over the G v-heads
+                             of the chunk's GVA group in fp32 registers, stored once
+    WG2       (tx 256..383)  warp 8 is the producer: TMA loads of the next tile (k, v, dw, dv_new,
+                             A_β, g, dg_part, and the dk partial on the group's last v-head) and β
+                             (strided: SIMT loads) into stage t % 2, one tile ahead
+
+Items are (chunk slot, qk head) pairs, CTA b taking items b, b + P, b + 2P, … (P = the grid, at
+most one CTA per SM); tile t of a CTA is v-head t % G of its item t // G.
+
+Rows past a chunk's valid length: the TMA loads of k and v are not masked (they read the next
+sequence's rows, or zeros past T). dw and dv_new rows there are zero (bwd_dqkwg / bwd_dhu store
+them so), A_β is zero outside the valid block, and M is masked to the valid rows here, so those
+rows reach no stored output (dv, dk, dg, dβ are stored on valid rows only).
+
+mbarriers (t = tile, j = t % 2, parity (t // 2) % 2): full[j] (count 32 + tx bytes: the producer
+warp), empty[j] (count 256: every consumer thread after its last read of stage j).
+"""
+
+import functools
+import json
+
+import torch
+
+from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+
+#: setmaxnreg budgets of the consumer warpgroups (WG0, WG1) and the producer warpgroup (WG2)
+NREG = (232, 40)
+THREADS = 384
+#: what each thread starts with (65536 / 384, rounded down to 8): .inc above it, .dec below
+NREG_LAUNCH = 65536 // THREADS // 8 * 8
+assert 2 * NREG[0] * 128 + NREG[1] * 128 <= 65536
+
+
+def bwd_wy_ws_program(h_qk: int, h_v: int):
+    import tilelang.language as T
+
+    G = check_heads(h_qk, h_v)
+    C, D = CHUNK, HEAD_DIM
+    Tn = T.dynamic("T")
+    NCS = T.dynamic("NCS")
+    NP = T.dynamic("NP")
+    RC, RP = NREG
+
+    @T.prim_func
+    def gdn_bwd_wy_ws(
+        k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        v: T.Tensor((1, Tn, h_v, D), "bfloat16"),
+        beta: T.Tensor((1, Tn, h_v), "float32"),
+        gcs: T.Tensor((h_v, NCS * C), "float32"),
+        a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
+        ctab: T.Tensor((NCS, 4), "int32"),
+        dw: T.Tensor((h_v, NCS * C, D), "bfloat16"),
+        dvnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
+        dg_part: T.Tensor((h_v, NCS * C), "float32"),
+        dk_v: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        dv: T.Tensor((1, Tn, h_v, D), "bfloat16"),
+        dg: T.Tensor((1, Tn, h_v), "float32"),
+        dbeta: T.Tensor((1, Tn, h_v), "float32"),
+        grid: T.Tensor((NP,), "int32"),
+    ):
+        with T.Kernel(NP, threads=THREADS) as b:
+            # stage j (two): the producer's loads
+            k_sh = T.alloc_shared((2, C, D), "bfloat16")
+            v_sh = T.alloc_shared((2, C, D), "bfloat16")
+            dw_sh = T.alloc_shared((2, C, D), "bfloat16")
+            du_sh = T.alloc_shared((2, C, D), "bfloat16")
+            dkp_sh = T.alloc_shared((2, C, D), "bfloat16")
+            a_sh = T.alloc_shared((2, C, C), "bfloat16")
+            g_sh = T.alloc_shared((2, C), "float32")
+            b_sh = T.alloc_shared((2, C), "float32")
+            dgp_sh = T.alloc_shared((2, C), "float32")
+            info_sh = T.alloc_shared((2, 2), "int32")
+            # the consumers' own
+            m_sh = T.alloc_shared((C, C), "bfloat16")
+            aa_sh = T.alloc_shared((C, C), "bfloat16")
+            dab_sh = T.alloc_shared((C, C), "bfloat16")
+            x_sh = T.alloc_shared((C, C), "bfloat16")
+            dkk_sh = T.alloc_shared((C, C), "bfloat16")
+            diag_sh = T.alloc_shared((C,), "float32")
+            r1_sh = T.alloc_shared((C,), "float32")
+            zr_sh = T.alloc_shared((C,), "float32")
+            zc_sh = T.alloc_shared((C,), "float32")
+            dgc_sh = T.alloc_shared((C,), "float32")
+
+            f64 = T.alloc_fragment((C, C), "float32")
+            mf = T.alloc_fragment((C, C), "float32")
+            zf = T.alloc_fragment((C, C), "float32")
+            zb = T.alloc_fragment((C, C), "float32")
+            acc1 = T.alloc_fragment((C, D), "float32")
+            acc2 = T.alloc_fragment((C, D), "float32")
+            dk_acc = T.alloc_fragment((C, D), "float32")
+            red = T.alloc_fragment((C,), "float32")
+            zr = T.alloc_fragment((C,), "float32")
+            zc = T.alloc_fragment((C,), "float32")
+            sacc = T.alloc_var("float32")
+
+            full = T.alloc_barrier([32, 32])
+            empty = T.alloc_barrier([256, 256])
+
+            ntiles = T.ceildiv(NCS * h_qk - b, NP) * G
+            tx = T.get_thread_binding()
+
+            if tx < 256:
+                # ---------------- WG0 + WG1: consumers ----------------
+                T.set_max_nreg(RC, int(RC > NREG_LAUNCH))
+                for t in T.serial(ntiles):
+                    j = t % 2
+                    item = b + (t // G) * NP
+                    hk = item % h_qk
+                    gi = t % G
+                    hv = hk * G + gi
+                    T.barrier_wait(full[j], (t // 2) % 2)
+                    bos = info_sh[j, 0]
+                    ln = info_sh[j, 1]
+                    if gi == 0:
+                        T.clear(dk_acc)
+
+                    # dA_β = dw X_wᵀ + du Vᵀ (lower incl. diagonal); X_w = e^g ⊙ K on valid rows
+                    T.gemm(dw_sh[j, :, :], k_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        f64[i, jj] = f64[i, jj] * T.if_then_else(jj < ln, T.exp(g_sh[j, jj]), T.float32(0))
+                    T.gemm(du_sh[j, :, :], v_sh[j, :, :], f64, transpose_B=True)
+                    for i, jj in T.Parallel(C, C):
+                        dab_sh[i, jj] = T.cast(T.if_then_else(i >= jj, f64[i, jj], T.float32(0)), "bfloat16")
+
+                    # dv = A_βᵀ du
+                    T.gemm(a_sh[j, :, :], du_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, D):
+                        if i < ln:
+                            dv[0, bos + i, hv, jj] = T.cast(acc1[i, jj], "bfloat16")
+
+                    # M = StrictLower(Γ ⊙ K Kᵀ) on valid rows;  A = I − A_β M
+                    T.gemm(k_sh[j, :, :], k_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        mf[i, jj] = T.if_then_else(
+                            i > jj and i < ln, T.exp(g_sh[j, i] - g_sh[j, jj]) * f64[i, jj], T.float32(0)
+                        )
+                        m_sh[i, jj] = T.cast(mf[i, jj], "bfloat16")
+                    T.gemm(a_sh[j, :, :], m_sh, f64, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        aa_sh[i, jj] = T.cast(
+                            T.if_then_else(i >= jj, T.if_then_else(i == jj, T.float32(1), T.float32(0)) - f64[i, jj],
+                                           T.float32(0)),
+                            "bfloat16",
+                        )  # fmt: skip
+
+                    # X = Aᵀ dA_β: dβ_j += X_jj
+                    T.gemm(aa_sh, dab_sh, f64, transpose_A=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        x_sh[i, jj] = T.cast(f64[i, jj], "bfloat16")
+                        if i == jj:
+                            diag_sh[i] = f64[i, jj]
+
+                    # dL = −X A_βᵀ (strictly lower); z = dL ⊙ M; dM ⊙ Γ = β_i dL_ij Γ_ij
+                    T.gemm(x_sh, a_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        zf[i, jj] = -f64[i, jj] * mf[i, jj]
+                        zb[i, jj] = zf[i, jj] * b_sh[j, i]
+                        dkk_sh[i, jj] = T.cast(
+                            T.if_then_else(
+                                i > jj and i < ln, -f64[i, jj] * b_sh[j, i] * T.exp(g_sh[j, i] - g_sh[j, jj]), T.float32(0)
+                            ),
+                            "bfloat16",
+                        )
+                    T.reduce_sum(zf, zr, dim=1)
+                    T.reduce_sum(zb, zc, dim=0)
+                    T.copy(zr, zr_sh)
+                    T.copy(zc, zc_sh)
+
+                    # dk += e^g ⊙ (A_βᵀ dw) + (dM⊙Γ) K + (dM⊙Γ)ᵀ K;  dg += rowsum(e^g (A_βᵀ dw) ⊙ K)
+                    T.gemm(a_sh[j, :, :], dw_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, D):
+                        acc1[i, jj] = acc1[i, jj] * T.exp(g_sh[j, i])
+                        acc2[i, jj] = acc1[i, jj] * T.cast(k_sh[j, i, jj], "float32")
+                        dk_acc[i, jj] = dk_acc[i, jj] + acc1[i, jj]
+                    T.reduce_sum(acc2, red, dim=1)
+                    T.copy(red, r1_sh)
+                    T.gemm(dkk_sh, k_sh[j, :, :], dk_acc)
+                    T.gemm(dkk_sh, k_sh[j, :, :], dk_acc, transpose_A=True)
+
+                    # per row: dβ, dg on the cumsum, then the reverse cumsum → dg of the raw g
+                    if tx < C:
+                        dgc_sh[tx] = T.if_then_else(
+                            tx < ln, r1_sh[tx] + b_sh[j, tx] * zr_sh[tx] - zc_sh[tx] + dgp_sh[j, tx], T.float32(0)
+                        )
+                        if tx < ln:
+                            dbeta[0, bos + tx, hv] = diag_sh[tx] + zr_sh[tx]
+                    if tx < C:
+                        sacc = T.float32(0)
+                        for jj in T.serial(C):
+                            sacc = sacc + T.if_then_else(jj >= tx, dgc_sh[jj], T.float32(0))
+                        if tx < ln:
+                            dg[0, bos + tx, hv] = sacc
+                    if gi == G - 1:
+                        for i, jj in T.Parallel(C, D):
+                            if i < ln:
+                                dk_v[0, bos + i, hk, jj] = T.cast(
+                                    T.cast(dkp_sh[j, i, jj], "float32") + dk_acc[i, jj], "bfloat16"
+                                )
+                    T.barrier_arrive(empty[j])
+            else:
+                # ---------------- WG2: producer (warp 8) ----------------
+                T.set_max_nreg(RP, int(RP > NREG_LAUNCH))
+                if tx < 288:
+                    for t in T.serial(ntiles):
+                        j = t % 2
+                        item = b + (t // G) * NP
+                        c = item // h_qk
+                        hk = item % h_qk
+                        gi = t % G
+                        hv = hk * G + gi
+                        r0 = c * C
+                        T.barrier_wait(empty[j], 1 - (t // 2) % 2)
+                        bos = ctab[c, 0]
+                        ln = ctab[c, 1] - bos
+                        T.tma_copy(k[0, bos : bos + C, hk, 0:D], k_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(v[0, bos : bos + C, hv, 0:D], v_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(dw[hv, r0 : r0 + C, 0:D], dw_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(dvnew[hv, r0 : r0 + C, 0:D], du_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(gcs[hv, r0 : r0 + C], g_sh[j, :], barrier=full[j])
+                        T.tma_copy(dg_part[hv, r0 : r0 + C], dgp_sh[j, :], barrier=full[j])
+                        if gi == G - 1:
+                            T.tma_copy(dk_v[0, bos : bos + C, hk, 0:D], dkp_sh[j, :, :], barrier=full[j])
+                        for u in T.serial(C // 32):
+                            ii = (tx - 256) + u * 32
+                            b_sh[j, ii] = T.if_then_else(ii < ln, beta[0, bos + ii, hv], T.float32(0))
+                        if tx == 256:
+                            info_sh[j, 0] = bos
+                            info_sh[j, 1] = ln
+                        T.barrier_arrive(full[j])
+
+    return gdn_bwd_wy_ws
+
+
+@functools.cache
+def get_bwd_wy_ws_kernel(h_qk: int, h_v: int, target_k=None):
+    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+    return compile_program(bwd_wy_ws_program(h_qk, h_v), target=target)
+
+
+_GRIDS = {}
+
+
+def _grid(n: int, dev):
+    """A dummy int32 tensor of n elements: its length is the launch's grid (a dynamic dimension)."""
+    key = (n, str(dev))
+    if key not in _GRIDS:
+        _GRIDS[key] = torch.zeros(n, device=dev, dtype=torch.int32)
+    return _GRIDS[key]
+
+
+def run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None, dg=None, dbeta=None, target=None,
+                  num_sms=None):  # fmt: skip
+    """Launch the persistent WY backward. dk_v [1,T,Hqk,128] bf16 (bwd_dqkwg's group-summed partial)
+    is completed in place. Returns dk_v, dv [1,T,Hv,128] bf16, dg, dbeta [1,T,Hv] fp32."""
+    h_qk, h_v = k.shape[2], v.shape[2]
+    T_, ncs = k.shape[1], ctab.shape[0]
+    dev = k.device
+    if dk_v.dtype != torch.bfloat16 or tuple(dk_v.shape) != (1, T_, h_qk, HEAD_DIM):
+        raise ValueError(f"run_bwd_wy_ws: dk_v must be bf16 [1, {T_}, {h_qk}, {HEAD_DIM}], got "
+                         f"{dk_v.dtype} {tuple(dk_v.shape)}")  # fmt: skip
+    if dv is None:
+        dv = torch.empty(1, T_, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    if dg is None:
+        dg = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
+    if dbeta is None:
+        dbeta = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
+    if num_sms is None:
+        from . import _num_sms
+
+        num_sms = _num_sms(dev)
+    nprog = max(1, min(int(num_sms), ncs * h_qk))
+    kern = get_bwd_wy_ws_kernel(h_qk, h_v, target_key(target))
+    kern(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv, dg, dbeta, _grid(nprog, dev))
+    return dk_v, dv, dg, dbeta
