@@ -254,7 +254,7 @@ def _grid(n: int, dev):
     """A dummy int32 tensor of n elements: its length is the launch's grid (a dynamic dimension)."""
     key = (n, str(dev))
     if key not in _GRIDS:
-        _GRIDS[key] = torch.zeros(n, device=dev, dtype=torch.int32)
+        _GRIDS[key] = torch.empty(n, device=dev, dtype=torch.int32)  # never read
     return _GRIDS[key]
 
 
