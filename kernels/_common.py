@@ -114,7 +114,7 @@ VARIANT_DEFAULTS = {
     "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "1",
     "bwd_split": "auto", "bwd_threads": "256", "bwd_stages": "auto",
     "bwd_streams": "1", "bwd_rsum": "1", "bwd_bf16": "1", "bwd_dhu_ws": "1", "bwd_grp": "1",
-    "bwd_wy_ws": "0", "bwd_dqkwg_ws": "0",
+    "bwd_wy_ws": "1", "bwd_dqkwg_ws": "1",
 }  # fmt: skip
 #: The first landing's path (the knobs at their oldest values), kept for comparison.
 BASELINE_VARIANT = (

@@ -34,9 +34,11 @@ from ._common import (
 from .bwd_dhu import run_bwd_dhu
 from .bwd_dhu_ws import run_bwd_dhu_ws
 from .bwd_dqkwg import run_bwd_dqkwg
+from .bwd_dqkwg_ws import run_bwd_dqkwg_ws
 from .bwd_h import run_bwd_h
 from .bwd_h_ws import run_bwd_h_ws
 from .bwd_wy import run_bwd_wy
+from .bwd_wy_ws import run_bwd_wy_ws
 
 __all__ = ["chunk_gdn_bwd", "chunk_gdn", "ChunkGDNFunction"]
 
@@ -257,9 +259,7 @@ def chunk_gdn_bwd(
             main.wait_stream(side)
     nthr = int(var["bwd_threads"])
     grp = var["bwd_grp"] == "1"  # dq, dk summed over each GVA group inside the kernels
-    if grp and var["bwd_dqkwg_ws"] == "1" and var["bwd_rsum"] == "1" and var["bwd_bf16"] == "1":
-        from .bwd_dqkwg_ws import run_bwd_dqkwg_ws  # persistent, warp-specialised
-
+    if grp and var["bwd_dqkwg_ws"] == "1" and var["bwd_rsum"] == "1" and var["bwd_bf16"] == "1":  # persistent, w-s
         dq_v, dk_v, dw, dg_part = run_bwd_dqkwg_ws(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target)
     else:
         dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
@@ -268,8 +268,6 @@ def chunk_gdn_bwd(
         )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
     if grp and var["bwd_wy_ws"] == "1" and dk_v.dtype == torch.bfloat16:  # persistent, warp-specialised
-        from .bwd_wy_ws import run_bwd_wy_ws
-
         dk_v, dv, dg, dbeta = run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)
     else:
         dk_v, dv, dg, dbeta = run_bwd_wy(

@@ -80,7 +80,8 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
             zc_sh = T.alloc_shared((C,), "float32")
 
             zf = T.alloc_fragment((C, C), "float32")
-            qk_frag = T.alloc_fragment((C, C), "float32")
+            qk_frag = T.alloc_fragment((C, C), "float32")  # Q Kᵀ, once per item
+            ds_acc = T.alloc_fragment((C, C), "float32")  # Σ over the group of dS
             acc1 = T.alloc_fragment((C, D), "float32")
             acc2 = T.alloc_fragment((C, D), "float32")
             dq_acc = T.alloc_fragment((C, D), "float32")
@@ -122,6 +123,7 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
                     if gi == 0:
                         T.clear(dq_acc)
                         T.clear(dk_acc)
+                        T.clear(ds_acc)
 
                     # dS = scale Γ ⊙ dO v_newᵀ (valid rows, i ≥ j)
                     T.gemm(do_sh[j, :, :], vn_sh[j, :, :], zf, transpose_B=True, clear_accum=True)
@@ -129,7 +131,7 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
                         zf[i, jj] = T.if_then_else(
                             i >= jj and i < ln, scale * T.exp(g_sh[j, i] - g_sh[j, jj]), T.float32(0)
                         ) * zf[i, jj]
-                        ds_sh[i, jj] = T.cast(zf[i, jj], "bfloat16")
+                        ds_acc[i, jj] = ds_acc[i, jj] + zf[i, jj]
 
                     # h: dw = −dv_new hᵀ;  dq_inter = scale e^g ⊙ (dO hᵀ)
                     T.barrier_wait(full_h, t % 2)
@@ -154,7 +156,8 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
                     for i, jj in T.Parallel(C, D):
                         acc2[i, jj] = T.if_then_else(i < ln, T.exp(glast - g_sh[j, i]) * acc2[i, jj], T.float32(0))
 
-                    # q, k: Z = dS ⊙ Q Kᵀ sums; dq += dq_inter + dS K;  dk += dk_state + dSᵀ Q
+                    # q, k: Z = dS ⊙ Q Kᵀ sums; dq += dq_inter;  dk += dk_state;  after the group's last
+                    # v-head dq += (Σ dS) K, dk += (Σ dS)ᵀ Q
                     if gi == 0:
                         T.barrier_wait(full_qk, (t // G) % 2)
                         T.gemm(q_sh, k_sh, qk_frag, transpose_B=True, clear_accum=True)
@@ -167,15 +170,17 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
                         acc1[i, jj] = acc1[i, jj] * T.cast(q_sh[i, jj], "float32")
                     T.reduce_sum(acc1, red, dim=1)
                     T.copy(red, r1_sh)
-                    T.gemm(ds_sh, k_sh, dq_acc)
                     for i, jj in T.Parallel(C, D):
                         dk_acc[i, jj] = dk_acc[i, jj] + acc2[i, jj]
                         acc2[i, jj] = acc2[i, jj] * T.cast(k_sh[i, jj], "float32")
                     T.reduce_sum(acc2, red, dim=1)
                     T.copy(red, r2_sh)
                     T.reduce_sum(red, r2t, dim=0)
-                    T.gemm(ds_sh, q_sh, dk_acc, transpose_A=True)
                     if gi == G - 1:
+                        for i, jj in T.Parallel(C, C):
+                            ds_sh[i, jj] = T.cast(ds_acc[i, jj], "bfloat16")
+                        T.gemm(ds_sh, k_sh, dq_acc)
+                        T.gemm(ds_sh, q_sh, dk_acc, transpose_A=True)
                         T.barrier_arrive(empty_qk)
 
                     T.copy(zr, zr_sh)

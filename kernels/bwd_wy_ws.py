@@ -88,19 +88,20 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
             r1_sh = T.alloc_shared((C,), "float32")
             zr_sh = T.alloc_shared((C,), "float32")
             zc_sh = T.alloc_shared((C,), "float32")
-            dgc_sh = T.alloc_shared((C,), "float32")
+            tot_sh = T.alloc_shared((1,), "float32")
 
             f64 = T.alloc_fragment((C, C), "float32")
             mf = T.alloc_fragment((C, C), "float32")
             zf = T.alloc_fragment((C, C), "float32")
-            zb = T.alloc_fragment((C, C), "float32")
+            kk = T.alloc_fragment((C, C), "float32")  # K Kᵀ, once per item
+            dkk_acc = T.alloc_fragment((C, C), "float32")  # Σ over the group of dM ⊙ Γ
             acc1 = T.alloc_fragment((C, D), "float32")
-            acc2 = T.alloc_fragment((C, D), "float32")
             dk_acc = T.alloc_fragment((C, D), "float32")
             red = T.alloc_fragment((C,), "float32")
             zr = T.alloc_fragment((C,), "float32")
             zc = T.alloc_fragment((C,), "float32")
             sacc = T.alloc_var("float32")
+            shf = T.alloc_var("float32")
 
             full = T.alloc_barrier([32, 32])
             empty = T.alloc_barrier([256, 256])
@@ -122,6 +123,8 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
                     ln = info_sh[j, 1]
                     if gi == 0:
                         T.clear(dk_acc)
+                        T.clear(dkk_acc)
+                        T.gemm(k_sh[j, :, :], k_sh[j, :, :], kk, transpose_B=True, clear_accum=True)
 
                     # dA_β = dw X_wᵀ + du Vᵀ (lower incl. diagonal); X_w = e^g ⊙ K on valid rows
                     T.gemm(dw_sh[j, :, :], k_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
@@ -138,10 +141,9 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
                             dv[0, bos + i, hv, jj] = T.cast(acc1[i, jj], "bfloat16")
 
                     # M = StrictLower(Γ ⊙ K Kᵀ) on valid rows;  A = I − A_β M
-                    T.gemm(k_sh[j, :, :], k_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
                     for i, jj in T.Parallel(C, C):
                         mf[i, jj] = T.if_then_else(
-                            i > jj and i < ln, T.exp(g_sh[j, i] - g_sh[j, jj]) * f64[i, jj], T.float32(0)
+                            i > jj and i < ln, T.exp(g_sh[j, i] - g_sh[j, jj]) * kk[i, jj], T.float32(0)
                         )
                         m_sh[i, jj] = T.cast(mf[i, jj], "bfloat16")
                     T.gemm(a_sh[j, :, :], m_sh, f64, clear_accum=True)
@@ -163,43 +165,48 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
                     T.gemm(x_sh, a_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
                     for i, jj in T.Parallel(C, C):
                         zf[i, jj] = -f64[i, jj] * mf[i, jj]
-                        zb[i, jj] = zf[i, jj] * b_sh[j, i]
-                        dkk_sh[i, jj] = T.cast(
-                            T.if_then_else(
-                                i > jj and i < ln, -f64[i, jj] * b_sh[j, i] * T.exp(g_sh[j, i] - g_sh[j, jj]), T.float32(0)
-                            ),
-                            "bfloat16",
+                        dkk_acc[i, jj] = dkk_acc[i, jj] + T.if_then_else(
+                            i > jj and i < ln, -f64[i, jj] * b_sh[j, i] * T.exp(g_sh[j, i] - g_sh[j, jj]), T.float32(0)
                         )
                     T.reduce_sum(zf, zr, dim=1)
-                    T.reduce_sum(zb, zc, dim=0)
+                    for i, jj in T.Parallel(C, C):
+                        zf[i, jj] = zf[i, jj] * b_sh[j, i]
+                    T.reduce_sum(zf, zc, dim=0)
                     T.copy(zr, zr_sh)
                     T.copy(zc, zc_sh)
 
-                    # dk += e^g ⊙ (A_βᵀ dw) + (dM⊙Γ) K + (dM⊙Γ)ᵀ K;  dg += rowsum(e^g (A_βᵀ dw) ⊙ K)
+                    # dk += e^g ⊙ (A_βᵀ dw);  dg += rowsum(e^g (A_βᵀ dw) ⊙ K)
                     T.gemm(a_sh[j, :, :], dw_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
                     for i, jj in T.Parallel(C, D):
                         acc1[i, jj] = acc1[i, jj] * T.exp(g_sh[j, i])
-                        acc2[i, jj] = acc1[i, jj] * T.cast(k_sh[j, i, jj], "float32")
                         dk_acc[i, jj] = dk_acc[i, jj] + acc1[i, jj]
-                    T.reduce_sum(acc2, red, dim=1)
+                        acc1[i, jj] = acc1[i, jj] * T.cast(k_sh[j, i, jj], "float32")
+                    T.reduce_sum(acc1, red, dim=1)
                     T.copy(red, r1_sh)
-                    T.gemm(dkk_sh, k_sh[j, :, :], dk_acc)
-                    T.gemm(dkk_sh, k_sh[j, :, :], dk_acc, transpose_A=True)
 
-                    # per row: dβ, dg on the cumsum, then the reverse cumsum → dg of the raw g
+                    # per row: dβ, dg on the cumsum, then the reverse cumsum (warp shuffles) → dg of the raw g
                     if tx < C:
-                        dgc_sh[tx] = T.if_then_else(
+                        sacc = T.if_then_else(
                             tx < ln, r1_sh[tx] + b_sh[j, tx] * zr_sh[tx] - zc_sh[tx] + dgp_sh[j, tx], T.float32(0)
                         )
                         if tx < ln:
                             dbeta[0, bos + tx, hv] = diag_sh[tx] + zr_sh[tx]
-                    if tx < C:
-                        sacc = T.float32(0)
-                        for jj in T.serial(C):
-                            sacc = sacc + T.if_then_else(jj >= tx, dgc_sh[jj], T.float32(0))
-                        if tx < ln:
-                            dg[0, bos + tx, hv] = sacc
+                        for s in (1, 2, 4, 8, 16):  # every lane shuffles (full mask), the top ones add 0
+                            shf = T.shfl_down(sacc, s)
+                            sacc = sacc + T.if_then_else(tx % 32 + s < 32, shf, T.float32(0))
+                        if tx == 32:
+                            tot_sh[0] = sacc
+                    if tx < 32:
+                        sacc = sacc + tot_sh[0]
+                    if tx < ln:
+                        dg[0, bos + tx, hv] = sacc
+
                     if gi == G - 1:
+                        # dk += (Σ dM⊙Γ) K + (Σ dM⊙Γ)ᵀ K over the group, then the partial; store once
+                        for i, jj in T.Parallel(C, C):
+                            dkk_sh[i, jj] = T.cast(dkk_acc[i, jj], "bfloat16")
+                        T.gemm(dkk_sh, k_sh[j, :, :], dk_acc)
+                        T.gemm(dkk_sh, k_sh[j, :, :], dk_acc, transpose_A=True)
                         for i, jj in T.Parallel(C, D):
                             if i < ln:
                                 dk_v[0, bos + i, hk, jj] = T.cast(

@@ -291,5 +291,8 @@ def test_dqkwg_ws_matches_group_dqkwg(h_qk, h_v):
     torch.cuda.synchronize()
     assert rel_l2(dq_v.float(), base["dq_v"].float()) < 1e-2
     assert rel_l2(dk_v.float(), base["dk_part"].float()) < 1e-2
-    assert rel_l2(dw.float(), base["dw"].float()) < 1e-2
-    assert rel_l2(dg_part, base["dg_part"]) < 1e-2
+    # dw / dg_part on the chunk slots' valid rows (a slot no sequence uses holds whatever dv_new held)
+    ctab = base["ctab"].long()
+    valid = (torch.arange(64, device="cuda")[None, :] < (ctab[:, 1] - ctab[:, 0])[:, None]).flatten()
+    assert rel_l2(dw[:, valid].float(), base["dw"][:, valid].float()) < 1e-2
+    assert rel_l2(dg_part[:, valid], base["dg_part"][:, valid]) < 1e-2
