@@ -32,7 +32,7 @@ import json
 import torch
 
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
-from .bwd_wy_ws import NREG, NREG_LAUNCH, THREADS, _grid
+from .bwd_wy_ws import NREG, NREG_LAUNCH, THREADS, _grid, rows_store_macro
 
 
 def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
@@ -44,6 +44,7 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
     NCS = T.dynamic("NCS")
     NP = T.dynamic("NP")
     RC, RP = NREG
+    store_rows = rows_store_macro(C, D)
 
     @T.prim_func
     def gdn_bwd_dqkwg_ws(
@@ -71,8 +72,8 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
             info_sh = T.alloc_shared((2, 2), "int32")
             h_sh = T.alloc_shared((D, D), "bfloat16")
             dh_sh = T.alloc_shared((D, D), "bfloat16")
-            q_sh = T.alloc_shared((C, D), "bfloat16")
-            k_sh = T.alloc_shared((C, D), "bfloat16")
+            q_sh = T.alloc_shared((1, C, D), "bfloat16")  # then dq on its way out
+            k_sh = T.alloc_shared((1, C, D), "bfloat16")  # then dk on its way out
             ds_sh = T.alloc_shared((C, C), "bfloat16")
             r1_sh = T.alloc_shared((C,), "float32")
             r2_sh = T.alloc_shared((C,), "float32")
@@ -94,13 +95,15 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
             glast = T.alloc_var("float32")
 
             full_t = T.alloc_barrier([32, 32])
-            empty_t = T.alloc_barrier([256, 256])
+            empty_t = T.alloc_barrier([288, 288])  # the consumers and the store warp
             full_h = T.alloc_barrier(32)
             empty_h = T.alloc_barrier(256)
             full_dh = T.alloc_barrier(32)
             empty_dh = T.alloc_barrier(256)
             full_qk = T.alloc_barrier(32)
-            empty_qk = T.alloc_barrier(256)
+            empty_qk = T.alloc_barrier(32)  # the store warp, once dq and dk (staged there) are out
+            dw_ready = T.alloc_barrier([256, 256])
+            dqk_ready = T.alloc_barrier(256)
 
             ntiles = T.ceildiv(NCS * h_qk - b, NP) * G
             tx = T.get_thread_binding()
@@ -136,8 +139,10 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
                     # h: dw = −dv_new hᵀ;  dq_inter = scale e^g ⊙ (dO hᵀ)
                     T.barrier_wait(full_h, t % 2)
                     T.gemm(dvn_sh[j, :, :], h_sh, acc1, transpose_B=True, clear_accum=True)
-                    for i, jj in T.Parallel(C, D):
-                        dw[hv, r0 + i, jj] = T.cast(-acc1[i, jj], "bfloat16")
+                    for i, jj in T.Parallel(C, D):  # staged in dv_new's buffer (read for the last time above)
+                        dvn_sh[j, i, jj] = T.cast(-acc1[i, jj], "bfloat16")
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dw_ready[j])
                     T.gemm(do_sh[j, :, :], h_sh, acc1, transpose_B=True, clear_accum=True)
                     for i, jj in T.Parallel(C, D):
                         acc1[i, jj] = acc1[i, jj] * (scale * T.exp(g_sh[j, i]))
@@ -160,28 +165,32 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
                     # v-head dq += (Σ dS) K, dk += (Σ dS)ᵀ Q
                     if gi == 0:
                         T.barrier_wait(full_qk, (t // G) % 2)
-                        T.gemm(q_sh, k_sh, qk_frag, transpose_B=True, clear_accum=True)
+                        T.gemm(q_sh[0, :, :], k_sh[0, :, :], qk_frag, transpose_B=True, clear_accum=True)
                     for i, jj in T.Parallel(C, C):
                         zf[i, jj] = zf[i, jj] * qk_frag[i, jj]
                     T.reduce_sum(zf, zr, dim=1)
                     T.reduce_sum(zf, zc, dim=0)
                     for i, jj in T.Parallel(C, D):
                         dq_acc[i, jj] = dq_acc[i, jj] + acc1[i, jj]
-                        acc1[i, jj] = acc1[i, jj] * T.cast(q_sh[i, jj], "float32")
+                        acc1[i, jj] = acc1[i, jj] * T.cast(q_sh[0, i, jj], "float32")
                     T.reduce_sum(acc1, red, dim=1)
                     T.copy(red, r1_sh)
                     for i, jj in T.Parallel(C, D):
                         dk_acc[i, jj] = dk_acc[i, jj] + acc2[i, jj]
-                        acc2[i, jj] = acc2[i, jj] * T.cast(k_sh[i, jj], "float32")
+                        acc2[i, jj] = acc2[i, jj] * T.cast(k_sh[0, i, jj], "float32")
                     T.reduce_sum(acc2, red, dim=1)
                     T.copy(red, r2_sh)
                     T.reduce_sum(red, r2t, dim=0)
                     if gi == G - 1:
                         for i, jj in T.Parallel(C, C):
                             ds_sh[i, jj] = T.cast(ds_acc[i, jj], "bfloat16")
-                        T.gemm(ds_sh, k_sh, dq_acc)
-                        T.gemm(ds_sh, q_sh, dk_acc, transpose_A=True)
-                        T.barrier_arrive(empty_qk)
+                        T.gemm(ds_sh, k_sh[0, :, :], dq_acc)
+                        T.gemm(ds_sh, q_sh[0, :, :], dk_acc, transpose_A=True)
+                        for i, jj in T.Parallel(C, D):  # staged in q's and k's buffers
+                            q_sh[0, i, jj] = T.cast(dq_acc[i, jj], "bfloat16")
+                            k_sh[0, i, jj] = T.cast(dk_acc[i, jj], "bfloat16")
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dqk_ready[0])
 
                     T.copy(zr, zr_sh)
                     T.copy(zc, zc_sh)
@@ -192,11 +201,6 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
                             + T.if_then_else(tx == ln - 1, r2t[0] + T.exp(glast) * hdt[0], T.float32(0)),
                             T.float32(0),
                         )  # fmt: skip
-                    if gi == G - 1:
-                        for i, jj in T.Parallel(C, D):
-                            if i < ln:
-                                dq_v[0, bos + i, hk, jj] = T.cast(dq_acc[i, jj], "bfloat16")
-                                dk_v[0, bos + i, hk, jj] = T.cast(dk_acc[i, jj], "bfloat16")
                     T.barrier_arrive(empty_t[j])
             else:
                 # ---------------- WG2: producer (warp 8) ----------------
@@ -228,9 +232,29 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
                         T.barrier_arrive(full_dh)
                         if gi == 0:
                             T.barrier_wait(empty_qk, 1 - (t // G) % 2)
-                            T.tma_copy(q[0, bos : bos + C, hk, 0:D], q_sh, barrier=full_qk)
-                            T.tma_copy(k[0, bos : bos + C, hk, 0:D], k_sh, barrier=full_qk)
+                            T.tma_copy(q[0, bos : bos + C, hk, 0:D], q_sh[0, :, :], barrier=full_qk)
+                            T.tma_copy(k[0, bos : bos + C, hk, 0:D], k_sh[0, :, :], barrier=full_qk)
                             T.barrier_arrive(full_qk)
+                elif tx < 320:
+                    # ---------------- warp 9: stores dw, dq, dk from the staged tiles ----------------
+                    for t in T.serial(ntiles):
+                        j = t % 2
+                        item = b + (t // G) * NP
+                        c = item // h_qk
+                        hk = item % h_qk
+                        gi = t % G
+                        hv = hk * G + gi
+                        r0 = c * C
+                        T.barrier_wait(dw_ready[j], (t // 2) % 2)
+                        T.copy(dvn_sh[j, :, :], dw[hv, r0 : r0 + C, 0:D])  # a slot's rows are its own
+                        if gi == G - 1:
+                            T.barrier_wait(dqk_ready[0], (t // G) % 2)
+                            bos = info_sh[j, 0]
+                            ln = info_sh[j, 1]
+                            store_rows(q_sh, 0, dq_v, bos, ln, hk)
+                            store_rows(k_sh, 0, dk_v, bos, ln, hk)
+                            T.barrier_arrive(empty_qk)
+                        T.barrier_arrive(empty_t[j])
 
     return gdn_bwd_dqkwg_ws
 

@@ -39,6 +39,25 @@ NREG_LAUNCH = 65536 // THREADS // 8 * 8
 assert 2 * NREG[0] * 128 + NREG[1] * 128 <= 65536
 
 
+def rows_store_macro(C: int, D: int):
+    """store_rows(src_sh [2, C, D] bf16, j, dst [1, T, H, D], bos, ln, head): stage j's staged tile's valid rows to
+    token rows bos.. of one head, by one warp: a TMA store when the chunk is full (it waits until the
+    tile is read), else per-row SIMT stores (only rows < ln: the next rows belong to another
+    sequence, written by another CTA)."""
+    import tilelang.language as T
+
+    @T.macro
+    def store_rows(src_sh, j, dst, bos, ln, head):
+        if ln == C:
+            T.copy(src_sh[j, :, :], dst[0, bos : bos + C, head, 0:D])
+        else:
+            for i, jj in T.Parallel(C, D):
+                if i < ln:
+                    dst[0, bos + i, head, jj] = src_sh[j, i, jj]
+
+    return store_rows
+
+
 def bwd_wy_ws_program(h_qk: int, h_v: int):
     import tilelang.language as T
 
@@ -48,6 +67,8 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
     NCS = T.dynamic("NCS")
     NP = T.dynamic("NP")
     RC, RP = NREG
+
+    store_rows = rows_store_macro(C, D)
 
     @T.prim_func
     def gdn_bwd_wy_ws(
@@ -104,7 +125,9 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
             shf = T.alloc_var("float32")
 
             full = T.alloc_barrier([32, 32])
-            empty = T.alloc_barrier([256, 256])
+            empty = T.alloc_barrier([288, 288])  # the consumers and the store warp
+            dv_ready = T.alloc_barrier([256, 256])
+            dk_ready = T.alloc_barrier([256, 256])
 
             ntiles = T.ceildiv(NCS * h_qk - b, NP) * G
             tx = T.get_thread_binding()
@@ -136,9 +159,10 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
 
                     # dv = A_βᵀ du
                     T.gemm(a_sh[j, :, :], du_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
-                    for i, jj in T.Parallel(C, D):
-                        if i < ln:
-                            dv[0, bos + i, hv, jj] = T.cast(acc1[i, jj], "bfloat16")
+                    for i, jj in T.Parallel(C, D):  # staged in du's buffer (read for the last time above)
+                        du_sh[j, i, jj] = T.cast(acc1[i, jj], "bfloat16")
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dv_ready[j])
 
                     # M = StrictLower(Γ ⊙ K Kᵀ) on valid rows;  A = I − A_β M
                     for i, jj in T.Parallel(C, C):
@@ -208,10 +232,11 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
                         T.gemm(dkk_sh, k_sh[j, :, :], dk_acc)
                         T.gemm(dkk_sh, k_sh[j, :, :], dk_acc, transpose_A=True)
                         for i, jj in T.Parallel(C, D):
-                            if i < ln:
-                                dk_v[0, bos + i, hk, jj] = T.cast(
-                                    T.cast(dkp_sh[j, i, jj], "float32") + dk_acc[i, jj], "bfloat16"
-                                )
+                            acc1[i, jj] = T.cast(dkp_sh[j, i, jj], "float32") + dk_acc[i, jj]
+                        for i, jj in T.Parallel(C, D):  # staged in the partial's buffer
+                            dkp_sh[j, i, jj] = T.cast(acc1[i, jj], "bfloat16")
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dk_ready[j])
                     T.barrier_arrive(empty[j])
             else:
                 # ---------------- WG2: producer (warp 8) ----------------
@@ -244,6 +269,23 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
                             info_sh[j, 0] = bos
                             info_sh[j, 1] = ln
                         T.barrier_arrive(full[j])
+                elif tx < 320:
+                    # ---------------- warp 9: stores dv, dk from the staged tiles ----------------
+                    for t in T.serial(ntiles):
+                        j = t % 2
+                        ph = (t // 2) % 2
+                        item = b + (t // G) * NP
+                        hk = item % h_qk
+                        gi = t % G
+                        hv = hk * G + gi
+                        T.barrier_wait(dv_ready[j], ph)
+                        bos = info_sh[j, 0]
+                        ln = info_sh[j, 1]
+                        store_rows(du_sh, j, dv, bos, ln, hv)
+                        if gi == G - 1:
+                            T.barrier_wait(dk_ready[j], ph)
+                            store_rows(dkp_sh, j, dk_v, bos, ln, hk)
+                        T.barrier_arrive(empty[j])
 
     return gdn_bwd_wy_ws
 
