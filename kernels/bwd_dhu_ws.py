@@ -190,17 +190,16 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
                         )
                     T.fence_proxy_async()
                     T.barrier_arrive(ky_ready[0])
-                    # off the chain: dv_new = Pᵀ dO + el ⊙ (K dH)
-                    T.gemm(k_sh[j, :, :], dh_sh[j, :, :], kdh_frag, clear_accum=True)
+                    # off the chain: dv_new = Pᵀ dO + el ⊙ (K dH), formed in registers, then staged
+                    # (one copy: no named barriers inside the element pass); pass 1 ("seg") has none
                     if split != "seg":
-                        T.barrier_wait(dvn_stored[j], 1 - ph)
+                        T.gemm(k_sh[j, :, :], dh_sh[j, :, :], kdh_frag, clear_accum=True)
                         for i, jj in T.Parallel(C, BV):
-                            dvn_sh[j, i, jj] = T.cast(
-                                pdo_sh[j, i, jj]
-                                + T.if_then_else(i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]), T.float32(0))
-                                * kdh_frag[i, jj],
-                                "bfloat16",
-                            )
+                            kdh_frag[i, jj] = pdo_sh[j, i, jj] + T.if_then_else(
+                                i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]), T.float32(0)
+                            ) * kdh_frag[i, jj]
+                        T.barrier_wait(dvn_stored[j], 1 - ph)
+                        T.copy(kdh_frag, dvn_sh[j, :, :])
                         T.fence_proxy_async()
                         T.barrier_arrive(dvn_ready[j])
                     T.barrier_arrive(empty[j])

@@ -8,7 +8,8 @@ With g = chunk-local cumsum, ln = valid rows of the chunk, g_l = g[ln − 1]:
     W'       = A_βᵀ bf16(e^{g_l − g} ⊙ K)          (rows ≥ ln of the factor 0)   wgmma  → w (bf16)
 
 (the same bf16 rounding points as bwd_dhu_ws's builder had: ``emulate_bwd.emu_bwd_dhu(uw=True)``.)
-One CTA (128 threads) per (chunk slot, v-head); unused slots (ln ≤ 0) get zeros.
+One CTA (128 threads) per (chunk slot, qk head): q, k and K Qᵀ once, then each v-head of the GVA
+group (its g and A_β); unused slots (ln ≤ 0) get zeros.
 
 Inputs:  q, k [1,T,Hqk,128] bf16, gcs [Hv,NCS*64] fp32, a_beta [Hv,NCS*64,64] bf16, ctab [NCS,4], scale.
 Outputs: pt [Hv,NCS*64,64] bf16, w [Hv,NCS*64,128] bf16 (chunk-slot rows, as a_beta).
@@ -41,8 +42,7 @@ def bwd_pw_program(h_qk: int, h_v: int):
         pt: T.Tensor((h_v, NCS * C, C), "bfloat16"),
         w: T.Tensor((h_v, NCS * C, D), "bfloat16"),
     ):
-        with T.Kernel(NCS, h_v, threads=128) as (c, hv):
-            hk = hv // G
+        with T.Kernel(NCS, h_qk, threads=128) as (c, hk):
             q_sh = T.alloc_shared((C, D), "bfloat16")
             k_sh = T.alloc_shared((C, D), "bfloat16")
             ek_sh = T.alloc_shared((C, D), "bfloat16")
@@ -61,27 +61,28 @@ def bwd_pw_program(h_qk: int, h_v: int):
             for i, j in T.Parallel(C, D):
                 q_sh[i, j] = T.if_then_else(i < ln, q[0, bos + i, hk, j], T.bfloat16(0))
                 k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
-            T.copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh)
-            T.copy(gcs[hv, r0 : r0 + C], g_sh)
-
-            T.gemm(k_sh, q_sh, kq_frag, transpose_B=True, clear_accum=True)
-            for jr, i in T.Parallel(C, C):
-                pt_sh[jr, i] = T.cast(
-                    T.if_then_else(
-                        i >= jr and i < ln, scale * T.exp(g_sh[i] - g_sh[jr]) * kq_frag[jr, i], T.float32(0)
-                    ),
-                    "bfloat16",
-                )
-            for i, kk in T.Parallel(C, D):
-                ek_sh[i, kk] = T.cast(
-                    T.if_then_else(i < ln, T.exp(g_sh[T.max(ln - 1, 0)] - g_sh[i]), T.float32(0))
-                    * T.cast(k_sh[i, kk], "float32"),
-                    "bfloat16",
-                )
-            T.gemm(a_sh, ek_sh, w_frag, transpose_A=True, clear_accum=True)
-            T.copy(w_frag, w_sh)
-            T.copy(pt_sh, pt[hv, r0 : r0 + C, 0:C])
-            T.copy(w_sh, w[hv, r0 : r0 + C, 0:D])
+            T.gemm(k_sh, q_sh, kq_frag, transpose_B=True, clear_accum=True)  # once per GVA group
+            for gi in T.serial(G):
+                hv = hk * G + gi
+                T.copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh)
+                T.copy(gcs[hv, r0 : r0 + C], g_sh)
+                for jr, i in T.Parallel(C, C):
+                    pt_sh[jr, i] = T.cast(
+                        T.if_then_else(
+                            i >= jr and i < ln, scale * T.exp(g_sh[i] - g_sh[jr]) * kq_frag[jr, i], T.float32(0)
+                        ),
+                        "bfloat16",
+                    )
+                for i, kk in T.Parallel(C, D):
+                    ek_sh[i, kk] = T.cast(
+                        T.if_then_else(i < ln, T.exp(g_sh[T.max(ln - 1, 0)] - g_sh[i]), T.float32(0))
+                        * T.cast(k_sh[i, kk], "float32"),
+                        "bfloat16",
+                    )
+                T.gemm(a_sh, ek_sh, w_frag, transpose_A=True, clear_accum=True)
+                T.copy(w_frag, w_sh)
+                T.copy(pt_sh, pt[hv, r0 : r0 + C, 0:C])
+                T.copy(w_sh, w[hv, r0 : r0 + C, 0:D])
 
     return gdn_bwd_pw
 

@@ -28,7 +28,8 @@ them so), A_β is zero outside the valid block, and M is masked to the valid row
 rows reach no stored output (dv, dk, dg, dβ are stored on valid rows only).
 
 mbarriers (t = tile, j = t % 2, parity (t // 2) % 2): full[j] (count 32 + tx bytes: the producer
-warp), dv_ready[j] / dk_ready[j] (count 256: the consumers, once the tile is staged), empty[j]
+warp), dv_ready[j] (count 256: the consumers, once the tile's dv is staged), dk_ready (count 256,
+parity (t // G) % 2: once per item, when its dk is staged), empty[j]
 (count 288: every consumer thread after its last read of stage j, and the store warp once its
 stores have read the staged tiles).
 
@@ -139,7 +140,7 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
             full = T.alloc_barrier([32, 32])
             empty = T.alloc_barrier([288, 288])  # the consumers and the store warp
             dv_ready = T.alloc_barrier([256, 256])
-            dk_ready = T.alloc_barrier([256, 256])
+            dk_ready = T.alloc_barrier(256)  # once per item: parity (t // G) % 2
 
             ntiles = T.ceildiv(NCS * h_qk - b, NP) * G
             tx = T.get_thread_binding()
@@ -248,7 +249,7 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
                         for i, jj in T.Parallel(C, D):  # staged in the partial's buffer
                             dkp_sh[j, i, jj] = T.cast(acc1[i, jj], "bfloat16")
                         T.fence_proxy_async()
-                        T.barrier_arrive(dk_ready[j])
+                        T.barrier_arrive(dk_ready[0])
                     T.barrier_arrive(empty[j])
             else:
                 # ---------------- WG2: producer (warp 8) ----------------
@@ -295,7 +296,7 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
                         ln = info_sh[j, 1]
                         store_rows(du_sh, j, dv, bos, ln, hv)
                         if gi == G - 1:
-                            T.barrier_wait(dk_ready[j], ph)
+                            T.barrier_wait(dk_ready[0], (t // G) % 2)
                             store_rows(dkp_sh, j, dk_v, bos, ln, hk)
                         T.barrier_arrive(empty[j])
 
