@@ -4,16 +4,20 @@
               cu_seqlens=None) -> (o, final_state or None)          # differentiable
     chunk_gdn_bwd(...)  -> dq, dk, dv, dg, dbeta, dh0                # low level
 
-Backward kernel sequence (FLA-style, one CTA = 128 threads, every GEMM on wgmma):
+Backward kernel sequence (FLA-style; every GEMM on wgmma), with the default variant:
 
-    bwd_h      (V block, sequence, v-head)   recompute h per chunk (bf16) and v_new
-    bwd_dhu    (V block, sequence, v-head)   reverse: dh per chunk, dv_new (with dv_local), dh0
-    bwd_dqkwg  (chunk slot, v-head)          dq, dk (P and state parts), dw, dg (partial)
-    bwd_wy     (chunk slot, v-head)          through w, u, A: dk, dv, dβ, dg (+ in-chunk reverse cumsum)
+    bwd_h_ws      (V block, segment, v-head)   recompute h per chunk (bf16) and v_new      [side stream]
+    bwd_pw        (chunk slot, qk head)        Pᵀ and W' per v-head of the GVA group
+    bwd_dhu_ws    (V block, segment, v-head)   reverse: dh per chunk, dv_new, dh0
+    bwd_dqkwg_ws  persistent                   dq, dk (P and state parts), dw, dg (partial)
+    bwd_wy_ws     persistent                   through w, u, A: dk, dv, dβ, dg (+ in-chunk reverse cumsum)
 
-then dq, dk are summed over each GVA group (torch). The forward's prep outputs (g cumsum and
-A·diag(β), chunk-slot layout) are saved by :class:`ChunkGDNFunction`; A itself is rebuilt
-inside bwd_wy as A = I − A_β M. Per-chunk states are recomputed, never saved.
+(long sequences split into segments add seg_state + fixup before bwd_h and a first bwd_dhu pass +
+the reverse fix-up before the second; ``bwd_dqkwg_ws=0`` / ``bwd_wy_ws=0`` run the one-CTA-per-item
+group forms, ``bwd_grp=0`` the per-v-head forms with the GVA group sums in torch.) dq and dk come out
+summed over each GVA group. The forward's prep outputs (g cumsum and A·diag(β), chunk-slot layout)
+are saved by :class:`ChunkGDNFunction`; A itself is rebuilt inside wy as A = I − A_β M. Per-chunk
+states are recomputed, never saved.
 Nothing here imports ``qlabench``.
 """
 
