@@ -49,7 +49,7 @@ NREG = (232, 40)
 THREADS = 384
 #: what each thread starts with (65536 / 384, rounded down to 8): .inc above it, .dec below
 NREG_LAUNCH = 65536 // THREADS // 8 * 8
-assert 2 * NREG[0] * 128 + NREG[1] * 128 <= 65536
+assert 2 * NREG[0] + NREG[1] <= (THREADS // 128) * NREG_LAUNCH  # .inc is served by what .dec released
 
 
 def rows_store_macro(C: int, D: int):

@@ -131,6 +131,7 @@ def test_bwd_wy_ws_compiles_warp_specialised():
     assert "wgmma" in src and "tma_load" in src and "expect_transaction" in src
     for nreg in ws.NREG:
         assert f"warpgroup_reg_{'alloc' if nreg > ws.NREG_LAUNCH else 'dealloc'}<{nreg}>" in src
+    assert 2 * ws.NREG[0] + ws.NREG[1] <= 3 * ws.NREG_LAUNCH  # .inc served by what .dec released
     assert src.count("__syncthreads()") == 1
     names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_wy_ws=1")]
     assert "bwd_wy_ws" in names and not any(n.startswith("bwd_wy[") for n in names)
@@ -167,6 +168,8 @@ def test_bwd_wy_ws2_compiles_role_split():
     assert "wgmma" in src and "tma_load" in src and "tma_store" in src
     for nreg in ws.NREG:
         assert f"warpgroup_reg_{'alloc' if nreg > ws.NREG_LAUNCH else 'dealloc'}<{nreg}>" in src
+    # what the roles' .inc ask for is no more than the .dec release (else every CTA hangs)
+    assert sum(ws.NREG) <= 3 * ws.NREG_LAUNCH
     assert src.count("__syncthreads()") == 1
     assert "__sync_thread_partial(3, 256)" not in src and "__sync_thread_partial(4, 256)" not in src
     names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_wy_ws=2")]
