@@ -101,10 +101,9 @@ def chunk_loop_stages() -> int:
 #:                             block_v 32 only (other widths run bwd_dhu)
 #:   bwd_grp 0 | 1             backward: bwd_dqkwg and bwd_wy run one CTA per (chunk, qk head) over the G
 #:                             v-heads of its GVA group and store dq, dk summed (no group sum in torch)
-#:   bwd_wy_ws 0 | 1 | 2       backward (with bwd_grp=1, bwd_bf16=1): bwd_wy warp-specialised and persistent
+#:   bwd_wy_ws 0 | 1           backward (with bwd_grp=1, bwd_bf16=1): bwd_wy warp-specialised and persistent
 #:                             (bwd_wy_ws.py: a producer warp TMA-loads the next (chunk, v-head) tile while
-#:                             two consumer warpgroups compute this one); 2: the two consumer warpgroups
-#:                             take different halves of each tile (bwd_wy_ws2.py)
+#:                             two consumer warpgroups compute this one)
 #:   bwd_dqkwg_ws 0 | 1        backward (with bwd_grp=1, bwd_rsum=1, bwd_bf16=1): bwd_dqkwg the same way
 #:                             (bwd_dqkwg_ws.py)
 #:   uw      0 | 1             with pprep=1: the warp-specialised fwd_o's U/W warpgroup computes the
@@ -115,7 +114,7 @@ VARIANT_DEFAULTS = {
     "fwd_ws": "1", "ws_stages": "2", "rowexp": "1", "bwd_ws": "1", "pprep": "1", "uw": "1", "autobv": "1",
     "bwd_split": "auto", "bwd_threads": "256", "bwd_stages": "auto",
     "bwd_streams": "1", "bwd_rsum": "1", "bwd_bf16": "1", "bwd_dhu_ws": "1", "bwd_grp": "1",
-    "bwd_wy_ws": "2", "bwd_dqkwg_ws": "1",
+    "bwd_wy_ws": "1", "bwd_dqkwg_ws": "1",
 }  # fmt: skip
 #: The first landing's path (the knobs at their oldest values), kept for comparison.
 BASELINE_VARIANT = (
@@ -144,7 +143,7 @@ VARIANT_CHOICES = {
     "bwd_bf16": ("0", "1"),
     "bwd_dhu_ws": ("0", "1"),
     "bwd_grp": ("0", "1"),
-    "bwd_wy_ws": ("0", "1", "2"),
+    "bwd_wy_ws": ("0", "1"),
     "bwd_dqkwg_ws": ("0", "1"),
 }
 

@@ -43,7 +43,6 @@ from .bwd_h import run_bwd_h
 from .bwd_h_ws import run_bwd_h_ws
 from .bwd_wy import run_bwd_wy
 from .bwd_wy_ws import run_bwd_wy_ws
-from .bwd_wy_ws2 import run_bwd_wy_ws2
 
 __all__ = ["chunk_gdn_bwd", "chunk_gdn", "ChunkGDNFunction"]
 
@@ -272,9 +271,8 @@ def chunk_gdn_bwd(
             rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1", grp=grp,
         )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
-    if grp and var["bwd_wy_ws"] != "0" and dk_v.dtype == torch.bfloat16:  # persistent, warp-specialised
-        run = run_bwd_wy_ws2 if var["bwd_wy_ws"] == "2" else run_bwd_wy_ws
-        dk_v, dv, dg, dbeta = run(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)
+    if grp and var["bwd_wy_ws"] == "1" and dk_v.dtype == torch.bfloat16:  # persistent, warp-specialised
+        dk_v, dv, dg, dbeta = run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)
     else:
         dk_v, dv, dg, dbeta = run_bwd_wy(
             k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target, threads=nthr, grp=grp

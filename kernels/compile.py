@@ -171,15 +171,10 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
         out.append(("bwd_dqkwg_ws", get_bwd_dqkwg_ws_kernel, (h_qk, h_v), {}))
     else:
         out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
-    if var["bwd_wy_ws"] != "0" and gkw and var["bwd_bf16"] == "1":  # what chunk_gdn_bwd runs then
-        if var["bwd_wy_ws"] == "2":
-            from .bwd_wy_ws2 import get_bwd_wy_ws2_kernel
+    if var["bwd_wy_ws"] == "1" and gkw and var["bwd_bf16"] == "1":  # what chunk_gdn_bwd runs then
+        from .bwd_wy_ws import get_bwd_wy_ws_kernel
 
-            out.append(("bwd_wy_ws2", get_bwd_wy_ws2_kernel, (h_qk, h_v), {}))
-        else:
-            from .bwd_wy_ws import get_bwd_wy_ws_kernel
-
-            out.append(("bwd_wy_ws", get_bwd_wy_ws_kernel, (h_qk, h_v), {}))
+        out.append(("bwd_wy_ws", get_bwd_wy_ws_kernel, (h_qk, h_v), {}))
         return out
     wkw = {**tkw, "bf16_dk": True, **gkw} if var["bwd_bf16"] == "1" else {**tkw, **gkw}
     out.append((f"bwd_wy[threads={thr}|{tag}]", get_bwd_wy_kernel, (h_qk, h_v), wkw))

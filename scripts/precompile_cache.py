@@ -132,7 +132,7 @@ if which == "bwdtests":
         if (hq, hv) == (2, 4):  # the bwd_dhu_ws=0 / bwd_grp=0 GPU tests
             precompile_bwd_variants(hq, hv, ["bwd_dhu_ws=0", "bwd_grp=0"], flags=((1, 1),), bvs=(32,), verbose=True)
         if (hq, hv) in ((2, 4), (1, 3), (2, 2)):  # test_wy_ws_matches_group_wy
-            precompile_bwd_variants(hq, hv, ["bwd_wy_ws=1", "bwd_wy_ws=2", "bwd_wy_ws=0", "bwd_dqkwg_ws=0"],
+            precompile_bwd_variants(hq, hv, ["bwd_wy_ws=0", "bwd_dqkwg_ws=0"],
                                     flags=((1, 1),), bvs=(32,), verbose=True)  # fmt: skip
         print(f"{hq}/{hv} bwd tests: {time.time() - t0:.0f} s", flush=True)
 if which in ("bwd", "all"):

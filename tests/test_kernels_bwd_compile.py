@@ -155,22 +155,3 @@ def test_bwd_dqkwg_ws_compiles_warp_specialised():
     names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_dqkwg_ws=1")]
     assert "bwd_dqkwg_ws" in names and not any(n.startswith("bwd_dqkwg[") for n in names)
 
-
-def test_bwd_wy_ws2_compiles_role_split():
-    """bwd_wy_ws2 (variant bwd_wy_ws=2, the default): 384 threads, wgmma, TMA loads, setmaxnreg per
-    role against the launch count, one CTA-wide barrier; the consumers' named barriers are per
-    warpgroup (128 threads), none over both."""
-    _kernels_pkg()
-    ws = importlib.import_module("qlabench_kernels.bwd_wy_ws2")
-    comp = importlib.import_module("qlabench_kernels.compile")
-    src = ws.get_bwd_wy_ws2_kernel(2, 8, TARGET_K).get_kernel_source()
-    assert "__launch_bounds__(384" in src
-    assert "wgmma" in src and "tma_load" in src and "tma_store" in src
-    for nreg in ws.NREG:
-        assert f"warpgroup_reg_{'alloc' if nreg > ws.NREG_LAUNCH else 'dealloc'}<{nreg}>" in src
-    # what the roles' .inc ask for is no more than the .dec release (else every CTA hangs)
-    assert sum(ws.NREG) <= 3 * ws.NREG_LAUNCH
-    assert src.count("__syncthreads()") == 1
-    assert "__sync_thread_partial(3, 256)" not in src and "__sync_thread_partial(4, 256)" not in src
-    names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_wy_ws=2")]
-    assert "bwd_wy_ws2" in names and "bwd_wy_ws" not in names

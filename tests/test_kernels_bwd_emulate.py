@@ -144,7 +144,6 @@ def _patch_kernels(monkeypatch):
     # the persistent warp-specialised forms (defaults): the group forms' outputs
     monkeypatch.setattr(ag, "run_bwd_dqkwg_ws", lambda *a, target=None: fake_dqkwg(*a, rsum=True, bf16_out=True, grp=True))
     monkeypatch.setattr(ag, "run_bwd_wy_ws", lambda *a, target=None: fake_wy(*a, grp=True))
-    monkeypatch.setattr(ag, "run_bwd_wy_ws2", lambda *a, target=None: fake_wy(*a, grp=True))
     monkeypatch.setattr(importlib.import_module("qlabench_kernels.seg_state"), "run_seg_state", fake_seg_state)
     fx = importlib.import_module("qlabench_kernels.fixup")
     monkeypatch.setattr(fx, "run_fixup", fake_fixup)

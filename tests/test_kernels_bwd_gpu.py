@@ -231,18 +231,17 @@ def test_grp_matches_per_v_head_path():
         assert rel_l2(a.float(), b.float()) < 1e-2, n
 
 
-@pytest.mark.parametrize("form", ["1", "2"])
 @pytest.mark.parametrize("h_qk,h_v", [(2, 4), (1, 3), (2, 2)])
-def test_wy_ws_matches_group_wy(h_qk, h_v, form):
-    """variant bwd_wy_ws=1 / 2 (the persistent warp-specialised wy: consumers splitting each GEMM, or
-    taking halves of each tile) against the reference, and every gradient against the group wy it
-    replaces (bwd_wy_ws=0); outputs poisoned before the run."""
+def test_wy_ws_matches_group_wy(h_qk, h_v):
+    """variant bwd_wy_ws=1 (the persistent warp-specialised wy, the default) against the reference,
+    and every gradient against the group wy it replaces (bwd_wy_ws=0); outputs poisoned before the
+    run."""
     pkg = _kernels_pkg()
     x, ref = _case(h_qk, h_v, True, True)
     kw = dict(dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"], return_intermediates=True)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"])
     base = pkg.chunk_gdn_bwd(*args, variant="bwd_wy_ws=0", **kw)
-    got = pkg.chunk_gdn_bwd(*args, variant=f"bwd_wy_ws={form}", **kw)
+    got = pkg.chunk_gdn_bwd(*args, variant="bwd_wy_ws=1", **kw)
     torch.cuda.synchronize()
     names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
     _assert_close({n: got[n] for n in names}, ref, names)
@@ -250,16 +249,14 @@ def test_wy_ws_matches_group_wy(h_qk, h_v, form):
         assert rel_l2(got[n].float(), base[n].float()) < 1e-2, n
     # the kernel alone, on poisoned outputs: every valid row written, the same as the group wy
     from qlabench_kernels.bwd_wy_ws import run_bwd_wy_ws
-    from qlabench_kernels.bwd_wy_ws2 import run_bwd_wy_ws2
 
-    run = run_bwd_wy_ws2 if form == "2" else run_bwd_wy_ws
     T = x["q"].shape[1]
     dv = torch.full((1, T, h_v, D), float("nan"), device="cuda", dtype=torch.bfloat16)
     dg = torch.full((1, T, h_v), float("nan"), device="cuda")
     db = torch.full((1, T, h_v), float("nan"), device="cuda")
     dk = base["dk_part"].clone()
-    run(x["k"], x["v"], x["beta"], base["gcs"], base["a_beta"], base["ctab"], base["dw"], base["dvnew"],
-        base["dg_part"], dk, dv=dv, dg=dg, dbeta=db)  # fmt: skip
+    run_bwd_wy_ws(x["k"], x["v"], x["beta"], base["gcs"], base["a_beta"], base["ctab"], base["dw"], base["dvnew"],
+                  base["dg_part"], dk, dv=dv, dg=dg, dbeta=db)  # fmt: skip
     torch.cuda.synchronize()
     for n, a in (("dv", dv), ("dg", dg), ("dbeta", db), ("dk", dk)):
         assert torch.isfinite(a.float()).all(), f"{n}: rows left unwritten"

@@ -222,10 +222,9 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
                       x["q"].device)  # fmt: skip
     nthr = int(var["bwd_threads"])
     dk_tmp = g["dk_v"].clone()
-    wy_ws = var["bwd_wy_ws"] != "0" and var["bwd_grp"] == "1" and dk_tmp.dtype == torch.bfloat16
+    wy_ws = var["bwd_wy_ws"] == "1" and var["bwd_grp"] == "1" and dk_tmp.dtype == torch.bfloat16
     from qlabench_kernels.bwd_dqkwg_ws import run_bwd_dqkwg_ws
     from qlabench_kernels.bwd_wy_ws import run_bwd_wy_ws
-    from qlabench_kernels.bwd_wy_ws2 import run_bwd_wy_ws2
 
     dq_ws = var["bwd_dqkwg_ws"] == "1" and var["bwd_grp"] == "1" and var["bwd_rsum"] == "1" and var["bwd_bf16"] == "1"
     if g["split_tokens"]:
@@ -271,7 +270,7 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
             x["q"], x["k"], x["do"], g["gcs"], g["ctab"], g["h_all"], g["dh_all"], g["vnew"], g["dvnew"], sc,
             threads=nthr, rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1", grp=var["bwd_grp"] == "1",
         ),
-        "bwd_wy": lambda: (run_bwd_wy_ws2 if var["bwd_wy_ws"] == "2" else run_bwd_wy_ws)(
+        "bwd_wy": lambda: run_bwd_wy_ws(
             x["k"], x["v"], x["beta"], g["gcs"], g["a_beta"], g["ctab"], g["dw"], g["dvnew"], g["dg_part"], dk_tmp
         ) if wy_ws else run_bwd_wy(
             x["k"], x["v"], x["beta"], g["gcs"], g["a_beta"], g["ctab"], g["dw"], g["dvnew"], g["dg_part"], dk_tmp,
