@@ -310,3 +310,21 @@ def test_autograd_function_with_emulated_kernels(monkeypatch):
                             seqlens=[1, 63, 64, 65, 130])  # fmt: skip
     assert ht2 is None
     (o2.float() * x["do"].float()).sum().backward()
+
+
+def test_ws_launchers_check_dk_before_compiling():
+    """The persistent wy launcher refuses a dk partial it cannot complete (fp32, or per v-head) with
+    a message naming it, before any compile; a bad variant value names the knob."""
+    _kernels_pkg()
+    wy = importlib.import_module("qlabench_kernels.bwd_wy_ws")
+    k = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    v = torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)
+    ctab = torch.zeros(2, 4, dtype=torch.int32)
+    for dk in (torch.zeros(1, 64, 2, 128), torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="dk_v must be bf16 \\[1, 64, 2, 128\\]"):
+            wy.run_bwd_wy_ws(k, v, None, None, None, ctab, None, None, None, dk)
+    common = importlib.import_module("qlabench_kernels._common")
+    with pytest.raises(ValueError, match="bwd_wy_ws='2' not in"):
+        common.parse_variant("bwd_wy_ws=2")
+    with pytest.raises(ValueError, match="bwd_dqkwg_ws='yes' not in"):
+        common.parse_variant("bwd_dqkwg_ws=yes")
