@@ -119,39 +119,29 @@ def test_bwd_pw_and_group_forms_compile():
 
 
 
-def test_bwd_wy_ws_compiles_warp_specialised():
-    """bwd_wy_ws (variant bwd_wy_ws=1): 384 threads, wgmma, TMA loads behind mbarriers, setmaxnreg
-    per role with .inc / .dec chosen against the launch count, one CTA-wide barrier (the mbarrier
-    init) and a persistent loop; the variant's compile list names it instead of bwd_wy."""
-    _kernels_pkg()
-    ws = importlib.import_module("qlabench_kernels.bwd_wy_ws")
-    comp = importlib.import_module("qlabench_kernels.compile")
-    src = ws.get_bwd_wy_ws_kernel(2, 8, TARGET_K).get_kernel_source()
-    assert "__launch_bounds__(384" in src
-    assert "wgmma" in src and "tma_load" in src and "expect_transaction" in src
-    for nreg in ws.NREG:
-        assert f"warpgroup_reg_{'alloc' if nreg > ws.NREG_LAUNCH else 'dealloc'}<{nreg}>" in src
-    assert 2 * ws.NREG[0] + ws.NREG[1] <= 3 * ws.NREG_LAUNCH  # .inc served by what .dec released
-    assert src.count("__syncthreads()") == 1
-    names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_wy_ws=1")]
-    assert "bwd_wy_ws" in names and not any(n.startswith("bwd_wy[") for n in names)
-    names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_wy_ws=1,bwd_bf16=0")]
-    assert "bwd_wy_ws" not in names  # fp32 dk partials: the group wy
 
-
-def test_bwd_dqkwg_ws_compiles_warp_specialised():
-    """bwd_dqkwg_ws (variant bwd_dqkwg_ws=1): the same launch shape and roles as bwd_wy_ws; the
-    variant's compile list names it instead of bwd_dqkwg."""
+@pytest.mark.parametrize("name,getter,spec", [
+    ("bwd_wy_ws", "get_bwd_wy_ws_kernel", "bwd_wy_ws=1"),
+    ("bwd_dqkwg_ws", "get_bwd_dqkwg_ws_kernel", "bwd_dqkwg_ws=1"),
+])  # fmt: skip
+def test_persistent_ws_kernels_compile(name, getter, spec):
+    """bwd_wy_ws / bwd_dqkwg_ws (the defaults): 384 threads, wgmma, TMA loads behind mbarriers and TMA
+    stores, setmaxnreg per role with .inc / .dec chosen against the launch count and .inc asking for
+    no more than .dec releases (else every CTA hangs), one CTA-wide barrier (the mbarrier init); the
+    variant's compile list names the kernel instead of the group form."""
     _kernels_pkg()
-    ws = importlib.import_module("qlabench_kernels.bwd_dqkwg_ws")
-    wy = importlib.import_module("qlabench_kernels.bwd_wy_ws")
+    mod = importlib.import_module(f"qlabench_kernels.{name}")
+    wy = importlib.import_module("qlabench_kernels.bwd_wy_ws")  # both use its roles and budgets
     comp = importlib.import_module("qlabench_kernels.compile")
-    src = ws.get_bwd_dqkwg_ws_kernel(2, 8, TARGET_K).get_kernel_source()
+    src = getattr(mod, getter)(2, 8, TARGET_K).get_kernel_source()
     assert "__launch_bounds__(384" in src
-    assert "wgmma" in src and "tma_load" in src and "expect_transaction" in src
+    assert "wgmma" in src and "tma_load" in src and "expect_transaction" in src and "tma_store" in src
     for nreg in wy.NREG:
         assert f"warpgroup_reg_{'alloc' if nreg > wy.NREG_LAUNCH else 'dealloc'}<{nreg}>" in src
+    assert 2 * wy.NREG[0] + wy.NREG[1] <= 3 * wy.NREG_LAUNCH
     assert src.count("__syncthreads()") == 1
-    names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, "bwd_dqkwg_ws=1")]
-    assert "bwd_dqkwg_ws" in names and not any(n.startswith("bwd_dqkwg[") for n in names)
-
+    group = name.removesuffix("_ws")
+    names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, spec)]
+    assert name in names and not any(n.startswith(group + "[") for n in names)
+    names = [n for n, *_ in comp.bwd_variant_kernels(2, 8, spec + ",bwd_bf16=0")]
+    assert name not in names  # fp32 partials: the group form
