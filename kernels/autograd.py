@@ -13,8 +13,10 @@ Backward kernel sequence (FLA-style; every GEMM on wgmma), with the default vari
     bwd_wy_ws     persistent                   through w, u, A: dk, dv, dβ, dg (+ in-chunk reverse cumsum)
 
 (long sequences split into segments add seg_state + fixup before bwd_h and a first bwd_dhu pass +
-the reverse fix-up before the second; ``bwd_dqkwg_ws=0`` / ``bwd_wy_ws=0`` run the one-CTA-per-item
-group forms, ``bwd_grp=0`` the per-v-head forms with the GVA group sums in torch.) dq and dk come out
+the reverse fix-up before the second. The persistent forms need ``bwd_grp=1`` and ``bwd_bf16=1``
+(dqkwg_ws also ``bwd_rsum=1``), and wy_ws needs Hv > Hqk; otherwise, or with ``bwd_dqkwg_ws=0`` /
+``bwd_wy_ws=0``, the one-CTA-per-item group forms run; ``bwd_grp=0`` runs the per-v-head forms with
+the GVA group sums in torch.) dq and dk come out
 summed over each GVA group. The forward's prep outputs (g cumsum and A·diag(β), chunk-slot layout)
 are saved by :class:`ChunkGDNFunction`; A itself is rebuilt inside wy as A = I − A_β M. Per-chunk
 states are recomputed, never saved.
@@ -271,7 +273,9 @@ def chunk_gdn_bwd(
             rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1", grp=grp,
         )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
-    if grp and var["bwd_wy_ws"] == "1" and dk_v.dtype == torch.bfloat16:  # persistent, warp-specialised
+    # the persistent warp-specialised wy needs G >= 2 (its store warp's per-item dk hand-off can be
+    # lapped when every tile is an item: see bwd_wy_ws.py); G = 1 runs the group form
+    if grp and var["bwd_wy_ws"] == "1" and dk_v.dtype == torch.bfloat16 and h_v > h_qk:
         dk_v, dv, dg, dbeta = run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)
     else:
         dk_v, dv, dg, dbeta = run_bwd_wy(

@@ -31,7 +31,9 @@ full_qk / empty_qk (parity (t // G) % 2; empty_qk: the store warp, once dq / dk 
 dw_ready[j], dqk_ready (the consumers, once staged). full_* count 32 (the producer warp) + tx bytes.
 
 Measured on the H200 (16/32 1×32768, kernel alone): the group bwd_dqkwg 1.34 ms; this kernel with
-SIMT stores from registers 1.06 ms.
+SIMT stores from registers 1.06 ms, with the store warp 0.82–0.88. (dqk_ready, the per-item dq / dk
+hand-off, cannot be lapped: the consumers need the next item's q, k, which wait on empty_qk, which the
+store warp arrives after its dq / dk stores.)
 """
 
 import functools
@@ -40,7 +42,7 @@ import json
 import torch
 
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
-from .bwd_wy_ws import NREG, NREG_LAUNCH, THREADS, _grid, rows_store_macro
+from .bwd_wy_ws import NREG, NREG_LAUNCH, THREADS, persistent_grid, rows_store_macro
 
 
 def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
@@ -286,11 +288,7 @@ def run_bwd_dqkwg_ws(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, tar
     dk_v = torch.empty(1, T_, h_qk, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     dw = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     dg_part = torch.empty(h_v, ncs * CHUNK, device=dev, dtype=torch.float32)
-    if num_sms is None:
-        from . import _num_sms
-
-        num_sms = _num_sms(dev)
-    nprog = max(1, min(int(num_sms), ncs * h_qk))
     kern = get_bwd_dqkwg_ws_kernel(h_qk, h_v, target_key(target))
-    kern(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, float(scale), dq_v, dk_v, dw, dg_part, _grid(nprog, dev))
+    kern(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, float(scale), dq_v, dk_v, dw, dg_part,
+         persistent_grid(ncs, h_qk, dev, num_sms))  # fmt: skip
     return dq_v, dk_v, dw, dg_part

@@ -33,8 +33,16 @@ parity (t // G) % 2: once per item, when its dk is staged), empty[j]
 (count 288: every consumer thread after its last read of stage j, and the store warp once its
 stores have read the staged tiles).
 
+G ≥ 2 only (``run_bwd_wy_ws`` refuses G = 1; chunk_gdn_bwd runs the group bwd_wy there): dk_ready is
+one barrier per item, waited with parity (t // G) % 2, which holds only while the consumers cannot
+complete two items ahead of the store warp's wait. For G ≥ 2 they cannot (their next stage needs the
+store warp's empty arrive of the item's earlier tile); for G = 1 they can (two phases → the parity
+repeats → deadlock). A per-item pair of barriers (dk_ready[(t // G) % 2], parity (t // 2G) % 2) would
+lift this; it was found after the last GPU run, so it is not in the measured kernel.
+
 Measured on the H200 (16/32 1×32768, kernel alone): the group bwd_wy 1.83 ms; this kernel with
-SIMT stores from registers 1.26 ms, with the per-item K Kᵀ / dM⊙Γ sums and the shuffle cumsum 1.20.
+SIMT stores from registers 1.26 ms, with the per-item K Kᵀ / dM⊙Γ sums and the shuffle cumsum 1.20,
+with the store warp 1.10–1.15.
 """
 
 import functools
@@ -312,11 +320,18 @@ def get_bwd_wy_ws_kernel(h_qk: int, h_v: int, target_k=None):
 _GRIDS = {}
 
 
-def _grid(n: int, dev):
-    """A dummy int32 tensor of n elements: its length is the launch's grid (a dynamic dimension)."""
+def persistent_grid(ncs: int, h_qk: int, dev, num_sms=None):
+    """The grid argument of the persistent kernels: a dummy int32 tensor (never read) whose length
+    P = min(#SMs, chunk slots x qk heads) is the launch's grid (a dynamic dimension); one per
+    (P, device), kept."""
+    if num_sms is None:
+        from . import _num_sms
+
+        num_sms = _num_sms(dev)
+    n = max(1, min(int(num_sms), ncs * h_qk))
     key = (n, str(dev))
     if key not in _GRIDS:
-        _GRIDS[key] = torch.empty(n, device=dev, dtype=torch.int32)  # never read
+        _GRIDS[key] = torch.empty(n, device=dev, dtype=torch.int32)
     return _GRIDS[key]
 
 
@@ -327,6 +342,11 @@ def run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=No
     h_qk, h_v = k.shape[2], v.shape[2]
     T_, ncs = k.shape[1], ctab.shape[0]
     dev = k.device
+    if h_v == h_qk:
+        raise ValueError(
+            f"run_bwd_wy_ws: needs a GVA group of 2 or more v-heads (Hv={h_v}, Hqk={h_qk}): with one, the store "
+            "warp's per-item dk hand-off can be lapped (use bwd_wy.run_bwd_wy with grp=True)"
+        )
     if dk_v.dtype != torch.bfloat16 or tuple(dk_v.shape) != (1, T_, h_qk, HEAD_DIM):
         raise ValueError(f"run_bwd_wy_ws: dk_v must be bf16 [1, {T_}, {h_qk}, {HEAD_DIM}], got "
                          f"{dk_v.dtype} {tuple(dk_v.shape)}")  # fmt: skip
@@ -336,11 +356,6 @@ def run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=No
         dg = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
     if dbeta is None:
         dbeta = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
-    if num_sms is None:
-        from . import _num_sms
-
-        num_sms = _num_sms(dev)
-    nprog = max(1, min(int(num_sms), ncs * h_qk))
     kern = get_bwd_wy_ws_kernel(h_qk, h_v, target_key(target))
-    kern(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv, dg, dbeta, _grid(nprog, dev))
+    kern(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv, dg, dbeta, persistent_grid(ncs, h_qk, dev, num_sms))
     return dk_v, dv, dg, dbeta

@@ -171,7 +171,7 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
         out.append(("bwd_dqkwg_ws", get_bwd_dqkwg_ws_kernel, (h_qk, h_v), {}))
     else:
         out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
-    if var["bwd_wy_ws"] == "1" and gkw and var["bwd_bf16"] == "1":  # what chunk_gdn_bwd runs then
+    if var["bwd_wy_ws"] == "1" and gkw and var["bwd_bf16"] == "1" and h_v > h_qk:  # what chunk_gdn_bwd runs then
         from .bwd_wy_ws import get_bwd_wy_ws_kernel
 
         out.append(("bwd_wy_ws", get_bwd_wy_ws_kernel, (h_qk, h_v), {}))

@@ -313,8 +313,8 @@ def test_autograd_function_with_emulated_kernels(monkeypatch):
 
 
 def test_ws_launchers_check_dk_before_compiling():
-    """The persistent wy launcher refuses a dk partial it cannot complete (fp32, or per v-head) with
-    a message naming it, before any compile; a bad variant value names the knob."""
+    """The persistent wy launcher refuses a dk partial it cannot complete (fp32, or per v-head) and
+    G = 1 with a message naming them, before any compile; a bad variant value names the knob."""
     _kernels_pkg()
     wy = importlib.import_module("qlabench_kernels.bwd_wy_ws")
     k = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
@@ -323,8 +323,36 @@ def test_ws_launchers_check_dk_before_compiling():
     for dk in (torch.zeros(1, 64, 2, 128), torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="dk_v must be bf16 \\[1, 64, 2, 128\\]"):
             wy.run_bwd_wy_ws(k, v, None, None, None, ctab, None, None, None, dk)
+    with pytest.raises(ValueError, match="GVA group of 2 or more v-heads \\(Hv=2, Hqk=2\\)"):  # G = 1
+        wy.run_bwd_wy_ws(k, k, None, None, None, ctab, None, None, None, torch.zeros_like(k))
     common = importlib.import_module("qlabench_kernels._common")
     with pytest.raises(ValueError, match="bwd_wy_ws='2' not in"):
         common.parse_variant("bwd_wy_ws=2")
     with pytest.raises(ValueError, match="bwd_dqkwg_ws='yes' not in"):
         common.parse_variant("bwd_dqkwg_ws=yes")
+
+
+@pytest.mark.parametrize("h_qk,h_v,want", [(2, 4, "ws"), (1, 3, "ws"), (2, 2, "group")])
+def test_wy_routing_by_group_size(monkeypatch, h_qk, h_v, want):
+    """The default runs the persistent wy for GVA groups of 2+ v-heads and the group wy for G = 1
+    (the persistent kernel's per-item dk hand-off needs G >= 2); both give the reference gradients."""
+    pkg = _patch_kernels(monkeypatch)
+    ag = importlib.import_module("qlabench_kernels.autograd")
+    seen = []
+    ws, group = ag.run_bwd_wy_ws, ag.run_bwd_wy
+    monkeypatch.setattr(ag, "run_bwd_wy_ws", lambda *a, **kw: (seen.append("ws"), ws(*a, **kw))[1])
+    monkeypatch.setattr(ag, "run_bwd_wy", lambda *a, **kw: (seen.append("group"), group(*a, **kw))[1])
+    emu = importlib.import_module("qlabench_kernels.dev.emulate")
+    common = importlib.import_module("qlabench_kernels._common")
+    x = _inputs((63, 65, 200), h_qk, h_v, True, True, seed=23)
+    ctab, _ = common.chunk_table(x["cu"].long(), 328, 3)
+    gcs, a_beta = emu.emu_prep(x["k"], x["g"], x["beta"], ctab)
+    dq, dk, dv, dg, db, dh0 = pkg.chunk_gdn_bwd(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
+        cu_seqlens=x["cu"], gcs=gcs, a_beta=a_beta, ctab=ctab,
+    )  # fmt: skip
+    assert seen == [want]
+    _check(dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db, dh0=dh0), _ref(x), True)
+    comp = importlib.import_module("qlabench_kernels.compile")
+    names = [n for n, *_ in comp.bwd_variant_kernels(h_qk, h_v, "default")]
+    assert ("bwd_wy_ws" in names) == (want == "ws")

@@ -233,9 +233,9 @@ def test_grp_matches_per_v_head_path():
 
 @pytest.mark.parametrize("h_qk,h_v", [(2, 4), (1, 3), (2, 2)])
 def test_wy_ws_matches_group_wy(h_qk, h_v):
-    """variant bwd_wy_ws=1 (the persistent warp-specialised wy, the default) against the reference,
-    and every gradient against the group wy it replaces (bwd_wy_ws=0); outputs poisoned before the
-    run."""
+    """variant bwd_wy_ws=1 (the persistent warp-specialised wy, the default; G = 1 runs the group wy)
+    against the reference, and every gradient against the group wy it replaces (bwd_wy_ws=0); the
+    kernel alone on poisoned dv / dg / dβ (G >= 2; it refuses G = 1)."""
     pkg = _kernels_pkg()
     x, ref = _case(h_qk, h_v, True, True)
     kw = dict(dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"], return_intermediates=True)
@@ -250,6 +250,11 @@ def test_wy_ws_matches_group_wy(h_qk, h_v):
     # the kernel alone, on poisoned outputs: every valid row written, the same as the group wy
     from qlabench_kernels.bwd_wy_ws import run_bwd_wy_ws
 
+    if h_v == h_qk:
+        with pytest.raises(ValueError, match="GVA group of 2 or more"):
+            run_bwd_wy_ws(x["k"], x["v"], x["beta"], base["gcs"], base["a_beta"], base["ctab"], base["dw"],
+                          base["dvnew"], base["dg_part"], base["dk_part"].clone())  # fmt: skip
+        return
     T = x["q"].shape[1]
     dv = torch.full((1, T, h_v, D), float("nan"), device="cuda", dtype=torch.bfloat16)
     dg = torch.full((1, T, h_v), float("nan"), device="cuda")

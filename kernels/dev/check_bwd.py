@@ -222,7 +222,8 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
                       x["q"].device)  # fmt: skip
     nthr = int(var["bwd_threads"])
     dk_tmp = g["dk_v"].clone()
-    wy_ws = var["bwd_wy_ws"] == "1" and var["bwd_grp"] == "1" and dk_tmp.dtype == torch.bfloat16
+    wy_ws = (var["bwd_wy_ws"] == "1" and var["bwd_grp"] == "1" and dk_tmp.dtype == torch.bfloat16
+             and x["v"].shape[2] > x["q"].shape[2])  # as chunk_gdn_bwd: G = 1 runs the group wy
     from qlabench_kernels.bwd_dqkwg_ws import run_bwd_dqkwg_ws
     from qlabench_kernels.bwd_wy_ws import run_bwd_wy_ws
 
