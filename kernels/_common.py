@@ -256,6 +256,17 @@ def compile_program(func, target=None, pass_configs=None):
     )
 
 
+def bwd_ws_forms(var, h_qk: int, h_v: int) -> tuple:
+    """(dqkwg_ws, wy_ws): whether the backward runs the persistent warp-specialised dqkwg / wy for
+    this parsed variant and head config (else their group or per-v-head forms). Both need
+    ``bwd_grp=1`` and bf16 partials (``bwd_bf16=1``); dqkwg_ws also ``bwd_rsum=1``; wy_ws a GVA group
+    of 2+ v-heads (its store warp's per-item dk hand-off can be lapped when every tile is an item)."""
+    base = var["bwd_grp"] == "1" and var["bwd_bf16"] == "1"
+    dq_ws = base and var["bwd_dqkwg_ws"] == "1" and var["bwd_rsum"] == "1"
+    wy_ws = base and var["bwd_wy_ws"] == "1" and h_v > h_qk
+    return dq_ws, wy_ws
+
+
 def check_heads(h_qk: int, h_v: int) -> int:
     """Return the GVA group size G = h_v / h_qk, or raise with what is allowed."""
     if h_qk <= 0 or h_v <= 0 or h_v % h_qk != 0:

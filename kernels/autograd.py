@@ -31,6 +31,7 @@ import torch
 from ._common import (
     CHUNK,
     HEAD_DIM,
+    bwd_ws_forms,
     check_seqlens,
     chunk_table,
     default_cu_seqlens,
@@ -265,7 +266,8 @@ def chunk_gdn_bwd(
             main.wait_stream(side)
     nthr = int(var["bwd_threads"])
     grp = var["bwd_grp"] == "1"  # dq, dk summed over each GVA group inside the kernels
-    if grp and var["bwd_dqkwg_ws"] == "1" and var["bwd_rsum"] == "1" and var["bwd_bf16"] == "1":  # persistent, w-s
+    dq_ws, wy_ws = bwd_ws_forms(var, h_qk, h_v)  # the persistent warp-specialised forms
+    if dq_ws:
         dq_v, dk_v, dw, dg_part = run_bwd_dqkwg_ws(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target)
     else:
         dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(
@@ -273,9 +275,7 @@ def chunk_gdn_bwd(
             rsum=var["bwd_rsum"] == "1", bf16_out=var["bwd_bf16"] == "1", grp=grp,
         )  # fmt: skip
     dk_part = dk_v.clone() if return_intermediates else None
-    # the persistent warp-specialised wy needs G >= 2 (its store warp's per-item dk hand-off can be
-    # lapped when every tile is an item: see bwd_wy_ws.py); G = 1 runs the group form
-    if grp and var["bwd_wy_ws"] == "1" and dk_v.dtype == torch.bfloat16 and h_v > h_qk:
+    if wy_ws:
         dk_v, dv, dg, dbeta = run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)
     else:
         dk_v, dv, dg, dbeta = run_bwd_wy(

@@ -109,7 +109,7 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
     """[(name, getter, args, kwargs)] of the backward kernels one variant spec runs for (h_qk, h_v):
     flags = (has_h0, has_dht) pairs; ``split`` adds the split chains' kernels (seg_state, fixup,
     bwd_dhu's two split passes, the reverse fix-up). The forward's are :func:`variant_kernels`."""
-    from ._common import parse_variant, variant_name
+    from ._common import bwd_ws_forms, parse_variant, variant_name
     from .bwd_dhu import get_bwd_dhu_kernel
     from .bwd_dqkwg import get_bwd_dqkwg_kernel
     from .bwd_h import get_bwd_h_kernel
@@ -165,13 +165,14 @@ def bwd_variant_kernels(h_qk: int, h_v: int, spec, flags=((1, 1),), bvs=(32,), s
         from .bwd_pw import get_bwd_pw_kernel
 
         out.append(("bwd_pw", get_bwd_pw_kernel, (h_qk, h_v), {}))
-    if var["bwd_dqkwg_ws"] == "1" and gkw and var["bwd_rsum"] == "1" and var["bwd_bf16"] == "1":
+    dq_ws, wy_ws = bwd_ws_forms(var, h_qk, h_v)  # what chunk_gdn_bwd runs
+    if dq_ws:
         from .bwd_dqkwg_ws import get_bwd_dqkwg_ws_kernel
 
         out.append(("bwd_dqkwg_ws", get_bwd_dqkwg_ws_kernel, (h_qk, h_v), {}))
     else:
         out.append((f"bwd_dqkwg[threads={thr}|{tag}]", get_bwd_dqkwg_kernel, (h_qk, h_v), dkw))
-    if var["bwd_wy_ws"] == "1" and gkw and var["bwd_bf16"] == "1" and h_v > h_qk:  # what chunk_gdn_bwd runs then
+    if wy_ws:
         from .bwd_wy_ws import get_bwd_wy_ws_kernel
 
         out.append(("bwd_wy_ws", get_bwd_wy_ws_kernel, (h_qk, h_v), {}))

@@ -222,12 +222,11 @@ def stage_times_ms(x, r, g, block_v=64, reps=10):
                       x["q"].device)  # fmt: skip
     nthr = int(var["bwd_threads"])
     dk_tmp = g["dk_v"].clone()
-    wy_ws = (var["bwd_wy_ws"] == "1" and var["bwd_grp"] == "1" and dk_tmp.dtype == torch.bfloat16
-             and x["v"].shape[2] > x["q"].shape[2])  # as chunk_gdn_bwd: G = 1 runs the group wy
+    from qlabench_kernels._common import bwd_ws_forms
     from qlabench_kernels.bwd_dqkwg_ws import run_bwd_dqkwg_ws
     from qlabench_kernels.bwd_wy_ws import run_bwd_wy_ws
 
-    dq_ws = var["bwd_dqkwg_ws"] == "1" and var["bwd_grp"] == "1" and var["bwd_rsum"] == "1" and var["bwd_bf16"] == "1"
+    dq_ws, wy_ws = bwd_ws_forms(var, x["q"].shape[2], x["v"].shape[2])  # as chunk_gdn_bwd
     if g["split_tokens"]:
         e_end = torch.empty_like(g["h_start"])
         m_tr = torch.empty_like(g["h_start"], dtype=torch.bfloat16)
