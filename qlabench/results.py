@@ -44,7 +44,8 @@ SCHEMA = pa.schema(
         ("num_seqs", _i), ("dtype", _s), ("gate_recipe", _s), ("gate_zero_frac", _f),
         ("initial_state", _b), ("output_final_state", _b),
         ("direction", _s), ("backend", _s), ("backend_version", _s),
-        ("gpu_name", _s), ("gpu_index", _i), ("started_at", _s),
+        ("gpu_name", _s), ("gpu_index", _i), ("gpu_uuid", _s), ("campaign_id", _s),
+        ("started_at", _s),
         # outcome
         ("status", _s), ("reason", _s),
         # timing
@@ -56,7 +57,11 @@ SCHEMA = pa.schema(
         # correctness (per output)
         *[(f"rel_l2_{o}", _f) for o in OUTPUTS],
         *[(f"max_abs_{o}", _f) for o in OUTPUTS],
+        # worst sequence x head (final_state, dh0) or 1024-token block x head (the others)
+        *[(f"local_rel_l2_{o}", _f) for o in OUTPUTS],
         ("max_rel_l2", _f), ("worst_block_rel_l2", _f),
+        # the timed path's own outputs (one graph replay, outputs poisoned first) vs the reference
+        ("graph_max_rel_l2", _f),
         # derived
         ("flops", _f), ("min_bytes", _f), ("intensity_flop_per_byte", _f), ("roofline_ms", _f),
         ("tflops", _f), ("gbps", _f), ("pct_roofline", _f),
