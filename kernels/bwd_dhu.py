@@ -1,26 +1,45 @@
-"""Backward kernel 2: the reverse state-gradient recurrence, fused with dv_local (FLA's
-``chunk_bwd_dv_local`` + ``chunk_gated_delta_rule_bwd_dhu``).
+"""Backward kernel 2, warp-specialised (variant ``bwd_dhu_ws=1``): the outputs of bwd_dhu.py (dh per
+chunk, dv_new, dh0 / the split passes' F) with the dH-independent work taken off the chain.
 
-One CTA (128 threads; 256 with ``stages=2``) per (V block of ``block_v`` columns, segment, v-head);
-segments are one per sequence (unsplit table) or cut by ``split`` (below). dH [128, block_v] (the
-gradient of the state at the END of the current chunk) stays in fp32 registers, starting from
-d(final state) (or 0); chunks in reverse:
+With Pᵀ = scale Γᵀ ⊙ K Qᵀ (i ≥ j, i < ln), el = mask·e^{g_l − g}, eg = mask·e^g:
 
-    dh[slot] = bf16(dH)
-    Pᵀ       = scale · Γᵀ ⊙ K Qᵀ    (i ≥ j, i.e. upper incl. diagonal in [j, i])      wgmma
-    dv_new   = Pᵀ dO + e^{g_l − g} ⊙ (K dH)                                        wgmma ×2
-    Y        = A_βᵀ dv_new                                                          wgmma
-    dH      ← e^{g_l} dH + Qᵀ (scale e^g ⊙ dO) − Kᵀ (e^g ⊙ Y)                    wgmma M = 128
-    dh0      = dH after the first chunk (when ``has_dh0``)
+    Y  = A_βᵀ dv_new = Y₀ + W' dH,   Y₀ = A_βᵀ bf16(Pᵀ dO),   W' = bf16(A_βᵀ bf16(el ⊙ K))
+    dH ← e^{g_l} dH + Qᵀ bf16(scale eg ⊙ dO) + Kᵀ bf16(−eg ⊙ Y)
+    dv_new = Pᵀ dO + el ⊙ (K dH)                          (an output only, after the hand-off)
 
-Loads of q, k, dO are masked to 0 past the chunk's valid rows (``stages=0``; with ``stages=2`` they
-are unmasked TMA loads and the element passes mask instead), so padded rows contribute
-nothing and dv_new rows past the end are 0.
+(``emulate_bwd.emu_bwd_dhu(uw=True)``: gradients within bf16 noise of bwd_dhu's algebra.)
 
-Inputs:  q, k [1,T,Hqk,128] bf16, gcs, a_beta (forward prep), do [1,T,Hv,128] bf16,
-         dht [N,Hv,128,128] fp32 (read when ``has_dht``), stab int32 [NS,8], scale.
-Outputs: dh_all [Hv, NCS, 128, 128] bf16, dvnew [Hv, NCS*64, 128] bf16,
-         dh0 [N, Hv, 128, 128] fp32 (written when ``has_dh0``; row = sequence).
+Pᵀ and W' are the same for every V block, so bwd_pw.py computes them once per (chunk, v-head), in
+parallel, before this kernel; its producer loads them with q, k, dO, A_β and g.
+
+One CTA of 512 threads = 4 warpgroups per (V block of 32 columns, segment, v-head):
+
+    WG0 (tx   0..127)  owns dH [128, 32] in fp32 registers: publish bf16 dH to dh_sh[j]; dH *= e^{g_l};
+                       += Qᵀ qdo (once built); wait ky; += Kᵀ ky
+    WG1 (tx 128..255)  the chain step: Y = Y₀ + W' dH → ky (hand back); then K dH and dv_new (to
+                       dvn_sh[j] for the store warp)
+    WG2 (tx 256..383)  builder, up to a stage ahead: qdo, Pᵀ dO (fp32 for dv_new), Y₀ = A_βᵀ bf16(Pᵀ dO)
+    WG3 (tx 384..511)  warp 12 TMA-loads the next chunk (reverse order); warp 13 TMA-stores each
+                       published dH as dh, warp 14 each dv_new (stores off the chain: 1.33 → 1.11 ms
+                       on 16/32 1×32768 for the dH store alone)
+
+Measured on the H200 (16/32 1×32768, kernel alone): bwd_dhu 2.02 ms (3.9 µs per chunk step); a
+first version with three warpgroups that built Pᵀ and W' in the chain's warpgroup 2.44 ms; four
+warpgroups with the builder doing Pᵀ and W' 2.71 ms (ablations: Pᵀ 1.9 µs and W' 0.9 µs per step);
+with bwd_pw (0.41 ms) 1.33 ms (2.6 µs per step), 1.11 ms with the dH store warp.
+
+mbarriers (r = step in reverse order, j = r % 2, n = r // 2): full[j] (count 32 + tx bytes),
+built[j] (count 128, WG2 → WG0 and WG1, parity n % 2), empty[j] (count 384: WG0, WG1, WG2 after
+their last read of stage j, which includes everything the builder wrote for it), dh_ready[j]
+(count 128, WG0 → WG1 and the dh store warp, parity n % 2), ky_ready (count 128, WG1 → WG0, parity
+r % 2), dh_stored[j] / dvn_stored[j] (count 32, store warp → WG0 / WG1 once its TMA store has read
+the buffer; waited with parity (n + 1) % 2 before rewriting it), dvn_ready[j] (count 128, WG1 → dv
+store warp). The builder rewrites stage j (step r + 2) only after full[j](r + 2), i.e. after
+empty[j](r). dh_sh[j] is rewritten by WG0 (step r + 2) only after ky_ready(r + 1), which WG1
+arrives after all of step r (its K dH read of dh_sh[j] included), and after dh_stored[j](r); ky_sh
+(single) is written by WG1 after dh_ready(r), which WG0 arrives after its gemms of step r − 1.
+
+Split modes and inputs / outputs as bwd_dhu.run_bwd_dhu (split "", "seg", "carry").
 """
 
 import functools
@@ -29,88 +48,34 @@ import json
 import torch
 
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+from .bwd_dhu import dh_io_macros
+
+#: setmaxnreg budgets of WG0 (dH owner), WG1 (the chain's Y, dv_new), WG2 (builder: P, qdo, Y₀, W'),
+#: WG3 (producer); 512 threads, so they may sum to 512.
+NREG = (168, 152, 152, 40)
+#: what each thread starts with (65536 / 512): setmaxnreg.inc above it, .dec below (a .dec to a larger
+#: count is an illegal instruction on the GPU, which the offline compile does not catch)
+NREG_LAUNCH = 65536 // 512
+assert sum(NREG) * 128 <= 65536 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 
 
-def dh_io_macros(split: str, has_dht: bool, has_dh0: bool, D: int, BV: int):
-    """The start and the end of one (V block, segment, v-head) walk of the reverse chain, shared by
-    bwd_dhu and bwd_dhu_ws: ``dh_start`` loads dH at the segment's end (d(final state), the
-    reverse fix-up's d_end, or 0, by ``split`` and ``has_dht``); ``dh_end`` writes dH at its start
-    (dh0 by sequence, or F by segment in pass 1). ``is_last`` / ``is_first`` come from the split
-    table; unsplit programs pass 0 (not read). The parameter names match the callers' variables,
-    which keeps the generated CUDA the same as with the code written inline."""
+def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 32, split: str = ""):
     import tilelang.language as T
 
-    @T.macro
-    def dh_start(dh_frag, dht, s, seq, hv, v0, is_last):
-        if split == "carry":
-            T.copy(dht[s, hv, 0:D, v0 : v0 + BV], dh_frag)
-        elif split == "seg" and has_dht:
-            if seq >= 0 and is_last == 1:
-                T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
-            else:
-                T.clear(dh_frag)
-        elif has_dht:
-            if seq >= 0:
-                T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
-            else:
-                T.clear(dh_frag)
-        else:
-            T.clear(dh_frag)
-
-    @T.macro
-    def dh_end(dh_frag, dh0, s, seq, hv, v0, is_first):
-        if split == "seg":
-            if seq >= 0 and is_first == 0:
-                T.copy(dh_frag, dh0[s, hv, 0:D, v0 : v0 + BV])
-        elif split == "carry" and has_dh0:
-            if seq >= 0 and is_first == 1:
-                T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
-        elif has_dh0:
-            if seq >= 0:
-                T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
-
-    return dh_start, dh_end
-
-
-def bwd_dhu_program(
-    h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, rowexp: bool = False, split: str = "",
-    stages: int = 0,
-):
-    """rowexp (variant ``rowexp=1``): mask·e^{g_l − g} and e^g once per row into row fragments and
-    e^{g_l} once per chunk, instead of one exp (and g load) per element of the dv, qdo / ky and
-    dH-decay passes (compiled with fast math).
-
-    split (sequences cut into segments, ``stab`` from a split segment table; the adjoint of the
-    forward's seg_state / fixup):
-      "seg"   pass 1: every segment but the first of its sequence walks its chunks from
-              dH_end = d(final state) (the last segment, when ``has_dht``) or 0 and writes the
-              gradient reaching its start, F_s, to ``dh0[s]`` (row = segment); nothing else stored.
-      "carry" pass 2: every segment starts from ``dht[s]`` (row = segment: the true dH at its end,
-              from the reverse fix-up) and stores dh / dv_new; the first segment of each sequence
-              writes dh0[seq] when ``has_dh0``.
-    stages (variant ``bwd_stages=2``, needs rowexp): the chunk loop is ``T.Pipelined`` — q, k, dO,
-      A_β and g of the next chunk arrive by TMA (TileLang's producer warpgroup) while this one is
-      computed. Those loads are unmasked (rows past the sequence are finite: the next sequence's,
-      or TMA's zero fill past T), so the masks move into the per-element passes: Pᵀ keeps i < ln,
-      e^g is 0 on rows past the end (q·dO and K·Y terms), mask·e^{g_l − g} as before.
-    """
     assert split in ("", "seg", "carry")
-    assert stages in (0, 2) and (rowexp or not stages)
-    import tilelang.language as T
-
     dh_start, dh_end = dh_io_macros(split, has_dht, has_dh0, HEAD_DIM, block_v)
-
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, block_v
-    assert D % BV == 0
+    assert BV == 32, "bwd_dhu_ws: block_v 32 only (shared memory)"
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
     ND = T.dynamic("ND")
     N0 = T.dynamic("N0")
+    R0, R1, R2, RP = NREG
 
     @T.prim_func
-    def gdn_bwd_dhu(
+    def gdn_bwd_dhu_ws(
         q: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
         k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
         gcs: T.Tensor((h_v, NCS * C), "float32"),
@@ -122,34 +87,46 @@ def bwd_dhu_program(
         dh_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
         dvnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
         dh0: T.Tensor((N0, h_v, D, D), "float32"),
+        pt: T.Tensor((h_v, NCS * C, C), "bfloat16"),
+        w: T.Tensor((h_v, NCS * C, D), "bfloat16"),
     ):
-        with T.Kernel(D // BV, NS * h_v, threads=128) as (bv, sh):
+        with T.Kernel(D // BV, NS * h_v, threads=512) as (bv, sh):
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
             v0 = bv * BV
 
-            q_sh = T.alloc_shared((C, D), "bfloat16")
-            k_sh = T.alloc_shared((C, D), "bfloat16")
-            do_sh = T.alloc_shared((C, BV), "bfloat16")
-            a_sh = T.alloc_shared((C, C), "bfloat16")
-            dh_sh = T.alloc_shared((D, BV), "bfloat16")
-            pt_sh = T.alloc_shared((C, C), "bfloat16")
-            dv_sh = T.alloc_shared((C, BV), "bfloat16")
-            qdo_sh = T.alloc_shared((C, BV), "bfloat16")
+            # stage j (two): the producer's loads, and what the builder hands on for that chunk
+            q_sh = T.alloc_shared((2, C, D), "bfloat16")
+            k_sh = T.alloc_shared((2, C, D), "bfloat16")
+            do_sh = T.alloc_shared((2, C, BV), "bfloat16")
+            a_sh = T.alloc_shared((2, C, C), "bfloat16")
+            g_sh = T.alloc_shared((2, C), "float32")
+            pt_sh = T.alloc_shared((2, C, C), "bfloat16")
+            w_sh = T.alloc_shared((2, C, D), "bfloat16")
+            qdo_sh = T.alloc_shared((2, C, BV), "bfloat16")
+            y0_sh = T.alloc_shared((2, C, BV), "float32")
+            pdo_sh = T.alloc_shared((2, C, BV), "float32")
+            dh_sh = T.alloc_shared((2, D, BV), "bfloat16")
             ky_sh = T.alloc_shared((C, BV), "bfloat16")
-            g_sh = T.alloc_shared((C,), "float32")
+            dvn_sh = T.alloc_shared((2, C, BV), "bfloat16")  # dv_new on its way out
+            pdob_sh = T.alloc_shared((C, BV), "bfloat16")  # the builder's own
 
             dh_frag = T.alloc_fragment((D, BV), "float32")
-            kq_frag = T.alloc_fragment((C, C), "float32")
-            dv_frag = T.alloc_fragment((C, BV), "float32")
-            kdh_frag = T.alloc_fragment((C, BV), "float32")
             y_frag = T.alloc_fragment((C, BV), "float32")
-            glast = T.alloc_var("float32")
-            if rowexp:
-                el = T.alloc_fragment((C,), "float32")
-                eg = T.alloc_fragment((C,), "float32")
-                egl = T.alloc_var("float32")
+            kdh_frag = T.alloc_fragment((C, BV), "float32")
+            pdo_frag = T.alloc_fragment((C, BV), "float32")
+            y0_frag = T.alloc_fragment((C, BV), "float32")
+            egl = T.alloc_var("float32")
+
+            full = T.alloc_barrier([32, 32])
+            empty = T.alloc_barrier([384, 384])
+            built = T.alloc_barrier([128, 128])
+            dh_ready = T.alloc_barrier([128, 128])
+            ky_ready = T.alloc_barrier(128)
+            dh_stored = T.alloc_barrier([32, 32])
+            dvn_ready = T.alloc_barrier([128, 128])
+            dvn_stored = T.alloc_barrier([32, 32])
 
             bos = stab[s, 0]
             eos = stab[s, 1]
@@ -157,137 +134,158 @@ def bwd_dhu_program(
             cslot = stab[s, 3]
             if split:
                 is_last = stab[s, 5]
-                # first segment of its sequence (segments of a sequence are consecutive rows)
                 is_first = T.if_then_else(s == 0, 1, T.if_then_else(stab[T.max(s - 1, 0), 2] != seq, 1, 0))
             if split == "seg":
                 nchunks = T.if_then_else(seq >= 0 and is_first == 0, T.ceildiv(eos - bos, C), 0)
             else:
                 nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
 
-            if split:
-                dh_start(dh_frag, dht, s, seq, hv, v0, is_last)
-            else:
-                dh_start(dh_frag, dht, s, seq, hv, v0, 0)
+            tx = T.get_thread_binding()
 
-            for cr in T.Pipelined(nchunks, num_stages=stages) if stages else T.serial(nchunks):
-                ci = nchunks - 1 - cr
-                t0 = bos + ci * C
-                ln = T.min(eos - t0, C)
-                r0 = (cslot + ci) * C
-                if stages:
-                    T.copy(q[0, t0 : t0 + C, hk, 0:D], q_sh)
-                    T.copy(k[0, t0 : t0 + C, hk, 0:D], k_sh)
-                    T.copy(do[0, t0 : t0 + C, hv, v0 : v0 + BV], do_sh)
+            if tx < 128:
+                # ---------------- WG0: dH owner ----------------
+                T.set_max_nreg(R0, int(R0 > NREG_LAUNCH))
+                if split:
+                    dh_start(dh_frag, dht, s, seq, hv, v0, is_last)
                 else:
-                    for i, j in T.Parallel(C, D):
-                        q_sh[i, j] = T.if_then_else(i < ln, q[0, t0 + i, hk, j], T.bfloat16(0))
-                        k_sh[i, j] = T.if_then_else(i < ln, k[0, t0 + i, hk, j], T.bfloat16(0))
-                    for i, j in T.Parallel(C, BV):
-                        do_sh[i, j] = T.if_then_else(i < ln, do[0, t0 + i, hv, v0 + j], T.bfloat16(0))
-                T.copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh)
-                T.copy(gcs[hv, r0 : r0 + C], g_sh)
-                T.copy(dh_frag, dh_sh)
-                if split != "seg":
-                    T.copy(dh_sh, dh_all[hv, cslot + ci, 0:D, v0 : v0 + BV])
-                glast = g_sh[ln - 1]
-
-                # Pᵀ[j, i] = scale e^{g_i − g_j} k_j·q_i for i >= j
-                T.gemm(k_sh, q_sh, kq_frag, transpose_B=True, clear_accum=True)
-                if stages:
-                    for j, i in T.Parallel(C, C):
-                        pt_sh[j, i] = T.cast(
-                            T.if_then_else(
-                                i >= j and i < ln, scale * T.exp(g_sh[i] - g_sh[j]) * kq_frag[j, i], T.float32(0)
-                            ),
+                    dh_start(dh_frag, dht, s, seq, hv, v0, 0)
+                for cr in T.serial(nchunks):
+                    j = cr % 2
+                    ph = (cr // 2) % 2
+                    ci = nchunks - 1 - cr
+                    ln = T.min(eos - (bos + ci * C), C)
+                    if split != "seg":  # the storer warp has written dh_sh[j] (step r - 2) out
+                        T.barrier_wait(dh_stored[j], 1 - ph)
+                    T.copy(dh_frag, dh_sh[j, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dh_ready[j])
+                    T.barrier_wait(full[j], ph)
+                    egl = T.exp(g_sh[j, ln - 1])
+                    for i, jj in T.Parallel(D, BV):
+                        dh_frag[i, jj] = dh_frag[i, jj] * egl
+                    T.barrier_wait(built[j], ph)  # qdo of this chunk
+                    T.gemm(q_sh[j, :, :], qdo_sh[j, :, :], dh_frag, transpose_A=True)
+                    T.barrier_wait(ky_ready[0], cr % 2)
+                    T.gemm(k_sh[j, :, :], ky_sh, dh_frag, transpose_A=True)
+                    T.barrier_arrive(empty[j])
+                if split:
+                    dh_end(dh_frag, dh0, s, seq, hv, v0, is_first)
+                else:
+                    dh_end(dh_frag, dh0, s, seq, hv, v0, 0)
+            elif tx < 256:
+                # ---------------- WG1: the chain's Y = Y₀ + W' dH → ky; then dv_new ----------------
+                T.set_max_nreg(R1, int(R1 > NREG_LAUNCH))
+                for cr in T.serial(nchunks):
+                    j = cr % 2
+                    ph = (cr // 2) % 2
+                    ci = nchunks - 1 - cr
+                    ln = T.min(eos - (bos + ci * C), C)
+                    T.barrier_wait(built[j], ph)
+                    T.copy(y0_sh[j, :, :], y_frag)
+                    T.barrier_wait(dh_ready[j], ph)
+                    T.gemm(w_sh[j, :, :], dh_sh[j, :, :], y_frag)
+                    for i, jj in T.Parallel(C, BV):
+                        ky_sh[i, jj] = T.cast(
+                            T.if_then_else(i < ln, -T.exp(g_sh[j, i]), T.float32(0)) * y_frag[i, jj], "bfloat16"
+                        )
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ky_ready[0])
+                    # off the chain: dv_new = Pᵀ dO + el ⊙ (K dH), formed in registers, then staged
+                    # (one copy: no named barriers inside the element pass); pass 1 ("seg") has none
+                    if split != "seg":
+                        T.gemm(k_sh[j, :, :], dh_sh[j, :, :], kdh_frag, clear_accum=True)
+                        for i, jj in T.Parallel(C, BV):
+                            kdh_frag[i, jj] = pdo_sh[j, i, jj] + T.if_then_else(
+                                i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]), T.float32(0)
+                            ) * kdh_frag[i, jj]
+                        T.barrier_wait(dvn_stored[j], 1 - ph)
+                        T.copy(kdh_frag, dvn_sh[j, :, :])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dvn_ready[j])
+                    T.barrier_arrive(empty[j])
+            elif tx < 384:
+                # ---------------- WG2: builder (everything without dH), a stage ahead ----------------
+                T.set_max_nreg(R2, int(R2 > NREG_LAUNCH))
+                for cr in T.serial(nchunks):
+                    j = cr % 2
+                    ph = (cr // 2) % 2
+                    ci = nchunks - 1 - cr
+                    ln = T.min(eos - (bos + ci * C), C)
+                    T.barrier_wait(full[j], ph)
+                    for i, jj in T.Parallel(C, BV):
+                        qdo_sh[j, i, jj] = T.cast(
+                            T.if_then_else(i < ln, scale * T.exp(g_sh[j, i]), T.float32(0))
+                            * T.cast(do_sh[j, i, jj], "float32"),
                             "bfloat16",
                         )
-                else:
-                    for j, i in T.Parallel(C, C):
-                        pt_sh[j, i] = T.cast(
-                            T.if_then_else(i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * kq_frag[j, i], T.float32(0)),
-                            "bfloat16",
-                        )
-                T.gemm(k_sh, dh_sh, kdh_frag, clear_accum=True)
-                T.gemm(pt_sh, do_sh, dv_frag, clear_accum=True)
-                if rowexp:
-                    egl = T.exp(glast)
-                    for i in T.Parallel(C):
-                        el[i] = T.if_then_else(i < ln, T.exp(glast - g_sh[i]), T.float32(0))
-                    if stages:
-                        for i in T.Parallel(C):
-                            eg[i] = T.if_then_else(i < ln, T.exp(g_sh[i]), T.float32(0))
-                    else:
-                        for i in T.Parallel(C):
-                            eg[i] = T.exp(g_sh[i])
-                    for i, j in T.Parallel(C, BV):
-                        dv_frag[i, j] = dv_frag[i, j] + el[i] * kdh_frag[i, j]
-                else:
-                    for i, j in T.Parallel(C, BV):
-                        dv_frag[i, j] = dv_frag[i, j] + T.if_then_else(
-                            i < ln, T.exp(glast - g_sh[i]) * kdh_frag[i, j], T.float32(0)
-                        )
-                T.copy(dv_frag, dv_sh)
-                if split != "seg":
-                    T.copy(dv_sh, dvnew[hv, r0 : r0 + C, v0 : v0 + BV])
-
-                T.gemm(a_sh, dv_sh, y_frag, transpose_A=True, clear_accum=True)
-                if rowexp:
-                    for i, j in T.Parallel(C, BV):
-                        qdo_sh[i, j] = T.cast(scale * eg[i] * T.cast(do_sh[i, j], "float32"), "bfloat16")
-                        ky_sh[i, j] = T.cast(-eg[i] * y_frag[i, j], "bfloat16")
-                    for i, j in T.Parallel(D, BV):
-                        dh_frag[i, j] = dh_frag[i, j] * egl
-                else:
-                    for i, j in T.Parallel(C, BV):
-                        qdo_sh[i, j] = T.cast(scale * T.exp(g_sh[i]) * T.cast(do_sh[i, j], "float32"), "bfloat16")
-                        ky_sh[i, j] = T.cast(-T.exp(g_sh[i]) * y_frag[i, j], "bfloat16")
-                    for i, j in T.Parallel(D, BV):
-                        dh_frag[i, j] = dh_frag[i, j] * T.exp(glast)
-                T.gemm(q_sh, qdo_sh, dh_frag, transpose_A=True)
-                T.gemm(k_sh, ky_sh, dh_frag, transpose_A=True)
-
-            if split:
-                dh_end(dh_frag, dh0, s, seq, hv, v0, is_first)
+                    T.gemm(pt_sh[j, :, :], do_sh[j, :, :], pdo_frag, clear_accum=True)
+                    T.copy(pdo_frag, pdob_sh)
+                    T.copy(pdo_frag, pdo_sh[j, :, :])
+                    T.fence_proxy_async()
+                    T.gemm(a_sh[j, :, :], pdob_sh, y0_frag, transpose_A=True, clear_accum=True)
+                    T.copy(y0_frag, y0_sh[j, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(built[j])
+                    T.barrier_arrive(empty[j])
             else:
-                dh_end(dh_frag, dh0, s, seq, hv, v0, 0)
+                # ---------------- WG3: producer (warp 12) ----------------
+                T.set_max_nreg(RP, int(RP > NREG_LAUNCH))
+                if tx < 416:
+                    for cr in T.serial(nchunks):
+                        j = cr % 2
+                        ph = (cr // 2) % 2
+                        ci = nchunks - 1 - cr
+                        t0 = bos + ci * C
+                        r0 = (cslot + ci) * C
+                        T.barrier_wait(empty[j], 1 - ph)
+                        T.tma_copy(q[0, t0 : t0 + C, hk, 0:D], q_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(do[0, t0 : t0 + C, hv, v0 : v0 + BV], do_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(gcs[hv, r0 : r0 + C], g_sh[j, :], barrier=full[j])
+                        T.tma_copy(pt[hv, r0 : r0 + C, 0:C], pt_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(w[hv, r0 : r0 + C, 0:D], w_sh[j, :, :], barrier=full[j])
+                        T.barrier_arrive(full[j])
+                elif tx < 448:  # warp 13: TMA-stores each published dH as dh (off WG0's path)
+                    if split != "seg":
+                        for cr in T.serial(nchunks):
+                            j = cr % 2
+                            ph = (cr // 2) % 2
+                            ci = nchunks - 1 - cr
+                            T.barrier_wait(dh_ready[j], ph)
+                            T.copy(dh_sh[j, :, :], dh_all[hv, cslot + ci, 0:D, v0 : v0 + BV])
+                            T.barrier_arrive(dh_stored[j])
+                elif tx < 480:  # warp 14: TMA-stores dv_new
+                    if split != "seg":
+                        for cr in T.serial(nchunks):
+                            j = cr % 2
+                            ph = (cr // 2) % 2
+                            ci = nchunks - 1 - cr
+                            r0 = (cslot + ci) * C
+                            T.barrier_wait(dvn_ready[j], ph)
+                            T.copy(dvn_sh[j, :, :], dvnew[hv, r0 : r0 + C, v0 : v0 + BV])
+                            T.barrier_arrive(dvn_stored[j])
 
-    return gdn_bwd_dhu
+    return gdn_bwd_dhu_ws
 
 
 @functools.cache
-def get_bwd_dhu_kernel(
-    h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 64, target_k=None, rowexp: bool = False,
-    split: str = "", stages: int = 0,
+def get_bwd_dhu_ws_kernel(
+    h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 32, target_k=None, split: str = ""
 ):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    if stages:
-        return compile_program(
-            bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v, rowexp, split, stages), target=target,
-            pass_configs={"tl.enable_fast_math": True},
-        )  # fmt: skip
-    if split:
-        return compile_program(
-            bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v, rowexp, split), target=target,
-            pass_configs={"tl.enable_fast_math": True} if rowexp else None,
-        )  # fmt: skip
-    if rowexp:
-        return compile_program(
-            bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v, True), target=target,
-            pass_configs={"tl.enable_fast_math": True},
-        )  # fmt: skip
-    return compile_program(bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, block_v), target=target)
+    return compile_program(
+        bwd_dhu_ws_program(h_qk, h_v, has_dht, has_dh0, block_v, split), target=target,
+        pass_configs={"tl.enable_fast_math": True},
+    )  # fmt: skip
 
 
-def run_bwd_dhu(
-    q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=64, target=None, rowexp=False,
-    split="", stages=0,
-):
-    """Launch the reverse recurrence. dht: [N,Hv,128,128] fp32 or None; dh0: preallocated
-    [N,Hv,128,128] fp32 to fill, or None. Returns dh_all, dvnew, dh0.
-
-    split="seg" (pass 1 over a split ``stab``): dh0 = F [NS,Hv,128,128] fp32 to fill (row =
-    segment), dh_all / dvnew are not written. split="carry" (pass 2): dht = d_end [NS,Hv,128,128]
-    fp32 (row = segment, from ``fixup.run_rfixup``), dh0 as unsplit (row = sequence) or None."""
+def run_bwd_dhu_ws(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=32, target=None,
+                   split="", pt=None, w=None):  # fmt: skip
+    """Same call and outputs as ``bwd_dhu.run_bwd_dhu`` (block_v 32 only); pt and w are bwd_pw's
+    outputs (``chunk_gdn_bwd`` computes them once for both split passes)."""
+    if pt is None or w is None:
+        raise ValueError("run_bwd_dhu_ws needs bwd_pw's pt and w (kernels.bwd_pw.run_bwd_pw)")
     h_qk, h_v = q.shape[2], do.shape[2]
     ncs = gcs.shape[1] // CHUNK
     dev = q.device
@@ -296,18 +294,10 @@ def run_bwd_dhu(
     if dvnew is None:
         dvnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     has_dht, has_dh0 = dht is not None, dh0 is not None
-    if split == "seg" and not has_dh0:
-        raise ValueError("run_bwd_dhu(split='seg') needs dh0: the [NS, Hv, 128, 128] fp32 buffer of F")
-    if split == "carry" and not has_dht:
-        raise ValueError("run_bwd_dhu(split='carry') needs dht: the [NS, Hv, 128, 128] fp32 segment-end gradients")
-    kw = {"rowexp": True} if rowexp else {}
-    if split:
-        kw["split"] = split
-    if stages:
-        kw["stages"] = stages
-    kern = get_bwd_dhu_kernel(h_qk, h_v, has_dht, has_dh0, block_v, target_key(target), **kw)
+    kern = get_bwd_dhu_ws_kernel(h_qk, h_v, has_dht, has_dh0, block_v, target_key(target), split=split)
     dummy = None
     if not (has_dht and has_dh0):
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
-    kern(q, k, gcs, a_beta, do, dht if has_dht else dummy, stab, float(scale), dh_all, dvnew, dh0 if has_dh0 else dummy)
+    kern(q, k, gcs, a_beta, do, dht if has_dht else dummy, stab, float(scale), dh_all, dvnew, dh0 if has_dh0 else dummy,
+         pt, w)  # fmt: skip
     return dh_all, dvnew, dh0

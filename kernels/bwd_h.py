@@ -1,21 +1,31 @@
-"""Backward kernel 1: recompute the per-chunk states h and v_new (FLA's ``chunk_fwd_h``).
+"""Backward kernel 1, warp-specialised (variant ``bwd_ws=1``): the same outputs as bwd_h.py
+(h at every chunk start, v_new) from the forward's warp-specialised chain (fwd_o_ws.py) without
+its output warpgroup.
 
-One CTA (128 threads, one warpgroup) per (V block of ``block_v`` columns, segment, v-head),
-the segments of ``_common.segment_table`` (unsplit: one segment per sequence). It walks the
-segment's chunks in order with the state block S [128, block_v] in fp32 registers, the same
-algebra as the forward's fwd_o (g = chunk-local cumsum, g_l = its last valid value):
+One CTA of 384 threads = 3 warpgroups per (V block of ``block_v`` columns, segment, v-head):
 
-    h[slot]  = bf16(S)                               (state at the chunk START)
-    U  = K S;  W = V − e^g ⊙ U;  Vd = A_β W           wgmma
-    v_new[slot rows] = bf16(Vd)
-    S ← e^{g_l} S + Kᵀ (e^{g_l − g} ⊙ Vd)   (rows past the sequence end masked)
+    WG0 (tx   0..127)  owns S [128, bv] in fp32 registers: publish bf16 S to s_sh[c%2]; store it
+                       as h[slot] (global, from registers, while WG1 works); S *= e^{g_last};
+                       wait V'; S += Kᵀ V' (wgmma M = 128)
+    WG1 (tx 128..255)  per-row e^g, mask·e^{g_last − g} (row fragments, before the S hand-off);
+                       U = K S; W = V − e^g ⊙ U (w_sh); Vd = A_β W; V' → vp_sh; then v_new = bf16(Vd)
+                       (global, after the hand-off)
+    WG2 (tx 256..383)  producer: warp 8 waits, one elected lane issues the TMA loads of K, V, A_β, g
+                       of chunk c into stage c%2; warps 9-11 exit
 
-Loads of k and v are masked to 0 past the chunk's valid rows.
+mbarriers (c = chunk, j = c % 2, n = c // 2): full[j] (count 32 + tx bytes; consumers wait parity
+n%2), empty[j] (count 256: WG0 + WG1 after their last read of stage j; producer waits parity
+(n+1)%2), s_ready[j] (count 128, WG0 -> WG1, parity n%2), vp_ready (count 128, WG1 -> WG0, parity
+c%2). No s_free: WG0 rewrites s_sh[j] (chunk c+2) only after vp_ready(c+1), which WG1 arrives after
+its K S of chunk c+1, itself after its K S of chunk c read s_sh[j]. vp_sh (single buffer) is
+rewritten by WG1 only after s_ready(c+1), which WG0 arrives after its synchronous Kᵀ V' gemm of
+chunk c read it (the forward's argument).
 
-Inputs:  k [1,T,Hqk,128] bf16, v [1,T,Hv,128] bf16, gcs [Hv,NCS*64] fp32, a_beta [Hv,NCS*64,64]
-         bf16 (the forward's prep), stab int32 [NS,8], h_init [R,Hv,128,128] fp32 (row stab[s,4];
-         read only when ``has_init``).
-Outputs: h_all [Hv, NCS, 128, 128] bf16 (chunk-slot index), vnew [Hv, NCS*64, 128] bf16.
+Rows past a sequence's end: k and v are loaded unmasked (TMA zero-fills past T; rows of the next
+sequence are finite) and meet only zero columns of A_β, so U, W rows there do not reach Vd
+(A_β rows past the end are 0: Vd rows = 0, as bwd_h writes them); V' rows there are masked.
+
+Inputs / outputs as bwd_h.run_bwd_h: h_all [Hv, NCS, 128, 128] bf16, vnew [Hv, NCS*64, 128] bf16.
 """
 
 import functools
@@ -25,20 +35,25 @@ import torch
 
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
+#: setmaxnreg budgets of WG0 (state), WG1 (U/W/Vd), WG2 (producer); 384 threads.
+NREG = (216, 216, 40)
+assert sum(NREG) * 128 <= 65536 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 
-def bwd_h_program(h_qk: int, h_v: int, has_init: bool, block_v: int = 64):
+
+def bwd_h_ws_program(h_qk: int, h_v: int, has_init: bool, block_v: int = 32):
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, block_v
-    assert D % BV == 0
+    assert D % BV == 0 and BV in (32, 64)
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
     R = T.dynamic("R")
+    R0, R1, RP = NREG
 
     @T.prim_func
-    def gdn_bwd_h(
+    def gdn_bwd_h_ws(
         k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
         v: T.Tensor((1, Tn, h_v, D), "bfloat16"),
         gcs: T.Tensor((h_v, NCS * C), "float32"),
@@ -48,25 +63,30 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool, block_v: int = 64):
         h_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
         vnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
     ):
-        with T.Kernel(D // BV, NS * h_v, threads=128) as (bv, sh):
+        with T.Kernel(D // BV, NS * h_v, threads=384) as (bv, sh):
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
             v0 = bv * BV
 
-            k_sh = T.alloc_shared((C, D), "bfloat16")
-            v_sh = T.alloc_shared((C, BV), "bfloat16")
-            a_sh = T.alloc_shared((C, C), "bfloat16")
-            s_sh = T.alloc_shared((D, BV), "bfloat16")
-            w_sh = T.alloc_shared((C, BV), "bfloat16")
-            vd_sh = T.alloc_shared((C, BV), "bfloat16")
+            k_sh = T.alloc_shared((2, C, D), "bfloat16")
+            v_sh = T.alloc_shared((2, C, BV), "bfloat16")
+            a_sh = T.alloc_shared((2, C, C), "bfloat16")
+            g_sh = T.alloc_shared((2, C), "float32")
+            s_sh = T.alloc_shared((2, D, BV), "bfloat16")
             vp_sh = T.alloc_shared((C, BV), "bfloat16")
-            g_sh = T.alloc_shared((C,), "float32")
+            w_sh = T.alloc_shared((C, BV), "bfloat16")
 
             s_frag = T.alloc_fragment((D, BV), "float32")
             u_frag = T.alloc_fragment((C, BV), "float32")
             vd_frag = T.alloc_fragment((C, BV), "float32")
-            glast = T.alloc_var("float32")
+            eg1 = T.alloc_fragment((C,), "float32")
+            el1 = T.alloc_fragment((C,), "float32")
+
+            full = T.alloc_barrier([32, 32])
+            empty = T.alloc_barrier([256, 256])
+            s_ready = T.alloc_barrier([128, 128])
+            vp_ready = T.alloc_barrier(128)
 
             bos = stab[s, 0]
             eos = stab[s, 1]
@@ -74,56 +94,88 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool, block_v: int = 64):
             cslot = stab[s, 3]
             irow = stab[s, 4]
             nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
+            egl = T.alloc_var("float32")
 
-            if has_init:
-                T.copy(h_init[irow, hv, 0:D, v0 : v0 + BV], s_frag)
+            tx = T.get_thread_binding()
+
+            if tx < 128:
+                # ---------------- WG0: state owner, h store ----------------
+                T.set_max_nreg(R0, 1)
+                if has_init:
+                    T.copy(h_init[irow, hv, 0:D, v0 : v0 + BV], s_frag)
+                else:
+                    T.clear(s_frag)
+                for ci in T.serial(nchunks):
+                    j = ci % 2
+                    ph = (ci // 2) % 2
+                    ln = T.min(eos - (bos + ci * C), C)
+                    T.copy(s_frag, s_sh[j, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_ready[j])
+                    for i, jj in T.Parallel(D, BV):
+                        h_all[hv, cslot + ci, i, v0 + jj] = T.cast(s_frag[i, jj], "bfloat16")
+                    T.barrier_wait(full[j], ph)
+                    egl = T.exp(g_sh[j, ln - 1])
+                    for i, jj in T.Parallel(D, BV):
+                        s_frag[i, jj] = s_frag[i, jj] * egl
+                    T.barrier_wait(vp_ready[0], ci % 2)
+                    T.gemm(k_sh[j, :, :], vp_sh, s_frag, transpose_A=True)
+                    T.barrier_arrive(empty[j])
+            elif tx < 256:
+                # ---------------- WG1: U = K S, W, Vd, V', v_new ----------------
+                T.set_max_nreg(R1, 1)
+                for ci in T.serial(nchunks):
+                    j = ci % 2
+                    ph = (ci // 2) % 2
+                    ln = T.min(eos - (bos + ci * C), C)
+                    r0 = (cslot + ci) * C
+                    T.barrier_wait(full[j], ph)
+                    for i in T.Parallel(C):
+                        eg1[i] = T.exp(g_sh[j, i])
+                    for i in T.Parallel(C):
+                        el1[i] = T.if_then_else(i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]), T.float32(0))
+                    T.barrier_wait(s_ready[j], ph)
+                    T.gemm(k_sh[j, :, :], s_sh[j, :, :], u_frag, clear_accum=True)
+                    for i, jj in T.Parallel(C, BV):
+                        w_sh[i, jj] = T.cast(T.cast(v_sh[j, i, jj], "float32") - eg1[i] * u_frag[i, jj], "bfloat16")
+                    T.fence_proxy_async()  # w_sh: generic writes -> wgmma reads
+                    T.gemm(a_sh[j, :, :], w_sh, vd_frag, clear_accum=True)
+                    for i, jj in T.Parallel(C, BV):
+                        vp_sh[i, jj] = T.cast(el1[i] * vd_frag[i, jj], "bfloat16")
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vp_ready[0])
+                    T.barrier_arrive(empty[j])
+                    for i, jj in T.Parallel(C, BV):
+                        vnew[hv, r0 + i, v0 + jj] = T.cast(vd_frag[i, jj], "bfloat16")
             else:
-                T.clear(s_frag)
+                # ---------------- WG2: producer (warp 8; one elected lane issues the TMA loads) -----
+                T.set_max_nreg(RP, 0)
+                if tx < 288:
+                    for ci in T.serial(nchunks):
+                        j = ci % 2
+                        ph = (ci // 2) % 2
+                        t0 = bos + ci * C
+                        r0 = (cslot + ci) * C
+                        T.barrier_wait(empty[j], 1 - ph)
+                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(v[0, t0 : t0 + C, hv, v0 : v0 + BV], v_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(gcs[hv, r0 : r0 + C], g_sh[j, :], barrier=full[j])
+                        T.barrier_arrive(full[j])
 
-            for ci in T.serial(nchunks):
-                t0 = bos + ci * C
-                ln = T.min(eos - t0, C)
-                r0 = (cslot + ci) * C
-                for i, j in T.Parallel(C, D):
-                    k_sh[i, j] = T.if_then_else(i < ln, k[0, t0 + i, hk, j], T.bfloat16(0))
-                for i, j in T.Parallel(C, BV):
-                    v_sh[i, j] = T.if_then_else(i < ln, v[0, t0 + i, hv, v0 + j], T.bfloat16(0))
-                T.copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh)
-                T.copy(gcs[hv, r0 : r0 + C], g_sh)
-                T.copy(s_frag, s_sh)
-                T.copy(s_sh, h_all[hv, cslot + ci, 0:D, v0 : v0 + BV])
-
-                T.gemm(k_sh, s_sh, u_frag, clear_accum=True)
-                for i, j in T.Parallel(C, BV):
-                    w_sh[i, j] = T.cast(T.cast(v_sh[i, j], "float32") - T.exp(g_sh[i]) * u_frag[i, j], "bfloat16")
-                T.gemm(a_sh, w_sh, vd_frag, clear_accum=True)
-
-                glast = g_sh[ln - 1]
-                for i, j in T.Parallel(C, BV):
-                    vd_sh[i, j] = T.cast(vd_frag[i, j], "bfloat16")
-                    vp_sh[i, j] = T.cast(
-                        T.if_then_else(i < ln, T.exp(glast - g_sh[i]) * vd_frag[i, j], T.float32(0)),
-                        "bfloat16",
-                    )
-                T.copy(vd_sh, vnew[hv, r0 : r0 + C, v0 : v0 + BV])
-                for i, j in T.Parallel(D, BV):
-                    s_frag[i, j] = s_frag[i, j] * T.exp(glast)
-                T.gemm(k_sh, vp_sh, s_frag, transpose_A=True)
-
-    return gdn_bwd_h
+    return gdn_bwd_h_ws
 
 
 @functools.cache
-def get_bwd_h_kernel(h_qk: int, h_v: int, has_init: bool, block_v: int = 64, target_k=None):
+def get_bwd_h_ws_kernel(h_qk: int, h_v: int, has_init: bool, block_v: int = 32, target_k=None):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(bwd_h_program(h_qk, h_v, has_init, block_v), target=target)
+    return compile_program(
+        bwd_h_ws_program(h_qk, h_v, has_init, block_v), target=target, pass_configs={"tl.enable_fast_math": True}
+    )
 
 
-def run_bwd_h(k, v, gcs, a_beta, stab, h_init, h_all=None, vnew=None, block_v=64, target=None):
-    """Launch the state recomputation. h_init: [R,Hv,128,128] fp32 or None.
-
-    Returns h_all [Hv, NCS, 128, 128] bf16 and vnew [Hv, NCS*64, 128] bf16 (slots of unused
-    chunk slots are left unwritten)."""
+def run_bwd_h_ws(k, v, gcs, a_beta, stab, h_init, h_all=None, vnew=None, block_v=32, target=None):
+    """Same call and outputs as ``bwd_h.run_bwd_h`` (h_all, vnew), from the warp-specialised chain."""
     h_qk, h_v = k.shape[2], v.shape[2]
     ncs = gcs.shape[1] // CHUNK
     if h_all is None:
@@ -131,7 +183,7 @@ def run_bwd_h(k, v, gcs, a_beta, stab, h_init, h_all=None, vnew=None, block_v=64
     if vnew is None:
         vnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=k.device, dtype=torch.bfloat16)
     has_init = h_init is not None
-    kern = get_bwd_h_kernel(h_qk, h_v, has_init, block_v, target_key(target))
+    kern = get_bwd_h_ws_kernel(h_qk, h_v, has_init, block_v, target_key(target))
     if h_init is None:
         h_init = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=k.device, dtype=torch.float32)
     kern(k, v, gcs, a_beta, stab, h_init, h_all, vnew)

@@ -1,23 +1,48 @@
-"""Backward kernel 4: back-propagation through w, u and A (FLA's ``prepare_wy_repr_bwd``),
-finishing dk, dv, dβ and dg (with the reverse in-chunk cumsum). One CTA (128 or 256 threads) per
-(chunk slot, v-head), or with ``grp`` (variant ``bwd_grp=1``, the default) per (chunk slot, qk head)
-over its GVA group. With X_w = e^g ⊙ K, w = A_β X_w, u = A_β V, A_β = A diag(β),
-A = (I + diag(β) M)⁻¹, M = StrictLower(Γ ⊙ K Kᵀ):
+"""Backward kernel 4, warp-specialised and persistent (variant ``bwd_wy_ws=1``, the default with
+``bwd_grp=1`` and ``bwd_bf16=1``): bwd_wy.py's group form (the same algebra and outputs) with its
+loads and stores taken off the compute path.
 
-    dA_β = dw X_wᵀ + du Vᵀ   (lower incl. diagonal)                  wgmma ×2   (du = dv_new)
-    dv   = A_βᵀ du                                                   wgmma      → dv (bf16)
-    A    = I − A_β M          (A (I + diag(β) M) = I; A not saved)   wgmma
-    X    = Aᵀ dA_β:  dβ_j += X_jj                                    wgmma
-    dL   = −X A_βᵀ (i > j):  dβ_i += Σ_j dL_ij M_ij;  dM = β_i dL     wgmma
-    dk   = e^g ⊙ (A_βᵀ dw) + (dM⊙Γ) K + (dM⊙Γ)ᵀ K + dk_part          wgmma ×3
-    dg   = rowsum(e^g ⊙ (A_βᵀ dw) ⊙ K) + rowsum(dM⊙M) − colsum(dM⊙M) + dg_part,
-           then the reverse cumsum inside the chunk (→ dg of the raw g)
+bwd_wy loads everything, then computes, one (chunk, qk head) per CTA at one CTA per SM, so its
+load and compute phases never overlap (Nsight Compute, session 5: 45% of its warp stalls wait on
+global loads). Here a CTA of 384 threads stays on its SM and walks a list of work items:
 
-Inputs:  k [1,T,Hqk,128], v [1,T,Hv,128] bf16, beta [1,T,Hv] fp32, gcs, a_beta (forward prep),
-         dw [Hv,NCS*64,128] bf16, dvnew [Hv,NCS*64,128] bf16, dg_part [Hv,NCS*64] fp32, ctab.
-In/out:  dk_v [1,T,Hv,128] fp32, or bf16 with ``bwd_bf16=1`` (partial from bwd_dqkwg in, complete
-         out; valid rows; [1,T,Hqk,128] summed over each GVA group with ``grp``).
-Outputs: dv [1,T,Hv,128] bf16, dg [1,T,Hv] fp32, dbeta [1,T,Hv] fp32 (valid rows).
+    WG0 + WG1 (tx   0..255)  consumers: every GEMM and element pass of one (chunk, v-head) tile,
+                             the GEMMs split over the two warpgroups. Once per item (chunk, qk head):
+                             K Kᵀ; the dk terms (dM⊙Γ) K + (dM⊙Γ)ᵀ K with dM⊙Γ summed over the G
+                             v-heads in fp32 registers; dk (fp32 registers over the group) + the
+                             partial, stored once. The reverse in-chunk cumsum of dg: warp shuffles.
+    WG2       (tx 256..383)  warp 8, the producer: TMA loads of the next tile (k, v, dw, dv_new, A_β,
+                             g, dg_part, and the dk partial on the group's last v-head) and β
+                             (strided: SIMT loads) into stage t % 2, one tile ahead.
+                             warp 9, the store warp: dv (staged by the consumers in dv_new's buffer,
+                             which they no longer read) and dk (staged in the partial's buffer) to
+                             global memory: one TMA store when the chunk is full, else per-row stores
+                             of its valid rows (the next rows are another sequence's)
+
+Items are (chunk slot, qk head) pairs, CTA b taking items b, b + P, b + 2P, … (P = the grid, at
+most one CTA per SM); tile t of a CTA is v-head t % G of its item t // G.
+
+Rows past a chunk's valid length: the TMA loads of k and v are not masked (they read the next
+sequence's rows, or zeros past T). dw and dv_new rows there are zero (bwd_dqkwg / bwd_dhu store
+them so), A_β is zero outside the valid block, and M is masked to the valid rows here, so those
+rows reach no stored output (dv, dk, dg, dβ are stored on valid rows only).
+
+mbarriers (t = tile, j = t % 2, parity (t // 2) % 2): full[j] (count 32 + tx bytes: the producer
+warp), dv_ready[j] (count 256: the consumers, once the tile's dv is staged), dk_ready (count 256,
+parity (t // G) % 2: once per item, when its dk is staged), empty[j]
+(count 288: every consumer thread after its last read of stage j, and the store warp once its
+stores have read the staged tiles).
+
+G ≥ 2 only (``run_bwd_wy_ws`` refuses G = 1; chunk_gdn_bwd runs the group bwd_wy there): dk_ready is
+one barrier per item, waited with parity (t // G) % 2, which holds only while the consumers cannot
+complete two items ahead of the store warp's wait. For G ≥ 2 they cannot (their next stage needs the
+store warp's empty arrive of the item's earlier tile); for G = 1 they can (two phases → the parity
+repeats → deadlock). A per-item pair of barriers (dk_ready[(t // G) % 2], parity (t // 2G) % 2) would
+lift this; it was found after the last GPU run, so it is not in the measured kernel.
+
+Measured on the H200 (16/32 1×32768, kernel alone): the group bwd_wy 1.83 ms; this kernel with
+SIMT stores from registers 1.26 ms, with the per-item K Kᵀ / dM⊙Γ sums and the shuffle cumsum 1.20,
+with the store warp 1.10–1.15.
 """
 
 import functools
@@ -27,28 +52,47 @@ import torch
 
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
 
+#: setmaxnreg budgets of the consumer warpgroups (WG0, WG1) and the producer warpgroup (WG2)
+NREG = (232, 40)
+THREADS = 384
+#: what each thread starts with (65536 / 384, rounded down to 8): .inc above it, .dec below
+NREG_LAUNCH = 65536 // THREADS // 8 * 8
+assert 2 * NREG[0] + NREG[1] <= (THREADS // 128) * NREG_LAUNCH  # .inc is served by what .dec released
 
-def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = False, grp: bool = False):
-    """threads 128 (one warpgroup) or 256 (TileLang splits every GEMM over two warpgroups).
-    bf16_dk (variant ``bwd_bf16=1``): the per-v-head dk it completes in place is bf16 (from
-    bwd_dqkwg's bf16 partial; the sum with this kernel's part is formed in fp32 and rounded to bf16,
-    the GVA group sum then adds those in fp32).
-    grp (variant ``bwd_grp=1``): one CTA per (chunk slot, qk head) walks the G v-heads of its group
-    (k loaded once); dk_v is [1,T,Hqk,128], bwd_dqkwg's group-summed partial in, the complete dk out
-    (this kernel's parts summed over the group in fp32 registers, added to the partial in fp32, the sum
-    rounded to dk_v's dtype once)."""
-    kdt = "bfloat16" if bf16_dk else "float32"
+
+def rows_store_macro(C: int, D: int):
+    """store_rows(src_sh [2, C, D] bf16, j, dst [1, T, H, D], bos, ln, head): stage j's staged tile's valid rows to
+    token rows bos.. of one head, by one warp: a TMA store when the chunk is full (it waits until the
+    tile is read), else per-row SIMT stores (only rows < ln: the next rows belong to another
+    sequence, written by another CTA)."""
     import tilelang.language as T
 
-    HO = h_qk if grp else h_v  # heads of dk_v
+    @T.macro
+    def store_rows(src_sh, j, dst, bos, ln, head):
+        if ln == C:
+            T.copy(src_sh[j, :, :], dst[0, bos : bos + C, head, 0:D])
+        else:
+            for i, jj in T.Parallel(C, D):
+                if i < ln:
+                    dst[0, bos + i, head, jj] = src_sh[j, i, jj]
+
+    return store_rows
+
+
+def bwd_wy_ws_program(h_qk: int, h_v: int):
+    import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
     C, D = CHUNK, HEAD_DIM
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
+    NP = T.dynamic("NP")
+    RC, RP = NREG
+
+    store_rows = rows_store_macro(C, D)
 
     @T.prim_func
-    def gdn_bwd_wy(
+    def gdn_bwd_wy_ws(
         k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
         v: T.Tensor((1, Tn, h_v, D), "bfloat16"),
         beta: T.Tensor((1, Tn, h_v), "float32"),
@@ -58,177 +102,260 @@ def bwd_wy_program(h_qk: int, h_v: int, threads: int = 128, bf16_dk: bool = Fals
         dw: T.Tensor((h_v, NCS * C, D), "bfloat16"),
         dvnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
         dg_part: T.Tensor((h_v, NCS * C), "float32"),
-        dk_v: T.Tensor((1, Tn, HO, D), kdt),
+        dk_v: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
         dv: T.Tensor((1, Tn, h_v, D), "bfloat16"),
         dg: T.Tensor((1, Tn, h_v), "float32"),
         dbeta: T.Tensor((1, Tn, h_v), "float32"),
+        grid: T.Tensor((NP,), "int32"),
     ):
-        with T.Kernel(NCS, HO, threads=threads) as (c, hx):
-            hk = hx if grp else hx // G
-            k_sh = T.alloc_shared((C, D), "bfloat16")
-            v_sh = T.alloc_shared((C, D), "bfloat16")
-            xw_sh = T.alloc_shared((C, D), "bfloat16")
-            dw_sh = T.alloc_shared((C, D), "bfloat16")
-            du_sh = T.alloc_shared((C, D), "bfloat16")
-            a_sh = T.alloc_shared((C, C), "bfloat16")
+        with T.Kernel(NP, threads=THREADS) as b:
+            # stage j (two): the producer's loads
+            k_sh = T.alloc_shared((2, C, D), "bfloat16")
+            v_sh = T.alloc_shared((2, C, D), "bfloat16")
+            dw_sh = T.alloc_shared((2, C, D), "bfloat16")
+            du_sh = T.alloc_shared((2, C, D), "bfloat16")
+            dkp_sh = T.alloc_shared((2, C, D), "bfloat16")
+            a_sh = T.alloc_shared((2, C, C), "bfloat16")
+            g_sh = T.alloc_shared((2, C), "float32")
+            b_sh = T.alloc_shared((2, C), "float32")
+            dgp_sh = T.alloc_shared((2, C), "float32")
+            info_sh = T.alloc_shared((2, 2), "int32")
+            # the consumers' own
             m_sh = T.alloc_shared((C, C), "bfloat16")
             aa_sh = T.alloc_shared((C, C), "bfloat16")
             dab_sh = T.alloc_shared((C, C), "bfloat16")
             x_sh = T.alloc_shared((C, C), "bfloat16")
             dkk_sh = T.alloc_shared((C, C), "bfloat16")
-            mf_sh = T.alloc_shared((C, C), "float32")
-            z_sh = T.alloc_shared((C, C), "float32")
-            g_sh = T.alloc_shared((C,), "float32")
-            b_sh = T.alloc_shared((C,), "float32")
             diag_sh = T.alloc_shared((C,), "float32")
             r1_sh = T.alloc_shared((C,), "float32")
-            dgc_sh = T.alloc_shared((C,), "float32")
+            zr_sh = T.alloc_shared((C,), "float32")
+            zc_sh = T.alloc_shared((C,), "float32")
+            tot_sh = T.alloc_shared((1,), "float32")
 
-            acc1 = T.alloc_fragment((C, D), "float32")
-            acc2 = T.alloc_fragment((C, D), "float32")
-            red = T.alloc_fragment((C,), "float32")
             f64 = T.alloc_fragment((C, C), "float32")
+            mf = T.alloc_fragment((C, C), "float32")
+            zf = T.alloc_fragment((C, C), "float32")
+            kk = T.alloc_fragment((C, C), "float32")  # K Kᵀ, once per item
+            dkk_acc = T.alloc_fragment((C, C), "float32")  # Σ over the group of dM ⊙ Γ
+            acc1 = T.alloc_fragment((C, D), "float32")
+            dk_acc = T.alloc_fragment((C, D), "float32")
+            red = T.alloc_fragment((C,), "float32")
+            zr = T.alloc_fragment((C,), "float32")
+            zc = T.alloc_fragment((C,), "float32")
             sacc = T.alloc_var("float32")
-            bsum = T.alloc_var("float32")
-            if grp:
-                dk_acc = T.alloc_fragment((C, D), "float32")
+            shf = T.alloc_var("float32")
 
-            bos = ctab[c, 0]
-            ln = ctab[c, 1] - bos
-            r0 = c * C
+            full = T.alloc_barrier([32, 32])
+            empty = T.alloc_barrier([288, 288])  # the consumers and the store warp
+            dv_ready = T.alloc_barrier([256, 256])
+            dk_ready = T.alloc_barrier(256)  # once per item: parity (t // G) % 2
+
+            ntiles = T.ceildiv(NCS * h_qk - b, NP) * G
             tx = T.get_thread_binding()
 
-            for i, j in T.Parallel(C, D):
-                k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
-            if grp:
-                T.clear(dk_acc)
-            for gi in T.serial(G if grp else 1):
-                hv = hk * G + gi if grp else hx
-                for i, j in T.Parallel(C, D):
-                    v_sh[i, j] = T.if_then_else(i < ln, v[0, bos + i, hv, j], T.bfloat16(0))
-                for i in T.Parallel(C):
-                    b_sh[i] = T.if_then_else(i < ln, beta[0, bos + i, hv], T.float32(0))
-                T.copy(dw[hv, r0 : r0 + C, 0:D], dw_sh)
-                T.copy(dvnew[hv, r0 : r0 + C, 0:D], du_sh)
-                T.copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh)
-                T.copy(gcs[hv, r0 : r0 + C], g_sh)
-                for i, j in T.Parallel(C, D):
-                    xw_sh[i, j] = T.cast(T.exp(g_sh[i]) * T.cast(k_sh[i, j], "float32"), "bfloat16")
+            if tx < 256:
+                # ---------------- WG0 + WG1: consumers ----------------
+                T.set_max_nreg(RC, int(RC > NREG_LAUNCH))
+                for t in T.serial(ntiles):
+                    j = t % 2
+                    item = b + (t // G) * NP
+                    hk = item % h_qk
+                    gi = t % G
+                    hv = hk * G + gi
+                    T.barrier_wait(full[j], (t // 2) % 2)
+                    bos = info_sh[j, 0]
+                    ln = info_sh[j, 1]
+                    if gi == 0:
+                        T.clear(dk_acc)
+                        T.clear(dkk_acc)
+                        T.gemm(k_sh[j, :, :], k_sh[j, :, :], kk, transpose_B=True, clear_accum=True)
 
-                # dA_β = dw X_wᵀ + du Vᵀ (lower incl. diagonal)
-                T.gemm(dw_sh, xw_sh, f64, transpose_B=True, clear_accum=True)
-                T.gemm(du_sh, v_sh, f64, transpose_B=True)
-                for i, j in T.Parallel(C, C):
-                    dab_sh[i, j] = T.cast(T.if_then_else(i >= j, f64[i, j], T.float32(0)), "bfloat16")
+                    # dA_β = dw X_wᵀ + du Vᵀ (lower incl. diagonal); X_w = e^g ⊙ K on valid rows
+                    T.gemm(dw_sh[j, :, :], k_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        f64[i, jj] = f64[i, jj] * T.if_then_else(jj < ln, T.exp(g_sh[j, jj]), T.float32(0))
+                    T.gemm(du_sh[j, :, :], v_sh[j, :, :], f64, transpose_B=True)
+                    for i, jj in T.Parallel(C, C):
+                        dab_sh[i, jj] = T.cast(T.if_then_else(i >= jj, f64[i, jj], T.float32(0)), "bfloat16")
 
-                # dv = A_βᵀ du
-                T.gemm(a_sh, du_sh, acc1, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, D):
-                    if i < ln:
-                        dv[0, bos + i, hv, j] = T.cast(acc1[i, j], "bfloat16")
+                    # dv = A_βᵀ du
+                    T.gemm(a_sh[j, :, :], du_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, D):  # staged in du's buffer (read for the last time above)
+                        du_sh[j, i, jj] = T.cast(acc1[i, jj], "bfloat16")
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dv_ready[j])
 
-                # M = StrictLower(Γ ⊙ K Kᵀ);  A = I − A_β M
-                T.gemm(k_sh, k_sh, f64, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    mf_sh[i, j] = T.if_then_else(i > j, T.exp(g_sh[i] - g_sh[j]) * f64[i, j], T.float32(0))
-                    m_sh[i, j] = T.cast(mf_sh[i, j], "bfloat16")
-                T.gemm(a_sh, m_sh, f64, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    eye = T.if_then_else(i == j, T.float32(1), T.float32(0))
-                    aa_sh[i, j] = T.cast(T.if_then_else(i >= j, eye - f64[i, j], T.float32(0)), "bfloat16")
+                    # M = StrictLower(Γ ⊙ K Kᵀ) on valid rows;  A = I − A_β M
+                    for i, jj in T.Parallel(C, C):
+                        mf[i, jj] = T.if_then_else(
+                            i > jj and i < ln, T.exp(g_sh[j, i] - g_sh[j, jj]) * kk[i, jj], T.float32(0)
+                        )
+                        m_sh[i, jj] = T.cast(mf[i, jj], "bfloat16")
+                    T.gemm(a_sh[j, :, :], m_sh, f64, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        aa_sh[i, jj] = T.cast(
+                            T.if_then_else(i >= jj, T.if_then_else(i == jj, T.float32(1), T.float32(0)) - f64[i, jj],
+                                           T.float32(0)),
+                            "bfloat16",
+                        )  # fmt: skip
 
-                # X = Aᵀ dA_β: dβ_j += X_jj
-                T.gemm(aa_sh, dab_sh, f64, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    x_sh[i, j] = T.cast(f64[i, j], "bfloat16")
-                    if i == j:
-                        diag_sh[i] = f64[i, j]
+                    # X = Aᵀ dA_β: dβ_j += X_jj
+                    T.gemm(aa_sh, dab_sh, f64, transpose_A=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        x_sh[i, jj] = T.cast(f64[i, jj], "bfloat16")
+                        if i == jj:
+                            diag_sh[i] = f64[i, jj]
 
-                # dL = −X A_βᵀ (strictly lower); z = dL ⊙ M; dM ⊙ Γ = β_i dL_ij Γ_ij
-                T.gemm(x_sh, a_sh, f64, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    z_sh[i, j] = T.if_then_else(i > j, -f64[i, j] * mf_sh[i, j], T.float32(0))
-                    dkk_sh[i, j] = T.cast(
-                        T.if_then_else(i > j, -f64[i, j] * b_sh[i] * T.exp(g_sh[i] - g_sh[j]), T.float32(0)),
-                        "bfloat16",
-                    )
+                    # dL = −X A_βᵀ (strictly lower); z = dL ⊙ M; dM ⊙ Γ = β_i dL_ij Γ_ij
+                    T.gemm(x_sh, a_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, C):
+                        zf[i, jj] = -f64[i, jj] * mf[i, jj]
+                        dkk_acc[i, jj] = dkk_acc[i, jj] + T.if_then_else(
+                            i > jj and i < ln, -f64[i, jj] * b_sh[j, i] * T.exp(g_sh[j, i] - g_sh[j, jj]), T.float32(0)
+                        )
+                    T.reduce_sum(zf, zr, dim=1)
+                    for i, jj in T.Parallel(C, C):
+                        zf[i, jj] = zf[i, jj] * b_sh[j, i]
+                    T.reduce_sum(zf, zc, dim=0)
+                    T.copy(zr, zr_sh)
+                    T.copy(zc, zc_sh)
 
-                # dk = e^g ⊙ (A_βᵀ dw) + (dM⊙Γ) K + (dM⊙Γ)ᵀ K + dk_part;  dg += rowsum(e^g (A_βᵀ dw) ⊙ K)
-                T.gemm(a_sh, dw_sh, acc1, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, D):
-                    acc1[i, j] = acc1[i, j] * T.exp(g_sh[i])
-                    acc2[i, j] = acc1[i, j] * T.cast(k_sh[i, j], "float32")
-                T.reduce_sum(acc2, red, dim=1)
-                T.copy(red, r1_sh)
-                T.gemm(dkk_sh, k_sh, acc1)
-                T.gemm(dkk_sh, k_sh, acc1, transpose_A=True)
-                if grp:
-                    for i, j in T.Parallel(C, D):
-                        dk_acc[i, j] = dk_acc[i, j] + acc1[i, j]
-                else:
-                    for i, j in T.Parallel(C, D):
-                        if i < ln:
-                            dk_v[0, bos + i, hv, j] = T.cast(T.cast(dk_v[0, bos + i, hv, j], "float32") + acc1[i, j], kdt)
+                    # dk += e^g ⊙ (A_βᵀ dw);  dg += rowsum(e^g (A_βᵀ dw) ⊙ K)
+                    T.gemm(a_sh[j, :, :], dw_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, D):
+                        acc1[i, jj] = acc1[i, jj] * T.exp(g_sh[j, i])
+                        dk_acc[i, jj] = dk_acc[i, jj] + acc1[i, jj]
+                        acc1[i, jj] = acc1[i, jj] * T.cast(k_sh[j, i, jj], "float32")
+                    T.reduce_sum(acc1, red, dim=1)
+                    T.copy(red, r1_sh)
 
-                # per row: dβ, dg on the cumsum, then reverse cumsum → dg of the raw g
-                if tx < C:
-                    sacc = T.float32(0)
-                    bsum = T.float32(0)
-                    for jj in T.serial(C):
-                        sacc = sacc + z_sh[tx, (jj + tx) % C]
-                        bsum = bsum + b_sh[jj] * z_sh[jj, tx]
-                    dgc_sh[tx] = T.if_then_else(
-                        tx < ln, r1_sh[tx] + b_sh[tx] * sacc - bsum + dg_part[hv, r0 + tx], T.float32(0)
-                    )
-                    if tx < ln:
-                        dbeta[0, bos + tx, hv] = diag_sh[tx] + sacc
-                if tx < C:
-                    sacc = T.float32(0)
-                    for jj in T.serial(C):
-                        sacc = sacc + T.if_then_else(jj >= tx, dgc_sh[jj], T.float32(0))
+                    # per row: dβ, dg on the cumsum, then the reverse cumsum (warp shuffles) → dg of the raw g
+                    if tx < C:
+                        sacc = T.if_then_else(
+                            tx < ln, r1_sh[tx] + b_sh[j, tx] * zr_sh[tx] - zc_sh[tx] + dgp_sh[j, tx], T.float32(0)
+                        )
+                        if tx < ln:
+                            dbeta[0, bos + tx, hv] = diag_sh[tx] + zr_sh[tx]
+                        for s in (1, 2, 4, 8, 16):  # every lane shuffles (full mask), the top ones add 0
+                            shf = T.shfl_down(sacc, s)
+                            sacc = sacc + T.if_then_else(tx % 32 + s < 32, shf, T.float32(0))
+                        if tx == 32:
+                            tot_sh[0] = sacc
+                    if tx < 32:
+                        sacc = sacc + tot_sh[0]
                     if tx < ln:
                         dg[0, bos + tx, hv] = sacc
-            if grp:
-                for i, j in T.Parallel(C, D):
-                    if i < ln:
-                        dk_v[0, bos + i, hk, j] = T.cast(T.cast(dk_v[0, bos + i, hk, j], "float32") + dk_acc[i, j], kdt)
 
-    return gdn_bwd_wy
+                    if gi == G - 1:
+                        # dk += (Σ dM⊙Γ) K + (Σ dM⊙Γ)ᵀ K over the group, then the partial; store once
+                        for i, jj in T.Parallel(C, C):
+                            dkk_sh[i, jj] = T.cast(dkk_acc[i, jj], "bfloat16")
+                        T.gemm(dkk_sh, k_sh[j, :, :], dk_acc)
+                        T.gemm(dkk_sh, k_sh[j, :, :], dk_acc, transpose_A=True)
+                        for i, jj in T.Parallel(C, D):
+                            acc1[i, jj] = T.cast(dkp_sh[j, i, jj], "float32") + dk_acc[i, jj]
+                        for i, jj in T.Parallel(C, D):  # staged in the partial's buffer
+                            dkp_sh[j, i, jj] = T.cast(acc1[i, jj], "bfloat16")
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dk_ready[0])
+                    T.barrier_arrive(empty[j])
+            else:
+                # ---------------- WG2: producer (warp 8) ----------------
+                T.set_max_nreg(RP, int(RP > NREG_LAUNCH))
+                if tx < 288:
+                    for t in T.serial(ntiles):
+                        j = t % 2
+                        item = b + (t // G) * NP
+                        c = item // h_qk
+                        hk = item % h_qk
+                        gi = t % G
+                        hv = hk * G + gi
+                        r0 = c * C
+                        T.barrier_wait(empty[j], 1 - (t // 2) % 2)
+                        bos = ctab[c, 0]
+                        ln = ctab[c, 1] - bos
+                        T.tma_copy(k[0, bos : bos + C, hk, 0:D], k_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(v[0, bos : bos + C, hv, 0:D], v_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(dw[hv, r0 : r0 + C, 0:D], dw_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(dvnew[hv, r0 : r0 + C, 0:D], du_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[j, :, :], barrier=full[j])
+                        T.tma_copy(gcs[hv, r0 : r0 + C], g_sh[j, :], barrier=full[j])
+                        T.tma_copy(dg_part[hv, r0 : r0 + C], dgp_sh[j, :], barrier=full[j])
+                        if gi == G - 1:
+                            T.tma_copy(dk_v[0, bos : bos + C, hk, 0:D], dkp_sh[j, :, :], barrier=full[j])
+                        for u in T.serial(C // 32):
+                            ii = (tx - 256) + u * 32
+                            b_sh[j, ii] = T.if_then_else(ii < ln, beta[0, bos + ii, hv], T.float32(0))
+                        if tx == 256:
+                            info_sh[j, 0] = bos
+                            info_sh[j, 1] = ln
+                        T.barrier_arrive(full[j])
+                elif tx < 320:
+                    # ---------------- warp 9: stores dv, dk from the staged tiles ----------------
+                    for t in T.serial(ntiles):
+                        j = t % 2
+                        ph = (t // 2) % 2
+                        item = b + (t // G) * NP
+                        hk = item % h_qk
+                        gi = t % G
+                        hv = hk * G + gi
+                        T.barrier_wait(dv_ready[j], ph)
+                        bos = info_sh[j, 0]
+                        ln = info_sh[j, 1]
+                        store_rows(du_sh, j, dv, bos, ln, hv)
+                        if gi == G - 1:
+                            T.barrier_wait(dk_ready[0], (t // G) % 2)
+                            store_rows(dkp_sh, j, dk_v, bos, ln, hk)
+                        T.barrier_arrive(empty[j])
+
+    return gdn_bwd_wy_ws
 
 
 @functools.cache
-def get_bwd_wy_kernel(h_qk: int, h_v: int, target_k=None, threads: int = 128, bf16_dk: bool = False, grp: bool = False):
+def get_bwd_wy_ws_kernel(h_qk: int, h_v: int, target_k=None):
     target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    if grp:
-        return compile_program(bwd_wy_program(h_qk, h_v, threads, bf16_dk, True), target=target)
-    if bf16_dk:
-        return compile_program(bwd_wy_program(h_qk, h_v, threads, True), target=target)
-    if threads != 128:
-        return compile_program(bwd_wy_program(h_qk, h_v, threads), target=target)
-    return compile_program(bwd_wy_program(h_qk, h_v), target=target)
+    return compile_program(bwd_wy_ws_program(h_qk, h_v), target=target)
 
 
-def run_bwd_wy(
-    k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None, dg=None, dbeta=None, target=None, threads=128,
-    grp=False,
-):  # fmt: skip
-    """Launch the WY backward. dk_v is updated in place (partial → complete; [1,T,Hqk,128] summed over
-    each GVA group with ``grp``, else per v-head).
-    Returns dk_v, dv [1,T,Hv,128] bf16, dg, dbeta [1,T,Hv] fp32."""
+_GRIDS = {}
+
+
+def persistent_grid(ncs: int, h_qk: int, dev, num_sms=None):
+    """The grid argument of the persistent kernels: a dummy int32 tensor (never read) whose length
+    P = min(#SMs, chunk slots x qk heads) is the launch's grid (a dynamic dimension); one per
+    (P, device), kept."""
+    if num_sms is None:
+        from . import _num_sms
+
+        num_sms = _num_sms(dev)
+    n = max(1, min(int(num_sms), ncs * h_qk))
+    key = (n, str(dev))
+    if key not in _GRIDS:
+        _GRIDS[key] = torch.empty(n, device=dev, dtype=torch.int32)
+    return _GRIDS[key]
+
+
+def run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None, dg=None, dbeta=None, target=None,
+                  num_sms=None):  # fmt: skip
+    """Launch the persistent WY backward. dk_v [1,T,Hqk,128] bf16 (bwd_dqkwg's group-summed partial)
+    is completed in place. Returns dk_v, dv [1,T,Hv,128] bf16, dg, dbeta [1,T,Hv] fp32."""
     h_qk, h_v = k.shape[2], v.shape[2]
-    T_ = k.shape[1]
+    T_, ncs = k.shape[1], ctab.shape[0]
     dev = k.device
+    if h_v == h_qk:
+        raise ValueError(
+            f"run_bwd_wy_ws: needs a GVA group of 2 or more v-heads (Hv={h_v}, Hqk={h_qk}): with one, the store "
+            "warp's per-item dk hand-off can be lapped (use bwd_wy.run_bwd_wy with grp=True)"
+        )
+    if dk_v.dtype != torch.bfloat16 or tuple(dk_v.shape) != (1, T_, h_qk, HEAD_DIM):
+        raise ValueError(f"run_bwd_wy_ws: dk_v must be bf16 [1, {T_}, {h_qk}, {HEAD_DIM}], got "
+                         f"{dk_v.dtype} {tuple(dk_v.shape)}")  # fmt: skip
     if dv is None:
         dv = torch.empty(1, T_, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     if dg is None:
         dg = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
     if dbeta is None:
         dbeta = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
-    kw = {"threads": threads} if threads != 128 else {}
-    if dk_v.dtype == torch.bfloat16:
-        kw["bf16_dk"] = True
-    if grp:
-        kw["grp"] = True
-    kern = get_bwd_wy_kernel(h_qk, h_v, target_key(target), **kw)
-    kern(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv, dg, dbeta)
+    kern = get_bwd_wy_ws_kernel(h_qk, h_v, target_key(target))
+    kern(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv, dg, dbeta, persistent_grid(ncs, h_qk, dev, num_sms))
     return dk_v, dv, dg, dbeta

@@ -17,7 +17,9 @@ import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -120,18 +122,72 @@ PositiveLen = Annotated[int, Field(gt=0)]
 Layout = Union[Annotated[list[PositiveLen], Field(min_length=1)], EqualBatch, RandomSplit]
 
 
-class Gate(_Strict):
-    """Gate recipe. ``zero_frac`` of v-heads get g = 0 (no decay), chosen with ``seed``.
+class PublishedGate(_Strict):
+    """``recipe: published``: g = ``logsigmoid(randn) / 16`` per token; ``zero_frac`` of v-heads get
+    g = 0 (no decay), chosen with ``seed``. The published inputs use 25%; it changes how
+    gate-driven sequence splitting behaves."""
 
-    The published inputs use 25%; it changes how gate-driven sequence splitting behaves.
-    """
-
+    recipe: Literal["published"] = "published"
     zero_frac: Annotated[float, Field(ge=0.0, le=1.0)] = 0.25
     seed: int = 0
 
-    @property
-    def label(self) -> str:
-        return f"logsig/16,zero{int(round(self.zero_frac * 100))}%,s{self.seed}"
+
+
+class StrongDecayGate(_Strict):
+    """``recipe: strong-decay``: per-token log-gates uniform in ``[min_log_gate, 0]`` (default
+    log(1e-6)), so a 64-token chunk's cumulative decay underflows fp32's ``exp`` by far — the end
+    of the gate's range where kernels that form ``exp(G_i) / exp(G_j)`` break."""
+
+    recipe: Literal["strong-decay"]
+    min_log_gate: Annotated[float, Field(allow_inf_nan=False)] = -13.815510557964274
+    seed: int = 0
+
+    @field_validator("min_log_gate")
+    @classmethod
+    def _negative(cls, v: float) -> float:
+        if not v < 0:
+            raise ValueError(f"min_log_gate={v} must be < 0 (a log-gate > 0 makes the state grow)")
+        return v
+
+
+
+class ModelGate(_Strict):
+    """``recipe: model``: the model's own gate, ``g = -exp(A_log) · softplus(a + dt_bias)`` per
+    token and v-head, with ``A_log = log(U(a_range))`` and ``dt_bias = softplus⁻¹(dt)``,
+    ``dt = exp(U(log dt_range))`` per head (the Qwen3-Next / Mamba2 initialisation), and ``a``
+    (the projection's output) ``randn`` per token."""
+
+    recipe: Literal["model"]
+    a_range: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)],
+                   Annotated[float, Field(gt=0, allow_inf_nan=False)]] = (1.0, 16.0)
+    dt_range: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)],
+                    Annotated[float, Field(gt=0, allow_inf_nan=False)]] = (0.001, 0.1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ModelGate:
+        for name, (lo, hi) in (("a_range", self.a_range), ("dt_range", self.dt_range)):
+            if lo > hi:
+                raise ValueError(f"{name}={[lo, hi]}: low end above high end")
+        return self
+
+
+
+GATE_RECIPES = ("published", "strong-decay", "model")
+
+
+def _gate_tag(v) -> str:
+    if isinstance(v, dict):
+        return v.get("recipe", "published")
+    return getattr(v, "recipe", "published")
+
+
+Gate = Annotated[
+    Union[Annotated[PublishedGate, Tag("published")], Annotated[StrongDecayGate, Tag("strong-decay")],
+          Annotated[ModelGate, Tag("model")]],
+    Discriminator(_gate_tag, custom_error_type="unknown_gate_recipe",
+                  custom_error_message=f"recipe: unknown gate recipe; known: {', '.join(GATE_RECIPES)}"),
+]
 
 
 class Thresholds(_Strict):
@@ -196,7 +252,8 @@ class Sweep(_Strict):
     directions: Annotated[list[Literal["fwd", "bwd", "fwdbwd"]], Field(min_length=1)] = ["fwd"]
     backends: Annotated[list[str], Field(min_length=1)] = ["reference"]
     dtype: Literal["bf16", "fp16"] = "bf16"
-    gate: Gate = Gate()
+    #: one gate recipe or several (an axis of the sweep: each point runs under each recipe)
+    gate: Annotated[list[Gate], Field(min_length=1)] = [PublishedGate()]
     initial_state: bool = True
     output_final_state: bool = True
     thresholds: Thresholds = Thresholds()
@@ -208,6 +265,11 @@ class Sweep(_Strict):
     isolate: bool = True
     #: a row (inputs + reference + compile + check + timing) taking longer is killed: ``timeout``
     row_timeout_s: Annotated[float, Field(gt=0)] = 900.0
+
+    @field_validator("gate", mode="before")
+    @classmethod
+    def _one_gate_is_a_list(cls, v):
+        return [v] if isinstance(v, (dict, BaseModel)) else v
 
     @field_validator("backends")
     @classmethod
@@ -256,7 +318,13 @@ class Sweep(_Strict):
                     raise ValueError(f"the point {m.h_qk}/{m.h_v} {list(lens)[:6]} appears twice "
                                      "(overlapping models or layouts)")
                 seen.add(key)
+        names = [g.recipe for g in self.resolved_gates()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"gate: a recipe appears twice ({names}); one entry per recipe")
         return self
+
+    def resolved_gates(self) -> list:
+        return list(self.gate)
 
     def resolved_models(self) -> list[Model]:
         out: list[Model] = []
@@ -280,7 +348,7 @@ def _fmt_loc(loc: tuple) -> str:
         if isinstance(p, int):
             parts.append(f"[{p}]")
         elif p in ("list[Annotated[int, FieldInfo]]", "EqualBatch", "RandomSplit", "str", "Model") \
-                or "[" in str(p):
+                or p in GATE_RECIPES or "[" in str(p):
             continue  # pydantic union-branch tags are noise for a user
         else:
             parts.append(("." if parts else "") + str(p))

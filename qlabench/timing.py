@@ -29,7 +29,8 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from .config import Timing
 
@@ -45,7 +46,9 @@ class TimingResult:
     stop_reason: str = ""
     fallback_reason: str = ""
     flush_ms: float | None = None
-    extra: dict = field(default_factory=dict)
+    #: raw outputs of the last call captured in the timing graph (graph modes; its buffers are
+    #: the graph's, rewritten by every replay), for the check of the timed path
+    outputs: Any = None
 
     @property
     def n_samples(self) -> int:
@@ -135,12 +138,23 @@ def _capture(body: Callable[[], None]):
     return g
 
 
+def _synchronize() -> None:
+    import torch
+    torch.cuda.synchronize()
+
+
+def calls_per_replay(est_ms: float, opts: Timing) -> int:
+    """Calls unrolled in one graph-batch replay: ``calls_per_graph`` if set, else enough that a
+    replay lasts ~``graph_ms`` (1 to 100)."""
+    return opts.calls_per_graph or int(min(100, max(1, round(opts.graph_ms / max(est_ms, 1e-3)))))
+
+
 def _time_replays(g, n_calls: int, opts: Timing, flush: _Flusher | None,
                   subtract_ms: float = 0.0) -> tuple[list[float], str]:
-    import torch
+    """Samples of (replay time − ``subtract_ms``) / ``n_calls``: one per replay, in ms per call."""
     for _ in range(2):
         g.replay()
-    torch.cuda.synchronize()
+    _synchronize()
 
     def one() -> float:
         if flush is not None:
@@ -183,15 +197,15 @@ def measure_gpu(fn: Callable, opts: Timing, graph_safe: bool = True) -> tuple[Ti
         fallback, mode = "backend marks its call as not graph-capturable", "events"
 
     if mode in ("graph-batch", "graph-single"):
-        n = 1 if mode == "graph-single" else (
-            opts.calls_per_graph or int(min(100, max(1, round(opts.graph_ms / est)))))
+        n = 1 if mode == "graph-single" else calls_per_replay(est, opts)
         cold = opts.l2 == "cold"
+        last: dict = {}
         try:
             def body():
                 for _ in range(n):
                     if cold:
                         flusher()
-                    fn()
+                    last["out"] = fn()
             g = _capture(body)
             flush_ms = 0.0
             if cold:
@@ -201,7 +215,8 @@ def measure_gpu(fn: Callable, opts: Timing, graph_safe: bool = True) -> tuple[Ti
                 flush_ms = statistics.median(fl)
             samples, why = _time_replays(g, n, opts, None if cold else flusher, flush_ms)
             return TimingResult(samples, mode, opts.l2, n, why,
-                                flush_ms=(flush_ms / n if cold else None)), g
+                                flush_ms=(flush_ms / n if cold else None),
+                                outputs=last.get("out")), g
         except Exception as e:  # capture failed: fall back to events, say so
             torch.cuda.synchronize()
             fallback = f"graph capture failed: {type(e).__name__}: {str(e)[:160]}"

@@ -4,8 +4,9 @@ Shapes (B = 1, varlen through ``cu_seqlens``; T = total tokens, N = sequences, K
 
 - ``q``, ``k``: [1, T, H_qk, K], bf16 (the point's dtype), L2-normalised over K
 - ``v``: [1, T, H_v, V], bf16
-- ``g``: [1, T, H_v] fp32, natural-log decay ``logsigmoid(randn) / 16``; a seeded ``zero_frac``
-  share of v-heads get g = 0 (no decay) — the published recipe
+- ``g``: [1, T, H_v] fp32, natural-log decay, by the point's gate recipe (``gate_g``): published
+  ``logsigmoid(randn) / 16`` with a seeded ``zero_frac`` share of v-heads at g = 0 (no decay);
+  ``strong-decay`` uniform in [min_log_gate, 0]; ``model`` ``-exp(A_log)·softplus(a + dt_bias)``
 - ``beta``: [1, T, H_v] fp32, ``sigmoid(randn)``
 - ``h0``: [N, H_v, K, V] fp32 (K x V, FLA's state layout) or None
 - ``cu_seqlens``: [N+1] int64 (the one tensor every backend reuses)
@@ -15,6 +16,7 @@ Shapes (B = 1, varlen through ``cu_seqlens``; T = total tokens, N = sequences, K
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +75,37 @@ def zero_gate_heads(h_v: int, frac: float, seed: int) -> list[int]:
     return sorted(torch.randperm(h_v, generator=gen)[:n].tolist())
 
 
+def gate_g(point: Point, randn) -> tuple[torch.Tensor, list[int]]:
+    """The log-gate g [1, T, H_v] of the point's recipe (draws from ``randn``, the point's
+    generator) and the v-heads held at g = 0. Every recipe gives g <= 0."""
+    T, hv = point.total_tokens, point.h_v
+    p = dict(point.gate_params)
+    zh: list[int] = []
+    if point.gate_recipe == "published":
+        g = F.logsigmoid(randn(1, T, hv)) / 16
+        zh = zero_gate_heads(hv, point.gate_zero_frac, point.gate_seed)
+        if zh:
+            g[:, :, zh] = 0.0
+    elif point.gate_recipe == "strong-decay":
+        u = torch.special.ndtr(randn(1, T, hv))  # uniform in (0, 1) from the same generator
+        g = u * p["min_log_gate"]
+    elif point.gate_recipe == "model":
+        gen = torch.Generator().manual_seed(point.gate_seed)
+        lo, hi = p["a_range_lo"], p["a_range_hi"]
+        a_log = torch.log(lo + (hi - lo) * torch.rand(hv, generator=gen, dtype=torch.float64))
+        dlo, dhi = math.log(p["dt_range_lo"]), math.log(p["dt_range_hi"])
+        dt = torch.exp(dlo + (dhi - dlo) * torch.rand(hv, generator=gen, dtype=torch.float64))
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus⁻¹(dt)
+        a = randn(1, T, hv)
+        g = -(a_log.exp().float().to(a.device) * F.softplus(a + dt_bias.float().to(a.device)))
+    else:
+        raise ValueError(f"gate recipe {point.gate_recipe!r}: unknown")
+    if not bool((g <= 0).all()):
+        raise ValueError(f"gate recipe {point.gate_recipe!r} gave a log-gate > 0 "
+                         f"(max {float(g.max()):.3g}); log-gates must be <= 0")
+    return g.contiguous(), zh
+
+
 def cu_seqlens_of(seqlens, device="cpu") -> torch.Tensor:
     cu = [0]
     for s in seqlens:
@@ -96,10 +129,7 @@ def make(point: Point, device: str | torch.device = "cpu", with_grads: bool = Fa
     q = l2norm(randn(1, T, hq, d)).to(dt)
     k = l2norm(randn(1, T, hq, d)).to(dt)
     v = randn(1, T, hv, d).to(dt)
-    g = F.logsigmoid(randn(1, T, hv)) / 16
-    zh = zero_gate_heads(hv, point.gate_zero_frac, point.gate_seed)
-    if zh:
-        g[:, :, zh] = 0.0
+    g, zh = gate_g(point, randn)
     beta = randn(1, T, hv).sigmoid()
     h0 = randn(point.num_seqs, hv, d, d) if point.initial_state else None
     do = dht = None

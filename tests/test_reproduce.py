@@ -75,7 +75,7 @@ def test_published_points_are_the_sweep_points(direction):
     assert pub.sweep_path() == ROOT / f"configs/h200_{direction}.yaml"
     assert {(p.h_qk, p.h_v, p.seqlens) for p in points(sweep)} == set(pub.table["key"])
     prov = pub.provenance
-    assert sweep.gate.zero_frac == prov["inputs"]["gate_zero_frac"]
+    assert sweep.gate[0].zero_frac == prov["inputs"]["gate_zero_frac"]
     assert sweep.timing.mode == prov["timing"]["qlabench_mode"]
 
 

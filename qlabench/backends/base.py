@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
 @dataclass
 class Prepared:
     """A ready-to-call operation. ``fn()`` runs one call (graph-capturable where the library
-    allows) and returns the library's raw outputs. ``graph_safe`` False forces events timing."""
+    allows) and returns the library's raw outputs. ``graph_safe`` False forces events timing.
+    ``outputs``: buffers ``fn`` writes that the backend allocated once in ``prepare`` (the runner
+    fills them with NaN before every checked call, as it does with what ``fn`` allocates)."""
 
     fn: Callable[[], Any]
     graph_safe: bool = True
     notes: str = ""
-    extra: dict = field(default_factory=dict)
+    outputs: tuple = ()
 
 
 class Unsupported(Exception):

@@ -7,7 +7,7 @@ Conversions (done once in ``prepare``, outside the timed region):
 - beta [1,T,H_v] -> [T,H_v] fp32
 - state: canonical [N,H_v,K,V] -> FlashInfer [N,H_v,V,K] (``transpose(-1,-2)``) in, and back out
 - ``cu_seqlens`` int64 (its SM90 launcher checks int64)
-- outputs written into preallocated buffers that are poisoned with NaN before the checked call
+- outputs written into preallocated buffers (``Prepared.outputs``: NaN before every checked call)
 
 Constraints: head_dim 128 only on SM90; no backward; ``use_qk_l2norm_in_kernel`` is ignored by
 the kernel (our q, k are already normalised).
@@ -82,7 +82,7 @@ class FlashInferBackend(Backend):
                 initial_state=a["initial_state"], output_final_state=x.output_final_state,
                 cu_seqlens=a["cu_seqlens"], output=out, output_state=st)
 
-        return Prepared(fn=fn, extra={"out": out, "state": st})
+        return Prepared(fn=fn, outputs=(out, st))
 
     def outputs_to_canonical(self, raw, x, direction):
         o, st = (raw if isinstance(raw, tuple) else (raw, None))

@@ -1,1 +1,0 @@
-"""Developer tools for the kernels: a pure-torch emulation of each kernel and GPU check scripts."""

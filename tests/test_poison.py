@@ -1,0 +1,226 @@
+"""The correctness gate's defences, on the CPU: poisoning, the check after timing, the check of
+the timed graph's outputs, the per-sequence / per-block gate, and graph-batch arithmetic.
+
+Each test carries its negative control: without the defence, the broken backend would pass."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qlabench import backends as B
+from qlabench import config as C
+from qlabench import poison, runner, timing
+from qlabench.backends.base import Prepared
+from qlabench.backends.reference import ReferenceBackend
+from qlabench.workloads import cu_seqlens_of
+
+# N=4 sequences x 2 v-heads x 64 x 64 fp32 final state = 128 KiB (a "small" allocation on the GPU)
+CFG = {"name": "pz", "models": [{"name": "m", "h_qk": 1, "h_v": 2, "head_dim": 64}],
+       "seqlens": [[9, 20, 33, 7]], "backends": ["faulty"], "isolate": False,
+       "reference": {"impl": "chunked", "dtype": "fp64"},
+       "timing": {"min_samples": 2, "max_samples": 3, "budget_s": 0.05}}
+TAIL = 64 * 1024 // 4  # last 64 KiB of fp32 elements
+
+
+class StaleAllocator(TorchDispatchMode):
+    """Below the runner's poisoning, like the device allocator: an ``empty`` of the final
+    state's shape comes back holding the previous call's answer (what PyTorch's small pool did
+    on the H200, 3 times out of 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.answer = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (self.answer is not None and func.overloadpacket.__name__ in poison._EMPTY
+                and isinstance(out, torch.Tensor) and out.shape == self.answer.shape):
+            out.copy_(self.answer)
+        return out
+
+
+class SkipsTail(ReferenceBackend):
+    """Writes the final state into a fresh ``torch.empty`` but leaves its last 64 KiB unwritten."""
+
+    name = "faulty"
+
+    def __init__(self, stale: StaleAllocator):
+        self.stale = stale
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+
+        def fn():
+            o, ht = inner.fn()
+            self.stale.answer = ht.detach().clone()
+            st = torch.empty_like(ht)
+            st.view(-1)[:-TAIL] = ht.reshape(-1)[:-TAIL]
+            return o, st
+        return Prepared(fn=fn, graph_safe=False)
+
+
+def _run(tmp_path, monkeypatch, be, cfg=CFG):
+    monkeypatch.setattr(B, "get", lambda n: be)
+    return runner.run(C.parse(cfg), tmp_path, log=lambda m: None).rows
+
+
+def test_small_output_left_unwritten_is_incorrect(tmp_path, monkeypatch):
+    stale = StaleAllocator()
+    with stale:
+        rows = _run(tmp_path / "a", monkeypatch, SkipsTail(stale))
+    assert [r["status"] for r in rows] == ["incorrect"]
+    assert "final_state" in rows[0]["reason"]
+    # negative control: without the dispatch-level poisoning the stale answer passes
+    monkeypatch.setattr(poison, "PoisonAllocations", contextlib.nullcontext)
+    stale = StaleAllocator()
+    with stale:
+        rows = _run(tmp_path / "b", monkeypatch, SkipsTail(stale))
+    assert [r["status"] for r in rows] == ["ok"]
+
+
+def test_poison_mode_fills_every_empty_factory_and_spares_integers():
+    with poison.PoisonAllocations() as m:
+        ts = [torch.empty(5), torch.empty_like(torch.ones(3, 2)), torch.ones(2).new_empty(4),
+              torch.empty_strided((2, 3), (3, 1), dtype=torch.bfloat16)]
+        i = torch.empty(4, dtype=torch.int64)
+        z = torch.zeros(3)
+    assert all(torch.isnan(t.float()).all() for t in ts) and m.filled == 4
+    assert not torch.isnan(z).any() and i.dtype == torch.int64
+
+
+def test_fill_nan_spares_inputs_handed_back():
+    inp, out = torch.ones(3), torch.ones(4)
+    assert poison.fill_nan((out, inp, {"x": torch.arange(3)}), keep=[inp]) == 1
+    assert torch.isnan(out).all() and (inp == 1).all()
+
+
+class WrongAfterFirstCall(ReferenceBackend):
+    """Right on its first call, then carries state between calls (each later o is off by 10%)."""
+
+    name = "faulty"
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        calls = [0]
+
+        def fn():
+            o, ht = inner.fn()
+            calls[0] += 1
+            return (o * 1.1 if calls[0] > 1 else o), ht
+        return Prepared(fn=fn, graph_safe=False)
+
+
+def test_call_after_timing_is_checked(tmp_path, monkeypatch):
+    rows = _run(tmp_path, monkeypatch, WrongAfterFirstCall())
+    assert rows[0]["status"] == "incorrect" and "after timing" in rows[0]["reason"]
+    assert rows[0]["latency_ms"] is None
+
+
+def _tiny(direction="fwd"):
+    from qlabench.sweep import points
+    from qlabench.workloads import make
+    sw = C.parse({**CFG, "directions": [direction]})
+    x = make(points(sw)[0], with_grads=direction != "fwd")
+    return sw, x, runner.reference_outputs(x, direction, "chunked", "fp64")
+
+
+class HandsBackH0(ReferenceBackend):
+    """Raw outputs (o, final_state, h0): like FLA's forward, it returns an input too."""
+
+    def outputs_to_canonical(self, raw, inputs, direction):
+        return {"o": raw[0], "final_state": raw[1]}
+
+
+def test_check_replay_poisons_the_captured_outputs_then_checks_what_the_replay_wrote():
+    sw, x, ref = _tiny()
+    be = HandsBackH0()
+    raw = (ref["o"].clone(), ref["final_state"].clone(), x.h0)
+
+    def replay_all():
+        raw[0].copy_(ref["o"])
+        raw[1].copy_(ref["final_state"])
+
+    worst, bad = runner.check_replay(be, replay_all, raw, x, "fwd", ref, sw)
+    assert bad == [] and worst < 1e-6 and torch.isfinite(x.h0).all()
+
+    def replay_skips_state():  # under capture the library leaves the state alone
+        raw[0].copy_(ref["o"])
+
+    _, bad = runner.check_replay(be, replay_skips_state, raw, x, "fwd", ref, sw)
+    assert any("final_state" in b for b in bad)
+
+
+def test_state_gate_catches_one_wrong_sequence_the_global_norm_hides():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(8, 4, 32, 32, generator=g)
+    bad = ref + 3e-3 * torch.randn(ref.shape, generator=g)
+    bad[5] = bad[5] * 1.05  # one sequence of 8 with a 5% error
+    glob = ((bad - ref).norm() / ref.norm()).item()
+    assert glob < 2e-2  # passes the global threshold ...
+    assert runner.worst_state_rel_err(bad, ref) > runner.SEQ_FACTOR * 2e-2  # ... not this one
+
+
+@pytest.mark.parametrize("name", ["dg", "dbeta", "dh0"])
+def test_small_gradients_are_gated_locally(name):
+    sw, x, ref = _tiny("bwd")
+    outs = {k: v.clone() for k, v in ref.items()}
+    _, _, bad = runner.check_outputs(outs, ref, x, "bwd", sw)
+    assert bad == []
+    t = outs[name]
+    if name == "dh0":
+        t[2] = t[2] * 1.5  # one sequence's initial-state gradient off by 50%
+    else:
+        t[0, 20:53, 1] = t[0, 20:53, 1] * 1.5  # one sequence x head block
+    row: dict = {}
+    glob, loc, bad = runner.check_outputs(outs, ref, x, "bwd", sw, row)
+    assert row[f"local_rel_l2_{name}"] > 0.3
+    assert any(name in b for b in bad)
+
+
+class FakeGraph:
+    """Replays advance a fake clock by ``n * per_call`` ms."""
+
+    def __init__(self, clock, n, per_call):
+        self.clock, self.n, self.per_call = clock, n, per_call
+
+    def replay(self):
+        self.clock[0] += self.n * self.per_call
+
+
+def test_graph_batch_sample_is_replay_time_over_calls(monkeypatch):
+    clock = [0.0]
+
+    class Ev:
+        def record(self):
+            self.t = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(timing, "_events", lambda: (Ev(), Ev()))
+    monkeypatch.setattr(timing, "_synchronize", lambda: None)
+    opts = C.Timing(min_samples=5, max_samples=5)
+    samples, why = timing._time_replays(FakeGraph(clock, 40, 0.25), 40, opts, None)
+    assert samples == [pytest.approx(0.25)] * 5 and why == "max_samples"
+    # cold L2: the flushes' own time (measured in a graph of flushes alone) is subtracted
+    samples, _ = timing._time_replays(FakeGraph(clock, 40, 0.25), 40, opts, None, subtract_ms=2.0)
+    assert samples == [pytest.approx(0.2)] * 5
+
+
+def test_calls_per_replay_fills_the_graph_budget():
+    t = C.Timing(graph_ms=20.0)
+    assert timing.calls_per_replay(0.5, t) == 40
+    assert timing.calls_per_replay(50.0, t) == 1 and timing.calls_per_replay(1e-6, t) == 100
+    assert timing.calls_per_replay(0.5, C.Timing(calls_per_graph=7)) == 7
+
+
+def test_block_gate_on_token_outputs_of_rank_three():
+    ref = torch.randn(1, 2048, 3)
+    out = ref.clone()
+    out[0, 1100:1200, 2] = 0
+    assert runner.worst_block_rel_err(out, ref, cu_seqlens_of([2048])) > 0.2
