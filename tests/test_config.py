@@ -40,6 +40,10 @@ def test_good_config_parses(tmp_path):
     (GOOD + "out: 'runs/{nme}'\n", "placeholder"),
     (GOOD.replace("models: [{name: m, h_qk: 2, h_v: 8}]", "models: [qwen-fwd, '27B TP2']"),
      "appears twice"),
+    (GOOD + "gate: {recipe: steep}\n", "unknown gate recipe"),
+    (GOOD + "gate: {recipe: strong-decay, min_log_gate: 0.5}\n", "gate[0].min_log_gate"),
+    (GOOD + "gate: {recipe: model, dt_range: [0.1, 0.001]}\n", "dt_range"),
+    (GOOD + "gate: [{recipe: model}, {recipe: model}]\n", "a recipe appears twice"),
 ])
 def test_bad_config_names_field(tmp_path, text, needle):
     p = _write(tmp_path, text)
@@ -50,7 +54,9 @@ def test_bad_config_names_field(tmp_path, text, needle):
 
 
 @pytest.mark.parametrize("text", [GOOD + "bogus: 1\n", GOOD.replace("h_v: 8", "h_v: 7"),
-                                  "models: [\n", ""])
+                                  "models: [\n", "",
+                                  GOOD + "gate: {recipe: strong-decay, min_log_gate: 1}\n",
+                                  GOOD + "gate: {recipe: nope}\n"])
 def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path, text):
     p = _write(tmp_path, text)
     out = tmp_path / "out"
