@@ -141,12 +141,12 @@ def list_points(config: Path = typer.Argument(..., help="sweep YAML")):
     s = _load(config)
     pts = points(s)
     t = Table(title=f"{s.name}: {len(pts)} points")
-    for c in ("#", "model", "h_qk/h_v", "layout", "seqlens", "tokens"):
+    for c in ("#", "model", "h_qk/h_v", "layout", "seqlens", "tokens", "gate"):
         t.add_column(c)
     for p in pts:
         sl = " ".join(map(str, p.seqlens))
         t.add_row(str(p.index), p.model, p.tp_label, p.layout_label,
-                  sl if len(sl) < 50 else sl[:47] + "...", str(p.total_tokens))
+                  sl if len(sl) < 50 else sl[:47] + "...", str(p.total_tokens), p.gate_recipe)
     console.print(t)
 
 

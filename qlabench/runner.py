@@ -260,15 +260,17 @@ def check_outputs(outs: dict, ref: dict, x: Inputs, direction: str, sweep: Sweep
 
 
 def checked_call(be: B.Backend, prep: B.Prepared, x: Inputs, direction: str,
-                 expected_out_bytes: int) -> dict:
+                 expected_out_bytes: int) -> tuple[dict, float]:
     """One eager call of ``prep.fn`` with every output it can write poisoned beforehand
-    (``poison``): its canonical outputs."""
+    (``poison``): its canonical outputs and the call's seconds (poisoning excluded)."""
     poison.poison_cached_memory(2 * expected_out_bytes)
     poison.fill_nan(prep.outputs)
+    _sync()
+    t0 = time.perf_counter()
     with poison.PoisonAllocations():
         raw = prep.fn()
     _sync()
-    return be.outputs_to_canonical(raw, x, direction)
+    return be.outputs_to_canonical(raw, x, direction), time.perf_counter() - t0
 
 
 def check_replay(be: B.Backend, replay, raw, x: Inputs, direction: str, ref: dict,
@@ -303,9 +305,7 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
     except B.Unsupported as e:
         row.update(status="unsupported", reason=str(e))
         return row
-    t0 = time.perf_counter()
-    outs = checked_call(be, prep, x, direction, expected_out_bytes)
-    row["compile_s"] = time.perf_counter() - t0
+    outs, row["compile_s"] = checked_call(be, prep, x, direction, expected_out_bytes)
     worst, worst_loc, bad = check_outputs(outs, ref, x, direction, sweep, row)
     del outs
     row["max_rel_l2"] = worst
@@ -344,7 +344,7 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
                          "(another path under capture?): " + "; ".join(bad_g))
     tr.outputs = None
     # the timed calls ran on the same inputs: check one more call (races, carried state)
-    outs = checked_call(be, prep, x, direction, expected_out_bytes)
+    outs, _ = checked_call(be, prep, x, direction, expected_out_bytes)
     _, _, bad2 = check_outputs(outs, ref, x, direction, sweep)
     del outs
     if bad2:
