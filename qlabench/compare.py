@@ -16,19 +16,34 @@ side (:func:`qlabench.results.latest`). For each pair:
 
 Verdicts: ``slower`` when ratio > 1 + threshold **and** p < alpha; ``faster`` when
 ratio < 1 / (1 + threshold) and p < alpha; ``same`` otherwise; ``incomparable`` when the two rows
-cannot be compared — either status is not ``ok``, ``timing_mode`` / ``l2`` / ``gpu_name`` /
-input recipe differ, or there are too few samples for the test to ever reach alpha — with the
-reason in the ``reason`` column.
+cannot be compared — the base row is not ``ok``, ``timing_mode`` / ``l2`` / ``gpu_name`` / input
+recipe differ, or there are too few samples for the test to ever reach alpha — with the reason in
+the ``reason`` column.
 
 Why both gates: samples within one run are many and tight (graph replays, ~1% spread), so the test
 alone flags 1% drifts that come and go between runs (clocks, other tenants); the threshold alone
 flags noise on short points with a few wide samples. A regression has to be large *and* clear.
 
-``broken`` when the base row was ``ok`` and the new one is ``incorrect``, ``crashed``, ``timeout`` or
-``oom`` (a kernel that stopped working must fail CI, not pass as "incomparable").
+``broken`` when the base row was ``ok`` and the new one is not: any other status (``incorrect``,
+``crashed``, ``timeout``, ``oom``, ``unavailable``, ``unsupported``, ...) or no row at all while
+the new side measured that point and direction with other backends (a backend that stopped
+working or vanished must fail CI, not pass as "incomparable"). Points the new side did not measure
+at all (a quick subset against a full sweep) are counted as ``only_base``, not judged.
 
-Exit codes of :func:`compare_cmd`: 1 if any row is ``slower`` or ``broken``; 0 otherwise; 2 on bad input (a path
-missing, unreadable or without rows, required columns missing, no key in common, bad ``--out``).
+``same-row`` when both sides hold the same stored row (same :data:`results.ROW_IDENTITY`: run id,
+point index, backend, direction, start time) — e.g. a run directory compared with a copy or a
+merge of itself. Such a pair says nothing about repeatability, so it is not judged; when *every*
+compared pair is ``same-row``, :func:`compare_cmd` says so on stderr and exits 2.
+
+Every pair also carries its :func:`results.pairing` (``same_gpu``, ``same_campaign``,
+``throttled`` and the tag ``pairing``, e.g. "cross-campaign, throttled") and both sides'
+``calls_per_sample``; a changed ``calls_per_sample`` is named in the reason (the per-call mean of
+a graph replay of 8 calls and of 32 calls need not be the same number). The summary line gives
+:func:`results.pairing_label` over the pairs that have a ratio.
+
+Exit codes of :func:`compare_cmd`: 1 if any row is ``slower`` or ``broken``; 2 on bad input (a path
+missing, unreadable or without rows, required columns missing, no key in common, every pair the
+same stored row, bad ``--out``); 0 otherwise.
 """
 
 from __future__ import annotations
@@ -46,10 +61,12 @@ from . import results
 REQUIRED = ("point_key", "backend", "direction", "status", "latency_ms", "samples_ms",
             "timing_mode", "gpu_name")
 KEY = results.KEY
-VERDICTS = ("slower", "broken", "faster", "same", "incomparable")
+VERDICTS = ("slower", "broken", "faster", "same", "incomparable", "same-row")
 #: columns copied from the rows for display (new side wins, base side fills in)
 _INFO = ("model", "tp", "layout", "total_tokens", "point_index", "h_qk", "h_v")
 BOOTSTRAP_N = 1000
+#: the pair's :func:`results.pairing` columns carried into the table
+PAIR_FIELDS = ("pairing", "same_gpu", "same_campaign", "throttled", "gpu_known", "campaign_known")
 
 
 class BadInput(Exception):
@@ -90,24 +107,44 @@ def bootstrap_ratio_ci(a: np.ndarray, b: np.ndarray, level: float, n_boot: int =
     return float(np.quantile(r, q)), float(np.quantile(r, 1 - q))
 
 
-def judge(base: Mapping, new: Mapping, threshold: float = 0.05, alpha: float = 0.01,
+def same_row(base: Mapping, new: Mapping) -> bool:
+    """Both mappings are the same stored row (:data:`results.ROW_IDENTITY` equal and known)."""
+    ids = [(_val(base, c), _val(new, c)) for c in results.ROW_IDENTITY]
+    return all(a is not None and b is not None and str(a) == str(b) for a, b in ids)
+
+
+def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: float = 0.01,
           ci: bool = True) -> dict:
-    """Verdict for one pair of rows (dict-like, the schema's columns).
+    """Verdict for one pair of rows (dict-like, the schema's columns); ``new=None``: the new side
+    has no row for this key (``broken`` when the base row is ``ok``).
 
     Returns ``{base_ms, new_ms, ratio, ratio_lo, ratio_hi, p_value, n_base, n_new, verdict,
     reason}``; ``ratio`` is new/base (> 1: slower). ``ci=False`` skips the bootstrap interval
     (it does not enter the verdict; the report's history judges thousands of pairs)."""
     from scipy.stats import mannwhitneyu
 
-    out = {"base_ms": _val(base, "latency_ms"), "new_ms": _val(new, "latency_ms"),
+    out = {"base_ms": _val(base, "latency_ms"), "new_ms": _val(new or {}, "latency_ms"),
            "ratio": None, "ratio_lo": None, "ratio_hi": None, "p_value": None,
            "n_base": 0, "n_new": 0, "verdict": "incomparable", "reason": ""}
     why = []
-    sb, sn = _val(base, "status"), _val(new, "status")
-    if sb == "ok" and sn in ("incorrect", "crashed", "timeout", "oom"):
+    sb = _val(base, "status")
+    if new is None:
+        if sb == "ok":
+            out["verdict"] = "broken"
+            out["reason"] = "was ok, now missing (no row for it in new)"
+        else:
+            out["reason"] = f"base status {sb}; no row in new"
+        return out
+    if same_row(base, new):
+        out["verdict"] = "same-row"
+        out["reason"] = (f"the same stored row on both sides (run {_val(new, 'run_id')}, "
+                         f"started {_val(new, 'started_at')})")
+        return out
+    sn = _val(new, "status")
+    if sb == "ok" and sn != "ok":
         rr = _val(new, "reason")
         out["verdict"] = "broken"
-        out["reason"] = f"was ok, now {sn}" + (f" ({str(rr)[:80]})" if rr else "")
+        out["reason"] = f"was ok, now {sn or 'without a status'}" + (f" ({str(rr)[:80]})" if rr else "")
         return out
     if sb != "ok" and sb == sn:
         rr = _val(new, "reason")
@@ -126,16 +163,19 @@ def judge(base: Mapping, new: Mapping, threshold: float = 0.05, alpha: float = 0
     if why:
         out["reason"] = "; ".join(why)
         return out
+    cb, cn = _val(base, "calls_per_sample"), _val(new, "calls_per_sample")
+    note = f"calls_per_sample {int(cb)} vs {int(cn)}" if (cb is not None and cn is not None
+                                                         and int(cb) != int(cn)) else ""
     a, b = _samples(base), _samples(new)
     out["n_base"], out["n_new"] = len(a), len(b)
     if not len(a) or not len(b) or np.median(a) <= 0:
-        out["reason"] = "no latency samples"
+        out["reason"] = _join("no latency samples", note)
         return out
     ratio = float(np.median(b) / np.median(a))
     out["ratio"] = ratio
     if min_two_sided_p(len(a), len(b)) >= alpha:
-        out["reason"] = (f"too few samples for a test at alpha={alpha:g} "
-                         f"(base {len(a)}, new {len(b)})")
+        out["reason"] = _join(f"too few samples for a test at alpha={alpha:g} "
+                              f"(base {len(a)}, new {len(b)})", note)
         return out
     p = float(mannwhitneyu(b, a, alternative="two-sided").pvalue)
     out["p_value"] = p
@@ -151,7 +191,12 @@ def judge(base: Mapping, new: Mapping, threshold: float = 0.05, alpha: float = 0
             out["reason"] = f"beyond threshold but p={p:.2g} >= alpha"
         elif p < alpha:
             out["reason"] = "significant but within threshold"
+    out["reason"] = _join(out["reason"], note)
     return out
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
 
 
 def check_columns(df: pd.DataFrame, path: Path | str) -> None:
@@ -181,23 +226,33 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
                    alpha: float = 0.01) -> tuple[pd.DataFrame, dict]:
     """Pair the latest row per key on each side and judge each pair.
 
-    Returns (one row per common key with the key, info columns, :func:`judge`'s fields and both
-    run ids; a summary dict with counts, ``only_base`` and ``only_new`` key counts)."""
+    Judged keys: every key of the new side that the base side has, and every base key whose point
+    and direction the new side measured (for some backend) but without a row for this backend.
+    Returns (one row per judged key with the key, info columns, :func:`judge`'s fields, both run
+    ids and shas, both ``calls_per_sample`` and the pair's :func:`results.pairing` columns; a
+    summary dict with counts per verdict, ``only_base`` and ``only_new`` key counts, ``pairs``
+    (pairs with a ratio) and ``pairing`` (:func:`results.pairing_label` over those))."""
     b = {tuple(r[c] for c in KEY): r for r in results.latest(base).to_dict("records")}
     n = {tuple(r[c] for c in KEY): r for r in results.latest(new).to_dict("records")}
+    measured = {(k[0], k[2]) for k in n}  # (point_key, direction) the new side has rows for
+    keys = [k for k in n if k in b] + [k for k in b if k not in n and (k[0], k[2]) in measured]
     rows = []
-    for k, rn in n.items():
-        rb = b.get(k)
-        if rb is None:
-            continue
+    for k in keys:
+        rb, rn = b[k], n.get(k)
         j = judge(rb, rn, threshold, alpha)
-        info = {c: (_val(rn, c) if _val(rn, c) is not None else _val(rb, c)) for c in _INFO}
+        info = {c: (_val(rn or {}, c) if _val(rn or {}, c) is not None else _val(rb, c))
+                for c in _INFO}
+        pr = results.pair(rb, rn or {})
         rows.append({**dict(zip(KEY, k)), **info, **j,
-                     "base_run_id": _val(rb, "run_id"), "new_run_id": _val(rn, "run_id"),
-                     "base_sha": _val(rb, "git_sha"), "new_sha": _val(rn, "git_sha")})
+                     "base_calls_per_sample": _val(rb, "calls_per_sample"),
+                     "new_calls_per_sample": _val(rn or {}, "calls_per_sample"),
+                     **{c: pr[c] for c in PAIR_FIELDS},
+                     "base_run_id": _val(rb, "run_id"), "new_run_id": _val(rn or {}, "run_id"),
+                     "base_sha": _val(rb, "git_sha"), "new_sha": _val(rn or {}, "git_sha")})
     cols = [*KEY, *_INFO, "base_ms", "new_ms", "ratio", "ratio_lo", "ratio_hi", "p_value",
-            "n_base", "n_new", "verdict", "reason", "base_run_id", "new_run_id", "base_sha",
-            "new_sha"]
+            "n_base", "n_new", "verdict", "reason", "base_calls_per_sample",
+            "new_calls_per_sample", *PAIR_FIELDS,
+            "base_run_id", "new_run_id", "base_sha", "new_sha"]
     df = pd.DataFrame(rows, columns=cols)
     if not df.empty:
         order = {v: i for i, v in enumerate(VERDICTS)}
@@ -205,8 +260,11 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
                             key=lambda s: s.map(order) if s.name == "verdict" else s,
                             kind="stable").reset_index(drop=True)
     summary = {v: int((df["verdict"] == v).sum()) for v in VERDICTS}
-    summary["only_base"] = len(set(b) - set(n))
+    summary["only_base"] = len(set(b) - set(keys))
     summary["only_new"] = len(set(n) - set(b))
+    judged = df[df["ratio"].notna()] if not df.empty else df
+    summary["pairs"] = len(judged)
+    summary["pairing"] = results.pairing_label(judged)
     return df, summary
 
 
@@ -226,7 +284,7 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshol
 
     console = console or Console(soft_wrap=True, width=200)
     colors = {"slower": "red", "broken": "bold red", "faster": "green", "same": "",
-              "incomparable": "yellow"}
+              "incomparable": "yellow", "same-row": "magenta"}
     shown = df
     hidden = 0
     if len(df) > max_same + 20:
@@ -237,7 +295,7 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshol
     for c, j in (("model", "left"), ("h_qk/h_v", "left"), ("layout", "left"), ("backend", "left"),
                  ("dir", "left"), ("base ms", "right"), ("new ms", "right"),
                  ("new/base", "right"), (f"{1 - alpha:.0%} CI", "right"), ("p", "right"),
-                 ("verdict", "left"), ("reason", "left")):
+                 ("calls", "right"), ("pairing", "left"), ("verdict", "left"), ("reason", "left")):
         t.add_column(c, justify=j)
     for r in shown.to_dict("records"):
         ci = f"{_fmt(r['ratio_lo'], '.3f')}–{_fmt(r['ratio_hi'], '.3f')}" \
@@ -245,8 +303,8 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshol
         col = colors[r["verdict"]]
         t.add_row(str(r["model"] or ""), str(r["tp"] or ""), str(r["layout"] or r["point_key"]),
                   r["backend"], r["direction"], _fmt(r["base_ms"], ".4f"), _fmt(r["new_ms"], ".4f"),
-                  _fmt(r["ratio"], ".3f"), ci, _fmt(r["p_value"], ".2g"),
-                  f"[{col}]{r['verdict']}[/{col}]" if col else r["verdict"], str(r["reason"] or ""))
+                  _fmt(r["ratio"], ".3f"), ci, _fmt(r["p_value"], ".2g"), _calls(r),
+                  str(r["pairing"] or ""), f"[{col}]{r['verdict']}[/{col}]" if col else r["verdict"], str(r["reason"] or ""))
     console.print(t)
     if hidden:
         console.print(f"({hidden} more rows 'same' not shown; --out FILE writes every row)")
@@ -254,10 +312,25 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshol
     extra += [f"{summary['only_new']} only in new"] if summary["only_new"] else []
     console.print(", ".join(f"{summary[v]} {v}" for v in VERDICTS)
                   + (f" ({', '.join(extra)})" if extra else ""), highlight=False)
+    console.print(f"pairing of the {summary['pairs']} ratios: {summary['pairing']}",
+                  highlight=False, markup=False)
     for r in df[df["verdict"].isin(["slower", "broken"])].to_dict("records"):
         what = (f"{r['ratio']:.3f}x (p={r['p_value']:.2g})" if r["verdict"] == "slower"
                 else f"broken: {r['reason']}")
-        console.print(f"REGRESSION {row_label(r)}: {what}", highlight=False, markup=False)
+        tag = f" [{r['pairing']}]" if r["verdict"] == "slower" and r["pairing"] else ""
+        console.print(f"REGRESSION {row_label(r)}: {what}{tag}", highlight=False, markup=False)
+
+
+def _calls(r: Mapping) -> str:
+    """``calls_per_sample`` of the pair: one number, or ``base→new`` when it changed."""
+    a, b = r.get("base_calls_per_sample"), r.get("new_calls_per_sample")
+    a, b = (None if x is None or (isinstance(x, float) and not np.isfinite(x)) else int(x)
+            for x in (a, b))
+    if a is None and b is None:
+        return ""
+    if a is None or b is None or a == b:
+        return str(b if b is not None else a)
+    return f"{a}→{b}"
 
 
 def write_out(df: pd.DataFrame, summary: dict, out: Path, base: Path, new: Path, threshold: float,
@@ -297,6 +370,11 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
     if out is not None:
         write_out(df, summary, Path(out), base, new, threshold, alpha)
         console.print(f"wrote {out}", highlight=False, markup=False)
+    if summary["same-row"] == len(df):
+        err.print(f"error: every one of the {len(df)} compared pairs is the same stored row on "
+                  f"both sides ({new} holds {base}'s rows): nothing was re-measured, so this says "
+                  "nothing about repeatability", highlight=False, markup=False)
+        return 2
     return 1 if (summary["slower"] or summary.get("broken")) else 0
 
 

@@ -255,6 +255,74 @@ def latest(df: pd.DataFrame) -> pd.DataFrame:
         ["point_index", "backend", "direction"])
 
 
+#: columns that say whether two rows can be compared as measured side by side
+PAIR_COLUMNS = ("gpu_uuid", "campaign_id", "throttled")
+
+
+def _known(v) -> bool:
+    return v is not None and not (isinstance(v, float) and v != v) and v is not pd.NA and v != ""
+
+
+def pairing(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """How the rows of every ratio were measured: ``a.iloc[i]`` is paired with ``b.iloc[i]``.
+
+    Columns (index of ``a``): ``gpu_known`` / ``campaign_known`` (both rows carry ``gpu_uuid`` /
+    ``campaign_id``), ``same_gpu`` / ``same_campaign`` (known on both sides and equal; a value
+    missing on either side, as on rows written before these columns existed, counts as not
+    shared), ``throttled`` (either row's ``throttled`` is true) and ``pairing``, the per-pair tag
+    of :func:`pair_tag` ("" for a clean pair). Frames lacking a column count it as unknown."""
+    if len(a) != len(b):
+        raise ValueError(f"pairing: {len(a)} rows vs {len(b)} rows")
+
+    def col(df, c):
+        return list(df[c]) if c in df.columns else [None] * len(df)
+
+    out = {}
+    for c, name in (("gpu_uuid", "gpu"), ("campaign_id", "campaign")):
+        x, y = col(a, c), col(b, c)
+        known = [_known(u) and _known(v) for u, v in zip(x, y)]
+        out[f"{name}_known"] = known
+        out[f"same_{name}"] = [k and u == v for k, u, v in zip(known, x, y)]
+    out["throttled"] = [(_known(u) and bool(u)) or (_known(v) and bool(v))
+                        for u, v in zip(col(a, "throttled"), col(b, "throttled"))]
+    p = pd.DataFrame(out, index=a.index)
+    p["pairing"] = [pair_tag(g, c, t) for g, c, t in
+                    zip(p["same_gpu"], p["same_campaign"], p["throttled"])]
+    return p
+
+
+def pair(a: dict, b: dict) -> dict:
+    """:func:`pairing` of one pair of rows given as dicts (the schema's columns)."""
+    return pairing(pd.DataFrame([a]), pd.DataFrame([b])).iloc[0].to_dict()
+
+
+def pair_tag(same_gpu: bool, same_campaign: bool, throttled: bool) -> str:
+    """Per-pair tag: "" when both rows share GPU and campaign and neither is throttled, else the
+    words that apply of ``cross-GPU``, ``cross-campaign``, ``throttled`` (comma-separated)."""
+    words = [w for w, bad in (("cross-GPU", not same_gpu), ("cross-campaign", not same_campaign),
+                              ("throttled", throttled)) if bad]
+    return ", ".join(words)
+
+
+def pairing_label(p: pd.DataFrame) -> str:
+    """Headline label of a statistic over the pairs of ``p`` (a :func:`pairing` frame), e.g.
+    ``cross-campaign: 120 of 171 pairs (120 unknown); throttled: 43`` or
+    ``same GPU and campaign: 171 pairs``. "unknown": rows without ``gpu_uuid``/``campaign_id``."""
+    n = len(p)
+    if not n:
+        return "no pairs"
+    parts = []
+    for name, word in (("gpu", "cross-GPU"), ("campaign", "cross-campaign")):
+        k = int((~p[f"same_{name}"].astype(bool)).sum())
+        if k:
+            unknown = int((~p[f"{name}_known"].astype(bool)).sum())
+            parts.append(f"{word}: {k} of {n} pair{'s' * (n != 1)}" + (f" ({unknown} unknown)" if unknown else ""))
+    t = int(p["throttled"].astype(bool).sum())
+    if t:
+        parts.append(f"throttled: {t}")
+    return "; ".join(parts) if parts else f"same GPU and campaign: {n} pair{'s' * (n != 1)}"
+
+
 class MergeError(Exception):
     pass
 

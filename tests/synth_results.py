@@ -40,9 +40,11 @@ def make_rows(run_id: str, started_at: str, git_sha: str = "abc123", config: str
               directions=("fwd",), backends=tuple(BACKENDS), n_samples: int = 60,
               noise: float = 0.01, seed: int = 0, scale: dict | None = None,
               timing_mode: str = "graph-batch", gpu_name: str = "NVIDIA H200",
-              status: dict | None = None, models=MODELS, layouts=LAYOUTS) -> list[dict]:
+              status: dict | None = None, models=MODELS, layouts=LAYOUTS,
+              extra: dict | None = None) -> list[dict]:
     """One row per model × layout × direction × backend. ``scale``: backend -> latency factor;
-    ``status``: backend -> status (non-ok rows get no timing)."""
+    ``status``: backend -> status (non-ok rows get no timing); ``extra``: columns set on every
+    row (e.g. ``gpu_uuid``, ``campaign_id``, ``calls_per_sample``)."""
     rng = np.random.default_rng(seed)
     rows = []
     idx = 0
@@ -62,7 +64,7 @@ def make_rows(run_id: str, started_at: str, git_sha: str = "abc123", config: str
                         "direction": d, "backend": b, "backend_version": "1.0",
                         "gpu_name": gpu_name, "started_at": started_at, "status": st,
                         "reason": "" if st == "ok" else f"synthetic {st}", "timing_mode": timing_mode,
-                        "l2": "warm",
+                        "l2": "warm", **(extra or {}),
                     }
                     if st == "ok":
                         mu = base_latency_ms(hv, lay, b) * (3.0 if d == "bwd" else 1.0)

@@ -7,6 +7,7 @@ import synth_results as S
 from typer.testing import CliRunner
 
 from qlabench import compare as Q
+from qlabench import results
 from qlabench.cli import app
 
 
@@ -20,13 +21,40 @@ def _json(p):
     return json.loads(p.read_text())
 
 
-def test_run_against_itself_is_all_same(base, tmp_path, capsys):
+def test_run_against_itself_is_refused_as_the_same_rows(base, tmp_path, capsys):
     rc = Q.compare_cmd(base, base, out=tmp_path / "v.json")
-    assert rc == 0
+    assert rc == 2
     out = _json(tmp_path / "v.json")
-    assert len(out["rows"]) == 24 and {r["verdict"] for r in out["rows"]} == {"same"}
-    assert all(r["ratio"] == pytest.approx(1.0) for r in out["rows"])
-    assert "24 same" in capsys.readouterr().out
+    assert len(out["rows"]) == 24 and {r["verdict"] for r in out["rows"]} == {"same-row"}
+    assert all(r["ratio"] is None and "same stored row" in r["reason"] for r in out["rows"])
+    cap = capsys.readouterr()
+    assert "24 same-row" in cap.out
+    assert "every one of the 24 compared pairs is the same stored row" in cap.err
+
+
+def test_rerun_against_base_is_all_same(base, tmp_path, capsys):
+    new = S.copy_scaled(base, tmp_path / "new", {})
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 0
+    rows = _json(tmp_path / "v.json")["rows"]
+    assert len(rows) == 24 and {r["verdict"] for r in rows} == {"same"}
+    assert all(r["ratio"] == pytest.approx(1.0) for r in rows)
+    assert "24 same," in capsys.readouterr().out
+
+
+def test_some_rows_shared_are_flagged_the_others_judged(base, tmp_path):
+    # new = base's own fla rows (as a merge would copy them) + re-measured rows of the others
+    new = S.copy_scaled(base, tmp_path / "new", {"flashqla": 1.10})
+    remeasured = results.load(new)
+    for f in (new / "parts").glob("*.parquet"):
+        f.unlink()
+    kept = results.latest(results.load(base))
+    results._write_rows_file(new / "parts", "merge", pd.concat(
+        [kept[kept["backend"] == "fla"], remeasured[remeasured["backend"] != "fla"]]))
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 1  # the slower flashqla rows
+    by: dict = {}
+    for r in _json(tmp_path / "v.json")["rows"]:
+        by.setdefault(r["backend"], set()).add(r["verdict"])
+    assert by == {"fla": {"same-row"}, "flashqla": {"slower"}, "tilelang": {"same"}}
 
 
 def test_one_backend_ten_percent_slower_fails_naming_exactly_those_rows(base, tmp_path, capsys):
@@ -115,6 +143,89 @@ def test_status_not_ok_on_the_base_side_is_incomparable(base, tmp_path):
     bad = [r for r in rows if r["backend"] == "flashqla"]
     assert {r["verdict"] for r in bad} == {"incomparable"}
     assert all("base status unavailable" in r["reason"] for r in bad)
+
+
+@pytest.mark.parametrize("status", ["unavailable", "unsupported"])
+def test_ok_turned_unavailable_or_unsupported_is_broken_and_fails(base, tmp_path, capsys, status):
+    new = S.copy_scaled(base, tmp_path / "new", {})
+    df = results.load(new)
+    df.loc[df["backend"] == "flashqla", ["status", "reason"]] = [status, f"why {status}"]
+    rewrite(new, df)
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 1
+    rows = _json(tmp_path / "v.json")["rows"]
+    bad = [r for r in rows if r["verdict"] == "broken"]
+    assert len(bad) == 8 and {r["backend"] for r in bad} == {"flashqla"}
+    assert all(f"was ok, now {status} (why {status})" in r["reason"] for r in bad)
+    out = capsys.readouterr().out
+    assert out.count("REGRESSION flashqla fwd") == 8 and "8 broken" in out
+
+
+def test_ok_row_missing_from_new_is_broken(base, tmp_path):
+    new = S.write_run(tmp_path / "new", run_id="r2", started_at="2025-01-02T00:00:00",
+                      backends=("fla", "tilelang"))
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 1
+    out = _json(tmp_path / "v.json")
+    bad = [r for r in out["rows"] if r["verdict"] == "broken"]
+    assert len(bad) == 8 and {r["backend"] for r in bad} == {"flashqla"}
+    assert all("now missing" in r["reason"] and r["new_run_id"] is None for r in bad)
+    assert out["summary"]["only_base"] == 0
+
+
+def test_points_the_new_side_did_not_measure_are_only_base(base, tmp_path):
+    new = S.write_run(tmp_path / "new", run_id="r2", started_at="2025-01-02T00:00:00",
+                      layouts=S.LAYOUTS[:2])
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 0
+    out = _json(tmp_path / "v.json")
+    assert len(out["rows"]) == 12 and out["summary"]["only_base"] == 12
+    assert out["summary"]["broken"] == 0
+
+
+def test_changed_calls_per_sample_is_shown(tmp_path, capsys):
+    b = S.write_run(tmp_path / "b", extra={"calls_per_sample": 8})
+    n = S.write_run(tmp_path / "n", run_id="r2", started_at="2025-01-02T00:00:00", seed=3,
+                    extra={"calls_per_sample": 32})
+    assert Q.compare_cmd(b, n, out=tmp_path / "v.json") == 0
+    rows = _json(tmp_path / "v.json")["rows"]
+    assert all(r["base_calls_per_sample"] == 8 and r["new_calls_per_sample"] == 32 for r in rows)
+    assert all("calls_per_sample 8 vs 32" in r["reason"] for r in rows)
+    assert "8→32" in capsys.readouterr().out
+    same = S.write_run(tmp_path / "s", run_id="r3", started_at="2025-01-03T00:00:00", seed=4,
+                       extra={"calls_per_sample": 8})
+    assert Q.compare_cmd(b, same, out=tmp_path / "v2.json") == 0
+    assert not any("calls_per_sample" in r["reason"] for r in _json(tmp_path / "v2.json")["rows"])
+
+
+def test_pairing_is_stated_per_pair_and_in_the_summary(tmp_path, capsys):
+    g = {"gpu_uuid": "GPU-1", "campaign_id": "c1"}
+    b = S.write_run(tmp_path / "b", extra=g)
+    n = S.write_run(tmp_path / "n", run_id="r2", started_at="2025-01-02T00:00:00", seed=3, extra=g)
+    assert Q.compare_cmd(b, n, out=tmp_path / "v.json") == 0
+    out = _json(tmp_path / "v.json")
+    assert all(r["pairing"] == "" and r["same_gpu"] and r["same_campaign"] for r in out["rows"])
+    assert out["summary"]["pairing"] == "same GPU and campaign: 24 pairs"
+    assert "pairing of the 24 ratios: same GPU and campaign: 24 pairs" in capsys.readouterr().out
+    # another campaign on the same GPU, fla rows throttled; rows without ids: unknown
+    t = S.write_run(tmp_path / "t", run_id="r3", started_at="2025-01-03T00:00:00", seed=4,
+                    extra={"gpu_uuid": "GPU-1", "campaign_id": "c2"})
+    df = results.load(t)
+    df.loc[df["backend"] == "fla", "throttled"] = True
+    rewrite(t, df)
+    Q.compare_cmd(b, t, out=tmp_path / "v2.json")
+    out = _json(tmp_path / "v2.json")
+    assert {r["pairing"] for r in out["rows"] if r["backend"] == "fla"} == {"cross-campaign, throttled"}
+    assert {r["pairing"] for r in out["rows"] if r["backend"] != "fla"} == {"cross-campaign"}
+    assert out["summary"]["pairing"] == "cross-campaign: 24 of 24 pairs; throttled: 8"
+    Q.compare_cmd(S.write_run(tmp_path / "old"), t, out=tmp_path / "v3.json")
+    assert _json(tmp_path / "v3.json")["summary"]["pairing"] == (
+        "cross-GPU: 24 of 24 pairs (24 unknown); cross-campaign: 24 of 24 pairs (24 unknown); "
+        "throttled: 8")
+
+
+def rewrite(d, df):
+    """Replace a results directory's rows by ``df`` (one Parquet file)."""
+    for f in (d / "parts").glob("*.parquet"):
+        f.unlink()
+    results._write_rows_file(d / "parts", "rows", df)
 
 
 def test_latest_row_per_key_is_used(base, tmp_path):
