@@ -23,8 +23,10 @@ import time
 CHUNK = 64
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-# Datasheet leads for the H200 SXM, used only when a run has not measured its own ceilings.
-H200_PEAK_TFLOPS = 790.0   # dense bf16 measured-ish ceiling used by the published analysis
+# Ceilings measured on the lent H200 (a large bf16 matmul ~790 TFLOP/s, a device-to-device copy
+# ~4300 GB/s; the datasheet's dense bf16 989 TFLOP/s and 4800 GB/s are not reached), used only when
+# no run of a row's GPU model has measured its own (``measure_ceilings``).
+H200_PEAK_TFLOPS = 790.0
 H200_PEAK_GBPS = 4300.0
 
 
@@ -268,24 +270,35 @@ def median_ceilings(ceilings: list[dict]) -> dict:
     return out
 
 
+DERIVED = ("flops", "min_bytes", "intensity_flop_per_byte", "roofline_ms", "tflops", "gbps",
+           "pct_roofline")
+
+
 def add_derived(df, ceilings: dict | None = None, metas: dict | None = None):
-    """Recompute flops, min_bytes, intensity, roofline_ms, tflops, gbps and pct_roofline from
-    stored columns (so old runs get them without a re-run). Ceilings come from each row's run
-    metadata (``metas[run_id]["ceilings"]``) when present, else from the other runs of ``metas``
-    on the same GPU model (``run_ceilings``), else ``ceilings``, else the H200 leads."""
+    """Recompute the :data:`DERIVED` columns from stored ones (so old runs get them without a
+    re-run), as the runner writes them: :func:`derive` for ``ok`` rows, null for the others, and no
+    roofline (``roofline_ms``, ``pct_roofline``) for CPU-timed rows (``timing_mode == "cpu"``).
+    Ceilings come from each row's run metadata (``metas[run_id]["ceilings"]``) when present, else
+    from the other runs of ``metas`` on the same GPU model (``run_ceilings``), else ``ceilings``,
+    else the H200 leads. A results directory stores exactly these values
+    (``scripts/rederive.py`` rewrites them; ``tests/test_stored_derived.py`` checks)."""
     import pandas as pd
     if df.empty:
         return df
     df = df.copy()
     rows = []
     for r in df.itertuples():
+        if getattr(r, "status", "ok") != "ok":
+            rows.append(dict.fromkeys(DERIVED))
+            continue
         c = run_ceilings(metas or {}, r.run_id, getattr(r, "gpu_name", None)) or ceilings or {}
         d = derive(r.direction, r.latency_ms if pd.notna(r.latency_ms) else None,
                    int(r.total_tokens), int(r.h_qk), int(r.h_v), int(r.num_seqs),
                    int(r.head_dim), r.dtype, c.get("matmul_tflops"), c.get("copy_gbps"),
                    bool(r.initial_state), bool(r.output_final_state))
+        if getattr(r, "timing_mode", None) == "cpu":  # the roofline is the GPU's
+            d.update(roofline_ms=None, pct_roofline=None)
         rows.append(d)
-    for k in ("flops", "min_bytes", "intensity_flop_per_byte", "roofline_ms", "tflops", "gbps",
-              "pct_roofline"):
-        df[k] = [d[k] for d in rows]
+    for k in DERIVED:
+        df[k] = pd.array([d[k] for d in rows], dtype="Float64").astype(float)
     return df
