@@ -1,5 +1,12 @@
 """Adapter conversions with pure-torch stand-ins (no GPU, no library needed)."""
 
+import ast
+import inspect
+import sys
+import textwrap
+import types
+
+import pytest
 import torch
 
 from qlabench import backends as B
@@ -44,16 +51,87 @@ def test_supports_reasons():
     assert not ok and "bf16" in why
 
 
-def test_fla_and_flashqla_canonical_mapping(tiny_point):
-    x = make(tiny_point)
-    o, ht, A, gc = object(), object(), object(), object()
-    assert B.get("fla").outputs_to_canonical((gc, o, A, ht, None, None), x, "fwd") == \
-        {"o": o, "final_state": ht}
-    assert B.get("flashqla").outputs_to_canonical((gc, A, o, None, ht, None), x, "fwd") == \
-        {"o": o, "final_state": ht}
-    grads = tuple(object() for _ in range(6))
-    m = B.get("flashqla").outputs_to_canonical(grads, x, "bwd")
-    assert [m[k] for k in ("dq", "dk", "dv", "dbeta", "dg", "dh0")] == list(grads)
+#: the libraries' low-level calls, and the names of what they return, in order (FLA's are checked
+#: against its installed source below; FlashQLA's are from its 0.1.3 source)
+LIBS = {
+    "fla": {"module": "fla.ops.gated_delta_rule.chunk",
+            "fwd": ("g", "o", "A", "final_state", "initial_state", "g_input"),
+            "bwd": ("dq", "dk", "dv", "db", "dg", "dh0", "dA_log", "ddt_bias")},
+    "flashqla": {"module": "flash_qla",
+                 "fwd": ("g_cumsum", "A", "o", "h", "final_state", "cp_cache"),
+                 "bwd": ("dq", "dk", "dv", "dbeta", "dg", "dh0")},
+}
+
+
+def _fake_library(name, x, ref_fwd, ref_bwd):
+    """Stand-in modules for a library's low-level fwd/bwd: they return the reference answer in
+    the library's order, with look-alikes elsewhere (the initial state beside the final state,
+    dq beside dk, dbeta beside dg), and check they get the canonical inputs and, in the backward,
+    the forward's own g-cumsum and A tensors."""
+    g_cumsum, A = x.g.cumsum(1), torch.randn(*x.g.shape, 64)
+    fwd_vals = {"g": g_cumsum, "g_cumsum": g_cumsum, "A": A, "o": ref_fwd["o"],
+                "final_state": ref_fwd["final_state"], "initial_state": x.h0, "g_input": x.g,
+                "h": None, "cp_cache": None}
+    bwd_vals = {**ref_bwd, "db": ref_bwd["dbeta"], "dA_log": None, "ddt_bias": None}
+    ci = object()
+
+    def fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            chunk_indices=None, output_h=False):
+        assert q is x.q and k is x.k and v is x.v and g is x.g and beta is x.beta
+        assert initial_state is x.h0 and cu_seqlens is x.cu_seqlens and scale == x.scale
+        assert name != "fla" or chunk_indices is ci
+        return tuple(fwd_vals[n] for n in LIBS[name]["fwd"])
+
+    def bwd(q, k, v, g, beta, A, do, dht, scale, initial_state, cu_seqlens, chunk_indices=None):
+        assert g is g_cumsum and A is fwd_vals["A"], "bwd must get the forward's g-cumsum and A"
+        assert q is x.q and do is x.do and dht is x.dht and initial_state is x.h0
+        return tuple(bwd_vals[n] for n in LIBS[name]["bwd"])
+
+    lib = types.ModuleType(LIBS[name]["module"])
+    lib.chunk_gated_delta_rule_fwd, lib.chunk_gated_delta_rule_bwd = fwd, bwd
+    mods = {LIBS[name]["module"]: lib}
+    if name == "fla":
+        utils = types.ModuleType("fla.ops.utils")
+        utils.prepare_chunk_indices = lambda cu, chunk: ci
+        mods["fla.ops.utils"] = utils
+    return mods
+
+
+@pytest.mark.parametrize("name", ["fla", "flashqla"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "fwdbwd"])
+def test_fla_and_flashqla_canonical_mapping(tiny_point, monkeypatch, name, direction):
+    """prepare + outputs_to_canonical over a library that computes the right answer give the
+    reference's outputs (a wrong slot would pick a look-alike or the wrong shape)."""
+    from qlabench.runner import reference_outputs, rel_err
+
+    x = make(tiny_point, with_grads=True)
+    ref_fwd = reference_outputs(x, "fwd", "chunked", "fp32")
+    ref_bwd = reference_outputs(x, "bwd", "chunked", "fp32")
+    for mod, m in _fake_library(name, x, ref_fwd, ref_bwd).items():
+        monkeypatch.setitem(sys.modules, mod, m)
+    be = B.get(name)
+    out = be.outputs_to_canonical(be.prepare(x, direction).fn(), x, direction)
+    ref = ref_fwd if direction == "fwd" else ref_bwd
+    assert set(out) >= set(ref)
+    for n, r in ref.items():
+        assert rel_err(out[n], r)[0] < 1e-6, f"{name} {direction}: {n} is not the library's {n}"
+
+
+def _return_names(fn) -> tuple[str, ...]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)]
+    return tuple(e.id for e in rets[-1].value.elts)
+
+
+@pytest.mark.parametrize("name", ["fla", "flashqla"])
+def test_return_orders_are_the_installed_librarys(name):
+    import importlib
+    try:
+        mod = importlib.import_module(LIBS[name]["module"])
+    except Exception as e:  # not installed, or (flash_qla) no GPU to query at import
+        pytest.skip(f"{LIBS[name]['module']}: {type(e).__name__}")
+    for d in ("fwd", "bwd"):
+        assert _return_names(getattr(mod, f"chunk_gated_delta_rule_{d}")) == LIBS[name][d]
 
 
 def test_every_backend_says_why_unavailable_without_gpu():

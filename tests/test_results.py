@@ -48,12 +48,21 @@ def test_resume_skips_done_and_adding_backend_keeps_rows(tmp_path):
     assert len(df) == 4 and not df.duplicated(["point_key", "backend", "direction"]).any()
 
 
-def test_unavailable_rows_are_retried_on_resume(tmp_path):
-    s = C.parse({**CFG, "backends": ["flashinfer"]})
-    runner.run(s, tmp_path, log=lambda m: None)
-    summ = runner.run(s, tmp_path, resume=True, log=lambda m: None)
-    if summ.rows:  # no GPU here: unavailable again, with the reason
-        assert all(r["status"] == "unavailable" and r["reason"] for r in summ.rows)
+def test_unavailable_rows_are_retried_on_resume(tmp_path, monkeypatch):
+    from qlabench.backends.reference import ReferenceBackend
+
+    s = C.parse({**CFG, "isolate": False})  # the patched availability lives in this process
+    monkeypatch.setattr(ReferenceBackend, "available", lambda self: (False, "library not here"))
+    first = runner.run(s, tmp_path, log=lambda m: None)
+    assert [r["status"] for r in first.rows] == ["unavailable"] * 2
+    again = runner.run(s, tmp_path, resume=True, log=lambda m: None)
+    assert again.skipped_done == 0 and len(again.rows) == 2
+    assert all(r["status"] == "unavailable" and r["reason"] == "library not here"
+               for r in again.rows)
+    monkeypatch.undo()  # the library is there now: the resume measures both points
+    last = runner.run(s, tmp_path, resume=True, log=lambda m: None)
+    assert last.skipped_done == 0 and [r["status"] for r in last.rows] == ["ok"] * 2
+    assert set(results.latest(results.load(tmp_path))["status"]) == {"ok"}
 
 
 def test_resume_refuses_changed_recipe(tmp_path):

@@ -1,18 +1,40 @@
 import json
 import time
+import types
+
+import pytest
 
 from qlabench import metrics, timing
 from qlabench.config import Timing
 from qlabench.profile import parse_trace
 
 
-def test_cpu_timer_stops_on_rse_and_keeps_samples():
-    tr = timing.measure_cpu(lambda: time.sleep(0.002), Timing(min_samples=5, max_samples=50,
-                                                               rse_target=0.05, budget_s=2))
+def test_cpu_timer_stops_on_rse_and_keeps_samples(monkeypatch):
+    # a fake clock: each call takes 2 ms +- 1% (a loaded host's real sleeps can jump 10x)
+    clock = [0.0]
+    steps = iter([0.002 * (1 + 0.01 * (-1) ** i) for i in range(100)])
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    tr = timing.measure_cpu(lambda: clock.__setitem__(0, clock[0] + next(steps)),
+                            Timing(warmup=0, min_samples=5, max_samples=50, rse_target=0.05,
+                                   budget_s=2))
     st = tr.stats()
-    assert 5 <= tr.n_samples <= 50 and len(tr.samples_ms) == tr.n_samples
-    assert 1.9 < st["latency_ms"] < 10 and st["p10_ms"] <= st["latency_ms"] <= st["p90_ms"]
-    assert tr.stop_reason in ("rse", "budget", "max_samples")
+    assert tr.stop_reason == "rse" and tr.n_samples == 5 == len(tr.samples_ms)
+    assert tr.samples_ms == pytest.approx([2.02, 1.98, 2.02, 1.98, 2.02])
+    assert st["latency_ms"] == pytest.approx(2.02) and st["rse"] < 0.05
+    assert st["p10_ms"] <= st["latency_ms"] <= st["p90_ms"]
+
+
+@pytest.mark.parametrize("samples,opts,reason,n", [
+    ([1.0] * 100, dict(min_samples=5, max_samples=50, rse_target=0.01, budget_s=60), "rse", 5),
+    ([1.0, 3.0] * 50, dict(min_samples=5, max_samples=8, rse_target=1e-9, budget_s=60),
+     "max_samples", 8),
+    ([1.0, 3.0] * 50, dict(min_samples=4, max_samples=50, rse_target=1e-9, budget_s=1e-9),
+     "budget", 4),
+])
+def test_stopping_rule_with_a_fake_timer(samples, opts, reason, n):
+    it = iter(samples)
+    got, why = timing._collect(lambda: next(it), Timing(**opts))
+    assert why == reason and got == samples[:n]
 
 
 def test_cpu_timer_budget():
