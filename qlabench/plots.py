@@ -18,7 +18,10 @@ BACKEND_COLORS = {"reference": "#7f7f7f", "fla": "#1f77b4", "flashinfer": "#2ca0
 def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = None,
                    title: str = "") -> Path | None:
     """Grouped bars: one panel per model/TP, one group per layout, one bar per backend; the
-    fastest ok backend's speedup over FLA (or the slowest) labelled above each group."""
+    fastest ok backend's speedup over FLA labelled above each group (:data:`PAIR_MARK` when
+    the two rows are not known to share GPU and campaign, or one is throttled; the title gives
+    ``results.pairing_label`` over the labels)."""
+    from . import results
     ok = df[(df["status"] == "ok") & df["latency_ms"].notna()]
     if direction:
         ok = ok[ok["direction"] == direction]
@@ -30,6 +33,7 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
     ncol = min(3, len(models))
     nrow = int(np.ceil(len(models) / ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 3.6 * nrow), squeeze=False)
+    pairs: list[dict] = []
     for ax, m in zip(axes.flat, models):
         sub = ok[ok["model"] == m]
         layouts = list(dict.fromkeys(sub.sort_values("point_index")["layout"]))
@@ -43,12 +47,17 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
         base = "fla" if "fla" in backends else None
         if base and len(backends) > 1:
             for j, lay in enumerate(layouts):
-                s = sub[sub["layout"] == lay].set_index("backend")["latency_ms"]
-                if base in s and len(s) > 1:
-                    best = s.drop(base).min()
-                    if best and best > 0:
-                        ax.text(x[j], s.max() * 1.02, f"{s[base] / best:.2f}x", ha="center",
-                                fontsize=7)
+                at = sub[sub["layout"] == lay]
+                b_rows, others = at[at["backend"] == base], at[at["backend"] != base]
+                if len(b_rows) and len(others):
+                    rb = b_rows.iloc[-1]
+                    best = others.loc[others["latency_ms"].idxmin()]
+                    if best["latency_ms"] > 0:
+                        pr = results.pair(rb.to_dict(), best.to_dict())
+                        pairs.append(pr)
+                        ax.text(x[j], at["latency_ms"].max() * 1.02,
+                                f"{rb['latency_ms'] / best['latency_ms']:.2f}x"
+                                + (PAIR_MARK if pr["pairing"] else ""), ha="center", fontsize=7)
             ax.set_ylim(top=sub["latency_ms"].max() * 1.12)  # room for the labels
         hq, hv = sub.iloc[0]["h_qk"], sub.iloc[0]["h_v"]
         ax.set_title(f"{m} (h_qk={hq}, h_v={hv})", fontsize=9)
@@ -61,6 +70,10 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
     gpu = ok["gpu_name"].iloc[0]
     modes = ",".join(sorted(set(ok["timing_mode"].dropna())))
     note = "; labels: FLA / fastest other" if "fla" in backends and len(backends) > 1 else ""
+    if pairs:
+        pp = pd.DataFrame(pairs)
+        note += f"\nlabels' pairs: {results.pairing_label(pp)}"
+        note += f" ({_pair_note(list(pp['pairing']))})" if pp["pairing"].any() else ""
     fig.suptitle(title or f"GDN {direction or ''} latency on {gpu} (timing: {modes}){note}",
                  fontsize=11)
     fig.tight_layout()
@@ -116,25 +129,45 @@ def _save(fig, out: str | Path) -> Path:
     return out
 
 
+SPEEDUP_COLUMNS = ["model", "tp", "layout", "point_index", "point_key", "backend", "speedup",
+                   "pairing", "same_gpu", "same_campaign", "throttled", "gpu_known",
+                   "campaign_known"]
+#: marks a number whose two rows are not known to share GPU and campaign, or include a throttled row
+PAIR_MARK = "*"
+
+
 def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd") -> pd.DataFrame:
-    """Long table of baseline latency / backend latency per (model, tp, layout, backend); > 1 means
-    the backend is faster than the baseline. Uses the median when a key has several rows."""
+    """Long table of baseline latency / backend latency per point and backend (> 1: the backend is
+    faster than the baseline), from the latest ok row per key (``results.latest``), with the
+    pair's ``results.pairing`` columns (``pairing`` = "" when both rows share GPU and campaign
+    and neither is throttled)."""
+    from . import results
     ok = _ok(df, direction)
     if ok.empty or baseline not in set(ok["backend"]):
-        return pd.DataFrame(columns=["model", "tp", "layout", "point_index", "backend", "speedup"])
-    g = ok.groupby(["model", "tp", "layout", "backend"], sort=False).agg(
-        latency_ms=("latency_ms", "median"), point_index=("point_index", "min")).reset_index()
-    base = g[g["backend"] == baseline].set_index(["model", "tp", "layout"])["latency_ms"]
-    g = g[g["backend"] != baseline].join(base.rename("base_ms"), on=["model", "tp", "layout"])
-    g["speedup"] = g["base_ms"] / g["latency_ms"]
-    return g.dropna(subset=["speedup"])[["model", "tp", "layout", "point_index", "backend",
-                                         "speedup"]]
+        return pd.DataFrame(columns=SPEEDUP_COLUMNS)
+    ok = results.latest(ok) if {"started_at", "run_id"} <= set(ok.columns) else \
+        ok.drop_duplicates(results.KEY, keep="last")
+    base = ok[ok["backend"] == baseline].set_index("point_key")
+    other = ok[(ok["backend"] != baseline) & ok["point_key"].isin(base.index)]
+    b = base.loc[other["point_key"]].set_axis(other.index)
+    out = other[["model", "tp", "layout", "point_index", "point_key", "backend"]].copy()
+    out["speedup"] = b["latency_ms"].to_numpy() / other["latency_ms"].to_numpy()
+    out = out.join(results.pairing(b, other))
+    return out.dropna(subset=["speedup"])[SPEEDUP_COLUMNS].reset_index(drop=True)
+
+
+def _pair_note(labels: list[str]) -> str:
+    return f"{PAIR_MARK}: rows not known to share GPU and campaign, or throttled" \
+        if any(labels) else ""
 
 
 def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
                     direction: str = "fwd", title: str = "") -> Path | None:
     """Heatmap per backend: rows model (h_qk/h_v), columns layout, cell = baseline latency /
-    backend latency (green: faster than the baseline, red: slower; colour on a log scale)."""
+    backend latency (green: faster than the baseline, red: slower; colour on a log scale). A cell
+    whose two rows are not known to share GPU and campaign, or has a throttled row, carries
+    :data:`PAIR_MARK`; each panel's title gives ``results.pairing_label`` over its cells."""
+    from . import results
     sp = speedup_table(df, baseline, direction)
     if sp.empty:
         return None
@@ -150,23 +183,28 @@ def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
                              squeeze=False, layout="constrained")
     im = None
     for ax, b in zip(axes.flat, backends):
-        sub = sp[sp["backend"] == b].set_index(["model", "tp", "layout"])["speedup"]
+        sb = sp[sp["backend"] == b]
+        sub = sb.set_index(["model", "tp", "layout"])["speedup"]
+        tags = sb.set_index(["model", "tp", "layout"])["pairing"]
         grid = np.full((len(rows), len(cols)), np.nan)
+        mark = np.full((len(rows), len(cols)), "", dtype=object)
         for i, (m, t) in enumerate(rows):
             for j, lay in enumerate(cols):
                 v = sub.get((m, t, lay))
                 if v is not None and np.isfinite(v):
                     grid[i, j] = v
+                    mark[i, j] = PAIR_MARK if tags.get((m, t, lay)) else ""
         cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#dddddd")
         im = ax.imshow(np.log2(grid), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto")
         for i in range(len(rows)):
             for j in range(len(cols)):
                 if np.isfinite(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=6.5)
+                    ax.text(j, i, f"{grid[i, j]:.2f}{mark[i, j]}", ha="center", va="center",
+                            fontsize=6.5)
         ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=7)
         ax.set_yticks(range(len(rows)), [f"{m} ({t})" for m, t in rows] if ax is axes.flat[0]
                       else [], fontsize=7)
-        ax.set_title(f"{b} vs {baseline}", fontsize=9)
+        ax.set_title(f"{b} vs {baseline}\n{results.pairing_label(sb)}", fontsize=8)
     if im is not None:
         cb = fig.colorbar(im, ax=list(axes.flat), shrink=0.9)
         ticks = sorted({t for t in (-3, -2, -1, -0.5, 0, 0.5, 1, 2, 3) if abs(t) < lim - 0.1}
@@ -175,7 +213,9 @@ def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
         cb.set_label(f"speedup over {baseline}", fontsize=8)
     ok = _ok(df, direction)
     gpu = ok["gpu_name"].iloc[0] if len(ok) else ""
-    fig.suptitle(title or f"GDN {direction} speedup over {baseline} on {gpu}", fontsize=10)
+    note = _pair_note(list(sp["pairing"]))
+    fig.suptitle(title or f"GDN {direction} speedup over {baseline} on {gpu}"
+                 + (f"\n{note}" if note else ""), fontsize=10)
     return _save(fig, out)
 
 

@@ -3,12 +3,16 @@ no JavaScript; PNGs written beside the page under ``img/``).
 
 Rows of all given results directories are grouped by (results directory, GPU). Per group:
 
-- status counts per backend and the latest row per key (:func:`qlabench.results.latest`);
+- status counts per backend and the latest row per key (:func:`qlabench.results.latest`), each
+  row's speedup over FLA on its point with the pair's tag (:func:`qlabench.results.pairing`), and
+  per direction and backend the geomean speedup with :func:`qlabench.results.pairing_label` (do
+  its rows share GPU and campaign; how many are throttled);
 - figures of the latest rows (:func:`qlabench.plots.run_figures`): grouped latency bars per layout,
   a speedup heatmap vs FLA when FLA has rows, backward latency vs total tokens;
 - a history view when the group holds several runs: every key's measurements ordered by run start,
   each judged against the previous measurement of the same key with :func:`qlabench.compare.judge`
-  (same threshold and test as ``qlabench compare``), regressions marked and listed;
+  (same threshold and test as ``qlabench compare``), regressions marked and listed with their
+  pairs' tags, the pairing label over every judged pair;
 - every run's environment (``runs/<run_id>.json``) and relative links to its Parquet parts.
 
 Like every view here, it only reads the rows (Parquet is the truth, the site is derived).
@@ -130,15 +134,20 @@ def run_order(df: pd.DataFrame, metas: dict) -> pd.DataFrame:
     return g
 
 
+_NO_PAIR = {"pairing": "", "same_gpu": False, "same_campaign": False, "throttled": False,
+            "gpu_known": False, "campaign_known": False}
+
+
 def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
             alpha: float = 0.01) -> pd.DataFrame:
     """Every (run, key) row ordered by run start, judged against the previous measurement of the
-    same key (``verdict``/``ratio``/``p_value``; empty for a key's first measurement)."""
+    same key (``verdict``/``ratio``/``p_value`` and the two rows' :func:`results.pairing`
+    columns; empty for a key's first measurement)."""
     pos = runs.set_index("run_id")
     h = df.assign(run_pos=df["run_id"].map(pos["run_pos"]),
                   run_label=df["run_id"].map(pos["run_label"]))
     h = h.sort_values(["run_pos"], kind="stable")
-    verdict, ratio, pval, reason, prev_run, order = [], [], [], [], [], []
+    verdict, ratio, pval, reason, prev_run, order, tag = [], [], [], [], [], [], []
     for _, g in h.groupby(results.KEY, sort=False):
         order += list(g.index)
         recs = g.to_dict("records")
@@ -149,6 +158,7 @@ def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
                 pval.append(None)
                 reason.append("")
                 prev_run.append(None)
+                tag.append(_NO_PAIR)
                 continue
             j = Q.judge(recs[i - 1], r, threshold, alpha, ci=False)
             verdict.append(j["verdict"])
@@ -156,10 +166,13 @@ def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
             pval.append(j["p_value"])
             reason.append(j["reason"])
             prev_run.append(recs[i - 1]["run_id"])
+            tag.append(results.pair(recs[i - 1], r))
     out = h.loc[order, ["run_id", "run_pos", "run_label", "git_sha", *results.KEY, "model", "tp",
                         "layout", "point_index", "status", "latency_ms"]].copy()
     out["verdict"], out["ratio"], out["p_value"] = verdict, ratio, pval
     out["reason"], out["prev_run_id"] = reason, prev_run
+    for c in _NO_PAIR:
+        out[c] = [t[c] for t in tag]
     return out.reset_index(drop=True)
 
 
@@ -171,19 +184,55 @@ def _status_table(latest: pd.DataFrame) -> str:
     return _table(t, num=tuple(c for c in t.columns if c != "backend"))
 
 
+def vs_fla(latest: pd.DataFrame) -> pd.DataFrame:
+    """Per latest row: ``vs_fla`` = FLA's latency / this row's on the same point and direction
+    (ok rows both), and the pair's :func:`results.pairing` columns (NaN / "" without a pair)."""
+    d = latest.copy()
+    fla = d[(d["backend"] == "fla") & (d["status"] == "ok")].drop_duplicates(
+        ["point_key", "direction"], keep="last").set_index(["point_key", "direction"])
+    keys = list(zip(d["point_key"], d["direction"]))
+    has = np.array([k in fla.index for k in keys]) & (d["status"] == "ok").to_numpy() \
+        & (d["backend"] != "fla").to_numpy()
+    d["vs_fla"] = np.nan
+    d["pairing"] = ""
+    if has.any():
+        mine = d[has]
+        base = fla.loc[[k for k, h in zip(keys, has) if h]].set_axis(mine.index)
+        d.loc[has, "vs_fla"] = base["latency_ms"].to_numpy() / mine["latency_ms"].to_numpy()
+        pr = results.pairing(base, mine)
+        for c in pr.columns:
+            d.loc[has, c] = pr[c]
+    return d
+
+
 def _latest_table(latest: pd.DataFrame) -> str:
-    d = latest.sort_values(["direction", "point_index", "backend"]).copy()
-    fla = d[(d["backend"] == "fla") & (d["status"] == "ok")].set_index(["point_key", "direction"])
-    d["vs_fla"] = [fla["latency_ms"].get((k, di), np.nan) / v if v and np.isfinite(v) else np.nan
-                   for k, di, v in zip(d["point_key"], d["direction"], d["latency_ms"])]
+    d = vs_fla(latest.sort_values(["direction", "point_index", "backend"]))
     cols = {"model": "model", "tp": "h_qk/h_v", "layout": "layout", "direction": "dir",
             "backend": "backend", "status": "status", "latency_ms": "latency_ms",
             "p10_ms": "p10_ms", "p90_ms": "p90_ms", "n_samples": "n", "vs_fla": "speedup vs fla",
-            "tflops": "tflops", "timing_mode": "timing", "reason": "reason"}
+            "pairing": "pairing (vs fla)", "tflops": "tflops", "timing_mode": "timing",
+            "reason": "reason"}
     d = d[[c for c in cols if c in d.columns]].rename(columns=cols)
     return _table(d, num=("latency_ms", "p10_ms", "p90_ms", "n", "speedup vs fla", "tflops"),
                   fmt={"latency_ms": ".4f", "p10_ms": ".4f", "p90_ms": ".4f",
                        "speedup vs fla": ".2f", "tflops": ".1f"})
+
+
+def _pairing_lines(latest: pd.DataFrame) -> str:
+    """One line per (direction, backend): geomean speedup over FLA and the pairs' label."""
+    d = vs_fla(latest)
+    d = d[d["vs_fla"].notna()]
+    if d.empty:
+        return ""
+    items = []
+    for (di, b), g in d.groupby(["direction", "backend"], sort=True):
+        gm = float(np.exp(np.log(g["vs_fla"].astype(float)).mean()))
+        items.append(f"<li>{_e(di)} {_e(b)}: geomean {gm:.2f}× FLA over {len(g)} points — "
+                     f"{_e(results.pairing_label(g))}</li>")
+    return ("<h3>speedup over FLA (latest rows)</h3><p class='muted'>pairs: whether the two rows "
+            "of each ratio share GPU (<code>gpu_uuid</code>) and measurement campaign "
+            "(<code>campaign_id</code>; unknown on rows written before these columns) and "
+            f"whether one is throttled</p><ul>{''.join(items)}</ul>")
 
 
 def _env_rows(meta: dict) -> pd.DataFrame:
@@ -243,10 +292,11 @@ def _history_section(hist: pd.DataFrame, img_dir: Path, site: Path, slug: str) -
     steps = judged.groupby(["run_label", "verdict"]).size().unstack(fill_value=0).reset_index()
     out.append("<h4>verdicts per run (vs the previous measurement of each point)</h4>")
     out.append(_table(steps, num=tuple(c for c in steps.columns if c != "run_label")))
+    out.append(f"<p class='muted'>pairs judged: {_e(results.pairing_label(judged))}</p>")
     reg = judged[judged["verdict"] == "slower"]
     if len(reg):
         t = reg[["run_label", "model", "tp", "layout", "backend", "direction", "latency_ms",
-                 "ratio", "p_value", "prev_run_id", "run_id"]].rename(
+                 "ratio", "p_value", "pairing", "prev_run_id", "run_id"]].rename(
             columns={"run_label": "run", "tp": "h_qk/h_v", "ratio": "vs previous"})
         out.append(f"<h4 class='slower'>{len(reg)} regression(s)</h4>")
         out.append(_table(t, num=("latency_ms", "vs previous", "p_value"),
@@ -276,7 +326,8 @@ def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0
                 f"<p>{len(runs)} run(s), {len(g)} rows, {len(lat)} distinct point × backend × "
                 f"direction keys; latest run {_e(runs['run_id'].iloc[-1])} "
                 f"({_e(runs['started_at'].iloc[-1])}).</p>",
-                "<h3>status of the latest row per key</h3>", _status_table(lat)]
+                "<h3>status of the latest row per key</h3>", _status_table(lat),
+                _pairing_lines(lat)]
         if figs:
             body.append(f'<h3 id="{slug}-figures">Latency and speedup (latest rows)</h3>')
             body += [f'<p><img src="{_href(p, out)}" alt="{_e(p.stem)}"></p>' for p in figs]

@@ -13,8 +13,12 @@ without it, from running the set's sweep (``provenance.sweeps[direction]``) thro
 published, published vs measured speedup (baseline / target, FLA / FlashQLA), and the in-repo
 ``tilelang`` kernel as an extra measured column (its speedup over FLA and over the best measured
 library). A row whose status is not ``ok`` shows its status instead of a number; a point with no
-row shows ``missing``. Library versions of the measuring runs (``runs/*.json``) are compared with
-the published ones and the differences are printed next to the backends they may explain.
+row shows ``missing``. Every measured ratio between two rows (the speedup, tilelang vs FLA and vs
+the best library) carries its pair's tag (``<ratio>_pairing``, :func:`results.pairing`: do the
+rows share GPU and campaign, is one throttled), and the summary's geomeans their
+:func:`results.pairing_label`. Library versions of the measuring runs (``runs/*.json``) are
+compared with the published ones and the differences are printed next to the backends they may
+explain.
 
 Writes ``OUT/reproduce_<NAME>_<direction>.{csv,md,png}``. Reads only stored rows and the
 published folder (plus the runner when it has to measure); never imports a backend itself.
@@ -224,6 +228,7 @@ def side_by_side(pub: Published, rows: pd.DataFrame) -> pd.DataFrame:
         d["speedup_ms"] = (d[f"{base}_ms"] / d[f"{tgt}_ms"]
                            if np.isfinite(d[f"{base}_ms"]) and np.isfinite(d[f"{tgt}_ms"]) else math.nan)
         d["speedup_ratio"] = d["speedup_ms"] / d["speedup_pub"]
+        d.update(_pair_cols("speedup", by, p.key, base, tgt, np.isfinite(d["speedup_ms"])))
         if has_extra:
             t = d[f"{EXTRA_BACKEND}_ms"]
             d[f"{EXTRA_BACKEND}_vs_fla"] = d["fla_ms"] / t if "fla_ms" in d else math.nan
@@ -231,8 +236,33 @@ def side_by_side(pub: Published, rows: pd.DataFrame) -> pd.DataFrame:
             best = min(libs, key=libs.get) if libs else ""
             d["best_library"] = best
             d[f"{EXTRA_BACKEND}_vs_best"] = libs[best] / t if best else math.nan
+            for r, lib in (("vs_fla", "fla"), ("vs_best", best)):
+                d.update(_pair_cols(f"{EXTRA_BACKEND}_{r}", by, p.key, lib, EXTRA_BACKEND,
+                                    np.isfinite(d[f"{EXTRA_BACKEND}_{r}"])))
         out.append(d)
     return pd.DataFrame(out)
+
+
+#: per measured ratio ``r`` the table carries ``r_pairing`` (:func:`results.pair_tag`) and these
+_PAIR_FLAGS = ("same_gpu", "same_campaign", "throttled", "gpu_known", "campaign_known")
+
+
+def _pair_cols(ratio: str, by: dict, key, a: str, b: str, has: bool) -> dict:
+    """The :func:`results.pairing` of rows ``a`` and ``b`` of a point as ``ratio``-prefixed
+    columns; "" / NaN when the ratio has no value."""
+    if not has:
+        return {f"{ratio}_pairing": "", **{f"{ratio}_{f}": math.nan for f in _PAIR_FLAGS}}
+    pr = results.pair(by[(key, a)]._asdict(), by[(key, b)]._asdict())
+    return {f"{ratio}_pairing": pr["pairing"], **{f"{ratio}_{f}": pr[f] for f in _PAIR_FLAGS}}
+
+
+def pairing_of(table: pd.DataFrame, ratio: str, value: str | None = None) -> str:
+    """:func:`results.pairing_label` over the points where ratio ``ratio`` (its value in column
+    ``value``, default ``ratio``) was measured."""
+    t = table[np.isfinite(table[value or ratio].astype(float))]
+    cols = {f"{ratio}_{f}": f for f in (*_PAIR_FLAGS, "pairing")}
+    return results.pairing_label(t[list(cols)].rename(columns=cols).astype(
+        {f: bool for f in _PAIR_FLAGS}))
 
 
 def _stats(x: pd.Series) -> dict:
@@ -260,14 +290,15 @@ def summarize(pub: Published, table: pd.DataFrame) -> dict:
     both = np.isfinite(sp_ms)
     s["speedup"] = {
         "published": _stats(sp_pub),
-        "measured": _stats(sp_ms),
+        "measured": {**_stats(sp_ms), "pairing": pairing_of(table, "speedup", "speedup_ms")},
         "published_same_points": _stats(sp_pub[both]),
         "within": float((np.abs(table.loc[both, "speedup_ratio"] - 1) <= WITHIN + 1e-12).mean())
         if both.any() else None,
     }
     if f"{EXTRA_BACKEND}_vs_fla" in table:
-        s["extra"] = {"vs_fla": _stats(table[f"{EXTRA_BACKEND}_vs_fla"]),
-                      "vs_best": _stats(table[f"{EXTRA_BACKEND}_vs_best"])}
+        s["extra"] = {r: {**_stats(table[f"{EXTRA_BACKEND}_{r}"]),
+                          "pairing": pairing_of(table, f"{EXTRA_BACKEND}_{r}")}
+                      for r in ("vs_fla", "vs_best")}
     bes = pub.backends
     no_row = table[np.all([table[f"{b}_status"] == MISSING for b in bes], axis=0)]
     s["missing_points"] = [f"{m} {lab}" for m, lab in zip(no_row["model"], no_row["seqlens_label"])]
@@ -421,39 +452,50 @@ def _speedup_rows(pub: Published, s: dict) -> list[list[str]]:
     sp = s["speedup"]
     lab = f"{pub.baseline}/{pub.target}"
     rows = [[f"published {lab}", str(sp["published"]["n"]), _fx(sp["published"]["geomean"]),
-             _fx(sp["published"]["min"]), _fx(sp["published"]["max"])],
+             _fx(sp["published"]["min"]), _fx(sp["published"]["max"]), "–"],
             [f"published {lab}, measured points", str(sp["published_same_points"]["n"]),
              _fx(sp["published_same_points"]["geomean"]), _fx(sp["published_same_points"]["min"]),
-             _fx(sp["published_same_points"]["max"])],
+             _fx(sp["published_same_points"]["max"]), "–"],
             [f"measured {lab}", str(sp["measured"]["n"]), _fx(sp["measured"]["geomean"]),
-             _fx(sp["measured"]["min"]), _fx(sp["measured"]["max"])]]
+             _fx(sp["measured"]["min"]), _fx(sp["measured"]["max"]), sp["measured"]["pairing"]]]
     if "extra" in s:
         for k, lab2 in (("vs_fla", f"measured fla/{EXTRA_BACKEND}"),
                         ("vs_best", f"measured best library/{EXTRA_BACKEND}")):
             e = s["extra"][k]
-            rows.append([lab2, str(e["n"]), _fx(e["geomean"]), _fx(e["min"]), _fx(e["max"])])
+            rows.append([lab2, str(e["n"]), _fx(e["geomean"]), _fx(e["min"]), _fx(e["max"]),
+                         e["pairing"]])
     return rows
 
 
-SPEEDUP_HEAD = ["speedup", "points", "geomean", "min", "max"]
+#: "pairs": whether the two measured rows of each ratio share GPU and campaign, throttled ones
+SPEEDUP_HEAD = ["speedup", "points", "geomean", "min", "max", "pairs"]
 
 
 def _point_head(pub: Published, table: pd.DataFrame) -> list[str]:
     h = ["model", "layout", "h_qk/h_v"] + [f"{b} pub → meas ms (ratio)" for b in pub.backends]
-    h += ["speedup pub", "speedup meas"]
+    h += ["speedup pub", "speedup meas", "pairing"]
     if f"{EXTRA_BACKEND}_status" in table:
-        h += [f"{EXTRA_BACKEND} ms", f"{EXTRA_BACKEND} vs fla", f"{EXTRA_BACKEND} vs best"]
+        h += [f"{EXTRA_BACKEND} ms", f"{EXTRA_BACKEND} vs fla", f"{EXTRA_BACKEND} vs best",
+              f"{EXTRA_BACKEND} pairing (vs fla; vs best)"]
     return h
 
 
 def _point_row(pub: Published, t: pd.Series) -> list[str]:
     r = [str(t["model"]), str(t["seqlens_label"]), f"{t['h_qk']}/{t['h_v']}"]
     r += [_cell(t, b) for b in pub.backends]
-    r += [_fx(t["speedup_pub"]), _fx(t["speedup_ms"])]
+    r += [_fx(t["speedup_pub"]), _fx(t["speedup_ms"]), _tag(t, "speedup", "speedup_ms")]
     if f"{EXTRA_BACKEND}_status" in t:
         r += [_cell(t, EXTRA_BACKEND, with_pub=False), _fx(t[f"{EXTRA_BACKEND}_vs_fla"]),
-              _fx(t[f"{EXTRA_BACKEND}_vs_best"])]
+              _fx(t[f"{EXTRA_BACKEND}_vs_best"]),
+              f"{_tag(t, f'{EXTRA_BACKEND}_vs_fla')}; {_tag(t, f'{EXTRA_BACKEND}_vs_best')}"]
     return r
+
+
+def _tag(t: pd.Series, ratio: str, value: str | None = None) -> str:
+    """A point's pair tag for display: "–" without a measured ratio."""
+    if not np.isfinite(t[value or ratio]):
+        return "–"
+    return t[f"{ratio}_pairing"] or "same GPU and campaign"
 
 
 def _rich(title: str, head: list[str], rows: list[list[str]]) -> Table:
@@ -507,7 +549,8 @@ def figure(pub: Published, table: pd.DataFrame, path: Path) -> Path:
     gp, gm = geomean(table["speedup_pub"]), geomean(both["speedup_ms"])
     gs = geomean(both["speedup_pub"])
     ax.set_title(f"{pub.name} {pub.direction}: geomean published {_fx(gp)} ({len(table)} points; "
-                 f"{_fx(gs)} on the {len(both)} measured), measured {_fx(gm)}", fontsize=9)
+                 f"{_fx(gs)} on the {len(both)} measured), measured {_fx(gm)}\nmeasured pairs: "
+                 f"{pairing_of(table, 'speedup', 'speedup_ms')}", fontsize=8)
     if both.empty:
         ax.text(0.5, 0.5, "no measured speedups\n(" + ", ".join(
             sorted({s for b in (pub.baseline, pub.target) for s in table[f"{b}_status"]} - {"ok"}))
