@@ -1,13 +1,15 @@
-"""Backward kernel 2, warp-specialised (variant ``bwd_dhu_ws=1``): the outputs of bwd_dhu.py (dh per
-chunk, dv_new, dh0 / the split passes' F) with the dH-independent work taken off the chain.
+"""Backward kernel 3: the reverse state-gradient chain (FLA's ``chunk_bwd_dv_local`` +
+``chunk_gated_delta_rule_bwd_dhu``), warp-specialised, with the dH-independent work off the chain.
 
-With Pᵀ = scale Γᵀ ⊙ K Qᵀ (i ≥ j, i < ln), el = mask·e^{g_l − g}, eg = mask·e^g:
+dH [128, 32] (the gradient of the state at the END of the current chunk) stays in fp32 registers,
+starting from d(final state) (or 0); chunks in reverse. dh[slot] = bf16(dH) (d state at chunk end);
+dh0 = dH after the first chunk. With Pᵀ = scale Γᵀ ⊙ K Qᵀ (i ≥ j, i < ln), el = mask·e^{g_l − g}, eg = mask·e^g:
 
     Y  = A_βᵀ dv_new = Y₀ + W' dH,   Y₀ = A_βᵀ bf16(Pᵀ dO),   W' = bf16(A_βᵀ bf16(el ⊙ K))
     dH ← e^{g_l} dH + Qᵀ bf16(scale eg ⊙ dO) + Kᵀ bf16(−eg ⊙ Y)
     dv_new = Pᵀ dO + el ⊙ (K dH)                          (an output only, after the hand-off)
 
-(``emulate_bwd.emu_bwd_dhu(uw=True)``: gradients within bf16 noise of bwd_dhu's algebra.)
+(``tools/kernels/emulate_bwd.emu_bwd_dhu(uw=True)`` mirrors it.)
 
 Pᵀ and W' are the same for every V block, so bwd_pw.py computes them once per (chunk, v-head), in
 parallel, before this kernel; its producer loads them with q, k, dO, A_β and g.
@@ -39,16 +41,22 @@ empty[j](r). dh_sh[j] is rewritten by WG0 (step r + 2) only after ky_ready(r + 1
 arrives after all of step r (its K dH read of dh_sh[j] included), and after dh_stored[j](r); ky_sh
 (single) is written by WG1 after dh_ready(r), which WG0 arrives after its gemms of step r − 1.
 
-Split modes and inputs / outputs as bwd_dhu.run_bwd_dhu (split "", "seg", "carry").
+Split modes: "" walks whole sequences (dht by sequence, dh0 by sequence); "seg" (pass 1 over a split
+stab) walks every segment but the first of its sequence from dH_end = 0 (the last one from d(final
+state)) and writes F (the gradient at its start) into dh0 [NS,...] by segment, no dh / dv_new;
+"carry" (pass 2) walks every segment from its true dH_end (dht = d_end [NS,...] by segment, from
+``fixup.run_rfixup``) and stores dh, dv_new and dh0 by sequence.
+
+Inputs:  q, k [1,T,Hqk,128] bf16, gcs, a_beta (prep), do [1,T,Hv,128] bf16, dht fp32 (read when
+         ``has_dht``), stab int32 [NS,8], scale, pt and w [Hv, NCS*64, ...] bf16 (bwd_pw).
+Outputs: dh_all [Hv, NCS, 128, 128] bf16, dvnew [Hv, NCS*64, 128] bf16, dh0 fp32 (``has_dh0``).
 """
 
 import functools
-import json
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
-from .bwd_dhu import dh_io_macros
+from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 
 #: setmaxnreg budgets of WG0 (dH owner), WG1 (the chain's Y, dv_new), WG2 (builder: P, qdo, Y₀, W'),
 #: WG3 (producer); 512 threads, so they may sum to 512.
@@ -59,14 +67,56 @@ NREG_LAUNCH = 65536 // 512
 assert sum(NREG) * 128 <= 65536 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 
 
-def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 32, split: str = ""):
+def dh_io_macros(split: str, has_dht: bool, has_dh0: bool, D: int, BV: int):
+    """The start and the end of one (V block, segment, v-head) walk of the reverse chain:
+    ``dh_start`` loads dH at the segment's end (d(final state), the
+    reverse fix-up's d_end, or 0, by ``split`` and ``has_dht``); ``dh_end`` writes dH at its start
+    (dh0 by sequence, or F by segment in pass 1). ``is_last`` / ``is_first`` come from the split
+    table; unsplit programs pass 0 (not read)."""
     import tilelang.language as T
+
+    @T.macro
+    def dh_start(dh_frag, dht, s, seq, hv, v0, is_last):
+        if split == "carry":
+            T.copy(dht[s, hv, 0:D, v0 : v0 + BV], dh_frag)
+        elif split == "seg" and has_dht:
+            if seq >= 0 and is_last == 1:
+                T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
+            else:
+                T.clear(dh_frag)
+        elif has_dht:
+            if seq >= 0:
+                T.copy(dht[seq, hv, 0:D, v0 : v0 + BV], dh_frag)
+            else:
+                T.clear(dh_frag)
+        else:
+            T.clear(dh_frag)
+
+    @T.macro
+    def dh_end(dh_frag, dh0, s, seq, hv, v0, is_first):
+        if split == "seg":
+            if seq >= 0 and is_first == 0:
+                T.copy(dh_frag, dh0[s, hv, 0:D, v0 : v0 + BV])
+        elif split == "carry" and has_dh0:
+            if seq >= 0 and is_first == 1:
+                T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
+        elif has_dh0:
+            if seq >= 0:
+                T.copy(dh_frag, dh0[seq, hv, 0:D, v0 : v0 + BV])
+
+    return dh_start, dh_end
+
+
+def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: str = ""):
+    """The prim_func ``gdn_bwd_dhu_ws`` (V block 32)."""
+    import tilelang.language as T
+
+    block_v = 32
 
     assert split in ("", "seg", "carry")
     dh_start, dh_end = dh_io_macros(split, has_dht, has_dh0, HEAD_DIM, block_v)
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, block_v
-    assert BV == 32, "bwd_dhu_ws: block_v 32 only (shared memory)"
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
@@ -270,22 +320,16 @@ def bwd_dhu_ws_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_
 
 
 @functools.cache
-def get_bwd_dhu_ws_kernel(
-    h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, block_v: int = 32, target_k=None, split: str = ""
-):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
+def get_bwd_dhu_kernel(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, target_k=None, split: str = ""):
     return compile_program(
-        bwd_dhu_ws_program(h_qk, h_v, has_dht, has_dh0, block_v, split), target=target,
-        pass_configs={"tl.enable_fast_math": True},
-    )  # fmt: skip
+        bwd_dhu_program(h_qk, h_v, has_dht, has_dh0, split), target=parse_target(target_k), pass_configs=FAST_MATH
+    )
 
 
-def run_bwd_dhu_ws(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, block_v=32, target=None,
-                   split="", pt=None, w=None):  # fmt: skip
-    """Same call and outputs as ``bwd_dhu.run_bwd_dhu`` (block_v 32 only); pt and w are bwd_pw's
-    outputs (``chunk_gdn_bwd`` computes them once for both split passes)."""
-    if pt is None or w is None:
-        raise ValueError("run_bwd_dhu_ws needs bwd_pw's pt and w (kernels.bwd_pw.run_bwd_pw)")
+def run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, pt, w, dh_all=None, dvnew=None, target=None, split=""):
+    """Launch the reverse chain. dht: [N,Hv,128,128] fp32 or None ([NS,...] by segment with
+    split="carry"); dh0: preallocated fp32 to fill ([N,...], or F [NS,...] with split="seg") or None;
+    pt, w: bwd_pw's outputs. Returns dh_all, dvnew, dh0."""
     h_qk, h_v = q.shape[2], do.shape[2]
     ncs = gcs.shape[1] // CHUNK
     dev = q.device
@@ -294,7 +338,11 @@ def run_bwd_dhu_ws(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dv
     if dvnew is None:
         dvnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     has_dht, has_dh0 = dht is not None, dh0 is not None
-    kern = get_bwd_dhu_ws_kernel(h_qk, h_v, has_dht, has_dh0, block_v, target_key(target), split=split)
+    if split == "seg" and not has_dh0:
+        raise ValueError("run_bwd_dhu(split='seg') needs dh0: the [NS, Hv, 128, 128] fp32 buffer of F")
+    if split == "carry" and not has_dht:
+        raise ValueError("run_bwd_dhu(split='carry') needs dht: the [NS, Hv, 128, 128] fp32 segment-end gradients")
+    kern = get_bwd_dhu_kernel(h_qk, h_v, has_dht, has_dh0, target_key(target), split=split)
     dummy = None
     if not (has_dht and has_dh0):
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)

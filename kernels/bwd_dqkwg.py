@@ -1,7 +1,13 @@
-"""Backward kernel 3, warp-specialised and persistent (variant ``bwd_dqkwg_ws=1``, the default with
-``bwd_grp=1``, ``bwd_rsum=1`` and ``bwd_bf16=1``): bwd_dqkwg.py's group form with its fragment
-reductions and bf16 outputs (the same algebra and outputs), its loads and stores taken off the
-compute path.
+"""Backward kernel 4: dq, dk (P and state parts), dw and dg's partial, warp-specialised and persistent.
+
+Per (chunk, v-head) tile, with h, dH the state and its gradient at the chunk (bwd_h, bwd_dhu):
+
+    dP = dO v_newᵀ;  dS = scale Γ ⊙ dP (causal)          dw = −dv_new hᵀ
+    dq = scale e^g ⊙ (dO hᵀ) + dS K                      dk = dSᵀ Q + e^{g_l − g} ⊙ (v_new dHᵀ)
+    dg (partial, on the chunk-local cumsum) from the row / column sums of dS ⊙ (Q Kᵀ), the q / k
+    terms and e^{g_l} Σ h ⊙ dH (fragment reductions)
+
+dq and dk are summed over the G v-heads of each GVA group (stored [1,T,Hqk,128] bf16).
 
 A CTA of 384 threads stays on its SM and walks work items (chunk slot, qk head): CTA b takes items
 b, b + P, b + 2P, … (P = the grid, at most one CTA per SM); tile t is v-head t % G of item t // G.
@@ -30,22 +36,22 @@ consumer threads and the store warp), full_h / empty_h and full_dh / empty_dh (p
 full_qk / empty_qk (parity (t // G) % 2; empty_qk: the store warp, once dq / dk are out),
 dw_ready[j], dqk_ready (the consumers, once staged). full_* count 32 (the producer warp) + tx bytes.
 
-Measured on the H200 (16/32 1×32768, kernel alone): the group bwd_dqkwg 1.34 ms; this kernel with
-SIMT stores from registers 1.06 ms, with the store warp 0.82–0.88. (dqk_ready, the per-item dq / dk
+Measured on the H200 (16/32 1×32768, kernel alone): a one-CTA-per-item group form 1.34 ms; this kernel
+with SIMT stores from registers 1.06 ms, with the store warp 0.82–0.88. (dqk_ready, the per-item dq / dk
 hand-off, cannot be lapped: the consumers need the next item's q, k, which wait on empty_qk, which the
 store warp arrives after its dq / dk stores.)
 """
 
 import functools
-import json
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
-from .bwd_wy_ws import NREG, NREG_LAUNCH, THREADS, persistent_grid, rows_store_macro
+from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
+from .bwd_wy import NREG, NREG_LAUNCH, THREADS, persistent_grid, rows_store_macro
 
 
-def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
+def bwd_dqkwg_program(h_qk: int, h_v: int):
+    """The prim_func ``gdn_bwd_dqkwg_ws``."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -270,17 +276,13 @@ def bwd_dqkwg_ws_program(h_qk: int, h_v: int):
 
 
 @functools.cache
-def get_bwd_dqkwg_ws_kernel(h_qk: int, h_v: int, target_k=None):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(
-        bwd_dqkwg_ws_program(h_qk, h_v), target=target, pass_configs={"tl.enable_fast_math": True}
-    )  # fmt: skip
+def get_bwd_dqkwg_kernel(h_qk: int, h_v: int, target_k=None):
+    return compile_program(bwd_dqkwg_program(h_qk, h_v), target=parse_target(target_k), pass_configs=FAST_MATH)
 
 
-def run_bwd_dqkwg_ws(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, num_sms=None):
+def run_bwd_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None, num_sms=None):
     """Launch the persistent dqkwg. Returns dq_v, dk_v [1,T,Hqk,128] bf16 (summed over each GVA group;
-    dk partial), dw [Hv,NCS*64,128] bf16, dg_part [Hv,NCS*64] fp32 (as run_bwd_dqkwg with grp, rsum,
-    bf16_out)."""
+    dk_v is the partial bwd_wy completes), dw [Hv,NCS*64,128] bf16, dg_part [Hv,NCS*64] fp32."""
     h_qk, h_v = q.shape[2], do.shape[2]
     T_, ncs = q.shape[1], ctab.shape[0]
     dev = q.device
@@ -288,7 +290,7 @@ def run_bwd_dqkwg_ws(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, tar
     dk_v = torch.empty(1, T_, h_qk, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     dw = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     dg_part = torch.empty(h_v, ncs * CHUNK, device=dev, dtype=torch.float32)
-    kern = get_bwd_dqkwg_ws_kernel(h_qk, h_v, target_key(target))
+    kern = get_bwd_dqkwg_kernel(h_qk, h_v, target_key(target))
     kern(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, float(scale), dq_v, dk_v, dw, dg_part,
          persistent_grid(ncs, h_qk, dev, num_sms))  # fmt: skip
     return dq_v, dk_v, dw, dg_part

@@ -1,8 +1,7 @@
-"""Backward kernel 1, warp-specialised (variant ``bwd_ws=1``): the same outputs as bwd_h.py
-(h at every chunk start, v_new) from the forward's warp-specialised chain (fwd_o_ws.py) without
-its output warpgroup.
+"""Backward kernel 1: recompute h at every chunk start (bf16) and v_new, with the forward's
+warp-specialised chain (before its U₀/W₀ split) without the output warpgroup.
 
-One CTA of 384 threads = 3 warpgroups per (V block of ``block_v`` columns, segment, v-head):
+One CTA of 384 threads = 3 warpgroups per (V block of 32 columns, segment, v-head):
 
     WG0 (tx   0..127)  owns S [128, bv] in fp32 registers: publish bf16 S to s_sh[c%2]; store it
                        as h[slot] (global, from registers, while WG1 works); S *= e^{g_last};
@@ -23,25 +22,29 @@ chunk c read it (the forward's argument).
 
 Rows past a sequence's end: k and v are loaded unmasked (TMA zero-fills past T; rows of the next
 sequence are finite) and meet only zero columns of A_β, so U, W rows there do not reach Vd
-(A_β rows past the end are 0: Vd rows = 0, as bwd_h writes them); V' rows there are masked.
+(A_β rows past the end are 0: Vd rows = 0); V' rows there are masked.
 
-Inputs / outputs as bwd_h.run_bwd_h: h_all [Hv, NCS, 128, 128] bf16, vnew [Hv, NCS*64, 128] bf16.
+Inputs:  k [1,T,Hqk,128] bf16, v [1,T,Hv,128] bf16, gcs, a_beta (prep), stab int32 [NS,8],
+         h_init [R,Hv,128,128] fp32 (row stab[s, 4]; read when ``has_init``).
+Outputs: h_all [Hv, NCS, 128, 128] bf16 (state at each chunk's start), vnew [Hv, NCS*64, 128] bf16.
 """
 
 import functools
-import json
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 
 #: setmaxnreg budgets of WG0 (state), WG1 (U/W/Vd), WG2 (producer); 384 threads.
 NREG = (216, 216, 40)
 assert sum(NREG) * 128 <= 65536 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 
 
-def bwd_h_ws_program(h_qk: int, h_v: int, has_init: bool, block_v: int = 32):
+def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
+    """The prim_func ``gdn_bwd_h_ws`` (V block 32)."""
     import tilelang.language as T
+
+    block_v = 32
 
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, block_v
@@ -167,15 +170,12 @@ def bwd_h_ws_program(h_qk: int, h_v: int, has_init: bool, block_v: int = 32):
 
 
 @functools.cache
-def get_bwd_h_ws_kernel(h_qk: int, h_v: int, has_init: bool, block_v: int = 32, target_k=None):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(
-        bwd_h_ws_program(h_qk, h_v, has_init, block_v), target=target, pass_configs={"tl.enable_fast_math": True}
-    )
+def get_bwd_h_kernel(h_qk: int, h_v: int, has_init: bool, target_k=None):
+    return compile_program(bwd_h_program(h_qk, h_v, has_init), target=parse_target(target_k), pass_configs=FAST_MATH)
 
 
-def run_bwd_h_ws(k, v, gcs, a_beta, stab, h_init, h_all=None, vnew=None, block_v=32, target=None):
-    """Same call and outputs as ``bwd_h.run_bwd_h`` (h_all, vnew), from the warp-specialised chain."""
+def run_bwd_h(k, v, gcs, a_beta, stab, h_init, h_all=None, vnew=None, target=None):
+    """Launch bwd_h; h_init [R,Hv,128,128] fp32 or None. Returns h_all, vnew (allocated when None)."""
     h_qk, h_v = k.shape[2], v.shape[2]
     ncs = gcs.shape[1] // CHUNK
     if h_all is None:
@@ -183,7 +183,7 @@ def run_bwd_h_ws(k, v, gcs, a_beta, stab, h_init, h_all=None, vnew=None, block_v
     if vnew is None:
         vnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, device=k.device, dtype=torch.bfloat16)
     has_init = h_init is not None
-    kern = get_bwd_h_ws_kernel(h_qk, h_v, has_init, block_v, target_key(target))
+    kern = get_bwd_h_kernel(h_qk, h_v, has_init, target_key(target))
     if h_init is None:
         h_init = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=k.device, dtype=torch.float32)
     kern(k, v, gcs, a_beta, stab, h_init, h_all, vnew)

@@ -1,13 +1,12 @@
-"""Backward kernel 2a (variant ``bwd_dhu_ws=1``): the dH-independent matrices of the reverse chain,
-once per (chunk slot, v-head) and in parallel, so that bwd_dhu_ws's chain does not rebuild them in
-each of its V blocks.
+"""Backward kernel 2: the dH-independent matrices of the reverse chain, once per (chunk slot,
+v-head) and in parallel, so that bwd_dhu's chain does not rebuild them in each of its V blocks.
 
 With g = chunk-local cumsum, ln = valid rows of the chunk, g_l = g[ln − 1]:
 
     Pᵀ[j, i] = scale e^{g_i − g_j} (K Qᵀ)[j, i]   for j ≤ i < ln, else 0      wgmma  → pt (bf16)
     W'       = A_βᵀ bf16(e^{g_l − g} ⊙ K)          (rows ≥ ln of the factor 0)   wgmma  → w (bf16)
 
-(the same bf16 rounding points as bwd_dhu_ws's builder had: ``emulate_bwd.emu_bwd_dhu(uw=True)``.)
+(bf16 rounding points as ``tools/kernels/emulate_bwd.emu_bwd_dhu(uw=True)``.)
 One CTA (128 threads) per (chunk slot, qk head): q, k and K Qᵀ once, then each v-head of the GVA
 group (its g and A_β); unused slots (ln ≤ 0) get zeros.
 
@@ -16,11 +15,10 @@ Outputs: pt [Hv,NCS*64,64] bf16, w [Hv,NCS*64,128] bf16 (chunk-slot rows, as a_b
 """
 
 import functools
-import json
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 
 
 def bwd_pw_program(h_qk: int, h_v: int):
@@ -89,8 +87,7 @@ def bwd_pw_program(h_qk: int, h_v: int):
 
 @functools.cache
 def get_bwd_pw_kernel(h_qk: int, h_v: int, target_k=None):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(bwd_pw_program(h_qk, h_v), target=target, pass_configs={"tl.enable_fast_math": True})
+    return compile_program(bwd_pw_program(h_qk, h_v), target=parse_target(target_k), pass_configs=FAST_MATH)
 
 
 def run_bwd_pw(q, k, gcs, a_beta, ctab, scale, target=None):

@@ -1,10 +1,14 @@
-"""Backward kernel 4, warp-specialised and persistent (variant ``bwd_wy_ws=1``, the default with
-``bwd_grp=1`` and ``bwd_bf16=1``): bwd_wy.py's group form (the same algebra and outputs) with its
-loads and stores taken off the compute path.
+"""Backward kernel 5: the gradients through w, u and A (FLA's WY backward), warp-specialised and persistent.
 
-bwd_wy loads everything, then computes, one (chunk, qk head) per CTA at one CTA per SM, so its
-load and compute phases never overlap (Nsight Compute, session 5: 45% of its warp stalls wait on
-global loads). Here a CTA of 384 threads stays on its SM and walks a list of work items:
+Per (chunk, v-head) tile (A = I − A_β M rebuilt, M = StrictLower(Γ ⊙ K Kᵀ), no solve):
+
+    dA_β = dw (e^g ⊙ K)ᵀ + dv_new Vᵀ;   dv = A_βᵀ dv_new;   X = Aᵀ dA_β → dβ_j += X_jj
+    dL = −X A_βᵀ → dβ, dM = β dL → dk += (dM⊙Γ) K + (dM⊙Γ)ᵀ K, dg;  dk += e^g ⊙ (A_βᵀ dw)
+    dg: the partial from bwd_dqkwg plus these terms, then the reverse in-chunk cumsum (raw g)
+
+A one-CTA-per-item form (load everything, then compute, one CTA per SM) never overlaps its load
+and compute phases (Nsight Compute: 45% of its warp stalls wait on global loads). Here a CTA of
+384 threads stays on its SM and walks a list of work items:
 
     WG0 + WG1 (tx   0..255)  consumers: every GEMM and element pass of one (chunk, v-head) tile,
                              the GEMMs split over the two warpgroups. Once per item (chunk, qk head):
@@ -27,30 +31,29 @@ sequence's rows, or zeros past T). dw and dv_new rows there are zero (bwd_dqkwg 
 them so), A_β is zero outside the valid block, and M is masked to the valid rows here, so those
 rows reach no stored output (dv, dk, dg, dβ are stored on valid rows only).
 
-mbarriers (t = tile, j = t % 2, parity (t // 2) % 2): full[j] (count 32 + tx bytes: the producer
-warp), dv_ready[j] (count 256: the consumers, once the tile's dv is staged), dk_ready (count 256,
-parity (t // G) % 2: once per item, when its dk is staged), empty[j]
+mbarriers (t = tile, j = t % 2, parity (t // 2) % 2; item i = t // G): full[j] (count 32 + tx bytes:
+the producer warp), dv_ready[j] (count 256: the consumers, once the tile's dv is staged),
+dk_ready[i % 2] (count 256, parity (i // 2) % 2: once per item, when its dk is staged), empty[j]
 (count 288: every consumer thread after its last read of stage j, and the store warp once its
 stores have read the staged tiles).
 
-G ≥ 2 only (``run_bwd_wy_ws`` refuses G = 1; chunk_gdn_bwd runs the group bwd_wy there): dk_ready is
-one barrier per item, waited with parity (t // G) % 2, which holds only while the consumers cannot
-complete two items ahead of the store warp's wait. For G ≥ 2 they cannot (their next stage needs the
-store warp's empty arrive of the item's earlier tile); for G = 1 they can (two phases → the parity
-repeats → deadlock). A per-item pair of barriers (dk_ready[(t // G) % 2], parity (t // 2G) % 2) would
-lift this; it was found after the last GPU run, so it is not in the measured kernel.
+No hand-off can be lapped: the consumers arrive dv_ready[j] again at tile t + 2 and dk_ready[i % 2]
+again at item i + 2 (tile ≥ t + 2 for every G ≥ 1), and a tile t + 2 needs full[j], so the
+producer's load of it, so empty[j] of tile t, which the store warp arrives only after its waits for
+tile t. (One dk_ready barrier, waited with parity i % 2, could be lapped for G = 1, where every tile
+is an item: the consumers could complete items i and i + 1 before the store warp's wait for i.)
 
-Measured on the H200 (16/32 1×32768, kernel alone): the group bwd_wy 1.83 ms; this kernel with
+Measured on the H200 (16/32 1×32768, kernel alone): the one-CTA-per-item form 1.83 ms; this kernel with
 SIMT stores from registers 1.26 ms, with the per-item K Kᵀ / dM⊙Γ sums and the shuffle cumsum 1.20,
 with the store warp 1.10–1.15.
 """
 
 import functools
-import json
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, target_key
+from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, parse_target, target_key
+from .plan import sm_count
 
 #: setmaxnreg budgets of the consumer warpgroups (WG0, WG1) and the producer warpgroup (WG2)
 NREG = (232, 40)
@@ -79,7 +82,8 @@ def rows_store_macro(C: int, D: int):
     return store_rows
 
 
-def bwd_wy_ws_program(h_qk: int, h_v: int):
+def bwd_wy_program(h_qk: int, h_v: int):
+    """The prim_func ``gdn_bwd_wy_ws``."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -148,7 +152,7 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
             full = T.alloc_barrier([32, 32])
             empty = T.alloc_barrier([288, 288])  # the consumers and the store warp
             dv_ready = T.alloc_barrier([256, 256])
-            dk_ready = T.alloc_barrier(256)  # once per item: parity (t // G) % 2
+            dk_ready = T.alloc_barrier([256, 256])  # item i = t // G: dk_ready[i % 2], parity (i // 2) % 2
 
             ntiles = T.ceildiv(NCS * h_qk - b, NP) * G
             tx = T.get_thread_binding()
@@ -257,7 +261,7 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
                         for i, jj in T.Parallel(C, D):  # staged in the partial's buffer
                             dkp_sh[j, i, jj] = T.cast(acc1[i, jj], "bfloat16")
                         T.fence_proxy_async()
-                        T.barrier_arrive(dk_ready[0])
+                        T.barrier_arrive(dk_ready[(t // G) % 2])
                     T.barrier_arrive(empty[j])
             else:
                 # ---------------- WG2: producer (warp 8) ----------------
@@ -304,7 +308,7 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
                         ln = info_sh[j, 1]
                         store_rows(du_sh, j, dv, bos, ln, hv)
                         if gi == G - 1:
-                            T.barrier_wait(dk_ready[0], (t // G) % 2)
+                            T.barrier_wait(dk_ready[(t // G) % 2], (t // (2 * G)) % 2)
                             store_rows(dkp_sh, j, dk_v, bos, ln, hk)
                         T.barrier_arrive(empty[j])
 
@@ -312,9 +316,8 @@ def bwd_wy_ws_program(h_qk: int, h_v: int):
 
 
 @functools.cache
-def get_bwd_wy_ws_kernel(h_qk: int, h_v: int, target_k=None):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(bwd_wy_ws_program(h_qk, h_v), target=target)
+def get_bwd_wy_kernel(h_qk: int, h_v: int, target_k=None):
+    return compile_program(bwd_wy_program(h_qk, h_v), target=parse_target(target_k))
 
 
 _GRIDS = {}
@@ -325,9 +328,7 @@ def persistent_grid(ncs: int, h_qk: int, dev, num_sms=None):
     P = min(#SMs, chunk slots x qk heads) is the launch's grid (a dynamic dimension); one per
     (P, device), kept."""
     if num_sms is None:
-        from . import _num_sms
-
-        num_sms = _num_sms(dev)
+        num_sms = sm_count(dev)
     n = max(1, min(int(num_sms), ncs * h_qk))
     key = (n, str(dev))
     if key not in _GRIDS:
@@ -335,20 +336,15 @@ def persistent_grid(ncs: int, h_qk: int, dev, num_sms=None):
     return _GRIDS[key]
 
 
-def run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None, dg=None, dbeta=None, target=None,
+def run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=None, dg=None, dbeta=None, target=None,
                   num_sms=None):  # fmt: skip
-    """Launch the persistent WY backward. dk_v [1,T,Hqk,128] bf16 (bwd_dqkwg's group-summed partial)
-    is completed in place. Returns dk_v, dv [1,T,Hv,128] bf16, dg, dbeta [1,T,Hv] fp32."""
+    """Launch the persistent WY backward (any GVA group size G ≥ 1). dk_v [1,T,Hqk,128] bf16
+    (bwd_dqkwg's group-summed partial) is completed in place. Returns dk_v, dv [1,T,Hv,128] bf16, dg, dbeta [1,T,Hv] fp32."""
     h_qk, h_v = k.shape[2], v.shape[2]
     T_, ncs = k.shape[1], ctab.shape[0]
     dev = k.device
-    if h_v == h_qk:
-        raise ValueError(
-            f"run_bwd_wy_ws: needs a GVA group of 2 or more v-heads (Hv={h_v}, Hqk={h_qk}): with one, the store "
-            "warp's per-item dk hand-off can be lapped (use bwd_wy.run_bwd_wy with grp=True)"
-        )
     if dk_v.dtype != torch.bfloat16 or tuple(dk_v.shape) != (1, T_, h_qk, HEAD_DIM):
-        raise ValueError(f"run_bwd_wy_ws: dk_v must be bf16 [1, {T_}, {h_qk}, {HEAD_DIM}], got "
+        raise ValueError(f"run_bwd_wy: dk_v must be bf16 [1, {T_}, {h_qk}, {HEAD_DIM}], got "
                          f"{dk_v.dtype} {tuple(dk_v.shape)}")  # fmt: skip
     if dv is None:
         dv = torch.empty(1, T_, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -356,6 +352,6 @@ def run_bwd_wy_ws(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv=No
         dg = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
     if dbeta is None:
         dbeta = torch.empty(1, T_, h_v, device=dev, dtype=torch.float32)
-    kern = get_bwd_wy_ws_kernel(h_qk, h_v, target_key(target))
+    kern = get_bwd_wy_kernel(h_qk, h_v, target_key(target))
     kern(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, dv, dg, dbeta, persistent_grid(ncs, h_qk, dev, num_sms))
     return dk_v, dv, dg, dbeta

@@ -14,11 +14,10 @@ Output:  h_start [NS,Hv,128,128] fp32 (the start state of every used segment).
 """
 
 import functools
-import json
 
 import torch
 
-from ._common import HEAD_DIM, compile_program, target_key
+from ._common import HEAD_DIM, compile_program, parse_target, target_key
 
 
 def fixup_program(h_v: int, has_h0: bool, block_v: int = 32):
@@ -64,8 +63,7 @@ def fixup_program(h_v: int, has_h0: bool, block_v: int = 32):
 
 @functools.cache
 def get_fixup_kernel(h_v: int, has_h0: bool, block_v: int = 32, target_k=None):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(fixup_program(h_v, has_h0, block_v), target=target)
+    return compile_program(fixup_program(h_v, has_h0, block_v), target=parse_target(target_k))
 
 
 def run_fixup(m_tr, e_end, cu_segs, h0, h_start, block_v=32, target=None):
@@ -140,8 +138,7 @@ def rfixup_program(h_v: int, has_dht: bool, block_v: int = 32):
 
 @functools.cache
 def get_rfixup_kernel(h_v: int, has_dht: bool, block_v: int = 32, target_k=None):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(rfixup_program(h_v, has_dht, block_v), target=target)
+    return compile_program(rfixup_program(h_v, has_dht, block_v), target=parse_target(target_k))
 
 
 def run_rfixup(m_tr, f_start, cu_segs, dht, d_end, block_v=32, target=None):

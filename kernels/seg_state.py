@@ -6,7 +6,7 @@ S ↦ e^{g_last} S − Kᵀ diag(e^{g_last − g}) A_β diag(e^g) K S. Both come
 recurrence over an augmented state [S | M] of width 256 started from [0 | I], with the
 value input [V | 0] (the recurrence is linear in (S₀, V)). This is exact: no warm-up cut-off.
 
-One CTA (128 threads) per (256-column block of ``block_v``, segment, v-head); it runs only for
+One CTA (128 threads, plus TileLang's TMA producer warpgroup) per (64-column block of ``block_v``, segment, v-head); it runs only for
 segments that are not the last of their sequence (the last segment's transition is never
 needed). Per chunk: U = K S; W = V − diag(e^g) U; Vd = A_β W; S ← e^{g_last} S + Kᵀ diag(e^{g_last−g}) Vd.
 
@@ -15,15 +15,14 @@ Outputs: e_end [NS, Hv, 128, 128] fp32 (E), m_tr [NS, Hv, 128, 128] bf16 (M, row
 """
 
 import functools
-import json
 
-from ._common import CHUNK, HEAD_DIM, check_heads, chunk_loop_stages, compile_program, target_key
+from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 
 
-def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 0, rowexp: bool = False):
-    """rowexp (variant ``rowexp=1``): e^g and mask·e^{g_last − g} once per row into row fragments
-    (the rows of the thread's accumulator fragment) and e^{g_last} once per chunk, instead of one
-    exp (and g load) per element in the W, V' and S-decay passes."""
+def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 2):
+    """The prim_func ``gdn_seg_state``. e^g and mask·e^{g_last − g} are computed once per row into
+    row fragments (the rows of the thread's accumulator fragment) and e^{g_last} once per chunk;
+    ``num_stages`` = 2: the chunk loop is ``T.Pipelined`` (TileLang's TMA producer warpgroup)."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
@@ -61,10 +60,9 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 
             u_frag = T.alloc_fragment((C, BV), "float32")
             vd_frag = T.alloc_fragment((C, BV), "float32")
             glast = T.alloc_var("float32")
-            if rowexp:
-                eg = T.alloc_fragment((C,), "float32")
-                el = T.alloc_fragment((C,), "float32")
-                egl = T.alloc_var("float32")
+            eg = T.alloc_fragment((C,), "float32")
+            el = T.alloc_fragment((C,), "float32")
+            egl = T.alloc_var("float32")
 
             bos = stab[s, 0]
             eos = stab[s, 1]
@@ -77,7 +75,7 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 
             for i, j in T.Parallel(D, BV):
                 s_frag[i, j] = T.if_then_else(c0 + j - D == i, T.float32(1), T.float32(0))
 
-            for ci in T.Pipelined(nchunks, num_stages=num_stages) if num_stages else T.serial(nchunks):
+            for ci in T.Pipelined(nchunks, num_stages=num_stages):
                 t0 = bos + ci * C
                 ln = T.min(eos - t0, C)
                 r0 = (cslot + ci) * C
@@ -89,33 +87,19 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 
                 T.copy(s_frag, s_sh)
 
                 T.gemm(k_sh, s_sh, u_frag, clear_accum=True)
-                if rowexp:
-                    glast = g_sh[ln - 1]
-                    egl = T.exp(glast)
-                    for i in T.Parallel(C):
-                        eg[i] = T.exp(g_sh[i])
-                    for i in T.Parallel(C):
-                        el[i] = T.if_then_else(i < ln, T.exp(glast - g_sh[i]), T.float32(0))
-                    for i, j in T.Parallel(C, BV):
-                        w_sh[i, j] = T.cast(T.cast(v_sh[i, j], "float32") - eg[i] * u_frag[i, j], "bfloat16")
-                    T.gemm(a_sh, w_sh, vd_frag, clear_accum=True)
-                    for i, j in T.Parallel(C, BV):
-                        vp_sh[i, j] = T.cast(el[i] * vd_frag[i, j], "bfloat16")
-                    for i, j in T.Parallel(D, BV):
-                        s_frag[i, j] = s_frag[i, j] * egl
-                else:
-                    for i, j in T.Parallel(C, BV):
-                        w_sh[i, j] = T.cast(T.cast(v_sh[i, j], "float32") - T.exp(g_sh[i]) * u_frag[i, j], "bfloat16")
-                    T.gemm(a_sh, w_sh, vd_frag, clear_accum=True)
-
-                    glast = g_sh[ln - 1]
-                    for i, j in T.Parallel(C, BV):
-                        vp_sh[i, j] = T.cast(
-                            T.if_then_else(i < ln, T.exp(glast - g_sh[i]) * vd_frag[i, j], T.float32(0)),
-                            "bfloat16",
-                        )
-                    for i, j in T.Parallel(D, BV):
-                        s_frag[i, j] = s_frag[i, j] * T.exp(glast)
+                glast = g_sh[ln - 1]
+                egl = T.exp(glast)
+                for i in T.Parallel(C):
+                    eg[i] = T.exp(g_sh[i])
+                for i in T.Parallel(C):
+                    el[i] = T.if_then_else(i < ln, T.exp(glast - g_sh[i]), T.float32(0))
+                for i, j in T.Parallel(C, BV):
+                    w_sh[i, j] = T.cast(T.cast(v_sh[i, j], "float32") - eg[i] * u_frag[i, j], "bfloat16")
+                T.gemm(a_sh, w_sh, vd_frag, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    vp_sh[i, j] = T.cast(el[i] * vd_frag[i, j], "bfloat16")
+                for i, j in T.Parallel(D, BV):
+                    s_frag[i, j] = s_frag[i, j] * egl
                 T.gemm(k_sh, vp_sh, s_frag, transpose_A=True)
 
             if seq >= 0 and is_last == 0:
@@ -128,31 +112,13 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 
 
 
 @functools.cache
-def get_seg_state_kernel(
-    h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 0, target_k=None, fastmath: bool = False,
-    rowexp: bool = False,
-):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(
-        seg_state_program(h_qk, h_v, block_v, num_stages, rowexp),
-        target=target,
-        pass_configs={"tl.enable_fast_math": True} if fastmath else None,
-    )
+def get_seg_state_kernel(h_qk: int, h_v: int, target_k=None):
+    return compile_program(seg_state_program(h_qk, h_v), target=parse_target(target_k), pass_configs=FAST_MATH)
 
 
-def run_seg_state(
-    k, v, gcs, a_beta, stab, e_end, m_tr, block_v=64, num_stages=None, target=None, fastmath=False, rowexp=False
-):
+def run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, target=None):
     """Launch pass 1; fills e_end [NS,Hv,128,128] fp32 and m_tr [NS,Hv,128,128] bf16 in place
     (rows of segments that are the last of their sequence are left untouched)."""
-    h_qk, h_v = k.shape[2], v.shape[2]
-    if num_stages is None:
-        num_stages = chunk_loop_stages()
-    if rowexp:
-        kern = get_seg_state_kernel(h_qk, h_v, block_v, num_stages, target_key(target), fastmath, rowexp=True)
-    elif fastmath:
-        kern = get_seg_state_kernel(h_qk, h_v, block_v, num_stages, target_key(target), True)
-    else:
-        kern = get_seg_state_kernel(h_qk, h_v, block_v, num_stages, target_key(target))
+    kern = get_seg_state_kernel(k.shape[2], v.shape[2], target_key(target))
     kern(k, v, gcs, a_beta, stab, e_end, m_tr)
     return e_end, m_tr

@@ -18,11 +18,10 @@ Outputs: ctab int32 [NCS, 4], stab int32 [NS, 8], cu_chunks int32 [N+1], cu_segs
 """
 
 import functools
-import json
 
 import torch
 
-from ._common import CHUNK, SEG_COLS, compile_program, target_key
+from ._common import CHUNK, SEG_COLS, compile_program, parse_target, target_key
 
 NT = 512
 _LOG_NT = 9
@@ -169,8 +168,7 @@ def tables_program(nt: int = NT):
 
 @functools.cache
 def get_tables_kernel(nt: int = NT, target_k=None):
-    target = json.loads(target_k) if target_k and target_k.startswith("{") else target_k
-    return compile_program(tables_program(nt), target=target)
+    return compile_program(tables_program(nt), target=parse_target(target_k))
 
 
 def run_tables(cu64, T: int, N: int, seg_tokens: int, split: bool, target=None):

@@ -1,9 +1,8 @@
 """Correctness and timing check of the TileLang GDN forward on a Hopper GPU.
 
-    python kernels/dev/check_fwd.py [--quick] [--no-time] [--cases NAME,...] [--variants "default;tables=tl;..."]
+    python tools/kernels/check_fwd.py [--quick] [--no-time] [--cases NAME,...]
 
-Every speed variant (``_common.CHECK_VARIANTS`` by default; "default" = the verified path;
-stages=2 is the old QLABENCH_GDN_STAGES=2) runs every case. For each case: runs chunk_gdn_fwd_lowlevel, compares o / final state with an fp32 token
+For each case: runs chunk_gdn_fwd_lowlevel, compares o / final state with an fp32 token
 recurrence (rel L2), and every stage with its torch emulation fed the kernel's own inputs
 (prep: gcs, a_beta; seg_state: e_end, m_tr; fixup: h_start; fwd_o: o, ht) so a mismatch
 points at one kernel. Then times the whole forward with CUDA-graph replay (median) for
@@ -38,8 +37,8 @@ def _import_pkg():
         mod = importlib.util.module_from_spec(spec)
         sys.modules["qlabench_kernels"] = mod
         spec.loader.exec_module(mod)
+    import emulate as emu
     import qlabench_kernels as pkg
-    from qlabench_kernels.dev import emulate as emu
 
     return pkg, emu
 
@@ -126,9 +125,8 @@ def graph_time_ms(fn, reps=20, inner=None):
     return times[len(times) // 2]
 
 
-def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
+def stage_times_ms(pkg, x, split_tokens, reps=10):
     """Per-stage event times (eager, after warm-up) by re-running each launcher on saved inputs."""
-    from qlabench_kernels._common import chunk_table, segment_table
     from qlabench_kernels.fixup import run_fixup
     from qlabench_kernels.fwd_o import run_fwd_o
     from qlabench_kernels.prep import run_prep
@@ -136,45 +134,24 @@ def stage_times_ms(pkg, x, split_tokens, reps=10, variant=None):
     from qlabench_kernels.tables import run_tables
 
     r = pkg.chunk_gdn_fwd_lowlevel(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens, variant=variant
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens
     )
-    var = r["variant"]
-    fm = var["fastmath"] == "1"
     scale = 128**-0.5
     cu = x["cu"].long()
     T, N = x["q"].shape[1], cu.numel() - 1
     sp = r["split_tokens"]
     seg = sp if sp else (max(T, 1) + 63) // 64 * 64
-    if var["tables"] == "tl":
-        stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp))}
-    else:
-
-        def _torch_tables():
-            ctab, cc = chunk_table(cu, T, N)
-            return segment_table(cu, cc, T, N, seg, split=bool(sp))
-
-        stages = {"tables": _torch_tables}
-    p_all = r.get("p_all")
-    if p_all is not None:  # pprep=1: prep also writes P, which fwd_o loads
-        stages["prep"] = lambda: run_prep(
-            x["k"], x["g"], x["beta"], r["ctab"], method=var["prep"], q=x["q"], scale=scale, p_all=p_all
-        )
-    else:
-        stages["prep"] = lambda: run_prep(x["k"], x["g"], x["beta"], r["ctab"], method=var["prep"])
+    stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp))}
+    stages["prep"] = lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], r["ctab"], scale, p_all=r["p_all"])
     if sp:
-        stages["seg_state"] = lambda: run_seg_state(
-            x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"],
-            num_stages=var["stages"], fastmath=fm, rowexp=var["rowexp"] == "1",
-        )  # fmt: skip
+        stages["seg_state"] = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"])
         stages["fixup"] = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])
         init = r["h_start"]
     else:
         init = x["h0"]
     stages["fwd_o"] = lambda: run_fwd_o(
-        x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, scale, r["o"], r["final_state"],
-        block_v=int(r.get("block_v", var["fwd_bv"])), num_stages=var["stages"], threads=int(var["fwd_threads"]), fastmath=fm,
-        ws=var["fwd_ws"] == "1", ws_stages=int(var["ws_stages"]), rowexp=var["rowexp"] == "1", p_all=p_all,
-        uw=var["uw"] == "1",
+        x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], init, scale, r["o"], r["final_state"],
+        block_v=r["block_v"],
     )  # fmt: skip
     out = {}
     for name, fn in stages.items():
@@ -210,7 +187,7 @@ def kernel_launches(fn):
         return -1
 
 
-def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages=True, variant=None):
+def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages=True):
     log(
         f"\n=== {name}: h_qk={h_qk} h_v={h_v} seqlens={seqlens if len(seqlens) <= 8 else len(seqlens)} "
         f"split={split_tokens}"
@@ -218,30 +195,28 @@ def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages
     x = make_inputs(seqlens, h_qk, h_v)
     t0 = time.perf_counter()
     r = pkg.chunk_gdn_fwd_lowlevel(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=split_tokens,
-        variant=variant,
-    )  # fmt: skip
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=split_tokens
+    )
     torch.cuda.synchronize()
     log(
         f"first call (incl. compile/cache load) {time.perf_counter() - t0:.1f} s; "
         f"split_tokens used = {r['split_tokens']}"
     )
     rec = dict(case=name, h_qk=h_qk, h_v=h_v, seqlens=list(seqlens), split_tokens=r["split_tokens"])
-    rec["variant"] = variant or "default"
     rec["nan_o"] = int(torch.isnan(r["o"].float()).sum())
     rec["nan_ht"] = int(torch.isnan(r["final_state"]).sum())
-    if r["variant"]["tables"] == "tl":  # the one-launch tables must equal the torch builders' exactly
-        from qlabench_kernels._common import chunk_table, segment_table
+    # the one-launch tables must equal the torch builders' exactly
+    from qlabench_kernels._common import chunk_table, segment_table
 
-        cu = x["cu"].long()
-        T, N = x["q"].shape[1], len(seqlens)
-        sp = r["split_tokens"]
-        ct, cc = chunk_table(cu, T, N)
-        stb, cs = segment_table(cu, cc, T, N, sp if sp else (max(T, 1) + 63) // 64 * 64, split=bool(sp))
-        rec["tables_equal"] = bool(
-            torch.equal(ct, r["ctab"]) and torch.equal(stb, r["stab"]) and torch.equal(cc.int(), r["cu_chunks"].int())
-        )
-        log(f"tl tables equal torch tables: {rec['tables_equal']}")
+    cu = x["cu"].long()
+    T, N = x["q"].shape[1], len(seqlens)
+    sp = r["split_tokens"]
+    ct, cc = chunk_table(cu, T, N)
+    stb, cs = segment_table(cu, cc, T, N, sp if sp else (max(T, 1) + 63) // 64 * 64, split=bool(sp))
+    rec["tables_equal"] = bool(
+        torch.equal(ct, r["ctab"]) and torch.equal(stb, r["stab"]) and torch.equal(cc.int(), r["cu_chunks"].int())
+    )
+    log(f"tl tables equal torch tables: {rec['tables_equal']}")
     key = (tuple(seqlens), h_qk, h_v)
     if key not in _REF:
         _REF.clear()
@@ -272,8 +247,7 @@ def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages
             rec["stage_fixup"] = emu.rel_l2(r["h_start"][used], hs_e[used])
             init = r["h_start"]
         o_e, h_e = emu.emu_fwd_o(
-            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, 128**-0.5, len(seqlens),
-            uw=r["variant"]["uw"] == "1" and r["variant"]["pprep"] == "1",
+            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, 128**-0.5, len(seqlens), uw=True
         )
         rec["stage_fwd_o_o"] = emu.rel_l2(r["o"].float(), o_e)
         rec["stage_fwd_o_ht"] = emu.rel_l2(r["final_state"], h_e)
@@ -286,18 +260,17 @@ def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages
     return x
 
 
-def time_case(pkg, name, x, splits, results, variant=None):
+def time_case(pkg, name, x, splits, results):
     for sp in splits:
         try:
 
             def fn(sp=sp):
                 return pkg.chunk_gdn_fwd_lowlevel(
-                    x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=sp,
-                    variant=variant,
-                )  # fmt: skip
+                    x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=sp
+                )
 
             ms = graph_time_ms(fn)
-            st = stage_times_ms(pkg, x, sp, variant=variant)
+            st = stage_times_ms(pkg, x, sp)
             used = fn()["split_tokens"]
             nk = kernel_launches(fn)
             log(
@@ -305,8 +278,7 @@ def time_case(pkg, name, x, splits, results, variant=None):
                 f"launches {nk:3d} | " + " ".join(f"{k}={v:.3f}" for k, v in st.items())
             )
             results.append(
-                dict(case=name, variant=variant or "default", split_tokens=sp, used_split=used, latency_ms=ms,
-                     launches=nk, stage_ms=st)
+                dict(case=name, split_tokens=sp, used_split=used, latency_ms=ms, launches=nk, stage_ms=st)
             )  # fmt: skip
         except Exception:  # noqa: BLE001
             log(f"TIME {name} split={sp} FAILED:\n" + "".join(traceback.format_exc().splitlines(True)[-8:]))
@@ -324,8 +296,6 @@ CASES = [
     ("2_8_1x2048", (2048,), 2, 8, None, True, [None, 512, 1024]),
     ("2_8_1x8192", (8192,), 2, 8, None, True, [None, 512, 2048, 0]),
 ]
-#: split settings timed for non-default variants (the default variant times the full list above)
-VARIANT_SPLITS = {"2_8_1x32768": [None, 1024], "16_64_1x32768": [None]}
 
 
 
@@ -334,38 +304,24 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip the per-stage emulation on the big cases")
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--cases", default="", help="comma-separated case names (default all)")
-    ap.add_argument(
-        "--variants", default="", help='";"-separated variant specs (default: _common.CHECK_VARIANTS), e.g. "default;tables=tl"'
-    )
     args = ap.parse_args()
     pkg, emu = _import_pkg()
-    from qlabench_kernels._common import CHECK_VARIANTS
-
     log(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     results, timings = [], []
     want = set(filter(None, args.cases.split(",")))
-    variants = [v for v in args.variants.split(";") if v] or list(CHECK_VARIANTS)
-    os.environ.pop("QLABENCH_GDN_VARIANT", None)
-    os.environ.pop("QLABENCH_GDN_STAGES", None)
     for name, seqlens, hq, hv, split, do_time, splits in CASES:  # one case at a time: the reference is cached
         if want and name not in want:
             continue
-        for var in variants:
-            spec = None if var == "default" else var
-            tag = f"{name}@{var}"
-            try:
-                big = sum(seqlens) * hv > 300000
-                x = check_case(
-                    pkg, emu, tag, seqlens, hq, hv, split, results, stages=not (args.quick and big), variant=spec
-                )
-                if do_time and not args.no_time:
-                    sps = splits if spec is None else VARIANT_SPLITS.get(name, splits)
-                    time_case(pkg, tag, x, sps, timings, variant=spec)
-                del x
-                torch.cuda.empty_cache()
-            except Exception:  # noqa: BLE001
-                log(f"CASE {tag} CRASHED:\n" + "".join(traceback.format_exc().splitlines(True)[-12:]))
-                results.append(dict(case=tag, ok=False, crashed=True))
+        try:
+            big = sum(seqlens) * hv > 300000
+            x = check_case(pkg, emu, name, seqlens, hq, hv, split, results, stages=not (args.quick and big))
+            if do_time and not args.no_time:
+                time_case(pkg, name, x, splits, timings)
+            del x
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            log(f"CASE {name} CRASHED:\n" + "".join(traceback.format_exc().splitlines(True)[-12:]))
+            results.append(dict(case=name, ok=False, crashed=True))
     log("\n=== summary")
     for r in results:
         log(

@@ -129,7 +129,7 @@ def _load_chunk(q, k, v, gcs, a_beta, G, t0, ln, r0, vcols=None):
 
 
 def emu_fwd_o(q, k, v, gcs, a_beta, stab, h_init, scale, N, want_ht=True, uw=False):
-    """Mirror of fwd_o.py (``uw``: fwd_o_ws's uw=1 algebra). Returns o [1,T,Hv,128] fp32 (unwritten
+    """Mirror of fwd_o.py (``uw``: its U₀ − W₀ S algebra). Returns o [1,T,Hv,128] fp32 (unwritten
     rows NaN) and ht [N,Hv,128,128] fp32."""
     T, h_qk, h_v = q.shape[1], q.shape[2], v.shape[2]
     G = h_v // h_qk
@@ -194,7 +194,7 @@ def emu_fixup(m_tr, e_end, cu_segs, h0):
 def emu_pipeline(q, k, v, g, beta, scale=None, h0=None, cu=None, split_tokens=0, uw=False):
     """The whole forward, emulated, with the same tables as the kernels. Returns a dict like
     chunk_gdn_fwd_lowlevel's (o fp32, final_state fp32, and each stage's output)."""
-    from .._common import chunk_table, default_cu_seqlens, segment_table
+    from qlabench_kernels._common import chunk_table, default_cu_seqlens, segment_table
 
     T = q.shape[1]
     scale = D**-0.5 if scale is None else scale

@@ -1,6 +1,6 @@
 """Whole-forward latency against the segment length of sequence splitting, on a Hopper GPU.
 
-    python kernels/dev/split_sweep.py [--variant SPEC] [--cases NAME,...]
+    python tools/kernels/split_sweep.py [--block-v 64|32] [--cases NAME,...]
 
 For each case (head config + sequence lengths) the forward runs unsplit and with every segment
 length of ``SPLITS`` shorter than its longest sequence; every split output (o and final state)
@@ -58,16 +58,16 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def run_case(pkg, name, hq, hv, lens, variant):
+def run_case(pkg, name, hq, hv, lens, block_v):
     x = cf.make_inputs(lens, hq, hv)
     T, N = sum(lens), len(lens)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    auto = pkg.plan_split(T, N, hv, sms, seqlens=lens)  # the segment length plan_split picks at block_v 64
-    cf.log(f"  {name}: plan_split (bv 64) -> {auto}; plan_fwd (autobv) -> {pkg.plan_fwd(T, N, hv, sms, seqlens=lens)}")
+    auto = pkg.plan_split(T, N, hv, sms, block_v=block_v, seqlens=lens)
+    cf.log(f"  {name}: plan_split (bv {block_v}) -> {auto}; plan_fwd -> {pkg.plan_fwd(T, N, hv, sms, seqlens=lens)}")
 
     def fwd(sp):
         return pkg.chunk_gdn_fwd_lowlevel(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], sp, variant=variant
+            x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], sp, block_v=block_v
         )
 
     base = fwd(0)
@@ -92,25 +92,25 @@ def run_case(pkg, name, hq, hv, lens, variant):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", default="default")
+    ap.add_argument("--block-v", type=int, default=64, choices=(64, 32), help="fwd_o's V block")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     args = ap.parse_args()
     pkg, _ = cf._import_pkg()
     want = {c.strip() for c in args.cases.split(",") if c.strip()}
     out = []
-    cf.log(f"split sweep, variant {args.variant}, {torch.cuda.get_device_name(0)}")
+    cf.log(f"split sweep, block_v {args.block_v}, {torch.cuda.get_device_name(0)}")
     for name, hq, hv, lens in CASES:
         if want and name not in want:
             continue
         try:
-            out += run_case(pkg, name, hq, hv, lens, args.variant)
+            out += run_case(pkg, name, hq, hv, lens, args.block_v)
         except Exception as e:  # one failing case does not stop the others
             cf.log(f"  {name}: FAILED {type(e).__name__}: {e}")
             cf.log(traceback.format_exc())
             out.append(dict(case=name, status="error", error=f"{type(e).__name__}: {e}"))
     dest = os.environ.get("OUT")
     if dest:
-        tag = args.variant.replace("=", "").replace(",", "_")
+        tag = f"bv{args.block_v}"
         pathlib.Path(dest, f"split_sweep_{tag}.json").write_text(json.dumps(out, indent=1))
         pathlib.Path(dest, f"split_sweep_{tag}.txt").write_text("\n".join(cf.LINES) + "\n")
     return 0 if all(r["status"] == "ok" for r in out) else 1

@@ -1,4 +1,4 @@
-"""CPU model of fwd_o_ws.py's mbarrier protocol (no GPU): random interleavings of the four roles.
+"""CPU model of fwd_o.py's mbarrier protocol (no GPU): random interleavings of the four roles.
 
 Each warpgroup is one actor executing the same sequence of waits / arrives / buffer reads and
 writes as the kernel (a warpgroup's arrive = its 128 threads' arrivals, so barrier counts are in
@@ -134,4 +134,4 @@ def drop_ops(role, pred):
 
 if __name__ == "__main__":
     check()
-    print("fwd_o_ws barrier protocol: OK (no deadlock, no parity aliasing, no buffer race)")
+    print("fwd_o barrier protocol: OK (no deadlock, no parity aliasing, no buffer race)")

@@ -1,0 +1,188 @@
+"""Run-time planners of the kernels: the forward's V block and sequence split, the backward's split.
+
+Host values only (shapes and, optionally, host sequence lengths): no device synchronisation.
+The cost models count chunk steps per CTA under longest-first scheduling of the grid on the SMs,
+with per-kernel step costs fitted to H200 measurements (docs/kernels.md, "Planners").
+"""
+
+import functools
+import math
+
+import torch
+
+from ._common import CHUNK, HEAD_DIM
+
+__all__ = ["sm_count", "split_cost", "plan_fwd", "plan_split", "bwd_split_cost", "plan_bwd_split"]
+
+_SM_COUNT = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (132, the H200's, off CUDA); cached per device."""
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+#: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30,
+#: the H200 split sweeps kept in git history (tag kernels-variants-2026-11-30): 13-21 cases x 4-8 segment lengths in each of four
+#: sweeps (default, pprep=1 twice, pprep=1,uw=1); over those 68 rows the model's pick is within
+#: 0.3% of the measured best on average, worst 3.7%): fwd_o chunk step per CTA (one CTA per SM),
+#: seg_state chunk step per CTA (two CTAs per SM), fixup per segment, the split path's launches.
+_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0}
+#: fwd_o's chunk step at block_v 32 relative to 64 (H200, warp-specialised fwd_o before pprep:
+#: 16/64 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
+_BV32_STEP = 0.8
+_SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _lpt_makespan(groups, slots: int) -> float:
+    """Makespan of longest-processing-time-first list scheduling of ``groups`` = [(duration, count)]
+    on ``slots`` identical slots (what a grid of equal-cost CTAs does on the SMs)."""
+    import heapq
+
+    items = sorted(groups, reverse=True)
+    if not items:
+        return 0.0
+    heap = [0.0] * slots
+    for dur, cnt in items:
+        # cnt jobs of equal length: while every slot is equally loaded, whole rounds over all slots
+        # at once (exactly what LPT does then); otherwise one by one onto the least-loaded slot
+        if heap[0] == max(heap) and cnt >= slots:
+            rounds, cnt = divmod(cnt, slots)
+            heap = [t + rounds * dur for t in heap]
+        for _ in range(cnt):
+            heapq.heappush(heap, heapq.heappop(heap) + dur)
+    return max(heap)
+
+
+def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) -> float:
+    """Estimated time (relative units) of fwd_o (+ seg_state + fixup when ``seg`` > 0) for sequences of
+    ``lens`` tokens cut into ``seg``-token segments (0 = unsplit); prep and tables do not depend on it."""
+    cpb = HEAD_DIM // block_v
+    step = _SPLIT_COST["fwd_o"] * (_BV32_STEP if block_v == 32 else 1.0)
+    if not seg:
+        fwd = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
+        return _lpt_makespan(fwd, num_sms) * step
+    fwd, seg_state, serial = {}, {}, 0
+    for ln in lens:
+        ns = max(1, math.ceil(ln / seg))
+        for i in range(ns):
+            ch = math.ceil(min(seg, ln - i * seg) / CHUNK)
+            fwd[ch] = fwd.get(ch, 0) + h_v * cpb
+            if i < ns - 1:
+                seg_state[ch] = seg_state.get(ch, 0) + h_v * 4
+        serial = max(serial, ns - 1)
+    return (
+        _lpt_makespan(list(fwd.items()), num_sms) * step
+        + _lpt_makespan(list(seg_state.items()), 2 * num_sms) * _SPLIT_COST["seg_state"]
+        + serial * _SPLIT_COST["fixup"]
+        + _SPLIT_COST["launch"]
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple) -> tuple:
+    longest = max(lens, default=0)
+    best, best_cost = (blocks[0], 0), None
+    for bv in blocks:
+        for seg in (0, *_SPLIT_CANDIDATES):
+            if seg and seg >= longest:
+                break
+            c = split_cost(lens, h_v, seg, num_sms, bv)
+            if best_cost is None or c < best_cost * 0.99:  # change only for a clear gain
+                best, best_cost = (bv, seg), c
+    return best
+
+
+#: Backward split cost model (µs per chunk step per CTA, H200): bwd_dhu (three CTAs fit per SM at
+#: stages=0, two pipelined; counted as two slots per SM), the warp-specialised bwd_h (one per SM),
+#: seg_state (two per SM), each fix-up segment (forward and reverse), the split path's extra launches.
+_BWD_SPLIT_COST = {"dhu": 6.0, "bwd_h": 1.7, "seg_state": 1.5, "fixup": 3.0, "launch": 20.0}
+
+
+def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 32) -> float:
+    """Estimated time (µs-like units) of the backward's chains for sequences of ``lens`` tokens cut
+    into ``seg``-token segments (0 = unsplit): bwd_h and bwd_dhu (two passes when split: pass 1 on
+    every segment but the first of its sequence), plus seg_state and the two fix-ups when split."""
+    cpb = HEAD_DIM // block_v
+    c = _BWD_SPLIT_COST
+    if not seg:
+        items = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
+        return _lpt_makespan(items, 2 * num_sms) * c["dhu"] + _lpt_makespan(items, num_sms) * c["bwd_h"]
+    every, not_first, not_last, serial = {}, {}, {}, 0
+    for ln in lens:
+        ns = max(1, math.ceil(ln / seg))
+        for i in range(ns):
+            ch = math.ceil(min(seg, ln - i * seg) / CHUNK)
+            every[ch] = every.get(ch, 0) + h_v * cpb
+            if i > 0:
+                not_first[ch] = not_first.get(ch, 0) + h_v * cpb
+            if i < ns - 1:
+                not_last[ch] = not_last.get(ch, 0) + h_v * 4
+        serial = max(serial, ns - 1)
+    return (
+        (_lpt_makespan(list(every.items()), 2 * num_sms) + _lpt_makespan(list(not_first.items()), 2 * num_sms))
+        * c["dhu"]
+        + _lpt_makespan(list(every.items()), num_sms) * c["bwd_h"]
+        + _lpt_makespan(list(not_last.items()), 2 * num_sms) * c["seg_state"]
+        + 2 * serial * c["fixup"]
+        + c["launch"]
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_bwd_lens(lens: tuple, h_v: int, num_sms: int, block_v: int) -> int:
+    longest = max(lens, default=0)
+    best, best_cost = 0, None
+    for seg in (0, *_SPLIT_CANDIDATES[1:]):
+        if seg and seg >= longest:
+            break
+        c = bwd_split_cost(lens, h_v, seg, num_sms, block_v)
+        if best_cost is None or c < best_cost * 0.95:  # split only for a clear gain
+            best, best_cost = seg, c
+    return best
+
+
+def plan_bwd_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 32, seqlens=None) -> int:
+    """Segment length in tokens for the backward's sequence split (0 = unsplit), by
+    :func:`bwd_split_cost` over 512..16384-token segments; host values only."""
+    lens = _lens_of(T, N, seqlens)
+    if not lens or max(lens) <= 512:
+        return 0
+    return _plan_bwd_lens(lens, h_v, num_sms, block_v)
+
+
+def _lens_of(T, N, seqlens):
+    if seqlens is not None:
+        return tuple(int(x) for x in seqlens)
+    return (T // max(N, 1),) * max(N, 1) if T else ()
+
+
+def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(64, 32)) -> tuple:
+    """(block_v, segment length) of the forward: the pair of
+    ``blocks`` x {unsplit, 256..16384-token segments} that :func:`split_cost` rates fastest.
+    block_v 32 doubles the fwd_o CTAs at ~0.8x the chunk step, which pays where the heads alone
+    do not fill the SMs."""
+    lens = _lens_of(T, N, seqlens)
+    if not lens or max(lens) <= 256:
+        return (blocks[0], 0)
+    return _plan_lens(lens, h_v, num_sms, tuple(blocks))
+
+
+def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, seqlens=None) -> int:
+    """Segment length in tokens for sequence splitting, or 0 for no splitting.
+
+    Chosen by a cost model of the split path (:func:`split_cost`: longest-first scheduling of the
+    fwd_o and seg_state CTAs over the SMs, plus the serial fix-up), over segment lengths of
+    256..16384 tokens. ``seqlens`` (host ints, e.g. from the layout the caller already knows)
+    makes the plan exact for unequal sequences; without it the N sequences are taken as equal
+    (T / N tokens each). Host values only: no device sync.
+    """
+    lens = _lens_of(T, N, seqlens)
+    if not lens or max(lens) <= 256:
+        return 0
+    return _plan_lens(lens, h_v, num_sms, (block_v,))[1]

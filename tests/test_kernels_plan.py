@@ -1,0 +1,50 @@
+"""CPU tests of the planners (kernels/plan.py): their picks on cases the H200 measured, from host
+values only."""
+
+from kernel_helpers import kernels_pkg as _pkg
+
+
+def test_plan_split_from_shapes_only():
+    """The split planner's picks on cases the H200 split sweep measured (the split sweeps of 2026-11-30; tag kernels-variants-2026-11-30)."""
+    pkg = _pkg()
+    assert pkg.plan_split(32768, 1, 8) == 4096  # 0.447 ms (2048: 0.474, unsplit 1.330)
+    assert pkg.plan_split(2048, 1, 8) == 256  # 0.059 ms (512: 0.062, unsplit 0.097)
+    assert pkg.plan_split(8192, 1, 16) == 2048  # 4/16: 0.237 ms (1024: 0.253, unsplit 0.380)
+    assert pkg.plan_split(32768, 1, 64) == 0  # 128 CTAs already
+    assert pkg.plan_split(4 * 8192, 4, 64) == 0
+    assert pkg.plan_split(4 * 8192, 4, 8) == 4096  # 2/8 8192x4: 0.436 ms, unsplit the same (2048: 0.448)
+    assert pkg.plan_split(8 * 1024, 8, 8) == 0
+    assert pkg.plan_split(200, 1, 8) == 0  # too short to cut
+    # unequal lengths: only the host lengths show the long sequence (8/24 28672+4096: 1.294 ms at 4096, unsplit 1.493)
+    assert pkg.plan_split(32768, 2, 24) == 0
+    assert pkg.plan_split(32768, 2, 24, seqlens=[28672, 4096]) == 4096
+    assert pkg.split_cost([28672, 4096], 24, 4096) < pkg.split_cost([28672, 4096], 24, 0)
+
+
+def test_lpt_makespan_is_list_scheduling():
+    pkg = _pkg()
+    from qlabench_kernels.plan import _lpt_makespan as lpt
+    assert lpt([(10, 1), (1, 2)], 2) == 10  # both short jobs go to the idle slot
+    assert lpt([(4, 264)], 132) == 8  # two full rounds
+    assert lpt([(3, 133)], 132) == 6
+    assert lpt([], 132) == 0
+    assert pkg.plan_fwd(32768, 1, 32) == (32, 0)  # Hv 32, one sequence: 128 CTAs at V block 32, unsplit
+
+
+def test_plan_bwd_split_cuts_only_few_long_chains():
+    """The backward's split planner cuts a long sequence when its chains (h_v x 4 V blocks) leave
+    SMs idle, never short ones, and reads the host lengths for unequal sequences."""
+    pkg = _pkg()
+    assert pkg.plan_bwd_split(32768, 1, 4) > 0  # 16 chains of 512 chunks
+    assert pkg.plan_bwd_split(8192, 1, 4) > 0
+    assert pkg.plan_bwd_split(400, 1, 4) == 0  # too short to cut
+    assert pkg.plan_bwd_split(32768, 8, 32) == 0  # 1024 chains already
+    seg = pkg.plan_bwd_split(32768, 2, 4, seqlens=[32000, 768])
+    assert seg > 0 and pkg.bwd_split_cost([32000, 768], 4, seg) < pkg.bwd_split_cost([32000, 768], 4, 0)
+    assert pkg.bwd_split_cost([32768], 4, 0) > pkg.bwd_split_cost([32768], 4, 2048)
+    # the H200 timings of session 5 (check_bwd, 2026-11-30, call 2, whole backward):
+    assert pkg.plan_bwd_split(32768, 1, 4) == 2048  # 2/4 1x32768: 1.42 ms (1024: 1.51, unsplit 4.40)
+    assert pkg.plan_bwd_split(8192, 1, 4) == 512  # 2/4 1x8192: 0.50 ms (1024: 0.55, unsplit 1.19)
+    assert pkg.plan_bwd_split(32768, 1, 32) == 0  # 16/32 1x32768: 9.05 ms (1024: 9.25)
+    eight = [3274, 1029, 2909, 5061, 2011, 3793, 9932, 4759]
+    assert pkg.plan_bwd_split(32768, 8, 8, seqlens=eight) == 2048  # 4/8: 2.47 ms (1024: 2.45, unsplit 2.67)
