@@ -22,9 +22,7 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
     the two rows are not known to share GPU and campaign, or one is throttled; the title gives
     ``results.pairing_label`` over the labels)."""
     from . import results
-    ok = df[(df["status"] == "ok") & df["latency_ms"].notna()]
-    if direction:
-        ok = ok[ok["direction"] == direction]
+    ok = _ok(df, direction)
     if ok.empty:
         return None
     models = list(dict.fromkeys(ok.sort_values("point_index")["model"]))
@@ -112,8 +110,21 @@ def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None
 
 
 def _ok(df: pd.DataFrame, direction: str | None) -> pd.DataFrame:
+    """ok rows with a latency (of ``direction``); when they hold several gate recipes, ``model``
+    reads ``<model> [<recipe>]`` so that every figure draws each recipe apart."""
     ok = df[(df["status"] == "ok") & df["latency_ms"].notna()]
-    return ok[ok["direction"] == direction] if direction else ok
+    ok = ok[ok["direction"] == direction] if direction else ok
+    if "gate_recipe" in ok and ok["gate_recipe"].nunique() > 1:
+        name = ok["gate_recipe"].map(recipe_name)
+        ok = ok.assign(model=[f"{m} [{r}]" for m, r in zip(ok["model"], name)])
+    return ok
+
+
+def recipe_name(gate_recipe) -> str:
+    """``strong-decay:...`` -> ``strong-decay``; the published recipe (``zero0.25/seed0``) ->
+    ``published``."""
+    s = str(gate_recipe)
+    return s.split(":", 1)[0] if ":" in s else "published"
 
 
 def _backends(names) -> list[str]:

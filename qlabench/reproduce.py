@@ -170,8 +170,10 @@ def measured_rows(from_: Path, direction: str) -> pd.DataFrame:
 
 
 def _select_rows(rows: pd.DataFrame, pub: Published) -> pd.DataFrame:
-    """Rows of the published shape (head_dim, dtype) keyed by join key; last one wins."""
-    r = rows.copy()
+    """Rows of the published shape (head_dim, dtype) and gate recipe (keys without a
+    ``|gate=`` recipe suffix) keyed by join key; last one wins."""
+    r = rows[~rows["point_key"].astype(str).str.contains("|gate=", regex=False)].copy() \
+        if "point_key" in rows.columns else rows.copy()
     hd = pub.provenance.get("inputs", {}).get("head_dim")
     if hd is not None and "head_dim" in r.columns and r["head_dim"].notna().any():
         r = r[r["head_dim"].isna() | (r["head_dim"] == hd)]

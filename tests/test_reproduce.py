@@ -207,3 +207,19 @@ def test_without_from_runs_the_sweep_and_reports_unavailable(tmp_path, monkeypat
     assert len(results.load(tmp_path / "out" / "rows-fwd")) == 4
     text = buf.getvalue()
     assert "unavailable" in text and "no backend measured any point" in text
+
+
+def test_rows_of_other_gate_recipes_are_not_joined(tmp_path, pub_bwd):
+    """The published table is the published recipe: a strong-decay row of the same shape, newer,
+    must not replace it."""
+    d = _write_rows(tmp_path / "rows", pub_bwd)
+    _write_rows(d, pub_bwd, factors={"fla": 3.0}, run_id="20261201T010000-bbbbbb",
+                started_at="2026-12-01T01:00:00", gate_recipe="strong-decay:floor=1e-06/seed0")
+    df = results.load(d)
+    strong = df["run_id"] == "20261201T010000-bbbbbb"
+    df.loc[strong, "point_key"] = df.loc[strong, "point_key"] + "|gate=strong-decay"
+    for f in (d / "parts").glob("*.parquet"):
+        f.unlink()
+    results._write_rows_file(d / "parts", "rows", df)
+    t = R.side_by_side(pub_bwd, R.measured_rows(d, "bwd"))
+    assert np.allclose(t["fla_ratio"], 1.0)
