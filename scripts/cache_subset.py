@@ -1,13 +1,13 @@
 """Copy only the TileLang cache entries that some precompile runs use into a new cache directory
 (for a device call's carry, which has a size limit).
 
-    TILELANG_CACHE_DIR=/tmp/tlcache-full python scripts/cache_subset.py /tmp/tlcache-min \\
-        "bwdnew default" "sweep" ...
+    TILELANG_CACHE_DIR=/tmp/tlcache-full python scripts/cache_subset.py /tmp/tlcache-min "tests" "bwd_sweep" ...
 
 Each quoted argument is one ``scripts/precompile_cache.py`` argument list, run in this process
-with TileLang's cache-path lookup recorded (entries missing from the source cache are compiled
-into it first). The used entries are copied to the same relative paths under the output
-directory, which then works as a TILELANG_CACHE_DIR of its own.
+(``--jobs`` stays 1: worker processes are not recorded) with TileLang's cache-path lookup recorded
+(entries missing from the source cache are compiled into it first). The used entries are copied
+to the same relative paths under the output directory, which then works as a TILELANG_CACHE_DIR of
+its own.
 """
 
 import os
@@ -36,7 +36,11 @@ def main():
     script = str(pathlib.Path(__file__).with_name("precompile_cache.py"))
     for args in sys.argv[2:]:
         sys.argv = [script, *shlex.split(args)]
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:  # the script's main() exits; a failure stops here
+            if e.code:
+                raise
     src_root = pathlib.Path(os.environ.get("TILELANG_CACHE_DIR", pathlib.Path.home() / ".tilelang" / "cache"))
     n = 0
     for p in sorted(used):
