@@ -90,7 +90,7 @@ def check_heads(h_qk: int, h_v: int) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# Work tables (built on the GPU with torch ops: no host synchronisation, graph-capturable)
+# Work tables by torch ops (the tables kernel's reference; the CPU path of chunk_gdn_bwd)
 # --------------------------------------------------------------------------------------
 
 #: Columns of a segment table row (int32 [NS, 8]).

@@ -25,10 +25,10 @@ One CTA of 512 threads = 4 warpgroups per (V block of 32 columns, segment, v-hea
                        published dH as dh, warp 14 each dv_new (stores off the chain: 1.33 → 1.11 ms
                        on 16/32 1×32768 for the dH store alone)
 
-Measured on the H200 (16/32 1×32768, kernel alone): bwd_dhu 2.02 ms (3.9 µs per chunk step); a
-first version with three warpgroups that built Pᵀ and W' in the chain's warpgroup 2.44 ms; four
-warpgroups with the builder doing Pᵀ and W' 2.71 ms (ablations: Pᵀ 1.9 µs and W' 0.9 µs per step);
-with bwd_pw (0.41 ms) 1.33 ms (2.6 µs per step), 1.11 ms with the dH store warp.
+Measured on the H200 (16/32 1×32768, kernel alone): the one-warpgroup chain 2.02 ms (3.9 µs per
+chunk step); three warpgroups that built Pᵀ and W' in the chain's warpgroup 2.44 ms; four with the
+builder doing Pᵀ and W' 2.71 ms (ablations: Pᵀ 1.9 µs and W' 0.9 µs per step); with bwd_pw (0.41 ms)
+1.33 ms (2.6 µs per step), 1.11 ms with the dH store warp, 1.06 ms with dv_new formed in registers.
 
 mbarriers (r = step in reverse order, j = r % 2, n = r // 2): full[j] (count 32 + tx bytes),
 built[j] (count 128, WG2 → WG0 and WG1, parity n % 2), empty[j] (count 384: WG0, WG1, WG2 after

@@ -27,14 +27,14 @@ def sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
-#: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30,
-#: the H200 split sweeps kept in git history (tag kernels-variants-2026-11-30): 13-21 cases x 4-8 segment lengths in each of four
-#: sweeps (default, pprep=1 twice, pprep=1,uw=1); over those 68 rows the model's pick is within
-#: 0.3% of the measured best on average, worst 3.7%): fwd_o chunk step per CTA (one CTA per SM),
-#: seg_state chunk step per CTA (two CTAs per SM), fixup per segment, the split path's launches.
+#: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30:
+#: 13-21 cases x 4-8 segment lengths in each of four sweeps over the fwd_o forms of that day; over
+#: those 68 rows the model's pick is within 0.3% of the measured best on average, worst 3.7%):
+#: fwd_o chunk step per CTA (one CTA per SM), seg_state chunk step per CTA (two CTAs per SM), fixup
+#: per segment, the split path's launches.
 _SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0}
-#: fwd_o's chunk step at block_v 32 relative to 64 (H200, warp-specialised fwd_o before pprep:
-#: 16/64 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
+#: fwd_o's chunk step at block_v 32 relative to 64 (H200, fwd_o before P came from prep: 16/64
+#: 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
 _BV32_STEP = 0.8
 _SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -98,9 +98,10 @@ def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple) -> tuple:
     return best
 
 
-#: Backward split cost model (µs per chunk step per CTA, H200): bwd_dhu (three CTAs fit per SM at
-#: stages=0, two pipelined; counted as two slots per SM), the warp-specialised bwd_h (one per SM),
-#: seg_state (two per SM), each fix-up segment (forward and reverse), the split path's extra launches.
+#: Backward split cost model (µs per chunk step per CTA, H200), fitted when bwd_dhu was a
+#: one-warpgroup kernel (two to three CTAs per SM, counted as two slots; today's warp-specialised
+#: chain is ~2.1 µs per step at one CTA per SM: a refit is due), bwd_h (one per SM), seg_state (two
+#: per SM), each fix-up segment (forward and reverse), the split path's extra launches.
 _BWD_SPLIT_COST = {"dhu": 6.0, "bwd_h": 1.7, "seg_state": 1.5, "fixup": 3.0, "launch": 20.0}
 
 

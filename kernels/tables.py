@@ -1,5 +1,5 @@
-"""Work tables in ONE TileLang launch (replaces the ~60 small torch launches of
-``_common.chunk_table`` + ``_common.segment_table``; identical output, int32 prefix sums).
+"""Forward kernel 0: the work tables in one launch (``_common.chunk_table`` + ``segment_table``
+build the same tables with ~60 torch launches; identical output, int32 prefix sums).
 
 One CTA of ``NT`` threads walks the sequences in blocks of NT:
 

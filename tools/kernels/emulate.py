@@ -305,30 +305,8 @@ def emu_tables_tl(cu, T, N, seg_tokens, split, nt=512):
     return torch.tensor(ctab, **i32), torch.tensor(cu_chunks, **i32), torch.tensor(stab, **i32), torch.tensor(cu_segs, **i32)
 
 
-def _tf32(x):
-    """Round fp32 to tf32 (10-bit mantissa, round to nearest) as a tf32 wgmma reads its operands."""
-    i = x.contiguous().view(torch.int32)
-    i = (i + 0x1000) & ~0x1FFF
-    return i.view(torch.float32)
-
-
-def solve_tc(L, tf32=True):
-    """Mirror of prep.py method="tc": D = blockdiag((I + L_bb)⁻¹) by substitution, N = D L_off,
-    A = (I − N)(I + N²) D with every GEMM operand rounded to tf32 (fp32 accumulation)."""
-    B = 16
-    rnd = _tf32 if tf32 else (lambda t: t)
-    blk = torch.arange(64, device=L.device) // B
-    off = (blk[:, None] > blk[None, :]).to(L.dtype)
-    Dm = solve_blocked_diag(L)
-    I = torch.eye(64, dtype=L.dtype, device=L.device)
-    N = rnd(Dm) @ rnd(L * off)
-    N2 = rnd(N) @ rnd(N)
-    X = rnd(I - N) @ rnd(I + N2)
-    return rnd(X) @ rnd(Dm)
-
-
 def solve_rt(L):
-    """Mirror of prep.py method="rt", lane by lane: the diagonal blocks as in ``solve_blocked``,
+    """Mirror of prep.py's solve, lane by lane: the diagonal blocks (``solve_blocked_diag``),
     then per level d warp w < 4 − d owns block (bi, bj) = (w + d, w) and lane l the 2x4 tile rows
     {rp, rp + 8}, columns 4·cq .. 4·cq + 3 (rp = l // 4, cq = l % 4), with the kernel's index math."""
     B = 16
@@ -361,7 +339,7 @@ def solve_rt(L):
 
 
 def solve_blocked_diag(L):
-    """The 16x16 diagonal blocks (I + L_bb)⁻¹ of ``solve_blocked`` (zero elsewhere)."""
+    """The 16x16 diagonal blocks (I + L_bb)⁻¹ (zero elsewhere), by substitution as prep's 64 threads."""
     B = 16
     A = torch.zeros_like(L)
     eye = torch.eye(B, dtype=L.dtype, device=L.device)
@@ -371,20 +349,4 @@ def solve_blocked_diag(L):
         for i in range(B):
             x[..., i, :] = eye[i] - (Lb[..., i, :i, None] * x[..., :i, :]).sum(-2)
         A[..., b * B : (b + 1) * B, b * B : (b + 1) * B] = x
-    return A
-
-
-def solve_blocked(L):
-    """Mirror of prep.py method="blocked": A = (I + L)⁻¹ for strictly lower L [..., 64, 64] (fp32),
-    16x16 diagonal blocks by substitution, then off-diagonal blocks level by level."""
-    B = 16
-    A = solve_blocked_diag(L)
-    for lvl in (1, 2, 3):
-        ys = {}
-        for bj in range(4 - lvl):
-            bi = bj + lvl
-            ys[bi] = L[..., bi * B : (bi + 1) * B, bj * B : bi * B] @ A[..., bj * B : bi * B, bj * B : (bj + 1) * B]
-        for bj in range(4 - lvl):
-            bi = bj + lvl
-            A[..., bi * B : (bi + 1) * B, bj * B : (bj + 1) * B] = -(A[..., bi * B : (bi + 1) * B, bi * B : (bi + 1) * B] @ ys[bi])
     return A
