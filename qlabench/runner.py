@@ -194,7 +194,7 @@ def campaign_for(store: ResultStore, uuids: list[str], resume: bool) -> str:
     run with a campaign was measured on the same device(s) continues that campaign (one sweep
     spread over several jobs on one GPU stays one campaign); anything else starts a new one."""
     if resume:
-        metas = sorted(store_metas(store), key=lambda m: str(m.get("started_at", "")))
+        metas = store_metas(store)  # oldest first (by start, then by when the file was written)
         for m in reversed(metas):
             if m.get("campaign_id"):
                 if sorted(m.get("gpu_uuids") or []) == sorted(uuids):
@@ -205,12 +205,13 @@ def campaign_for(store: ResultStore, uuids: list[str], resume: bool) -> str:
 
 def store_metas(store: ResultStore) -> list[dict]:
     out = []
-    for f in sorted(store.runs.glob("*.json")) if store.runs.is_dir() else ():
+    for f in store.runs.glob("*.json") if store.runs.is_dir() else ():
         try:
-            out.append(json.loads(f.read_text()))
+            out.append((f.stat().st_mtime, json.loads(f.read_text())))
         except (OSError, ValueError):
             continue
-    return out
+    out.sort(key=lambda tm: (str(tm[1].get("started_at", "")), tm[0]))
+    return [m for _, m in out]
 
 
 def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name: str,
@@ -507,7 +508,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     meta = {"run_id": run_id, "git_sha": sha, "config": config_name,
             "sweep": sweep.model_dump(mode="json"), "backends": names,
             "backend_versions": versions, "availability": {n: list(a) for n, a in avail.items()},
-            "env": environment(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "env": environment(), "started_at": datetime.now().isoformat(timespec="milliseconds"),
             "points": len(pts), "device": device(), "ceilings": ceilings,
             "campaign_id": campaign_id, "gpu_uuids": uuids}
     store.write_meta(run_id, meta)
