@@ -1,16 +1,17 @@
-"""Deliberately broken variants of the FLA backend, run through the real runner on a GPU: each
-must come out ``incorrect`` on every point it touches (the gate's acceptance run).
+"""Deliberately broken variants of a backend (default FLA), run through the real runner on a GPU:
+each must come out ``incorrect`` on every point it touches (the gate's acceptance run).
 
     python scripts/gate_acceptance.py --fwd configs/h200_fwd_quick.yaml \
-        --bwd configs/h200_bwd_quick.yaml --out runs/gate_acceptance
+        --bwd configs/h200_bwd_quick.yaml --out runs/gate_acceptance [--backend tilelang]
 
-Variants (each a subclass of ``FLABackend``, patched in for the ``fla`` name, in-process):
+Variants (each a subclass of the backend's class, patched in for its name, in-process; the
+outputs are found through the backend's own ``outputs_to_canonical``):
 
 - ``state-hole``: the final state is copied into a fresh ``torch.empty`` except one sequence's,
   which is left unwritten (the allocator may hand back a buffer holding a right answer);
 - ``dg-block``: one 1024-token block of one head of ``dg`` is written 1.5x too large;
-- ``graph-only``: eager calls are right, but under CUDA-graph capture the last 64-token chunk of
-  one head of ``o`` is left unwritten (a library that takes another path when captured).
+- ``graph-only``: eager calls are right, but under CUDA-graph capture the last 64 tokens of one
+  head of ``o`` come out NaN, as if unwritten (a library that takes another path when captured).
 
 Writes ``OUT/<variant>/`` result directories and ``OUT/summary.json``; exits 1 if any row of a
 broken variant is not ``incorrect``.
@@ -29,65 +30,56 @@ from qlabench import backends as B
 from qlabench import config as C
 from qlabench import runner
 from qlabench.backends.base import Prepared
-from qlabench.backends.fla import FLABackend
 
 
-class StateHole(FLABackend):
-    def version(self):
-        return "broken:state-hole"
-
-    def prepare(self, x, direction):
-        inner = super().prepare(x, direction)
-        j = x.N // 2
-
-        def fn():
-            r = list(inner.fn())
-            st = torch.empty_like(r[3])
-            keep = [i for i in range(x.N) if i != j]
-            st[keep] = r[3][keep]
-            r[3] = st
-            return tuple(r)
-        return Prepared(fn=fn, graph_safe=inner.graph_safe)
+def _slot(raw, t: torch.Tensor):
+    """Index (or key) of the raw output that holds canonical output ``t`` (same storage)."""
+    p = t.untyped_storage().data_ptr()
+    items = raw.items() if isinstance(raw, dict) else enumerate(raw)
+    return next(i for i, r in items
+                if isinstance(r, torch.Tensor) and r.untyped_storage().data_ptr() == p)
 
 
-class DgBlock(FLABackend):
-    def version(self):
-        return "broken:dg-block"
+def broken(base: type, variant: str):
+    """A subclass of backend class ``base`` broken as ``variant`` says."""
 
-    def prepare(self, x, direction):
-        inner = super().prepare(x, direction)
-        lens = x.cu_seqlens.diff().tolist()
-        s = max(range(x.N), key=lambda i: lens[i])
-        t0 = int(x.cu_seqlens[s]) + (lens[s] // 2048) * 1024  # a block inside the longest sequence
-        t1 = min(t0 + 1024, int(x.cu_seqlens[s + 1]))
+    class Broken(base):
+        def version(self):
+            return f"broken:{variant}"
 
-        def fn():
-            r = list(inner.fn())
-            r[4][0, t0:t1, 0].mul_(1.5)  # FLA's bwd: (dq, dk, dv, dbeta, dg, dh0, ...)
-            return tuple(r)
-        return Prepared(fn=fn, graph_safe=inner.graph_safe)
+        def prepare(self, x, direction):
+            inner = super().prepare(x, direction)
+            lens = x.cu_seqlens.diff().tolist()
+            s = max(range(x.N), key=lambda i: lens[i])
+            t0 = int(x.cu_seqlens[s]) + (lens[s] // 2048) * 1024  # a block inside the longest sequence
+            t1 = min(t0 + 1024, int(x.cu_seqlens[s + 1]))
+            j = x.N // 2
+
+            def fn():
+                r0 = inner.fn()
+                raw = dict(r0) if isinstance(r0, dict) else list(r0)
+                c = self.outputs_to_canonical(raw if isinstance(raw, dict) else tuple(raw), x,
+                                              direction)
+                if variant == "state-hole":
+                    st = torch.empty_like(c["final_state"])
+                    keep = torch.tensor([i for i in range(x.N) if i != j], dtype=torch.long,
+                                        device=st.device)
+                    st.index_copy_(0, keep, c["final_state"].index_select(0, keep))
+                    raw[_slot(raw, c["final_state"])] = st
+                elif variant == "dg-block":
+                    c["dg"][0, t0:t1, 0].mul_(1.5)
+                elif (variant == "graph-only" and torch.cuda.is_available()
+                      and torch.cuda.is_current_stream_capturing()):
+                    o = c["o"].clone()
+                    o[0, -64:, 0] = float("nan")  # as if never written
+                    raw[_slot(raw, c["o"])] = o
+                return raw if isinstance(raw, dict) else tuple(raw)
+            return Prepared(fn=fn, graph_safe=inner.graph_safe)
+
+    return Broken
 
 
-class GraphOnly(FLABackend):
-    def version(self):
-        return "broken:graph-only"
-
-    def prepare(self, x, direction):
-        inner = super().prepare(x, direction)
-
-        def fn():
-            r = list(inner.fn())
-            if torch.cuda.is_current_stream_capturing():
-                o = torch.empty_like(r[1])
-                o.copy_(r[1])
-                o[0, -64:, 0] = o[0, -64:, 0] * float("nan")  # as if never written
-                r[1] = o
-            return tuple(r)
-        return Prepared(fn=fn, graph_safe=inner.graph_safe)
-
-
-VARIANTS = {"state-hole": (StateHole, "fwd"), "dg-block": (DgBlock, "bwd"),
-            "graph-only": (GraphOnly, "fwd")}
+VARIANTS = {"state-hole": "fwd", "dg-block": "bwd", "graph-only": "fwd"}
 
 
 def main(argv=None) -> int:
@@ -97,16 +89,19 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="", help="comma-separated variants")
+    ap.add_argument("--backend", default="fla", help="the backend to break (fla, tilelang, flashqla)")
     a = ap.parse_args(argv)
     real_get = B.get
     summary, ok = {}, True
-    for name, (cls, direction) in VARIANTS.items():
+    base = type(real_get(a.backend))
+    for name, direction in VARIANTS.items():
         if a.only and name not in a.only.split(","):
             continue
         sw = C.load(a.fwd if direction == "fwd" else a.bwd)
-        sw = sw.model_copy(update={"backends": ["fla"], "timing": sw.timing.model_copy(
+        sw = sw.model_copy(update={"backends": [a.backend], "timing": sw.timing.model_copy(
             update={"budget_s": 0.2, "min_samples": 3, "max_samples": 5, "gpm": False})})
-        B.get = lambda n, cls=cls: cls() if n == "fla" else real_get(n)
+        cls = broken(base, name)
+        B.get = lambda n, cls=cls: cls() if n == a.backend else real_get(n)
         try:
             s = runner.run(sw, Path(a.out) / name, config_name=f"gate-acceptance:{name}",
                            isolate=False)
