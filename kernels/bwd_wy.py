@@ -42,6 +42,7 @@ again at item i + 2 (tile ≥ t + 2 for every G ≥ 1), and a tile t + 2 needs f
 producer's load of it, so empty[j] of tile t, which the store warp arrives only after its waits for
 tile t. (One dk_ready barrier, waited with parity i % 2, could be lapped for G = 1, where every tile
 is an item: the consumers could complete items i and i + 1 before the store warp's wait for i.)
+``tools/kernels/wy_protocol.py`` models both over random interleavings.
 
 Measured on the H200 (16/32 1×32768, kernel alone): the one-CTA-per-item form 1.83 ms; this kernel with
 SIMT stores from registers 1.26 ms, with the per-item K Kᵀ / dM⊙Γ sums and the shuffle cumsum 1.20,

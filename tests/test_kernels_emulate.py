@@ -87,6 +87,18 @@ def test_fwd_o_ws_barrier_protocol():
             wsp.check(seeds=100, mutate=wsp.drop_ops(role, lambda op, b=bar: op[0] == "wait" and op[1] == b))
 
 
+def test_bwd_wy_barrier_protocol():
+    """bwd_wy's protocol (modelled in tools/kernels/wy_protocol.py) never deadlocks, never passes a
+    parity wait at the wrong phase and never lets the store warp read another tile's dv / dk, for GVA
+    groups of 1..4 v-heads; the earlier single dk_ready barrier deadlocks for G = 1 (its hand-off is
+    lapped) and holds for G >= 2."""
+    wyp = _tool("wy_protocol")
+    assert wyp.check(groups=(1, 2, 3, 4), seeds=60)
+    assert wyp.check(groups=(2, 3, 4), seeds=60, pair=False)
+    with pytest.raises(AssertionError, match="deadlock|phases done"):
+        wyp.check(groups=(1,), seeds=60, pair=False)
+
+
 @pytest.mark.parametrize("split_tokens", [0, 512])
 def test_uw_algebra_matches_reference(split_tokens):
     """fwd_o's Vd = A_β V − (A_β diag(e^g) K) S, with the W₀ factor in bf16: the emulated forward is as
