@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call on a two-GPU machine: two h200_session.sh jobs at once, one per GPU.
-#   JOB0="CHECK=1 BWDCHECK=1"  JOB1="SWEEPS='configs/h200_fwd.yaml:results/h200_fwd:--gpus=1 other.yaml:dir'"
+#   JOB0="TESTS=1"  JOB1="SWEEPS='configs/h200_fwd.yaml:results/h200_fwd:--gpus=1 other.yaml:dir'"
 # JOBn are shell assignments for h200_session.sh (evaluated: quote values with spaces, ";" or "|",
 # e.g. PICK='prep=rt;rowexp=1'). JOB0 runs
 # pinned with CUDA_VISIBLE_DEVICES=0; JOB1 sees every GPU so that its sweeps pick theirs with --gpus

@@ -24,29 +24,11 @@ pack() { [ -d "$1" ] && tar czf "$OUT/$(basename "$1").tgz" --exclude=logs "$1";
 [ "${SKIP_INSTALL:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 cat "$OUT/nvidia-smi.csv"
-rm -f "$OUT/check_fwd.json" "$OUT/check_bwd.json"   # a warm machine keeps $OUT: never read an old check
-if [ "${CHECK:-0}" = 1 ]; then
-  log "kernel check"
-  pin timeout ${CHECK_TIMEOUT:-120} python3 kernels/dev/check_fwd.py ${CHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_fwd.log" | tail -60
-fi
-# PICK="spec;spec": the fastest of these variants that passed every check case (kernels/dev/pick_variant.py)
-# becomes SWEEP_VARIANT: $QLABENCH_GDN_VARIANT of the sweeps below only (their tilelang rows carry it
-# in the backend version); checks, tests and profiles keep their own variants
-# ("default" runs the sweeps with QLABENCH_GDN_VARIANT unset; the pick applies to backward sweeps too)
-if [ -n "${PICK:-}" ] && [ "${CHECK:-0}" = 1 ]; then
-  picked=$(python3 kernels/dev/pick_variant.py "$OUT/check_fwd.json" "$PICK" 2> "$OUT/pick.log"); cat "$OUT/pick.log"
-  SWEEP_VARIANT=${picked:-default}
-  log "picked variant: $SWEEP_VARIANT"
-fi
-if [ "${BWDCHECK:-0}" = 1 ]; then
-  log "backward kernel check"
-  pin timeout ${BWDCHECK_TIMEOUT:-200} python3 kernels/dev/check_bwd.py ${BWDCHECK_ARGS:---quick} 2>&1 | tee "$OUT/check_bwd.log" | tail -60
-fi
 if [ "${TESTS:-0}" = 1 ]; then
   log "gpu tests"
   pin timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests} -p no:cacheprovider -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 fi
-# RUN_CMD="...": any further command (e.g. kernels/dev/split_sweep.py), pinned, under RUN_TIMEOUT
+# RUN_CMD="...": any further command (e.g. tools/kernels/check_fwd.py), pinned, under RUN_TIMEOUT
 if [ -n "${RUN_CMD:-}" ]; then
   log "run: $RUN_CMD"
   OUT=$OUT pin timeout ${RUN_TIMEOUT:-180} bash -c "$RUN_CMD" 2>&1 | tee "$OUT/run_cmd.log" | tail -80
@@ -79,11 +61,7 @@ for spec in ${SWEEPS:-}; do
   extra=${extra//+/ }   # extra args joined by '+', e.g. --gpus=1+--backends=tilelang
   log "sweep $cfg -> $dir (budget ${budget}s) $extra"
   mkdir -p "$dir"
-  venv=()
-  if [ "${SWEEP_VARIANT:-}" = default ]; then venv=(env -u QLABENCH_GDN_VARIANT)
-  elif [ -n "${SWEEP_VARIANT:-}" ]; then venv=(env "QLABENCH_GDN_VARIANT=$SWEEP_VARIANT"); fi
-  [ -n "${SWEEP_VARIANT:-}" ] && log "sweep variant: $SWEEP_VARIANT"
-  ${venv[@]+"${venv[@]}"} timeout --signal=INT --kill-after=15 "$budget" qlabench run "$cfg" --out "$dir" --resume $extra 2>&1 \
+  timeout --signal=INT --kill-after=15 "$budget" qlabench run "$cfg" --out "$dir" --resume $extra 2>&1 \
     | tee -a "$OUT/sweep.log"
   log "packing $dir"
   pack "$dir"

@@ -1,8 +1,7 @@
 """The in-repo TileLang kernels (``kernels/``, import name ``qlabench_kernels``).
 
 Conventions equal the canonical ones (FLA's); one compilation per head configuration, sequence
-layout at run time. Backward: see ``qlabench_kernels`` — rows say ``unsupported`` until the
-backward kernel exists.
+layout at run time (``seqlens=``, read to the host once in ``prepare``, plans the split).
 """
 
 from __future__ import annotations
@@ -16,10 +15,8 @@ class TileLangBackend(Backend):
     module = "qlabench_kernels"
 
     def version(self) -> str:
-        """A hash of the kernel sources and the selected variant: editing ``kernels/`` or setting
-        ``QLABENCH_GDN_VARIANT`` / ``QLABENCH_GDN_STAGES`` makes a new resume key."""
+        """A hash of the kernel sources: editing ``kernels/`` makes a new resume key."""
         import hashlib
-        import os
         from pathlib import Path
         try:
             import qlabench_kernels as qk
@@ -30,9 +27,7 @@ class TileLangBackend(Backend):
         for f in sorted(root.glob("*.py")):
             h.update(f.name.encode())
             h.update(f.read_bytes())
-        var = os.environ.get("QLABENCH_GDN_VARIANT", "") + "|" + os.environ.get("QLABENCH_GDN_STAGES", "")
-        h.update(var.encode())
-        return f"src-{h.hexdigest()[:10]}" + (f"+{var.strip('|')}" if var.strip("|") else "")
+        return f"src-{h.hexdigest()[:10]}"
 
     def available(self):
         ok, why = super().available()
