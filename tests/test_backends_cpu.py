@@ -140,3 +140,49 @@ def test_every_backend_says_why_unavailable_without_gpu():
     for n in ("fla", "flashinfer", "flashqla", "tilelang"):
         ok, why = B.get(n).available()
         assert not ok and why
+
+
+def _fake_flashinfer(monkeypatch, cute_dsl: bool, calls: list):
+    """A stand-in ``flashinfer.gdn_prefill`` with one API generation's signature; it records the
+    keyword arguments of each call and writes NaN-free outputs into the given buffers."""
+    def flat(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+             cu_seqlens=None, use_qk_l2norm_in_kernel=False, output=None, output_state=None):
+        calls.append({"cu_seqlens": cu_seqlens})
+        output.zero_()
+        output_state.zero_()
+        return output, output_state
+
+    def cute(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+             cu_seqlens=None, use_qk_l2norm_in_kernel=False, output=None, output_state=None,
+             use_cp="auto", max_seqlen=None, *, gate_domain="linear"):
+        calls.append({"max_seqlen": max_seqlen, "gate_domain": gate_domain})
+        output.zero_()
+        output_state.zero_()
+        return output, output_state
+
+    mod = types.ModuleType("flashinfer.gdn_prefill")
+    mod.chunk_gated_delta_rule = cute if cute_dsl else flat
+    pkg = types.ModuleType("flashinfer")
+    pkg.gdn_prefill = mod
+    monkeypatch.setitem(sys.modules, "flashinfer", pkg)
+    monkeypatch.setitem(sys.modules, "flashinfer.gdn_prefill", mod)
+    return mod.chunk_gated_delta_rule
+
+
+@pytest.mark.parametrize("cute_dsl", [False, True])
+def test_flashinfer_api_generation_is_read_from_the_signature(tiny_point, monkeypatch, cute_dsl):
+    from qlabench.backends.flashinfer import api_of
+    calls: list = []
+    fn = _fake_flashinfer(monkeypatch, cute_dsl, calls)
+    assert api_of(fn) == ("cute-dsl" if cute_dsl else "cutlass-flat")
+    x = make(tiny_point)
+    be = B.get("flashinfer")
+    prep = be.prepare(x, "fwd")
+    assert calls == []  # nothing runs in prepare
+    out = be.outputs_to_canonical(prep.fn(), x, "fwd")
+    assert out["o"].shape == x.v.shape and out["final_state"].shape == x.h0.shape
+    if cute_dsl:  # the longest sequence, as a host int; the gate stays linear (alpha = exp(g))
+        assert calls[0] == {"max_seqlen": max(tiny_point.seqlens), "gate_domain": "linear"}
+        assert isinstance(calls[0]["max_seqlen"], int)
+    else:
+        assert "max_seqlen" not in calls[0] and calls[0]["cu_seqlens"].dtype == torch.int64

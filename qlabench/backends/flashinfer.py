@@ -1,4 +1,14 @@
-"""FlashInfer ``gdn_prefill.chunk_gated_delta_rule`` (SM90 CUTLASS "flat" kernel), forward only.
+"""FlashInfer ``gdn_prefill.chunk_gated_delta_rule``, forward only, both SM90 generations:
+
+- up to 0.6.13, a CUTLASS "flat" kernel;
+- from 0.6.14 (0.7.x), CuTe-DSL kernels (a warp-specialised fused kernel, and a context-parallel
+  pipeline it chooses with ``use_cp="auto"``).
+
+Which one is installed is read from the function's signature (:func:`api_of`: the CuTe-DSL API
+takes ``max_seqlen``), not from the version string. The CuTe-DSL call gets ``max_seqlen``, the
+longest sequence as a host int read once in ``prepare``; without it the CP grid is sized for the
+whole token count. The gate stays α = exp(g) (``gate_domain="linear"``, its default); its
+``"log"`` domain adds an exp pass before the kernel.
 
 Conversions (done once in ``prepare``, outside the timed region):
 
@@ -14,6 +24,8 @@ the kernel (our q, k are already normalised).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -32,6 +44,15 @@ def to_flashinfer(x) -> dict:
         "cu_seqlens": x.cu_seqlens.to(torch.int64),
         "scale": x.scale,
     }
+
+
+def api_of(fn) -> str:
+    """``"cute-dsl"`` (0.6.14 and later: takes ``max_seqlen``) or ``"cutlass-flat"`` (up to 0.6.13)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "cutlass-flat"
+    return "cute-dsl" if "max_seqlen" in params else "cutlass-flat"
 
 
 def state_from_flashinfer(st: torch.Tensor) -> torch.Tensor:
@@ -75,14 +96,18 @@ class FlashInferBackend(Backend):
         T, hv, d = x.v.shape[1], x.v.shape[2], x.v.shape[3]
         out = torch.full((T, hv, d), float("nan"), dtype=x.v.dtype, device=x.v.device)
         st = torch.full((x.N, hv, d, d), float("nan"), dtype=torch.float32, device=x.v.device)
+        api = api_of(chunk_gated_delta_rule)
+        extra = {}
+        if api == "cute-dsl":  # read once here, outside the timed calls (no host sync in them)
+            extra["max_seqlen"] = int(x.cu_seqlens.diff().max()) if x.N else 0
 
         def fn():
             return chunk_gated_delta_rule(
                 q=a["q"], k=a["k"], v=a["v"], g=a["g"], beta=a["beta"], scale=a["scale"],
                 initial_state=a["initial_state"], output_final_state=x.output_final_state,
-                cu_seqlens=a["cu_seqlens"], output=out, output_state=st)
+                cu_seqlens=a["cu_seqlens"], output=out, output_state=st, **extra)
 
-        return Prepared(fn=fn, outputs=(out, st))
+        return Prepared(fn=fn, outputs=(out, st), notes=f"api={api}")
 
     def outputs_to_canonical(self, raw, x, direction):
         o, st = (raw if isinstance(raw, tuple) else (raw, None))
