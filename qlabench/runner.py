@@ -513,7 +513,12 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
             "campaign_id": campaign_id, "gpu_uuids": uuids}
     store.write_meta(run_id, meta)
     ctx = {"run_id": run_id, "sha": sha, "config": config_name, "versions": versions,
-           "avail": avail, "gpu_name": gpu_name, "ceilings": ceilings, "campaign_id": campaign_id}
+           "avail": avail, "gpu_name": gpu_name, "campaign_id": campaign_id,
+           # what the derived columns use: this run's ceilings, or where their measurement failed
+           # the same-GPU runs' median in this directory (what metrics.add_derived recomputes)
+           "ceilings": (metrics.run_ceilings({run_id: meta, **{m.get("run_id"): m for m in
+                                                               store_metas(store)}},
+                                             run_id, gpu_name) or {}) if ceilings else {}}
 
     summary = RunSummary(run_id, Path(out_dir))
     isolate = sweep.isolate if isolate is None else isolate
