@@ -226,14 +226,18 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
                    alpha: float = 0.01) -> tuple[pd.DataFrame, dict]:
     """Pair the latest row per key on each side and judge each pair.
 
-    Judged keys: every key of the new side that the base side has, and every base key whose point
-    and direction the new side measured (for some backend) but without a row for this backend.
+    The new side's row per key is its newest (so a backend that stopped working after an ``ok``
+    row of an earlier run in the same directory is seen as it is now); the base side's is
+    :func:`results.latest`'s. Judged keys: every key of the new side that the base side has, and
+    every base key whose point and direction the new side measured (for some backend) but without
+    a row for this backend — ``broken``, also when the new side did not ask for that backend.
     Returns (one row per judged key with the key, info columns, :func:`judge`'s fields, both run
     ids and shas, both ``calls_per_sample`` and the pair's :func:`results.pairing` columns; a
     summary dict with counts per verdict, ``only_base`` and ``only_new`` key counts, ``pairs``
     (pairs with a ratio) and ``pairing`` (:func:`results.pairing_label` over those))."""
     b = {tuple(r[c] for c in KEY): r for r in results.latest(base).to_dict("records")}
-    n = {tuple(r[c] for c in KEY): r for r in results.latest(new).to_dict("records")}
+    newest = new.sort_values(["started_at", "run_id"], kind="stable").drop_duplicates(KEY, keep="last")
+    n = {tuple(r[c] for c in KEY): r for r in newest.to_dict("records")}
     measured = {(k[0], k[2]) for k in n}  # (point_key, direction) the new side has rows for
     keys = [k for k in n if k in b] + [k for k in b if k not in n and (k[0], k[2]) in measured]
     rows = []

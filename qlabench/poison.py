@@ -5,8 +5,10 @@ Three layers, because no single one covers every way an output buffer is obtaine
 
 - :class:`PoisonAllocations`, a ``TorchDispatchMode`` active around a checked call: every
   floating-point tensor created by an ``empty`` factory (``torch.empty``, ``empty_like``,
-  ``new_empty``, ``empty_strided``, also when called from C++ through the dispatcher) is filled
+  ``new_empty``, ``empty_strided``, from Python or from C++ through the dispatcher) is filled
   with NaN before the library sees it, whatever its size and whichever allocator pool serves it.
+  Allocations inside a dispatcher operator the mode passes through (a ``torch.library`` custom
+  op's own ``empty``) are not seen by it; the next layer covers those on the GPU.
 - :func:`poison_cached_memory` (CUDA): every free block the caching allocator holds — the small
   pool (allocations of 1 MiB or less) as well as the large one, and the free parts of segments a
   live tensor keeps cached — is overwritten with NaN bytes, and NaN-filled free segments are left
@@ -76,10 +78,14 @@ def _nan_block(nbytes: int, device: str = "cuda") -> torch.Tensor:
     return torch.full((max(nbytes, 1),), 0xFF, dtype=torch.uint8, device=device)
 
 
-def free_cached_blocks() -> list[tuple[int, int]]:
-    """(size, segment pool is small) of every free block the CUDA caching allocator holds."""
+def free_cached_blocks() -> list[tuple[int, bool]]:
+    """(size, segment pool is small) of every free block of the CUDA caching allocator that an
+    allocation on the current stream, outside a graph's private pool, can be served from."""
     out = []
+    stream = torch.cuda.current_stream().cuda_stream
     for seg in torch.cuda.memory_snapshot():
+        if seg.get("stream", stream) != stream or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            continue  # another stream's or a CUDA graph's memory: no allocation here takes it
         small = seg.get("segment_type", "small" if seg.get("total_size") == 2 << 20
                         else "large") == "small"
         for b in seg.get("blocks", ()):
@@ -99,7 +105,7 @@ def poison_cached_memory(nbytes: int, small_bytes: int = 64 << 20, chunk_bytes: 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # fully free segments go back to the device; the rest are walked
     hold: list[torch.Tensor] = []
-    try:
+    try:  # each phase stops at the first OOM; the next still runs
         for _ in range(16):
             # every request fits an existing free block, so best fit takes one (no new segment)
             # and the free bytes shrink each round; large-pool blocks of 1 MiB or less are
@@ -113,8 +119,14 @@ def poison_cached_memory(nbytes: int, small_bytes: int = 64 << 20, chunk_bytes: 
                 hold.append(_nan_block(size))
             for size in small:
                 hold.append(_nan_block(min(size, SMALL_BLOCK)))
+    except torch.OutOfMemoryError:
+        pass
+    try:
         for _ in range(small_bytes // SMALL_BLOCK):
             hold.append(_nan_block(SMALL_BLOCK))
+    except torch.OutOfMemoryError:
+        pass
+    try:
         free, _ = torch.cuda.mem_get_info()
         left = min(int(free * 0.5), max(4 * nbytes, 4 << 30), cap_bytes)
         while left > SMALL_BLOCK:

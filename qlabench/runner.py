@@ -179,27 +179,45 @@ def device_uuid() -> str:
     if not torch.cuda.is_available():
         import socket
         return f"cpu:{socket.gethostname()}"
-    return _uuid_of(torch.cuda.current_device())
+    return uuid_of(torch.cuda.current_device())
 
 
-def _uuid_of(i: int) -> str:
+def uuid_of(i: int) -> str:
     if i not in _UUIDS:
         u = str(getattr(torch.cuda.get_device_properties(i), "uuid", "") or "")
         _UUIDS[i] = u if u.startswith("GPU-") else (f"GPU-{u}" if u else f"cuda:{i}:unknown")
     return _UUIDS[i]
 
 
-def campaign_for(store: ResultStore, uuids: list[str], resume: bool) -> str:
-    """The measurement campaign a run belongs to: a ``--resume`` into a directory whose newest
-    run with a campaign was measured on the same device(s) continues that campaign (one sweep
-    spread over several jobs on one GPU stays one campaign); anything else starts a new one."""
+#: a --resume continues a campaign only within this many hours of its last run's start
+CAMPAIGN_HOURS = 24.0
+
+
+def campaign_for(store: ResultStore, uuids: list[str], resume: bool, sweep_dump: dict | None = None,
+                 versions: dict | None = None, now: datetime | None = None) -> str:
+    """The measurement campaign a run belongs to. A ``--resume`` continues the campaign of the
+    newest earlier run in the directory that was measured on the same device(s), from the same
+    sweep, with the same version of every backend both name, and started less than
+    ``CAMPAIGN_HOURS`` ago — one sweep spread over several jobs on one GPU stays one campaign.
+    Anything else (a new run, another GPU, an edited config, a changed library or kernel, a
+    resume days later) starts a new campaign."""
     if resume:
-        metas = store_metas(store)  # oldest first (by start, then by when the file was written)
-        for m in reversed(metas):
-            if m.get("campaign_id"):
-                if sorted(m.get("gpu_uuids") or []) == sorted(uuids):
-                    return m["campaign_id"]
+        now = now or datetime.now()
+        for m in reversed(store_metas(store)):
+            if not m.get("campaign_id") or sorted(m.get("gpu_uuids") or []) != sorted(uuids):
+                continue
+            if sweep_dump is not None and m.get("sweep") != sweep_dump:
                 break
+            old = m.get("backend_versions") or {}
+            if versions and any(old[b] != v for b, v in versions.items() if b in old):
+                break
+            try:
+                age_h = (now - datetime.fromisoformat(str(m.get("started_at")))).total_seconds() / 3600
+            except ValueError:
+                break
+            if 0 <= age_h < CAMPAIGN_HOURS:
+                return m["campaign_id"]
+            break
     return "c" + new_run_id()
 
 
@@ -275,11 +293,12 @@ def checked_call(be: B.Backend, prep: B.Prepared, x: Inputs, direction: str,
 
 
 def check_replay(be: B.Backend, replay, raw, x: Inputs, direction: str, ref: dict,
-                 sweep: Sweep) -> tuple[float, list[str]]:
+                 sweep: Sweep, preallocated=()) -> tuple[float, list[str]]:
     """Check the timed path itself: ``raw`` are the outputs of the last call captured in the
-    timing graph; they are poisoned (inputs a library hands back are spared), the graph is
-    replayed once, and what it wrote is compared with the reference."""
-    n = poison.fill_nan(raw, keep=x.tensors().values())
+    timing graph; they and the backend's ``preallocated`` output buffers are poisoned (inputs a
+    library hands back are spared), the graph is replayed once, and what it wrote is compared
+    with the reference."""
+    n = poison.fill_nan((raw, tuple(preallocated)), keep=x.tensors().values())
     _sync()
     replay()
     _sync()
@@ -338,7 +357,8 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
                timing_fallback=tr.fallback_reason, stop_reason=tr.stop_reason,
                calls_per_sample=tr.calls_per_sample, l2=tr.l2)
     if graph is not None:  # what the timed graph computes, not only what an eager call does
-        g_worst, bad_g = check_replay(be, graph.replay, tr.outputs, x, direction, ref, sweep)
+        g_worst, bad_g = check_replay(be, graph.replay, tr.outputs, x, direction, ref, sweep,
+                                      prep.outputs)
         row["graph_max_rel_l2"] = g_worst
         if bad_g:
             return _fail(row, t_wall, "the timed CUDA graph's outputs differ from the reference "
@@ -501,7 +521,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     tl["ceilings_measured"] = round(time.time() - t_run, 3)
     run_id = new_run_id()
     uuids = _device_uuids(devices)
-    campaign_id = campaign_for(store, uuids, resume)
+    campaign_id = campaign_for(store, uuids, resume, sweep.model_dump(mode="json"), versions)
     sha = git_sha(str(Path(__file__).resolve().parent.parent))
     gpu_name = (torch.cuda.get_device_name(int(devices[0]) if devices else 0)
                 if torch.cuda.is_available() else "cpu")
@@ -570,6 +590,9 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         tl["finished"] = round(time.time() - t_run, 3)
         meta["timeline_s"] = tl
         meta["counts"] = _counts_on_disk(store, run_id) or summary.counts
+        seen = sorted({r.get("gpu_uuid") for r in summary.rows if r.get("gpu_uuid")})
+        if seen:  # the devices the rows were measured on (workers pin theirs)
+            meta["gpu_uuids"] = seen
         store.write_meta(run_id, meta)
     return summary
 
@@ -578,7 +601,7 @@ def _device_uuids(devices: list[str] | None) -> list[str]:
     """UUIDs of the devices a run uses (``devices``: CUDA indices, or the current device)."""
     if not torch.cuda.is_available():
         return [device_uuid()]
-    return [_uuid_of(int(d)) for d in (devices or [torch.cuda.current_device()])]
+    return [uuid_of(int(d)) for d in (devices or [torch.cuda.current_device()])]
 
 
 def note_timeline(out_dir: str | Path, run_id: str, **seconds: float) -> None:

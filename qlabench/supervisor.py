@@ -160,7 +160,7 @@ class Supervisor:
         self.conn = None
 
     def run_task(self, task, on_row) -> None:
-        from .runner import Task, row_for
+        from .runner import Task, row_for, uuid_of
         remaining = list(task.backends)
         idle_deaths = 0
         while remaining:
@@ -220,6 +220,9 @@ class Supervisor:
                     continue
                 current = remaining[0]  # it keeps dying before this backend starts: blame it
             row = row_for(task, current)
+            pinned = self.env.get("QLABENCH_GPU_INDEX")
+            if pinned is not None:  # the worker's GPU, not this process's
+                row.update(gpu_index=int(pinned), gpu_uuid=uuid_of(int(pinned)))
             if failure == "timeout":
                 reason = (f"no result within row_timeout_s={self.sweep.row_timeout_s:g}; worker "
                           f"killed | stack: {_stack(self.log_path)}")

@@ -266,3 +266,17 @@ def test_cli_exit_codes(base, tmp_path):
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, ["compare", str(base), str(tmp_path / "missing")])
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_a_backend_that_broke_after_an_ok_row_in_the_same_directory_is_broken(base, tmp_path):
+    """The new side holds the base's rows and a later run where flashqla is unavailable (a
+    --resume or a merge into one directory): its newest row per key is judged."""
+    new = S.copy_scaled(base, tmp_path / "new", {})
+    df = results.load(new)
+    later = df[df["backend"] == "flashqla"].copy()
+    later[["status", "reason", "run_id", "started_at"]] = ["unavailable", "gone", "r9",
+                                                           "2030-01-01T00:00:00"]
+    rewrite(new, pd.concat([results.load(base), later], ignore_index=True))
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 1
+    bad = [r for r in _json(tmp_path / "v.json")["rows"] if r["verdict"] == "broken"]
+    assert len(bad) == 8 and {r["backend"] for r in bad} == {"flashqla"}

@@ -1,4 +1,7 @@
-"""Gate recipes: their inputs, the reference on them, and a recipe as part of a point's identity."""
+"""Gate recipes: their inputs, the reference on them, and a recipe as part of a point's identity;
+the campaign a resume continues."""
+
+from datetime import datetime, timedelta
 
 import pytest
 import torch
@@ -58,19 +61,28 @@ def test_recipe_is_part_of_the_key_and_rows_of_recipes_live_side_by_side(tmp_pat
 
 
 def test_resume_on_the_same_device_continues_the_campaign(tmp_path):
-    cfg = {**CFG, "gate": {"recipe": "published"}}
-    r1 = runner.run(C.parse(cfg), tmp_path, limit=None, log=lambda m: None)
-    cfg2 = {**cfg, "seqlens": [[70, 5], [33]]}
-    r2 = runner.run(C.parse(cfg2), tmp_path, resume=True, log=lambda m: None)
+    cfg = C.parse({**CFG, "gate": {"recipe": "published"}, "seqlens": [[70, 5], [33], [12]]})
+    r1 = runner.run(cfg, tmp_path, limit=1, log=lambda m: None)
+    r2 = runner.run(cfg, tmp_path, limit=2, resume=True, log=lambda m: None)
     df = results.load(tmp_path)
-    assert r1.run_id != r2.run_id and df["campaign_id"].nunique() == 1
+    assert r1.run_id != r2.run_id and len(df) == 2 and df["campaign_id"].nunique() == 1
     assert df["gpu_uuid"].iloc[0] == runner.device_uuid() and df["campaign_id"].notna().all()
-    r3 = runner.run(C.parse(cfg2), tmp_path / "other", log=lambda m: None)  # not a resume
-    assert r3.rows[0]["campaign_id"] != df["campaign_id"].iloc[0]
-    # a resume after a run on another device starts a new campaign
+    camp = df["campaign_id"].iloc[0]
+    r3 = runner.run(cfg, tmp_path / "other", log=lambda m: None)  # not a resume
+    assert r3.rows[0]["campaign_id"] != camp
+    # an edited sweep, or a run on another device last, starts a new campaign
+    edited = C.parse({**CFG, "gate": {"recipe": "published"}, "seqlens": [[70, 5], [33], [13]]})
+    assert runner.campaign_for(results.ResultStore(tmp_path), [runner.device_uuid()], True,
+                               edited.model_dump(mode="json")) != camp
     meta = results.load_meta(tmp_path)[r2.run_id]
-    meta["gpu_uuids"] = ["GPU-elsewhere"]
-    results.ResultStore(tmp_path).write_meta(r2.run_id, meta)
-    cfg3 = {**cfg, "seqlens": [[70, 5], [33], [12]]}
-    r4 = runner.run(C.parse(cfg3), tmp_path, resume=True, log=lambda m: None)
-    assert r4.rows[0]["campaign_id"] != df["campaign_id"].iloc[0]
+    assert runner.campaign_for(results.ResultStore(tmp_path), [runner.device_uuid()], True,
+                               cfg.model_dump(mode="json"), meta["backend_versions"]) == camp
+    assert runner.campaign_for(results.ResultStore(tmp_path), [runner.device_uuid()], True,
+                               cfg.model_dump(mode="json"), {"reference": "other"}) != camp
+    later = datetime.fromisoformat(meta["started_at"]) + timedelta(hours=runner.CAMPAIGN_HOURS + 1)
+    assert runner.campaign_for(results.ResultStore(tmp_path), [runner.device_uuid()], True,
+                               cfg.model_dump(mode="json"), now=later) != camp
+    for rid, m in results.load_meta(tmp_path).items():  # the earlier runs were on another GPU
+        results.ResultStore(tmp_path).write_meta(rid, {**m, "gpu_uuids": ["GPU-elsewhere"]})
+    r4 = runner.run(cfg, tmp_path, resume=True, log=lambda m: None)
+    assert r4.rows[0]["campaign_id"] != camp
