@@ -42,7 +42,7 @@ def test_plan_bwd_split_cuts_only_few_long_chains():
     seg = pkg.plan_bwd_split(32768, 2, 4, seqlens=[32000, 768])
     assert seg > 0 and pkg.bwd_split_cost([32000, 768], 4, seg) < pkg.bwd_split_cost([32000, 768], 4, 0)
     assert pkg.bwd_split_cost([32768], 4, 0) > pkg.bwd_split_cost([32768], 4, 2048)
-    # the H200 timings of session 5 (check_bwd, 2026-11-30, call 2, whole backward):
+    # measured on the H200 (check_bwd, 2026-11-30, whole backward):
     assert pkg.plan_bwd_split(32768, 1, 4) == 2048  # 2/4 1x32768: 1.42 ms (1024: 1.51, unsplit 4.40)
     assert pkg.plan_bwd_split(8192, 1, 4) == 512  # 2/4 1x8192: 0.50 ms (1024: 0.55, unsplit 1.19)
     assert pkg.plan_bwd_split(32768, 1, 32) == 0  # 16/32 1x32768: 9.05 ms (1024: 9.25)
