@@ -23,7 +23,7 @@ import torch
 from . import backends as B
 from . import metrics, poison, timing
 from .config import Sweep
-from .results import ResultStore, environment, git_sha, new_run_id
+from .results import ResultStore, environment, git_sha, load_meta, new_run_id
 from .sweep import Point, points
 from .workloads import Inputs, make
 
@@ -203,7 +203,9 @@ def campaign_for(store: ResultStore, uuids: list[str], resume: bool, sweep_dump:
     resume days later) starts a new campaign."""
     if resume:
         now = now or datetime.now()
-        for m in reversed(store_metas(store)):
+        metas = sorted(load_meta(store.out).values(),
+                       key=lambda m: (str(m.get("started_at", "")), str(m.get("run_id", ""))))
+        for m in reversed(metas):
             if not m.get("campaign_id") or sorted(m.get("gpu_uuids") or []) != sorted(uuids):
                 continue
             if sweep_dump is not None and m.get("sweep") != sweep_dump:
@@ -219,17 +221,6 @@ def campaign_for(store: ResultStore, uuids: list[str], resume: bool, sweep_dump:
                 return m["campaign_id"]
             break
     return "c" + new_run_id()
-
-
-def store_metas(store: ResultStore) -> list[dict]:
-    out = []
-    for f in store.runs.glob("*.json") if store.runs.is_dir() else ():
-        try:
-            out.append((f.stat().st_mtime, json.loads(f.read_text())))
-        except (OSError, ValueError):
-            continue
-    out.sort(key=lambda tm: (str(tm[1].get("started_at", "")), tm[0]))
-    return [m for _, m in out]
 
 
 def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name: str,
@@ -536,9 +527,8 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
            "avail": avail, "gpu_name": gpu_name, "campaign_id": campaign_id,
            # what the derived columns use: this run's ceilings, or where their measurement failed
            # the same-GPU runs' median in this directory (what metrics.add_derived recomputes)
-           "ceilings": (metrics.run_ceilings({run_id: meta, **{m.get("run_id"): m for m in
-                                                               store_metas(store)}},
-                                             run_id, gpu_name) or {}) if ceilings else {}}
+           "ceilings": (metrics.run_ceilings(load_meta(out_dir), run_id, gpu_name) or {})
+           if ceilings else {}}
 
     summary = RunSummary(run_id, Path(out_dir))
     isolate = sweep.isolate if isolate is None else isolate
