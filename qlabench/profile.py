@@ -42,6 +42,40 @@ def parse_trace(trace: dict, n_calls: int = 1) -> list[dict]:
     return rows
 
 
+def short_name(name: str) -> str:
+    """A kernel's name without return type, namespaces, template arguments or parameters:
+    ``void cutlass::device_kernel<flat::kernel::FlatKernel...<...>>(...)`` -> ``FlatKernel...``
+    (the innermost class template when the outer one is a generic launcher)."""
+    s = name.strip()
+    if s.startswith("void "):
+        s = s[5:]
+    head = s.split("(", 1)[0]
+    outer = head.split("<", 1)[0].rsplit("::", 1)[-1]
+    if outer in ("device_kernel", "kernel", "Kernel", "launch") and "<" in head:
+        inner = head.split("<", 1)[1].split("<", 1)[0].split(",", 1)[0]
+        outer = inner.rsplit("::", 1)[-1] or outer
+    return outer or s[:40]
+
+
+def stored_kernels(kb: list[dict], limit: int = 24) -> str:
+    """The breakdown of one call as the row's ``kernels`` column: a JSON list, by time, of
+    {name, calls, share_pct, grid, block, regs_per_thread, smem_bytes} (names cut at 300 chars)."""
+    keep = ("calls", "share_pct", "grid", "block", "regs_per_thread", "smem_bytes")
+    out = [{"name": k["name"][:300], **{f: k.get(f) for f in keep}} for k in kb[:limit]]
+    for k in out:
+        if k["share_pct"] is not None:
+            k["share_pct"] = round(float(k["share_pct"]), 2)
+    return json.dumps(out, separators=(",", ":"))
+
+
+def generic_path(names: list[str]) -> str:
+    """A short label of the kernels one call launched: the short names of the three that take
+    the most time, joined by ``+``, and ``+N`` for the rest."""
+    stems = [short_name(n) for n in names]
+    head = "+".join(dict.fromkeys(stems[:3]))
+    return head + (f"+{len(stems) - 3}" if len(stems) > 3 else "")
+
+
 def kernel_breakdown(fn, n_calls: int = 3) -> list[dict]:
     """Profile ``n_calls`` eager calls of ``fn`` (after one warm call) on the GPU."""
     import torch

@@ -208,7 +208,7 @@ def vs_fla(latest: pd.DataFrame) -> pd.DataFrame:
 def _latest_table(latest: pd.DataFrame) -> str:
     d = vs_fla(latest.sort_values(["direction", "point_index", "backend"]))
     cols = {"model": "model", "tp": "h_qk/h_v", "layout": "layout", "direction": "dir",
-            "backend": "backend", "status": "status", "latency_ms": "latency_ms",
+            "backend": "backend", "path": "path", "status": "status", "latency_ms": "latency_ms",
             "p10_ms": "p10_ms", "p90_ms": "p90_ms", "n_samples": "n", "vs_fla": "speedup vs fla",
             "pairing": "pairing (vs fla)", "tflops": "tflops", "timing_mode": "timing",
             "reason": "reason"}

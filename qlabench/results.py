@@ -68,6 +68,9 @@ SCHEMA = pa.schema(
         ("sm_util_pct", _f), ("sm_occupancy_pct", _f), ("tensor_util_pct", _f),
         ("dram_bw_util_pct", _f), ("gpm_window_ms", _f), ("gpm_reason", _s),
         ("ctas", _i), ("ctas_per_sm", _f), ("kernels_per_call", _i), ("top_kernel", _s),
+        # every kernel one call launched (JSON list by time: name, calls, share_pct, grid, block,
+        # regs_per_thread, smem_bytes) and the backend's short label of that route
+        ("kernels", _s), ("path", _s),
     ]
 )
 COLUMNS = [f.name for f in SCHEMA]

@@ -367,7 +367,7 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
         row.update(metrics.gpm_sample(replay))
     if gpu:
         try:
-            from .profile import kernel_breakdown
+            from .profile import kernel_breakdown, stored_kernels
             kb = kernel_breakdown(prep.fn)
             if kb:
                 top = kb[0]
@@ -376,6 +376,8 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
                 row["ctas_per_sm"] = (top["ctas"] / sms) if top.get("ctas") else None
                 row["kernels_per_call"] = sum(k["calls"] for k in kb)
+                row["kernels"] = stored_kernels(kb)
+                row["path"] = be.path([k["name"] for k in kb])
         except Exception as e:  # profiling is a bonus; never fails a row
             row["reason"] = (row.get("reason") or "") + f" profile failed: {type(e).__name__}"
     c = sweep_ceilings.get("c") or {}
@@ -547,6 +549,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         log(f"[{row['status']:>11}] {Point.describe_row(row):<36} {row['direction']:<6} "
             f"{row['backend']:<10} " + (f"{lat:9.4f} ms" if lat is not None else " " * 12)
             + (f"  err={row['max_rel_l2']:.2e}" if row.get("max_rel_l2") is not None else "")
+            + (f"  [{row['path']}]" if row.get("path") else "")
             + (f"  ({row['reason'][:90]})" if row.get("reason") else ""))
 
     tasks: list[Task] = []

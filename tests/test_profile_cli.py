@@ -78,3 +78,41 @@ def test_ncu_stalls_summary_from_source_page(tmp_path, capsys):
     assert "3 instructions, 95 stall samples" in out
     assert "long_sb" in out.splitlines()[1] and "93.7%" in out  # 89 of 95 samples
     assert "+00010 USETMAXREG" in out and "+00020" in out and "long_sb 88" in out
+
+
+def test_kernel_names_become_a_stored_list_and_a_path_per_backend():
+    """Every kernel of one call is stored (JSON, by time) and each backend names its route from
+    the names: FlashInfer's CUTLASS flat kernel, FlashQLA with / without its CP kernels, FLA's own
+    Triton kernels vs a call routed to FlashQLA, ours split or direct."""
+    import json
+
+    from qlabench import backends as B
+    from qlabench.profile import generic_path, parse_trace, short_name, stored_kernels
+
+    trace = {"traceEvents": [
+        {"cat": "kernel", "ph": "X", "name": "tilelang_prepare_h_kernel_kernel", "dur": 10.0,
+         "args": {"grid": [4, 2, 1], "block": [128, 1, 1]}},
+        {"cat": "kernel", "ph": "X", "name": "tilelang_fused_chunk_gdr_fwd_kernel_kernel",
+         "dur": 30.0, "args": {"grid": [8, 1, 1]}},
+        {"cat": "cpu_op", "ph": "X", "name": "aten::empty", "dur": 99.0}]}
+    kb = parse_trace(trace)
+    stored = json.loads(stored_kernels(kb))
+    assert [k["name"] for k in stored] == ["tilelang_fused_chunk_gdr_fwd_kernel_kernel",
+                                           "tilelang_prepare_h_kernel_kernel"]
+    assert stored[0]["share_pct"] == 75.0 and stored[1]["grid"] == [4, 2, 1]
+    names = [k["name"] for k in kb]
+    assert B.get("flashqla").path(names) == "cp"
+    assert B.get("flashqla").path(names[:1]) == "fused"
+    assert B.get("fla").path(["chunk_fwd_kernel_o", "chunk_local_cumsum"]) == "triton"
+    assert B.get("fla").path(names) == "flashqla"
+    assert B.get("tilelang").path(["gdn_fwd_o_ws_p_kernel", "gdn_seg_state_kernel"]) == "split"
+    assert B.get("tilelang").path(["gdn_fwd_o_ws_p_kernel", "gdn_prep_p_kernel"]) == "direct"
+    flat = ("void cutlass::device_kernel<flat::kernel::FlatKernelTmaWarpSpecializedDeltaRule"
+            "<flat::collective::X<int>, 3>>(Params)")
+    assert short_name(flat) == "FlatKernelTmaWarpSpecializedDeltaRule"
+    assert B.get("flashinfer").path([flat]) == "flat"
+    cute = "kernel_cutlass_kernel_delta_rule_dsl{}Sm90_object_at_0"
+    assert B.get("flashinfer").path([cute.format("CPDeltaRulePrefill"),
+                                     cute.format("CPDeltaRuleTPrecompute")]) == "cp"
+    assert B.get("flashinfer").path([cute.format("_FullyFusedDeltaRule")]) == "fused"
+    assert generic_path(["a(int)", "void ns::b<1>(x)", "c", "d", "e"]) == "a+b+c+2"

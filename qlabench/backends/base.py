@@ -78,3 +78,9 @@ class Backend:
 
     def outputs_to_canonical(self, raw, inputs, direction: str) -> dict:  # pragma: no cover
         raise NotImplementedError
+
+    def path(self, names: list[str]) -> str:
+        """A short label of the route one call took, from the kernel names the profiler saw
+        (most time first); the row's ``path`` column. Backends name their own routes."""
+        from ..profile import generic_path
+        return generic_path(names)

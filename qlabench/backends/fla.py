@@ -85,3 +85,10 @@ class FLABackend(Backend):
             return {"o": raw[1], "final_state": raw[3]}
         dq, dk, dv, db, dg, dh0 = raw[:6]
         return {"dq": dq, "dk": dk, "dv": dv, "dbeta": db, "dg": dg, "dh0": dh0}
+
+    def path(self, names):
+        """``triton`` (FLA's own kernels), or ``flashqla`` when FLA routed the call to FlashQLA's
+        TileLang kernels (FLA_FLASH_QLA is unset to 0 by this backend; this proves it)."""
+        if any(n.startswith("tilelang_") for n in names):
+            return "flashqla"
+        return "triton"

@@ -114,3 +114,15 @@ class FlashInferBackend(Backend):
         T, hv, d = x.v.shape[1], x.v.shape[2], x.v.shape[3]
         return {"o": o.reshape(1, T, hv, d),
                 "final_state": None if st is None else state_from_flashinfer(st)}
+
+    def path(self, names):
+        """``flat`` (the CUTLASS kernel of the releases up to 0.6.13); from 0.6.14 ``cp`` when the
+        context-parallel CuTe-DSL pipeline ran (its precompute / fix-up kernels) and ``fused``
+        for the warp-specialised fused kernel alone."""
+        if any("FlatKernel" in n or "flat::" in n for n in names):
+            return "flat"
+        if any("CPDeltaRule" in n or "delta_rule_cp" in n for n in names):
+            return "cp"
+        if any("FullyFusedDeltaRule" in n or "delta_rule_sm90" in n for n in names):
+            return "fused"
+        return super().path(names)

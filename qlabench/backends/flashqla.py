@@ -79,3 +79,10 @@ class FlashQLABackend(Backend):
             return {"o": raw[2], "final_state": raw[4]}
         dq, dk, dv, db, dg, dh0 = raw[:6]
         return {"dq": dq, "dk": dk, "dv": dv, "dbeta": db, "dg": dg, "dh0": dh0}
+
+    def path(self, names):
+        """``cp`` when its automatic context parallelism ran (prepare_h / correct_h0 kernels before
+        the fused walk), ``fused`` for the fused walk alone."""
+        if any("prepare_h" in n or "correct_h0" in n for n in names):
+            return "cp"
+        return "fused" if any("fused_chunk_gdr" in n for n in names) else super().path(names)

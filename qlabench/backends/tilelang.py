@@ -88,3 +88,8 @@ class TileLangBackend(Backend):
             return {"o": o, "final_state": ht}
         dq, dk, dv, dg, db, dh0 = raw[:6]
         return {"dq": dq, "dk": dk, "dv": dv, "dg": dg, "dbeta": db, "dh0": dh0}
+
+    def path(self, names):
+        """``split`` when the sequences were cut into segments (seg_state / fixup kernels ran),
+        ``direct`` otherwise."""
+        return "split" if any("seg_state" in n or "fixup" in n for n in names) else "direct"
