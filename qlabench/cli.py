@@ -28,13 +28,15 @@ def _load(path: Path) -> C.Sweep:
 
 
 def _backend_list(arg: str | None, sweep: C.Sweep) -> list[str]:
+    """Labels to run: the sweep's, or ``--backends`` (labels of the sweep or registry names)."""
+    labels = list(sweep.entries())
     if not arg:
-        return list(sweep.backends)
+        return labels
     names = [b.strip() for b in arg.split(",") if b.strip()]
-    bad = [b for b in names if b not in C.BACKENDS]
+    bad = [b for b in names if b not in C.BACKENDS and b not in labels]
     if bad:
         err.print(f"error: --backends: unknown backend(s) {', '.join(bad)}; known: "
-                  f"{', '.join(C.BACKENDS)}", highlight=False)
+                  f"{', '.join(dict.fromkeys([*labels, *C.BACKENDS]))}", highlight=False)
         raise typer.Exit(2)
     return names
 
@@ -178,14 +180,13 @@ def run(
         pts = shard_points(pts, *shard_t)
     out_dir = out or Path(s.out.format(name=s.name))
     if dry_run:
-        from . import backends as B
+        from .runner import check_backends
         t = Table(title=f"plan: {len(pts)} points × {names} × {s.directions} -> {out_dir}")
-        t.add_column("backend")
-        t.add_column("available")
-        t.add_column("reason")
-        for n in names:
-            ok, why = B.get(n).available()
-            t.add_row(n, "yes" if ok else "no", why)
+        for c in ("backend", "available", "version", "reason"):
+            t.add_column(c)
+        avail, versions, _ = check_backends(s.entries(names))
+        for n, (ok, why) in avail.items():
+            t.add_row(n, "yes" if ok else "no", versions[n], why)
         console.print(t)
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -233,14 +234,29 @@ def run(
 @app.command()
 def compare(
     base: Path = typer.Argument(..., help="baseline results directory (or Parquet file)"),
-    new: Path = typer.Argument(..., help="new results directory (or Parquet file)"),
+    new: Path | None = typer.Argument(None, help="new results directory (or Parquet file); with "
+                                      "--base-backend/--new-backend it defaults to BASE"),
     threshold: float = typer.Option(0.05, "--threshold", help="relative slowdown that counts (0.05 = 5%)"),
     alpha: float = typer.Option(0.01, "--alpha", help="significance level of the test on samples"),
     out: Path | None = typer.Option(None, "--out", help="write the verdicts here (.json or .csv)"),
+    base_backend: str | None = typer.Option(None, "--base-backend", help="compare two backend "
+                                            "labels: this one's rows in BASE (e.g. flashinfer@0.6.13)"),
+    new_backend: str | None = typer.Option(None, "--new-backend", help="... against this one's "
+                                           "rows in NEW (e.g. flashinfer@0.7.4), per point"),
 ):
-    """Compare two runs row by row; exit 1 if any row is slower beyond threshold and test."""
+    """Compare two runs row by row, or two backend labels point by point; exit 1 if any row is
+    slower beyond threshold and test (or broken)."""
     from .compare import compare_cmd
-    raise typer.Exit(compare_cmd(base, new, threshold=threshold, alpha=alpha, out=out))
+    if (base_backend is None) != (new_backend is None):
+        err.print("error: --base-backend and --new-backend go together", highlight=False)
+        raise typer.Exit(2)
+    if new is None and base_backend is None:
+        err.print("error: NEW is missing (or give --base-backend and --new-backend to compare two "
+                  "labels inside BASE)", highlight=False)
+        raise typer.Exit(2)
+    raise typer.Exit(compare_cmd(base, new if new is not None else base, threshold=threshold,
+                                 alpha=alpha, out=out, base_backend=base_backend,
+                                 new_backend=new_backend))
 
 
 @app.command()

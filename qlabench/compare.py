@@ -41,6 +41,13 @@ Every pair also carries its :func:`results.pairing` (``same_gpu``, ``same_campai
 a graph replay of 8 calls and of 32 calls need not be the same number). The summary line gives
 :func:`results.pairing_label` over the pairs that have a ratio.
 
+**Two labels** (``--base-backend A --new-backend B``, e.g. ``flashinfer@0.6.13`` and
+``flashinfer@0.7.4``, or ``tilelang@old`` and ``tilelang``; one directory or two): the rows of
+label A on the base side and of label B on the new side are paired per point and direction (the
+point key without the backend) and judged the same way; the ``backend`` column reads ``B vs A``.
+Points label B has no row for are ``only_base``, not judged. Rows of one run on one GPU pair
+cleanly; anything else carries its ``pairing`` tag (``cross-campaign``, ...).
+
 Exit codes of :func:`compare_cmd`: 1 if any row is ``slower`` or ``broken``; 2 on bad input (a path
 missing, unreadable or without rows, required columns missing, no key in common, every pair the
 same stored row, bad ``--out``); 0 otherwise.
@@ -223,7 +230,8 @@ def load_side(path: Path) -> pd.DataFrame:
 
 
 def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.05,
-                   alpha: float = 0.01) -> tuple[pd.DataFrame, dict]:
+                   alpha: float = 0.01, base_backend: str | None = None,
+                   new_backend: str | None = None) -> tuple[pd.DataFrame, dict]:
     """Pair the latest row per key on each side and judge each pair.
 
     The new side's row per key is its newest (so a backend that stopped working after an ``ok``
@@ -234,10 +242,21 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
     Returns (one row per judged key with the key, info columns, :func:`judge`'s fields, both run
     ids and shas, both ``calls_per_sample`` and the pair's :func:`results.pairing` columns; a
     summary dict with counts per verdict, ``only_base`` and ``only_new`` key counts, ``pairs``
-    (pairs with a ratio) and ``pairing`` (:func:`results.pairing_label` over those))."""
-    b = {tuple(r[c] for c in KEY): r for r in results.latest(base).to_dict("records")}
+    (pairs with a ratio) and ``pairing`` (:func:`results.pairing_label` over those)).
+    With ``base_backend`` and ``new_backend`` (labels) only those labels' rows are paired, per
+    point and direction, and the key's backend reads ``"<new> vs <base>"``."""
+    if base_backend is not None:
+        base = base[base["backend"] == base_backend]
+        new = new[new["backend"] == new_backend]
+
+    def key(r: dict) -> tuple:
+        if base_backend is None:
+            return tuple(r[c] for c in KEY)
+        return r["point_key"], f"{new_backend} vs {base_backend}", r["direction"]
+
+    b = {key(r): r for r in results.latest(base).to_dict("records")}
     newest = new.sort_values(["started_at", "run_id"], kind="stable").drop_duplicates(KEY, keep="last")
-    n = {tuple(r[c] for c in KEY): r for r in newest.to_dict("records")}
+    n = {key(r): r for r in newest.to_dict("records")}
     measured = {(k[0], k[2]) for k in n}  # (point_key, direction) the new side has rows for
     keys = [k for k in n if k in b] + [k for k in b if k not in n and (k[0], k[2]) in measured]
     rows = []
@@ -248,12 +267,13 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
                 for c in _INFO}
         pr = results.pair(rb, rn or {})
         rows.append({**dict(zip(KEY, k)), **info, **j,
+                     "base_backend": _val(rb, "backend"), "new_backend": _val(rn or {}, "backend"),
                      "base_calls_per_sample": _val(rb, "calls_per_sample"),
                      "new_calls_per_sample": _val(rn or {}, "calls_per_sample"),
                      **{c: pr[c] for c in PAIR_FIELDS},
                      "base_run_id": _val(rb, "run_id"), "new_run_id": _val(rn or {}, "run_id"),
                      "base_sha": _val(rb, "git_sha"), "new_sha": _val(rn or {}, "git_sha")})
-    cols = [*KEY, *_INFO, "base_ms", "new_ms", "ratio", "ratio_lo", "ratio_hi", "p_value",
+    cols = [*KEY, *_INFO, "base_backend", "new_backend", "base_ms", "new_ms", "ratio", "ratio_lo", "ratio_hi", "p_value",
             "n_base", "n_new", "verdict", "reason", "base_calls_per_sample",
             "new_calls_per_sample", *PAIR_FIELDS,
             "base_run_id", "new_run_id", "base_sha", "new_sha"]
@@ -318,11 +338,12 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshol
                   + (f" ({', '.join(extra)})" if extra else ""), highlight=False)
     console.print(f"pairing of the {summary['pairs']} ratios: {summary['pairing']}",
                   highlight=False, markup=False)
-    for r in df[df["verdict"].isin(["slower", "broken"])].to_dict("records"):
-        what = (f"{r['ratio']:.3f}x (p={r['p_value']:.2g})" if r["verdict"] == "slower"
+    for r in df[df["verdict"].isin(["slower", "broken", "faster"])].to_dict("records"):
+        what = (f"{r['ratio']:.3f}x (p={r['p_value']:.2g})" if r["verdict"] != "broken"
                 else f"broken: {r['reason']}")
-        tag = f" [{r['pairing']}]" if r["verdict"] == "slower" and r["pairing"] else ""
-        console.print(f"REGRESSION {row_label(r)}: {what}{tag}", highlight=False, markup=False)
+        tag = f" [{r['pairing']}]" if r["verdict"] != "broken" and r["pairing"] else ""
+        word = "IMPROVEMENT" if r["verdict"] == "faster" else "REGRESSION"
+        console.print(f"{word} {row_label(r)}: {what}{tag}", highlight=False, markup=False)
 
 
 def _calls(r: Mapping) -> str:
@@ -349,8 +370,10 @@ def write_out(df: pd.DataFrame, summary: dict, out: Path, base: Path, new: Path,
 
 
 def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0.01,
-                out: Path | None = None) -> int:
-    """``qlabench compare BASE NEW``: table on stdout, optional ``--out`` (.json/.csv), exit code."""
+                out: Path | None = None, base_backend: str | None = None,
+                new_backend: str | None = None) -> int:
+    """``qlabench compare BASE NEW`` (or ``BASE --base-backend A --new-backend B``: two labels):
+    table on stdout, optional ``--out`` (.json/.csv), exit code."""
     from rich.console import Console
 
     console = Console(soft_wrap=True, width=None if _isatty() else 200)
@@ -363,7 +386,13 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
         if not (0 < alpha < 1):
             raise BadInput(f"--alpha {alpha}: must be in (0, 1)")
         bdf, ndf = load_side(Path(base)), load_side(Path(new))
-        df, summary = compare_frames(bdf, ndf, threshold, alpha)
+        for side, df_, label in ((base, bdf, base_backend), (new, ndf, new_backend)):
+            if label is not None and not (df_["backend"] == label).any():
+                raise BadInput(f"{side}: no rows of backend {label!r} (it holds "
+                               f"{', '.join(sorted(set(df_['backend'].dropna())))})")
+        df, summary = compare_frames(bdf, ndf, threshold, alpha, base_backend, new_backend)
+        if base_backend is not None:
+            base, new = f"{base} ({base_backend})", f"{new} ({new_backend})"
         if df.empty:
             raise BadInput(f"{new}: nothing in common with {base} (no shared point × backend × "
                            "direction key; are they the same config?)")

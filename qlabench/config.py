@@ -10,6 +10,8 @@ them into exit code 2.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -21,6 +23,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -244,13 +247,97 @@ class Reference(_Strict):
     dtype: Literal["fp32", "fp64"] = "fp32"
 
 
+#: a backend label: it names part files and is a field of point keys (``|``-separated)
+LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]*")
+#: a label's ``@<version>`` suffix, checked against the version imported in its environment
+VERSION_SUFFIX_RE = re.compile(r"@(\d+(?:\.\d+)*)$")
+_VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand(value: str, environ=None) -> tuple[str | None, str]:
+    """``${VAR}`` expansion at run time: (expanded, "") or (None, why) when a variable is unset
+    or empty."""
+    environ = os.environ if environ is None else environ
+    missing = [v for v in _VAR_RE.findall(value) if not environ.get(v)]
+    if missing:
+        return None, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
+    return _VAR_RE.sub(lambda m: environ[m.group(1)], value), ""
+
+
+def label_version_problem(label: str, version: str) -> str:
+    """"" when ``label`` has no ``@<version>`` suffix or it prefixes ``version`` (``@0.7`` matches
+    0.7.4, not 0.71); else why not."""
+    m = VERSION_SUFFIX_RE.search(label)
+    if m is None or re.match(re.escape(m.group(1)) + r"(?![0-9])", str(version)):
+        return ""
+    return f"label {label} asks for version {m.group(1)}, its environment imports {version}"
+
+
+class BackendEntry(_Strict):
+    """One entry of ``backends:``: a registry name (``fla``) or
+    ``{name: flashinfer, label: flashinfer@0.7.4, pythonpath: "${QLABENCH_FI07_SITE}"}``.
+
+    ``label`` (default: the name) is the rows' ``backend`` — the identity in keys, resume,
+    compare, report and plots; unique in a sweep. An entry with ``python`` (an interpreter of the
+    same Python version, e.g. ``${VENV}/bin/python``) and/or ``pythonpath`` (``:``-separated
+    directories put before the inherited ``PYTHONPATH``) runs in a worker process of its own
+    with that environment; ``${VAR}`` is expanded at run time, so no machine path is committed.
+    A label ending in ``@<version>`` (digits and dots) must prefix the version imported there."""
+
+    name: str
+    label: str = ""
+    python: Annotated[str, Field(min_length=1)] | None = None
+    pythonpath: Annotated[str, Field(min_length=1)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, v):
+        if isinstance(v, str):
+            v = {"name": v}
+        if isinstance(v, dict) and "label" not in v and isinstance(v.get("name"), str):
+            v = {**v, "label": v["name"]}
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in BACKENDS:
+            raise ValueError(f"unknown backend {v!r}; known: {', '.join(BACKENDS)}")
+        return v
+
+    @field_validator("label")
+    @classmethod
+    def _safe(cls, v: str) -> str:
+        if not LABEL_RE.fullmatch(v):
+            raise ValueError(f"label {v!r}: use letters, digits and . _ + - @ (starting with a "
+                             "letter or digit); it names files and is a field of point keys")
+        return v
+
+    @field_validator("python", "pythonpath")
+    @classmethod
+    def _vars(cls, v: str | None) -> str | None:
+        if v is not None and "$" in _VAR_RE.sub("", v):
+            raise ValueError(f"{v!r}: write environment variables as ${{NAME}}")
+        return v
+
+    @property
+    def own_environment(self) -> bool:
+        return self.python is not None or self.pythonpath is not None
+
+    @property
+    def plain(self) -> bool:
+        """Written as a bare name in the YAML (and in stored sweep dumps)."""
+        return self.label == self.name and not self.own_environment
+
+
 class Sweep(_Strict):
     name: str
     description: str = ""
     models: Annotated[list[Union[str, Model]], Field(min_length=1)]
     seqlens: Annotated[list[Layout], Field(min_length=1)]
     directions: Annotated[list[Literal["fwd", "bwd", "fwdbwd"]], Field(min_length=1)] = ["fwd"]
-    backends: Annotated[list[str], Field(min_length=1)] = ["reference"]
+    #: registry names or :class:`BackendEntry` mappings (label, python, pythonpath)
+    backends: Annotated[list[BackendEntry], Field(min_length=1)] = ["reference"]
     dtype: Literal["bf16", "fp16"] = "bf16"
     #: one gate recipe or several (an axis of the sweep: each point runs under each recipe)
     gate: Annotated[list[Gate], Field(min_length=1)] = [PublishedGate()]
@@ -273,13 +360,30 @@ class Sweep(_Strict):
 
     @field_validator("backends")
     @classmethod
-    def _known_backends(cls, v: list[str]) -> list[str]:
-        for b in v:
-            if b not in BACKENDS:
-                raise ValueError(f"unknown backend {b!r}; known: {', '.join(BACKENDS)}")
-        if len(set(v)) != len(v):
-            raise ValueError(f"duplicate backends in {v}")
+    def _unique_labels(cls, v: list[BackendEntry]) -> list[BackendEntry]:
+        labels = [e.label for e in v]
+        dup = sorted({b for b in labels if labels.count(b) > 1})
+        if dup:
+            raise ValueError(f"duplicate backend label(s) {', '.join(dup)}: give each entry its "
+                             "own `label`")
         return v
+
+    @field_serializer("backends")
+    def _dump_backends(self, v: list) -> list:
+        """Plain entries dump as their name: a sweep of names dumps as it did before entries."""
+        out = []
+        for e in v:
+            e = BackendEntry.model_validate(e)
+            out.append(e.name if e.plain else e.model_dump(exclude_none=True))
+        return out
+
+    def entries(self, labels=None) -> dict[str, BackendEntry]:
+        """label -> entry, in the sweep's order; ``labels`` picks some (a label of the sweep, or
+        a registry name, which is a plain entry)."""
+        mine = {e.label: e for e in map(BackendEntry.model_validate, self.backends)}
+        if labels is None:
+            return mine
+        return {b: mine.get(b) or BackendEntry.model_validate(b) for b in labels}
 
     @field_validator("models")
     @classmethod

@@ -15,6 +15,29 @@ BACKEND_COLORS = {"reference": "#7f7f7f", "fla": "#1f77b4", "flashinfer": "#2ca0
                   "flashqla": "#d62728", "tilelang": "#9467bd", "faulty": "#8c564b"}
 
 
+def palette(df: pd.DataFrame) -> dict[str, str | None]:
+    """Backend label -> colour, in :data:`BACKEND_COLORS`' library order (by ``backend_name``;
+    a library's plain label first): a library's first label gets its colour, further labels
+    of it (``flashinfer@0.7.4`` beside ``flashinfer``) lighter and darker shades of it."""
+    from matplotlib.colors import to_hex, to_rgb
+
+    from . import results
+    lib = dict(zip(df["backend"], results.backend_names(df))) if len(df) else {}
+    libs = list(BACKEND_COLORS)
+    order = sorted(lib, key=lambda b: (libs.index(lib[b]) if lib[b] in libs else len(libs),
+                                       lib[b], b != lib[b], b))
+    out: dict = {}
+    seen: dict = {}
+    for b in order:
+        k = seen[lib[b]] = seen.get(lib[b], -1) + 1
+        c = BACKEND_COLORS.get(lib[b])
+        if c is not None and k:
+            to, t = (1.0 if k % 2 else 0.0), min(0.8, 0.4 * ((k + 1) // 2))  # odd: lighter
+            c = to_hex([x + (to - x) * t for x in to_rgb(c)])
+        out[b] = c
+    return out
+
+
 def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = None,
                    title: str = "") -> Path | None:
     """Grouped bars: one panel per model/TP, one group per layout, one bar per backend; the
@@ -26,8 +49,8 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
     if ok.empty:
         return None
     models = list(dict.fromkeys(ok.sort_values("point_index")["model"]))
-    backends = [b for b in BACKEND_COLORS if b in set(ok["backend"])] + \
-        sorted(set(ok["backend"]) - set(BACKEND_COLORS))
+    colors = palette(ok)
+    backends = list(colors)
     ncol = min(3, len(models))
     nrow = int(np.ceil(len(models) / ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 3.6 * nrow), squeeze=False)
@@ -40,8 +63,7 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
         for i, b in enumerate(backends):
             vals = [sub[(sub["layout"] == lay) & (sub["backend"] == b)]["latency_ms"].median()
                     for lay in layouts]
-            ax.bar(x + (i - (len(backends) - 1) / 2) * w, vals, w, label=b,
-                   color=BACKEND_COLORS.get(b))
+            ax.bar(x + (i - (len(backends) - 1) / 2) * w, vals, w, label=b, color=colors[b])
         base = "fla" if "fla" in backends else None
         if base and len(backends) > 1:
             for j, lay in enumerate(layouts):
@@ -127,9 +149,9 @@ def recipe_name(gate_recipe) -> str:
     return s.split(":", 1)[0] if ":" in s else "published"
 
 
-def _backends(names) -> list[str]:
-    s = set(names)
-    return [b for b in BACKEND_COLORS if b in s] + sorted(s - set(BACKEND_COLORS))
+def _backends(df: pd.DataFrame) -> list[str]:
+    """The backend labels of ``df`` in :func:`palette` order."""
+    return list(palette(df))
 
 
 def _save(fig, out: str | Path) -> Path:
@@ -140,8 +162,8 @@ def _save(fig, out: str | Path) -> Path:
     return out
 
 
-SPEEDUP_COLUMNS = ["model", "tp", "layout", "point_index", "point_key", "backend", "speedup",
-                   "pairing", "same_gpu", "same_campaign", "throttled", "gpu_known",
+SPEEDUP_COLUMNS = ["model", "tp", "layout", "point_index", "point_key", "backend", "backend_name",
+                   "speedup", "pairing", "same_gpu", "same_campaign", "throttled", "gpu_known",
                    "campaign_known"]
 #: marks a number whose two rows are not known to share GPU and campaign, or include a throttled row
 PAIR_MARK = "*"
@@ -162,6 +184,7 @@ def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd
     other = ok[(ok["backend"] != baseline) & ok["point_key"].isin(base.index)]
     b = base.loc[other["point_key"]].set_axis(other.index)
     out = other[["model", "tp", "layout", "point_index", "point_key", "backend"]].copy()
+    out["backend_name"] = results.backend_names(other)
     out["speedup"] = b["latency_ms"].to_numpy() / other["latency_ms"].to_numpy()
     out = out.join(results.pairing(b, other))
     return out.dropna(subset=["speedup"])[SPEEDUP_COLUMNS].reset_index(drop=True)
@@ -185,7 +208,7 @@ def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
     sp = sp.sort_values("point_index", kind="stable")
     rows = list(dict.fromkeys(zip(sp["model"], sp["tp"])))
     cols = list(dict.fromkeys(sp["layout"]))
-    backends = _backends(sp["backend"])
+    backends = _backends(sp)
     lim = float(np.nanmax(np.abs(np.log2(sp["speedup"].clip(1e-3))))) or 1.0
     lim = min(max(lim, 0.25), 3.0)
     w = max(4.0, 0.55 * len(cols) + 2.5)
@@ -240,7 +263,8 @@ def latency_vs_tokens(df: pd.DataFrame, out: str | Path, direction: str = "bwd",
         return None
     ok = ok.sort_values("point_index", kind="stable")
     panels = list(dict.fromkeys(zip(ok["model"], ok["tp"])))
-    backends = _backends(ok["backend"])
+    colors = palette(ok)
+    backends = list(colors)
     markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
     nseqs = sorted(set(int(n) for n in ok["num_seqs"].dropna())) or [1]
     ncol = min(4, len(panels))
@@ -252,7 +276,7 @@ def latency_vs_tokens(df: pd.DataFrame, out: str | Path, direction: str = "bwd",
             sb = sub[sub["backend"] == b]
             if sb.empty:
                 continue
-            c = BACKEND_COLORS.get(b)
+            c = colors[b]
             med = sb.groupby("total_tokens")["latency_ms"].median()
             ax.plot(med.index, med.values, "-", color=c, label=b, lw=1.4)
             for k, n in enumerate(nseqs):
@@ -292,7 +316,8 @@ def history_figure(hist: pd.DataFrame, out: str | Path, title: str = "") -> Path
     if h.empty or h["run_pos"].nunique() < 2:
         return None
     dirs = ["fwd", "bwd", "fwdbwd"]
-    order = _backends(h["backend"])
+    colors = palette(h)
+    order = list(colors)
     panels = sorted(set(zip(h["direction"], h["backend"])),
                     key=lambda p: (dirs.index(p[0]) if p[0] in dirs else 9, order.index(p[1])))
     labels = h.drop_duplicates("run_pos").sort_values("run_pos")
@@ -302,7 +327,7 @@ def history_figure(hist: pd.DataFrame, out: str | Path, title: str = "") -> Path
                                                   3.3 * nrow), squeeze=False)
     for ax, (d, b) in zip(axes.flat, panels):
         sub = h[(h["direction"] == d) & (h["backend"] == b)]
-        c = BACKEND_COLORS.get(b, "#333333")
+        c = colors[b] or "#333333"
         for _, g in sub.groupby("point_key", sort=False):
             g = g.sort_values("run_pos")
             rel = g["latency_ms"] / g["latency_ms"].iloc[0]
@@ -351,10 +376,9 @@ def roofline_figure(df: pd.DataFrame, out: str | Path, direction: str | None = N
                     np.log10(ok["intensity_flop_per_byte"].max() * 2), 100)
     ax.plot(x, np.minimum(peak, bw * x / 1e3), "k-", lw=1.2,
             label=f"roof: {peak:.0f} TFLOP/s, {bw / 1e3:.2f} TB/s")
-    for b in _backends(ok["backend"]):
+    for b, c in palette(ok).items():
         s = ok[ok["backend"] == b]
-        ax.scatter(s["intensity_flop_per_byte"], s["tflops"], s=18, alpha=0.75,
-                   color=BACKEND_COLORS.get(b), label=b)
+        ax.scatter(s["intensity_flop_per_byte"], s["tflops"], s=18, alpha=0.75, color=c, label=b)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / minimum byte)")
@@ -378,9 +402,9 @@ def util_vs_latency(df: pd.DataFrame, out: str | Path, direction: str | None = N
     fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False)
     for ax, m in zip(axes.flat, models):
         sub = ok[ok["model"] == m]
-        for b in _backends(sub["backend"]):
+        for b, c in palette(sub).items():
             s = sub[sub["backend"] == b]
-            ax.scatter(s["latency_ms"], s["sm_util_pct"], s=20, color=BACKEND_COLORS.get(b), label=b)
+            ax.scatter(s["latency_ms"], s["sm_util_pct"], s=20, color=c, label=b)
         ax.set_xscale("log")
         ax.set_xlabel("latency (ms)")
         ax.set_ylabel("SM util (%)")

@@ -169,6 +169,7 @@ def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
             tag.append(results.pair(recs[i - 1], r))
     out = h.loc[order, ["run_id", "run_pos", "run_label", "git_sha", *results.KEY, "model", "tp",
                         "layout", "point_index", "status", "latency_ms"]].copy()
+    out["backend_name"] = results.backend_names(h.loc[order])
     out["verdict"], out["ratio"], out["p_value"] = verdict, ratio, pval
     out["reason"], out["prev_run_id"] = reason, prev_run
     for c in _NO_PAIR:
@@ -208,7 +209,8 @@ def vs_fla(latest: pd.DataFrame) -> pd.DataFrame:
 def _latest_table(latest: pd.DataFrame) -> str:
     d = vs_fla(latest.sort_values(["direction", "point_index", "backend"]))
     cols = {"model": "model", "tp": "h_qk/h_v", "layout": "layout", "direction": "dir",
-            "backend": "backend", "path": "path", "status": "status", "latency_ms": "latency_ms",
+            "backend": "backend", "backend_version": "version", "path": "path", "status": "status",
+            "latency_ms": "latency_ms",
             "p10_ms": "p10_ms", "p90_ms": "p90_ms", "n_samples": "n", "vs_fla": "speedup vs fla",
             "pairing": "pairing (vs fla)", "tflops": "tflops", "timing_mode": "timing",
             "reason": "reason"}

@@ -12,7 +12,9 @@ without it, from running the set's sweep (``provenance.sweeps[direction]``) thro
 ``(h_qk, h_v, tuple(seqlens))``. Per point: published and measured ms per backend, measured /
 published, published vs measured speedup (baseline / target, FLA / FlashQLA), and the in-repo
 ``tilelang`` kernel as an extra measured column (its speedup over FLA and over the best measured
-library). A row whose status is not ``ok`` shows its status instead of a number; a point with no
+library). A published library measured under further labels (``flashinfer@0.7.4`` beside
+``flashinfer``: rows whose ``backend_name`` is that library) gets a column per label, each
+against the library's published number; the best measured library is the best of all of them. A row whose status is not ``ok`` shows its status instead of a number; a point with no
 row shows ``missing``. Every measured ratio between two rows (the speedup, tilelang vs FLA and vs
 the best library) carries its pair's tag (``<ratio>_pairing``, :func:`results.pairing`: do the
 rows share GPU and campaign, is one throttled), and the summary's geomeans their
@@ -202,7 +204,8 @@ def side_by_side(pub: Published, rows: pd.DataFrame) -> pd.DataFrame:
         for rec in r.itertuples(index=False):
             by[(rec.key, rec.backend)] = rec
     has_extra = (not rows.empty) and (r["backend"] == EXTRA_BACKEND).any()
-    bes = pub.backends + ([EXTRA_BACKEND] if has_extra else [])
+    lib_of = library_labels(pub, r)
+    bes = list(lib_of) + ([EXTRA_BACKEND] if has_extra else [])
     out = []
     for p in pub.table.itertuples(index=False):
         d = {"model": p.model, "seqlens_label": p.seqlens_label,
@@ -218,12 +221,12 @@ def side_by_side(pub: Published, rows: pd.DataFrame) -> pd.DataFrame:
                 if status == "ok" and not np.isfinite(ms):
                     status = "ok-no-latency"
                 reason = rec.reason if isinstance(rec.reason, str) else ""
-            if b in pub.backends:
-                d[f"{b}_pub_ms"] = float(getattr(p, f"{b}_ms"))
+            if b in lib_of:
+                d[f"{b}_pub_ms"] = float(getattr(p, f"{lib_of[b]}_ms"))
             d[f"{b}_ms"] = ms
             d[f"{b}_status"] = status
             d[f"{b}_reason"] = reason
-            if b in pub.backends:
+            if b in lib_of:
                 d[f"{b}_ratio"] = ms / d[f"{b}_pub_ms"] if np.isfinite(ms) else math.nan
         base, tgt = pub.baseline, pub.target
         d["speedup_pub"] = d[f"{base}_pub_ms"] / d[f"{tgt}_pub_ms"]
@@ -234,7 +237,7 @@ def side_by_side(pub: Published, rows: pd.DataFrame) -> pd.DataFrame:
         if has_extra:
             t = d[f"{EXTRA_BACKEND}_ms"]
             d[f"{EXTRA_BACKEND}_vs_fla"] = d["fla_ms"] / t if "fla_ms" in d else math.nan
-            libs = {b: d[f"{b}_ms"] for b in pub.backends if np.isfinite(d[f"{b}_ms"])}
+            libs = {b: d[f"{b}_ms"] for b in lib_of if np.isfinite(d[f"{b}_ms"])}
             best = min(libs, key=libs.get) if libs else ""
             d["best_library"] = best
             d[f"{EXTRA_BACKEND}_vs_best"] = libs[best] / t if best else math.nan
@@ -242,7 +245,26 @@ def side_by_side(pub: Published, rows: pd.DataFrame) -> pd.DataFrame:
                 d.update(_pair_cols(f"{EXTRA_BACKEND}_{r}", by, p.key, lib, EXTRA_BACKEND,
                                     np.isfinite(d[f"{EXTRA_BACKEND}_{r}"])))
         out.append(d)
-    return pd.DataFrame(out)
+    table = pd.DataFrame(out)
+    table.attrs["libraries"] = lib_of  # column -> published library
+    return table
+
+
+def library_labels(pub: Published, rows: pd.DataFrame) -> dict[str, str]:
+    """Measured column -> published library: each published backend, then the other labels of
+    rows whose ``backend_name`` is that library (``flashinfer@0.7.4``), in label order."""
+    out = {}
+    lib = dict(zip(rows["backend"], results.backend_names(rows))) if len(rows) else {}
+    for b in pub.backends:
+        out[b] = b
+        out.update({v: b for v in sorted(lab for lab, n in lib.items() if n == b and lab != b)})
+    return out
+
+
+def _library_columns(names) -> list[str]:
+    """The measured library columns among a :func:`side_by_side` table's column names (those
+    with a published ms)."""
+    return [c[: -len("_pub_ms")] for c in names if c.endswith("_pub_ms")]
 
 
 #: per measured ratio ``r`` the table carries ``r_pairing`` (:func:`results.pair_tag`) and these
@@ -276,12 +298,14 @@ def _stats(x: pd.Series) -> dict:
 def summarize(pub: Published, table: pd.DataFrame) -> dict:
     """Shares within ±10%, geomean/min/max of ratios and speedups, status counts, missing points."""
     s: dict = {"points": len(table), "backends": {}}
-    for b in pub.backends + ([EXTRA_BACKEND] if f"{EXTRA_BACKEND}_status" in table else []):
+    libs = table.attrs.get("libraries", {})
+    for b in _library_columns(table.columns) + ([EXTRA_BACKEND] if f"{EXTRA_BACKEND}_status" in table else []):
         st = table[f"{b}_status"]
         counts = st.value_counts().to_dict()
         reasons = {k: next((r for r in table.loc[st == k, f"{b}_reason"] if r), "")
                    for k in counts if k != "ok"}
-        e = {"statuses": counts, "reasons": reasons, "ok": int((st == "ok").sum())}
+        e = {"statuses": counts, "reasons": reasons, "ok": int((st == "ok").sum()),
+             "library": libs.get(b, b)}
         if f"{b}_ratio" in table:
             ratio = table[f"{b}_ratio"]
             fin = ratio[np.isfinite(ratio)]
@@ -301,7 +325,7 @@ def summarize(pub: Published, table: pd.DataFrame) -> dict:
         s["extra"] = {r: {**_stats(table[f"{EXTRA_BACKEND}_{r}"]),
                           "pairing": pairing_of(table, f"{EXTRA_BACKEND}_{r}")}
                       for r in ("vs_fla", "vs_best")}
-    bes = pub.backends
+    bes = _library_columns(table.columns)
     no_row = table[np.all([table[f"{b}_status"] == MISSING for b in bes], axis=0)]
     s["missing_points"] = [f"{m} {lab}" for m, lab in zip(no_row["model"], no_row["seqlens_label"])]
     return s
@@ -362,7 +386,7 @@ def notes_for(pub: Published, rows: pd.DataFrame, meta: dict[str, dict]) -> Note
                     break
         if not seen and lib in _BACKEND_LIB.values() and not rows.empty:
             be = [b for b, lb in _BACKEND_LIB.items() if lb == lib]
-            vs = rows.loc[rows["backend"].isin(be), "backend_version"].dropna()
+            vs = rows.loc[results.backend_names(rows).isin(be), "backend_version"].dropna()
             seen = {str(v) for v in vs if v not in ("unavailable", "unknown", "n/a")}
         measured = sorted(seen)
         if measured and all(_norm_version(m) == _norm_version(pv) for m in measured):
@@ -434,7 +458,7 @@ def _summary_rows(pub: Published, s: dict, notes: Notes) -> list[list[str]]:
     out = []
     for b, e in s["backends"].items():
         other = ", ".join(f"{k} {v}" for k, v in e["statuses"].items() if k != "ok")
-        vn = notes.for_backend(b)
+        vn = notes.for_backend(e.get("library", b))
         ver = "; ".join(f"{n.lib} {', '.join(n.measured) or '?'} ≠ {n.published}" for n in vn)
         if "ratio" in e:
             r = e["ratio"]
@@ -474,7 +498,8 @@ SPEEDUP_HEAD = ["speedup", "points", "geomean", "min", "max", "pairs"]
 
 
 def _point_head(pub: Published, table: pd.DataFrame) -> list[str]:
-    h = ["model", "layout", "h_qk/h_v"] + [f"{b} pub → meas ms (ratio)" for b in pub.backends]
+    h = ["model", "layout", "h_qk/h_v"] + [f"{b} pub → meas ms (ratio)"
+                                           for b in _library_columns(table.columns)]
     h += ["speedup pub", "speedup meas", "pairing"]
     if f"{EXTRA_BACKEND}_status" in table:
         h += [f"{EXTRA_BACKEND} ms", f"{EXTRA_BACKEND} vs fla", f"{EXTRA_BACKEND} vs best",
@@ -484,7 +509,7 @@ def _point_head(pub: Published, table: pd.DataFrame) -> list[str]:
 
 def _point_row(pub: Published, t: pd.Series) -> list[str]:
     r = [str(t["model"]), str(t["seqlens_label"]), f"{t['h_qk']}/{t['h_v']}"]
-    r += [_cell(t, b) for b in pub.backends]
+    r += [_cell(t, b) for b in _library_columns(t.index)]
     r += [_fx(t["speedup_pub"]), _fx(t["speedup_ms"]), _tag(t, "speedup", "speedup_ms")]
     if f"{EXTRA_BACKEND}_status" in t:
         r += [_cell(t, EXTRA_BACKEND, with_pub=False), _fx(t[f"{EXTRA_BACKEND}_vs_fla"]),

@@ -7,8 +7,11 @@ Layout of an output directory::
     OUT/*.png                                               derived figures
 
 ``pandas.read_parquet(OUT/parts)`` (or :func:`load`) reads every row of every run in it.
-Resume key: (point key, backend, direction, backend version); a key whose stored rows were made
-from a different input recipe is refused instead of mixed.
+Resume key: (point key, backend, direction, backend version), ``backend`` being the entry's
+label (``flashinfer@0.7.4``; a plain entry's label is its name, so such keys are the ones stored
+before labels existed); a key whose stored rows were made from a different input recipe is
+refused instead of mixed. ``backend_name`` is the registry name (``flashinfer``); rows stored
+before it existed load with ``backend_name = backend``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ SCHEMA = pa.schema(
         ("num_seqs", _i), ("dtype", _s), ("gate_recipe", _s), ("gate_zero_frac", _f),
         ("initial_state", _b), ("output_final_state", _b),
         ("direction", _s), ("backend", _s), ("backend_version", _s),
+        # ``backend`` is the entry's label (the identity); ``backend_name`` the registry name
+        ("backend_name", _s),
         ("gpu_name", _s), ("gpu_index", _i), ("gpu_uuid", _s), ("campaign_id", _s),
         ("started_at", _s),
         # outcome
@@ -223,13 +228,28 @@ def load(path: str | Path) -> pd.DataFrame:
     """All rows under a results directory (or a single Parquet file)."""
     p = Path(path)
     if p.is_file():
-        return pq.read_table(p).to_pandas()
+        return _upgrade(pq.read_table(p).to_pandas())
     parts_dir = p / "parts" if (p / "parts").is_dir() else p
     files = sorted(f for f in parts_dir.glob("*.parquet") if not f.name.startswith("."))
     if not files:
         return pd.DataFrame(columns=COLUMNS)
     tables = [pq.read_table(f) for f in files]
-    return pa.concat_tables(tables, promote_options="default").to_pandas()
+    return _upgrade(pa.concat_tables(tables, promote_options="default").to_pandas())
+
+
+def _upgrade(df: pd.DataFrame) -> pd.DataFrame:
+    """Stored rows in today's schema: rows from before labels carry ``backend_name = backend``."""
+    if "backend" in df.columns:
+        df["backend_name"] = backend_names(df)
+    return df
+
+
+def backend_names(df: pd.DataFrame) -> pd.Series:
+    """The registry name (library) of each row: ``backend_name``, else its ``backend``."""
+    if "backend_name" not in df.columns:
+        return df["backend"].copy()
+    return df["backend_name"].where(df["backend_name"].notna() & (df["backend_name"] != ""),
+                                    df["backend"])
 
 
 def load_meta(path: str | Path) -> dict[str, dict]:
@@ -247,7 +267,7 @@ KEY = ["point_key", "backend", "direction"]
 
 
 def latest(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (point, backend, direction): the most recent row, preferring any finished row
+    """One row per (point, backend label, direction): the most recent row, preferring any finished row
     over a retry-status one (an ``unavailable`` row from a host missing a library must not hide a
     kept ``ok`` row)."""
     if df.empty:

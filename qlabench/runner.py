@@ -224,7 +224,10 @@ def campaign_for(store: ResultStore, uuids: list[str], resume: bool, sweep_dump:
 
 
 def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name: str,
-             be_version: str, gpu_name: str, campaign_id: str | None = None) -> dict:
+             be_version: str, gpu_name: str, campaign_id: str | None = None,
+             be_lib: str | None = None) -> dict:
+    """The identity of a row; ``be_name`` is the backend entry's label, ``be_lib`` its registry
+    name (default: the label)."""
     return {
         "run_id": run_id, "git_sha": sha, "config": cfg, "point_index": p.index,
         "point_key": p.key, "recipe_hash": p.recipe_hash, "model": p.model, "tp": p.tp_label,
@@ -233,7 +236,8 @@ def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name:
         "dtype": p.dtype, "gate_recipe": p.gate_label,
         "gate_zero_frac": p.gate_zero_frac, "initial_state": p.initial_state,
         "output_final_state": p.output_final_state, "direction": direction,
-        "backend": be_name, "backend_version": be_version, "gpu_name": gpu_name,
+        "backend": be_name, "backend_name": be_lib or be_name, "backend_version": be_version,
+        "gpu_name": gpu_name,
         "gpu_index": _gpu_index(), "gpu_uuid": device_uuid(), "campaign_id": campaign_id,
         "started_at": datetime.now().isoformat(timespec="milliseconds"),
         "reason": "",
@@ -402,14 +406,15 @@ class Task:
 
     point: Point
     direction: str
-    backends: list[str]
-    ctx: dict  # run_id, sha, config, versions, avail, gpu_name
+    backends: list[str]  # labels
+    ctx: dict  # run_id, sha, config, names (label -> registry name), versions, avail, gpu_name
 
 
 def row_for(task: Task, backend: str) -> dict:
     c = task.ctx
     return base_row(c["run_id"], c["sha"], c["config"], task.point, task.direction, backend,
-                    c["versions"][backend], c["gpu_name"], c.get("campaign_id"))
+                    c["versions"][backend], c["gpu_name"], c.get("campaign_id"),
+                    c.get("names", {}).get(backend))
 
 
 def measure_task(sweep: Sweep, task: Task, emit) -> None:
@@ -423,7 +428,7 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
         sweep_ceilings["c"] = task.ctx.get("ceilings") or {}
     for n in task.backends:
         emit("start", n)
-        be = B.get(n)
+        be = B.get(task.ctx.get("names", {}).get(n, n))
         row = row_for(task, n)
         ok, why = task.ctx["avail"][n]
         if ok:
@@ -474,7 +479,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         devices: list[str] | None = None, retry_failed: bool = False) -> RunSummary:
     """Run a sweep into ``out_dir``. With ``isolate`` (default: the sweep's ``isolate``), points
     run in a supervised worker process: a crash or a hang costs one row, not the sweep."""
-    from .supervisor import InProcess, Supervisor, deferred_signals, install_sigterm_as_interrupt
+    from .supervisor import deferred_signals, install_sigterm_as_interrupt
 
     t_run = time.time()
     tl: dict = {}  # the run's timeline (seconds from the run's start), stored in the metadata
@@ -490,10 +495,9 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         pts = pts[:limit]
     if shard is not None:
         pts = shard_points(pts, *shard)
-    names = list(backend_names or sweep.backends)
-    bes = {n: B.get(n) for n in names}
-    avail = {n: be.available() for n, be in bes.items()}
-    versions = {n: (be.version() if avail[n][0] else "unavailable") for n, be in bes.items()}
+    entries = sweep.entries(backend_names)
+    names = list(entries)
+    avail, versions, workers = check_backends(entries)
     tl["backends_checked"] = round(time.time() - t_run, 3)
 
     done = store.done_keys(retry_failed) if resume else {}
@@ -520,12 +524,15 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
                 if torch.cuda.is_available() else "cpu")
     meta = {"run_id": run_id, "git_sha": sha, "config": config_name,
             "sweep": sweep.model_dump(mode="json"), "backends": names,
+            "backend_names": {n: e.name for n, e in entries.items()},
+            "environments": {n: {"python": w.python, **w.env} for n, w in workers.items()},
             "backend_versions": versions, "availability": {n: list(a) for n, a in avail.items()},
             "env": environment(), "started_at": datetime.now().isoformat(timespec="milliseconds"),
             "points": len(pts), "device": device(), "ceilings": ceilings,
             "campaign_id": campaign_id, "gpu_uuids": uuids}
     store.write_meta(run_id, meta)
     ctx = {"run_id": run_id, "sha": sha, "config": config_name, "versions": versions,
+           "names": {n: e.name for n, e in entries.items()},
            "avail": avail, "gpu_name": gpu_name, "campaign_id": campaign_id,
            # what the derived columns use: this run's ceilings, or where their measurement failed
            # the same-GPU runs' median in this directory (what metrics.add_derived recomputes)
@@ -565,12 +572,11 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
                 tasks.append(Task(p, direction, todo, ctx))
     try:
         if devices and len(devices) > 1:
-            _run_on_devices(sweep, tasks, devices, Path(out_dir) / "logs", on_row, progress, log)
+            _run_on_devices(sweep, tasks, devices, Path(out_dir) / "logs", on_row, progress, log,
+                            workers)
         else:
-            env = {"CUDA_VISIBLE_DEVICES": devices[0], "QLABENCH_GPU_INDEX": devices[0]} \
-                if devices else None
-            execu = (Supervisor(sweep, Path(out_dir) / "logs", log=log, env=env) if isolate
-                     else InProcess(sweep))
+            execu = executor(sweep, Path(out_dir) / "logs", log, isolate, workers,
+                             devices[0] if devices else None)
             try:
                 for t in tasks:
                     if progress is not None:
@@ -588,6 +594,46 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
             meta["gpu_uuids"] = seen
         store.write_meta(run_id, meta)
     return summary
+
+
+def check_backends(entries: dict) -> tuple[dict, dict, dict]:
+    """(availability, version, worker environment) per label of ``entries`` (label ->
+    :class:`~qlabench.config.BackendEntry`). An entry with an environment of its own is checked
+    in it (:func:`supervisor.worker_environment`), the others in this process; a label's
+    ``@<version>`` suffix must prefix the version found."""
+    from .config import label_version_problem
+    from .supervisor import worker_environment
+    avail, versions, workers = {}, {}, {}
+    for n, e in entries.items():
+        if e.own_environment:
+            w, avail[n], versions[n] = worker_environment(e)
+            if w is not None:
+                workers[n] = w
+        else:
+            be = B.get(e.name)
+            avail[n] = be.available()
+            versions[n] = be.version() if avail[n][0] else "unavailable"
+        why = label_version_problem(n, versions[n]) if avail[n][0] else ""
+        if why:
+            avail[n], versions[n] = (False, why), "unavailable"
+            workers.pop(n, None)
+    return avail, versions, workers
+
+
+def executor(sweep: Sweep, log_dir: Path, log, isolate: bool, workers: dict,
+             device: str | None = None, stop: threading.Event | None = None):
+    """What runs tasks: a supervised worker (``isolate``) or this process, and a worker of its
+    own for each entry in ``workers`` (label -> :class:`supervisor.WorkerEnv`); ``device``: a
+    CUDA index every worker is pinned to."""
+    from .supervisor import InProcess, PerEnvironment, Supervisor
+    env = {"CUDA_VISIBLE_DEVICES": device, "QLABENCH_GPU_INDEX": device} if device else None
+    default = Supervisor(sweep, log_dir, log=log, env=env, stop=stop) if isolate \
+        else InProcess(sweep)
+    if not workers:
+        return default
+    return PerEnvironment(default, {n: (lambda w=w: Supervisor(sweep, log_dir, log=log, env=env,
+                                                                 stop=stop, worker=w))
+                                    for n, w in workers.items()}, stop)
 
 
 def _device_uuids(devices: list[str] | None) -> list[str]:
@@ -621,10 +667,10 @@ def _counts_on_disk(store: ResultStore, run_id: str) -> dict:
     return counts
 
 
-def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log) -> None:
-    """One supervised worker per GPU, each pinned with ``CUDA_VISIBLE_DEVICES``; tasks are
-    taken heaviest first from one queue, so the GPUs finish close together."""
-    from .supervisor import Supervisor
+def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log, workers=None) -> None:
+    """One supervised worker per GPU (and per entry with an environment of its own), each pinned
+    with ``CUDA_VISIBLE_DEVICES``; tasks are taken heaviest first from one queue, so the GPUs
+    finish close together."""
     q: queue.Queue = queue.Queue()
     for t in sorted(tasks, key=lambda t: -point_cost(t.point, len(t.backends))):
         q.put(t)
@@ -632,8 +678,7 @@ def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log) -> No
     stop = threading.Event()
 
     def serve(dev: str) -> None:
-        sup = Supervisor(sweep, log_dir, log=log, env={"CUDA_VISIBLE_DEVICES": dev,
-                                                       "QLABENCH_GPU_INDEX": dev}, stop=stop)
+        sup = executor(sweep, log_dir, log, True, workers or {}, dev, stop)
         try:
             while not stop.is_set():
                 try:

@@ -8,6 +8,11 @@ the worker's stderr log; if a backend runs past ``row_timeout_s`` the worker is 
 says ``timeout``. A fresh worker then goes on with the remaining backends. Compile caches that live
 on disk (TileLang, Triton, FlashInfer JIT) survive worker restarts.
 
+A backend entry with an environment of its own (``python:`` / ``pythonpath:`` in the YAML) runs
+in a worker of its own (:class:`PerEnvironment`): that interpreter, ``PYTHONPATH`` = the entry's
+directories before the inherited ``PYTHONPATH``, and the ``sys.path`` that interpreter has with
+it (:func:`worker_environment` asks it, in a subprocess, which also checks the backend there).
+
 SIGINT/SIGTERM in the main process never interrupt a row write (:func:`deferred_signals`).
 """
 
@@ -15,12 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from multiprocessing import spawn
 from pathlib import Path
 
 _pending: list[int] = []
@@ -75,14 +84,19 @@ class InProcess:
         pass
 
 
-def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None) -> None:
+def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None,
+                 sys_path: list[str] | None = None) -> None:
     os.environ.update(env or {})  # before torch is imported: pins the worker's GPU
+    if sys_path:  # the entry's environment (spawn hands the child the parent's sys.path)
+        sys.path[:] = sys_path
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     faulthandler.enable(file=sys.stderr)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # stack on timeout
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
+    print(f"--- worker {os.getpid()}: {sys.executable}, sys.path {sys.path[:4]}", file=sys.stderr,
+          flush=True)
     from .config import Sweep
     from .runner import measure_task
     sweep = Sweep.model_validate(sweep_json)
@@ -122,12 +136,19 @@ def _stack(path: Path, n: int = 900) -> str:
     return " ".join(data[i:].split())[:n] if i >= 0 else " ".join(data.split())[-n:]
 
 
+#: the interpreter a spawned worker runs (``multiprocessing.spawn``) and the environment it
+#: starts with (this process's) are process-wide state
+_EXECUTABLE_LOCK = threading.Lock()
+
+
 class Supervisor:
     def __init__(self, sweep, log_dir: Path, log=print, poll_s: float = 0.2,
-                 env: dict | None = None, stop: threading.Event | None = None):
+                 env: dict | None = None, stop: threading.Event | None = None,
+                 worker: WorkerEnv | None = None):
         self.sweep = sweep
         self.stop = stop  # set: return after the row in flight (the worker is then ended)
-        self.env = dict(env or {})
+        self.worker = worker  # a backend entry's own environment (None: this process's)
+        self.env = {**(env or {}), **(worker.env if worker else {})}
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log = log
@@ -142,12 +163,27 @@ class Supervisor:
     def _start(self) -> None:
         self.n_started += 1
         tag = self.env.get("QLABENCH_GPU_INDEX", "")
-        self.log_path = self.log_dir / f"worker-{os.getpid()}{'-gpu' + tag if tag else ''}-{self.n_started}.log"
+        tag = ("-gpu" + tag if tag else "") + (f"-{self.worker.label}" if self.worker else "")
+        self.log_path = self.log_dir / f"worker-{os.getpid()}{tag}-{self.n_started}.log"
         parent, child = self.ctx.Pipe()
         self.proc = self.ctx.Process(
             target=_worker_main, args=(child, self.sweep.model_dump(mode="json"),
-                                       str(self.log_path), self.env), daemon=True)
-        self.proc.start()
+                                       str(self.log_path), self.env,
+                                       self.worker.sys_path if self.worker else None), daemon=True)
+        with _EXECUTABLE_LOCK:  # the worker's interpreter starts with its environment
+            exe, saved = spawn.get_executable(), {k: os.environ.get(k) for k in self.env}
+            if self.worker:
+                self.ctx.set_executable(self.worker.python)
+                os.environ.update(self.worker.env)
+            try:
+                self.proc.start()
+            finally:
+                self.ctx.set_executable(exe)
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
         child.close()
         self.conn = parent
 
@@ -244,3 +280,106 @@ class Supervisor:
             except Exception:
                 pass
         self._kill()
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """Where a backend entry with an environment of its own runs: ``python`` (interpreter),
+    ``env`` (``PYTHONPATH``, set in the worker before anything is imported) and ``sys_path``
+    (what that interpreter's ``sys.path`` is with it, qlabench's source root appended)."""
+
+    label: str
+    python: str
+    env: dict
+    sys_path: tuple
+
+
+#: run in the entry's environment: the backend's availability and version there, and sys.path
+_PROBE = """
+import json, sys
+sys.path.append(sys.argv[2])  # qlabench itself, after the environment's own packages
+from qlabench import backends as B
+be = B.get(sys.argv[1])
+ok, why = be.available()
+print("QLABENCH_PROBE " + json.dumps({"ok": ok, "reason": why, "sys_path": sys.path,
+                                      "version": be.version() if ok else "unavailable"}))
+"""
+PROBE_TIMEOUT_S = 600.0
+
+
+def worker_environment(entry, environ=None) -> tuple[WorkerEnv | None, tuple[bool, str], str]:
+    """(worker environment or None, (available, reason), version) of a
+    :class:`~qlabench.config.BackendEntry` that names an environment. ``${VAR}`` is expanded
+    here; an unset variable, a missing directory or interpreter, or a backend that is not
+    available when asked *in that environment* (a subprocess of that interpreter with that
+    ``PYTHONPATH``) make it unavailable, with the reason."""
+    from .config import expand
+    environ = dict(os.environ if environ is None else environ)
+
+    def no(why: str):
+        return None, (False, f"environment of {entry.label}: {why}"), "unavailable"
+
+    python = sys.executable
+    if entry.python is not None:
+        python, why = expand(entry.python, environ)
+        if python is None:
+            return no(f"python {entry.python!r}: {why}")
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            src = f" (from {entry.python!r})" if python != entry.python else ""
+            return no(f"python {python!r}{src} is not an executable file")
+    env = {}
+    if entry.pythonpath is not None:
+        prefix, why = expand(entry.pythonpath, environ)
+        if prefix is None:
+            return no(f"pythonpath {entry.pythonpath!r}: {why}")
+        dirs = [d for d in prefix.split(os.pathsep) if d]
+        bad = [d for d in dirs if not os.path.isdir(d)]
+        if bad or not dirs:
+            return no(f"pythonpath {entry.pythonpath!r}: no such directory {', '.join(bad) or prefix!r}")
+        inherited = environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = os.pathsep.join(dirs + ([inherited] if inherited else []))
+    root = str(Path(__file__).resolve().parent.parent)
+    try:
+        out = subprocess.run([python, "-c", _PROBE, entry.name, root], env={**environ, **env},
+                             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return no(f"asking {python} failed: {type(e).__name__}: {str(e)[:200]}")
+    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("QLABENCH_PROBE ")),
+                None)
+    if out.returncode or line is None:
+        return no(f"{python} exited {out.returncode}: {' '.join(out.stderr.split())[-300:]}")
+    got = json.loads(line.split(" ", 1)[1])
+    if not got["ok"]:
+        return no(got["reason"])
+    return (WorkerEnv(entry.label, python, env, tuple(got["sys_path"])), (True, ""),
+            got["version"])
+
+
+class PerEnvironment:
+    """Runs each backend of a task where it belongs: an entry with an environment of its own in
+    a :class:`Supervisor` of its own (started on first use, kept for the next points), the
+    others in ``default``; the task's backends go in their order, grouped by executor."""
+
+    def __init__(self, default, make: dict, stop: threading.Event | None = None):
+        self.default = default
+        self.make = make  # label -> () -> Supervisor
+        self.own: dict = {}
+        self.stop = stop
+
+    def run_task(self, task, on_row) -> None:
+        from .runner import Task
+        groups: dict = {}
+        for b in task.backends:
+            groups.setdefault(b if b in self.make else None, []).append(b)
+        for label, bs in groups.items():
+            if self.stop is not None and self.stop.is_set():
+                return
+            if label is None:
+                ex = self.default
+            else:
+                ex = self.own.get(label) or self.own.setdefault(label, self.make[label]())
+            ex.run_task(Task(task.point, task.direction, bs, task.ctx), on_row)
+
+    def close(self) -> None:
+        for ex in (self.default, *self.own.values()):
+            ex.close()

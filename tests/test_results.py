@@ -110,7 +110,9 @@ def test_cli_gpu_sweep_on_cpu_gives_unavailable_rows(tmp_path):
                                  str(tmp_path), "--limit", "2"])
     assert r.exit_code == 0, r.output
     df = results.load(tmp_path)
-    assert len(df) == 8 and set(df["status"]) == {"unavailable"}
+    labels = list(C.load(ROOT / "configs/h200_fwd.yaml").entries())
+    assert len(df) == 2 * len(labels) and set(df["status"]) == {"unavailable"}
+    assert sorted(set(df["backend"])) == sorted(labels)
     assert df["reason"].str.len().gt(10).all()
     assert "Traceback" not in r.output
 
