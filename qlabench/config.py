@@ -275,7 +275,7 @@ def label_version_problem(label: str, version: str) -> str:
 
 class BackendEntry(_Strict):
     """One entry of ``backends:``: a registry name (``fla``) or
-    ``{name: flashinfer, label: flashinfer@0.7.4, pythonpath: "${QLABENCH_FI07_SITE}"}``.
+    ``{name: flashinfer, label: flashinfer@0.7.4, pythonpath: "${QLABENCH_FLASHINFER07_PATH}"}``.
 
     ``label`` (default: the name) is the rows' ``backend`` — the identity in keys, resume,
     compare, report and plots; unique in a sweep. An entry with ``python`` (an interpreter of the

@@ -3,8 +3,9 @@
     TILELANG_CACHE_DIR=.tlcache/tests python scripts/precompile_cache.py tests [--jobs 2]
     TILELANG_CACHE_DIR=DIR python scripts/precompile_cache.py {tests|fwd_sweep|bwd_sweep|sweep|all} [--jobs N]
 
-tests      what the kernel GPU tests compile (tests/test_kernels_gpu.py, tests/test_kernels_bwd_gpu.py):
-           heads 2/2, 2/4, 1/3, 2/8, forward and backward, every state flag, split kernels included
+tests      what the GPU tests compile (tests/test_kernels_gpu.py, tests/test_kernels_bwd_gpu.py,
+           tests/test_backends_gpu.py): heads 2/2, 2/4, 1/3, 2/8, 4/12, forward and backward, every
+           state flag, split kernels included
 fwd_sweep  configs/h200_fwd.yaml: the forward's kernels with initial + final state, 9 head configs
 bwd_sweep  configs/h200_bwd.yaml: forward (saved tensors) and backward with h0 and d(final state),
            4 head configs
@@ -22,7 +23,7 @@ import time
 
 from qlabench_kernels.compile import ALL_FLAGS, precompile
 
-TEST_HEADS = [(2, 2), (2, 4), (1, 3), (2, 8)]
+TEST_HEADS = [(2, 2), (2, 4), (1, 3), (2, 8), (4, 12)]
 FWD_SWEEP_HEADS = [(2, 8), (16, 64), (4, 16), (8, 32), (16, 32), (8, 24), (16, 48), (16, 16), (32, 32)]
 BWD_SWEEP_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 

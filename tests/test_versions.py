@@ -38,19 +38,19 @@ def _validate(tmp_path, backends) -> tuple[int, str]:
 def test_entries_plain_and_mapping_with_defaults():
     s = C.parse({**BASE, "backends": [
         "reference", {"name": "flashinfer", "label": "flashinfer@0.7.4",
-                      "pythonpath": "${QLABENCH_FI07_SITE}"},
+                      "pythonpath": "${QLABENCH_FLASHINFER07_PATH}"},
         {"name": "tilelang", "python": "${VENV}/bin/python"}, {"name": "fla", "label": "fla"}]})
     e = s.entries()
     assert list(e) == ["reference", "flashinfer@0.7.4", "tilelang", "fla"]
     assert e["reference"].name == "reference" and not e["reference"].own_environment
     assert e["flashinfer@0.7.4"].name == "flashinfer"
-    assert e["flashinfer@0.7.4"].pythonpath == "${QLABENCH_FI07_SITE}"  # expanded at run time
+    assert e["flashinfer@0.7.4"].pythonpath == "${QLABENCH_FLASHINFER07_PATH}"  # expanded at run time
     assert e["tilelang"].label == "tilelang" and e["tilelang"].own_environment
     # plain entries dump as names (stored sweep dumps, hence campaigns, stay as they were)
     dump = s.model_dump(mode="json")["backends"]
     assert dump[0] == "reference" and dump[3] == "fla"
     assert dump[1] == {"name": "flashinfer", "label": "flashinfer@0.7.4",
-                       "pythonpath": "${QLABENCH_FI07_SITE}"}
+                       "pythonpath": "${QLABENCH_FLASHINFER07_PATH}"}
     assert C.Sweep.model_validate(s.model_dump(mode="json")) == s
     assert C.parse({**BASE, "backends": ["reference", "fla"]}).model_dump(mode="json")[
         "backends"] == ["reference", "fla"]
