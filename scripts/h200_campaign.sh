@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; REPO=$(pwd)
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( ${DEADLINE_S:-570} - ($(date +%s) - T0) )); }
 ENVF=/tmp/qlabench_env.sh
-sweep() { local b; b=$(left); [ "$b" -lt 40 ] && { log "no time for $*"; return 1; }; log "run $* (budget ${b}s)"
+sweep() { local b; b=$(( $(left) - ${RESERVE_S:-0} )); [ "$b" -lt 40 ] && { log "no time for $*"; return 1; }; log "run $* (budget ${b}s)"
   timeout --signal=INT --kill-after=20 $(( b - 15 )) qlabench run "$@" >> "$OUT/sweeps.log" 2>&1
   local rc=$?; tail -2 "$OUT/sweeps.log"; log "exit $rc"; }
 pack() { tar czf "$OUT/runs.tgz" --exclude=logs runs 2>/dev/null; ls -la "$OUT"; log done; }
@@ -59,7 +59,7 @@ torch.cuda.synchronize(); print('flashinfer jit ready')" > /tmp/fi_jit.log 2>&1 
     tests/test_poison_gpu.py tests/test_backends_gpu.py > "$OUT/gpu_tests.log" 2>&1
   echo "exit $? wall $(( $(date +%s) - t )) s" | tee -a "$OUT/gpu_tests.log"; tail -40 "$OUT/gpu_tests.log"
   log "tilelang kernels compiled on the device: $(find $TILELANG_CACHE_DIR -name executable.so -newer "$OUT/nvidia-smi.csv" | wc -l)"
-  prev_vs_new
+  RESERVE_S=60 prev_vs_new  # a minute left for the compiles to finish: they die with the call
   log "waiting for the background compiles"; while [ "$(jobs -r | wc -l)" -gt 0 ] && [ "$(left)" -gt 15 ]; do sleep 5; done
   cp /tmp/fi_jit.log "$OUT/"; tail -2 "$OUT/fi_jit.log" "$OUT/fqla_sweep.log" 2>/dev/null
   pack;;
