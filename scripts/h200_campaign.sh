@@ -74,7 +74,7 @@ campaign|finish)
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, flashinfer.__file__)"
   tail -1 /tmp/fi_jit.log; ls ~/.cache/flashinfer 2>/dev/null | head -3
   R=""; [ "$STEP" = finish ] && R=--resume
-  sweep configs/h200_fwd.yaml --out runs/h200_fwd $R
+  sweep configs/h200_fwd.yaml --out runs/h200_fwd $R ${CAMPAIGN_ARGS:-}
   if [ "$STEP" = finish ]; then
     prev_vs_new
     for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_fwd_kernels_prev tilelang@prev tilelang" \
