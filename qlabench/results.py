@@ -1,12 +1,21 @@
 """Row schema and durable storage: one Parquet part per finished row, written atomically.
 
-Layout of an output directory::
+Layout of an output directory (every path that is not rows starts with ``_`` — pyarrow's dataset
+discovery skips names starting with ``_`` or ``.`` and tries to read every other file as Parquet)::
 
     OUT/parts/<run_id>-<n>-<backend>-<direction>.parquet   one row each (the truth)
-    OUT/runs/<run_id>.json                                  run metadata + environment
-    OUT/*.png                                               derived figures
+    OUT/_runs/<run_id>.json                                 run metadata + environment
+    OUT/_logs/, OUT/_figures/, OUT/_shards/, OUT/_notes/    worker logs, figures, submit shards,
+                                                            kept notes (README, logs, verdicts)
 
-``pandas.read_parquet(OUT/parts)`` (or :func:`load`) reads every row of every run in it.
+``pandas.read_parquet(OUT)`` reads every stored row of every run in it as stored (its columns
+those of the first file pyarrow finds); :func:`load` reads them in today's schema (columns added
+since filled where they can be derived) and ``load(OUT, latest=True)`` gives one row per key.
+Directories written before ``_runs`` (metadata in ``OUT/runs/``) load the same; a store writing
+into one moves that metadata to ``_runs/`` first. The columns are documented in
+``docs/schema.md``, generated from :data:`SCHEMA` and :data:`FIELDS`
+(``python -m qlabench.results --schema-md docs/schema.md``).
+
 Resume key: (point key, backend, direction, backend version), ``backend`` being the entry's
 label (``flashinfer@0.7.4``; a plain entry's label is its name, so such keys are the ones stored
 before labels existed); a key whose stored rows were made from a different input recipe is
@@ -42,7 +51,7 @@ SCHEMA = pa.schema(
     [
         # identity
         ("run_id", _s), ("git_sha", _s), ("config", _s), ("point_index", _i), ("point_key", _s),
-        ("recipe_hash", _s), ("model", _s), ("tp", _s), ("h_qk", _i), ("h_v", _i),
+        ("recipe_hash", _s), ("model", _s), ("tp", _s), ("tp_degree", _i), ("h_qk", _i), ("h_v", _i),
         ("head_dim", _i), ("seqlens", pa.list_(_i)), ("layout", _s), ("total_tokens", _i),
         ("num_seqs", _i), ("dtype", _s), ("gate_recipe", _s), ("gate_zero_frac", _f),
         ("initial_state", _b), ("output_final_state", _b),
@@ -79,6 +88,128 @@ SCHEMA = pa.schema(
     ]
 )
 COLUMNS = [f.name for f in SCHEMA]
+
+#: directories of a results directory (see the module docstring)
+PARTS_DIR, RUNS_DIR, LOGS_DIR, FIGURES_DIR, SHARDS_DIR = "parts", "_runs", "_logs", "_figures", "_shards"
+#: where run metadata lived before ``_runs`` (read, and moved by a store writing there)
+LEGACY_RUNS_DIR = "runs"
+
+_LOCAL = "worst (1024-token block x head) for o, dq, dk, dv, dg, dbeta; worst (sequence x head) " \
+         "for final_state, dh0"
+#: column -> (unit, meaning); ``docs/schema.md`` is generated from this and :data:`SCHEMA`
+FIELDS: dict[str, tuple[str, str]] = {
+    "run_id": ("", "the run that wrote the row: `<YYYYmmddTHHMMSS>-<6 hex>` (its metadata: "
+               "`_runs/<run_id>.json`)"),
+    "git_sha": ("", "qlabench commit of the run (`-dirty`: uncommitted changes to tracked files)"),
+    "config": ("", "the sweep YAML the run was started with, as given on the command line"),
+    "point_index": ("", "the point's position in its sweep (models-major, layouts-minor)"),
+    "point_key": ("", "identity of the point: `h_qk/h_v/d<head_dim>|<seqlens space-separated>|"
+                  "<dtype>`, plus `|gate=<recipe>` for a gate recipe other than `published`; "
+                  "with `backend` and `direction` the key of a row (`results.KEY`)"),
+    "recipe_hash": ("", "hash of everything that defines the inputs (lengths, heads, dtype, gate "
+                    "and seeds, state flags); rows of one key and two hashes are never mixed"),
+    "model": ("", "model / head-configuration name (`397B/122B TP8`, `hk16_hv32`, or a custom "
+              "name)"),
+    "tp": ("", "head-configuration label `h_qk/h_v` (e.g. `2/8`); kept under this name for "
+           "compatibility — it is not a TP degree (see `tp_degree`)"),
+    "tp_degree": ("", "tensor-parallel degree the model name states (`397B/122B TP8` -> 8); null "
+                  "where the name states none (`hk16_hv32`, `Sym h32`); rows stored before the "
+                  "column get it on load"),
+    "h_qk": ("heads", "query/key heads"),
+    "h_v": ("heads", "value heads (a multiple of `h_qk`; v-head j reads q/k head j // (h_v/h_qk))"),
+    "head_dim": ("", "head dimension K = V"),
+    "seqlens": ("tokens", "the sequence lengths of the varlen batch, in order"),
+    "layout": ("", "layout label, count first: `1x32768` (one sequence), `4x8192` (four of 8192), "
+               "`2x[28672,4096]` (unequal lengths, in order), `8x~4096s42` (random split of "
+               "8 x 4096 tokens, seed 42); unique per point; rows stored with older labels get "
+               "this one on load"),
+    "total_tokens": ("tokens", "sum of `seqlens`"),
+    "num_seqs": ("", "number of sequences"),
+    "dtype": ("", "dtype of the q, k, v inputs: `bf16` or `fp16`"),
+    "gate_recipe": ("", "gate recipe and its parameters: `zero<frac>/seed<n>` (published) or "
+                    "`<recipe>:<params>/seed<n>`"),
+    "gate_zero_frac": ("fraction", "share of v-heads with g = 0 (no decay), published recipe"),
+    "initial_state": ("", "whether an initial state h0 is passed"),
+    "output_final_state": ("", "whether the final state is returned"),
+    "direction": ("", "`fwd` (forward), `bwd` (backward pass) or `fwdbwd` (both)"),
+    "backend": ("", "the backend entry's label (`flashinfer@0.7.4`; a plain entry's label is its "
+                "name): the identity in keys, compare, report, figures"),
+    "backend_version": ("", "version of the library imported where the entry ran (`unavailable` "
+                        "when it did not import)"),
+    "backend_name": ("", "registry name of the library (`reference`, `fla`, `flashinfer`, "
+                     "`flashqla`, `tilelang`); rows stored before it load with `backend`"),
+    "gpu_name": ("", "device name (`cpu` without CUDA)"),
+    "gpu_index": ("", "CUDA device index the row ran on (after `CUDA_VISIBLE_DEVICES`)"),
+    "gpu_uuid": ("", "the GPU's UUID; ratios pair rows of one GPU"),
+    "campaign_id": ("", "measurement campaign (a run and its `--resume` continuations on the same "
+                    "GPUs); ratios pair rows of one campaign"),
+    "started_at": ("ISO 8601, local time", "when the row's measurement started"),
+    "status": ("", "`ok`, `unavailable` (library or device missing; a resume retries it), "
+               "`unsupported` (the backend cannot run this point), `incorrect` (checked against "
+               "the reference and wrong), `oom`, `crashed`, `timeout`, `skipped`"),
+    "reason": ("", "why the status, in words (empty for a clean `ok`)"),
+    "latency_ms": ("ms per call", "median of `samples_ms`"),
+    "p10_ms": ("ms per call", "10th percentile of `samples_ms` (inclusive method)"),
+    "p90_ms": ("ms per call", "90th percentile of `samples_ms`"),
+    "iqr_ms": ("ms per call", "75th minus 25th percentile of `samples_ms`"),
+    "mean_ms": ("ms per call", "mean of `samples_ms`"),
+    "rse": ("fraction", "relative standard error of the mean of `samples_ms`: stdev / sqrt(n) / "
+            "mean (0.005 = 0.5%); the stopping rule's target is `timing.rse_target`"),
+    "samples_ms": ("ms per call", "every sample, in order. `graph-batch`: one sample per CUDA-graph "
+                   "replay, the replay's time divided by the `calls_per_sample` calls unrolled in "
+                   "it (the mean of those calls); `graph-single` and `events`: one call each; "
+                   "`cpu`: wall clock of one synchronous call"),
+    "n_samples": ("", "number of samples"),
+    "timing_mode": ("", "`graph-batch`, `graph-single`, `events` or `cpu` (rows of different modes "
+                    "are never compared)"),
+    "timing_fallback": ("", "why a graph mode fell back to `events` (empty otherwise)"),
+    "stop_reason": ("", "why sampling stopped: `rse` (target reached), `budget`, `max_samples`"),
+    "calls_per_sample": ("calls", "calls per sample: calls unrolled in one graph replay "
+                         "(`graph-batch`), else 1"),
+    "l2": ("", "`warm` (L2 flushed before each replay, outside the graph) or `cold` (flushed "
+           "before every call inside the graph, flush time subtracted); `n/a` on CPU"),
+    "compile_s": ("s", "wall time of the first call (the one checked against the reference): "
+                  "JIT compile, autotune, first launch; never part of latency"),
+    "wall_s": ("s", "wall time of the row: prepare, compile, check, timing, profile"),
+    "sm_clock_mhz_before": ("MHz", "SM clock (NVML) just before timing"),
+    "sm_clock_mhz_after": ("MHz", "SM clock (NVML) just after timing"),
+    "throttled": ("", "NVML reported a clock-event (throttle) reason around the timing; such a row "
+                  "is re-measured once and stays marked if still throttled"),
+    **{f"rel_l2_{o}": ("ratio", f"relative L2 error of `{o}`: ||out - ref|| / ||ref|| against the "
+                       "reference (the config's `reference`; chunked fp32 by default; null: not "
+                       "an output of this direction)") for o in OUTPUTS},
+    **{f"max_abs_{o}": ("same unit as the output", f"largest absolute error of `{o}`")
+       for o in OUTPUTS},
+    **{f"local_rel_l2_{o}": ("ratio", f"relative L2 error of `{o}`, {_LOCAL}") for o in OUTPUTS},
+    "max_rel_l2": ("ratio", "largest `rel_l2_*` of the row"),
+    "worst_block_rel_l2": ("ratio", "largest `local_rel_l2_*` of the row"),
+    "graph_max_rel_l2": ("ratio", "largest relative L2 error of the timed CUDA graph's own outputs "
+                         "(one replay, outputs poisoned first) against the reference"),
+    "flops": ("FLOP per call", "FLOP model of the chunked algorithm (`qlabench/metrics.py`)"),
+    "min_bytes": ("bytes per call", "minimum HBM traffic: every input read and output written once"),
+    "intensity_flop_per_byte": ("FLOP/byte", "`flops / min_bytes`"),
+    "roofline_ms": ("ms per call", "roofline bound: max(flops / peak FLOP/s, min_bytes / peak "
+                    "bandwidth), with the run's measured ceilings (null on CPU)"),
+    "tflops": ("TFLOP/s", "`flops / latency_ms`"),
+    "gbps": ("GB/s (1e9 bytes/s)", "`min_bytes / latency_ms`: the bandwidth the minimum traffic "
+             "would need, not measured traffic"),
+    "pct_roofline": ("%", "`100 x roofline_ms / latency_ms`"),
+    "sm_util_pct": ("%", "NVML GPM SM activity during replays of the timed graph"),
+    "sm_occupancy_pct": ("%", "NVML GPM SM occupancy (resident warps / maximum)"),
+    "tensor_util_pct": ("%", "NVML GPM tensor-core activity"),
+    "dram_bw_util_pct": ("%", "NVML GPM DRAM bandwidth utilisation"),
+    "gpm_window_ms": ("ms", "length of the GPM sampling window"),
+    "gpm_reason": ("", "why the GPM columns are empty (no GPM support, disabled, ...)"),
+    "ctas": ("CTAs", "grid size (blocks) of the kernel with the most time in one eager call"),
+    "ctas_per_sm": ("CTAs per SM", "`ctas / SM count`"),
+    "kernels_per_call": ("launches", "kernel launches of one eager call"),
+    "top_kernel": ("", "name of the kernel with the most time (first 200 characters)"),
+    "kernels": ("JSON", "every kernel one eager call launched, by time: list of {name, calls, "
+                "share_pct, grid, block, regs_per_thread, smem_bytes}"),
+    "path": ("", "the backend's short name of the route those kernels form: FlashInfer `flat` "
+             "(CUTLASS) / `cp` / `fused`, FLA `triton` / `flashqla`, FlashQLA `cp` / `fused`, "
+             "TileLang `split` / `direct`"),
+}
 
 
 def new_run_id() -> str:
@@ -135,12 +266,14 @@ class MethodMismatch(Exception):
 class ResultStore:
     def __init__(self, out_dir: str | Path):
         self.out = Path(out_dir)
-        self.parts = self.out / "parts"
-        self.runs = self.out / "runs"
+        self.parts = self.out / PARTS_DIR
+        self.runs = self.out / RUNS_DIR
+        self.logs = self.out / LOGS_DIR
 
     def ensure(self) -> None:
         self.parts.mkdir(parents=True, exist_ok=True)
         self.runs.mkdir(parents=True, exist_ok=True)
+        migrate_meta(self.out)
 
     def write_meta(self, run_id: str, meta: dict) -> Path:
         self.ensure()
@@ -154,6 +287,9 @@ class ResultStore:
         """Write one row durably: temp file, fsync, atomic rename."""
         self.ensure()
         full = {c: row.get(c) for c in COLUMNS}
+        if full["tp_degree"] is None:
+            from .sweep import tp_degree
+            full["tp_degree"] = tp_degree(full["model"])
         table = pa.Table.from_pylist([full], schema=SCHEMA)
         name = (f"{row['run_id']}-{row['point_index']:04d}-{row['backend']}-"
                 f"{row['direction']}.parquet")
@@ -224,23 +360,84 @@ def compact(path: str | Path) -> dict:
     return {"files": len(files), "rows": len(df), "file": name}
 
 
-def load(path: str | Path) -> pd.DataFrame:
-    """All rows under a results directory (or a single Parquet file)."""
+def migrate_meta(out_dir: str | Path) -> int:
+    """Move run metadata of the old layout (``OUT/runs/*.json``) into ``OUT/_runs/``, so that
+    ``pandas.read_parquet(OUT)`` does not meet it; returns how many files moved."""
+    old, new = Path(out_dir) / LEGACY_RUNS_DIR, Path(out_dir) / RUNS_DIR
+    if not old.is_dir() or not (Path(out_dir) / PARTS_DIR).is_dir():
+        return 0
+    new.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for f in sorted(old.glob("*.json")):
+        if not (new / f.name).exists():
+            os.replace(f, new / f.name)
+            n += 1
+    return n
+
+
+def _part_files(parts_dir: Path) -> list[Path]:
+    return sorted(f for f in parts_dir.glob("*.parquet") if not f.name.startswith((".", "_"))
+                  and f.is_file())
+
+
+def holds_rows(path: str | Path) -> bool:
+    """Whether a results directory holds at least one stored row file."""
+    return bool(_part_files(Path(path) / PARTS_DIR))
+
+
+def load(path: str | Path, latest: bool = False) -> pd.DataFrame:
+    """The rows under a results directory (its ``parts/*.parquet``; every other file under it is
+    ignored) or of a single Parquet file, in today's schema: columns added since a row was stored
+    are filled where they can be derived (``backend_name``, ``tp_degree``, ``layout`` in the
+    one label scheme; see ``docs/schema.md``). With ``latest``: one row per key
+    (point, backend label, direction), as :func:`latest` picks it — the documented way to get
+    "the" result of each point."""
     p = Path(path)
+    meta: dict = {}
     if p.is_file():
-        return _upgrade(pq.read_table(p).to_pandas())
-    parts_dir = p / "parts" if (p / "parts").is_dir() else p
-    files = sorted(f for f in parts_dir.glob("*.parquet") if not f.name.startswith("."))
-    if not files:
-        return pd.DataFrame(columns=COLUMNS)
-    tables = [pq.read_table(f) for f in files]
-    return _upgrade(pa.concat_tables(tables, promote_options="default").to_pandas())
+        df = pq.read_table(p).to_pandas()
+    else:
+        parts_dir = p / PARTS_DIR if (p / PARTS_DIR).is_dir() else p
+        files = _part_files(parts_dir)
+        if not files:
+            return pd.DataFrame(columns=COLUMNS)
+        tables = [pq.read_table(f) for f in files]
+        df = pa.concat_tables(tables, promote_options="default").to_pandas()
+        meta = load_meta(p)
+    df = _upgrade(df, meta)
+    return globals()["latest"](df) if latest else df
 
 
-def _upgrade(df: pd.DataFrame) -> pd.DataFrame:
-    """Stored rows in today's schema: rows from before labels carry ``backend_name = backend``."""
+def _upgrade(df: pd.DataFrame, meta: dict | None = None) -> pd.DataFrame:
+    """Stored rows in today's schema: rows from before labels carry ``backend_name = backend``;
+    rows from before ``tp_degree`` get it from the model name; a ``layout`` not in the one label
+    scheme (``8192x4``, ``28672+4096``, ``32768/8seq``) is re-derived from ``seqlens`` and, for a
+    random split, the seed in the run's stored sweep (``_runs/<run_id>.json``)."""
+    if df.empty:
+        return df
+    from .sweep import label_fits, layout_label, spec_labels, tp_degree
     if "backend" in df.columns:
         df["backend_name"] = backend_names(df)
+    if "model" in df.columns:
+        derived = df["model"].map(tp_degree).astype("Int64")
+        if "tp_degree" in df.columns:
+            stored = pd.Series(pd.array(df["tp_degree"], dtype="Int64"), index=df.index)
+            derived = stored.fillna(derived)
+        df["tp_degree"] = derived
+    if "seqlens" in df.columns:
+        old = df["layout"] if "layout" in df.columns else pd.Series([None] * len(df), index=df.index)
+        specs: dict[str, dict] = {}
+        labels = []
+        for run_id, lab, lens in zip(df.get("run_id", [None] * len(df)), old, df["seqlens"]):
+            if lens is None or label_fits(lab, lens):
+                labels.append(lab)
+                continue
+            lens = tuple(int(x) for x in lens)
+            if run_id not in specs:
+                specs[run_id] = spec_labels(((meta or {}).get(run_id) or {})
+                                            .get("sweep", {}).get("seqlens"))
+            labels.append(specs[run_id].get(lens) or layout_label(lens))
+        df["layout"] = labels
     return df
 
 
@@ -252,10 +449,19 @@ def backend_names(df: pd.DataFrame) -> pd.Series:
                                     df["backend"])
 
 
+def meta_files(path: str | Path) -> list[Path]:
+    """The run metadata files of a results directory (``_runs/``, then the old ``runs/``)."""
+    out: dict[str, Path] = {}
+    for sub in (LEGACY_RUNS_DIR, RUNS_DIR):  # _runs wins over a same-named old file
+        for f in sorted((Path(path) / sub).glob("*.json")):
+            out[f.name] = f
+    return [out[k] for k in sorted(out)]
+
+
 def load_meta(path: str | Path) -> dict[str, dict]:
-    p = Path(path) / "runs"
+    """run_id -> run metadata of a results directory."""
     out = {}
-    for f in sorted(p.glob("*.json")):
+    for f in meta_files(path):
         try:
             out[f.stem] = json.loads(f.read_text())
         except Exception:
@@ -367,12 +573,17 @@ def _write_rows_file(parts_dir: Path, prefix: str, df: pd.DataFrame) -> str:
     return name
 
 
-def merge(out_dir: str | Path, inputs: list[str | Path]) -> dict:
+def merge(out_dir: str | Path, inputs: list[str | Path], force: bool = False) -> dict:
     """Merge shard/run directories into ``out_dir``: every run's metadata, and for each row key
     (point, backend, direction) the newest row, written as one Parquet file (rows already in
     ``out_dir`` are not written again; works on compacted inputs). Refuses inputs whose rows for
-    one point were made from different input recipes. Returns counts."""
+    one point were made from different input recipes, and an ``out_dir`` that already holds
+    rows unless ``force`` (a slip must not add rows to a kept run). Returns counts."""
     import shutil
+    have = load(out_dir) if Path(out_dir).exists() else pd.DataFrame()
+    if len(have) and not force:
+        raise MergeError(f"{out_dir} already holds {len(have)} rows; merge into a new or empty "
+                         "directory, or pass --force to add the inputs' rows to it")
     frames = []
     for d in inputs:
         d = Path(d)
@@ -393,7 +604,6 @@ def merge(out_dir: str | Path, inputs: list[str | Path]) -> dict:
     keep = latest(allrows)
     store = ResultStore(out_dir)
     store.ensure()
-    have = load(out_dir)
     if not have.empty:
         ids = set(map(tuple, have[ROW_IDENTITY].astype(str).values.tolist()))
         new = keep[[tuple(r) not in ids for r in keep[ROW_IDENTITY].astype(str).values.tolist()]]
@@ -402,7 +612,64 @@ def merge(out_dir: str | Path, inputs: list[str | Path]) -> dict:
     if len(new):
         _write_rows_file(store.parts, "merge", new)
     for d in inputs:
-        for f in (Path(d) / "runs").glob("*.json"):
+        for f in meta_files(d):
             if not (store.runs / f.name).exists():
                 shutil.copy2(f, store.runs / f.name)
     return {"rows": len(keep), "copied": len(new), "dropped_older": len(allrows) - len(keep)}
+
+
+def _type_name(t: pa.DataType) -> str:
+    if pa.types.is_list(t):
+        return f"list<{_type_name(t.value_type)}>"
+    return {"double": "float64", "int64": "int64", "string": "string", "bool": "bool"}.get(str(t),
+                                                                                         str(t))
+
+
+def schema_markdown() -> str:
+    """``docs/schema.md``: every column of :data:`SCHEMA` with its type, unit and meaning."""
+    lines = [
+        "# Row schema",
+        "",
+        "<!-- generated by `python -m qlabench.results --schema-md docs/schema.md` from",
+        "     qlabench/results.py (SCHEMA, FIELDS); tests/test_schema.py fails when they differ -->",
+        "",
+        "One row per point × backend label × direction, one Parquet part per row under",
+        "`OUT/parts/`. Everything else in a results directory lives under names starting with `_`",
+        "(`_runs/<run_id>.json` run metadata, `_logs/`, `_figures/`, `_shards/`, `_notes/`), which",
+        "pyarrow's dataset discovery skips, so `pandas.read_parquet(OUT)` reads the rows as stored.",
+        "`qlabench.results.load(OUT)` reads them in this schema (columns added since a row was",
+        "stored are derived where they can be: `backend_name`, `tp_degree`, `layout`), and",
+        "`qlabench.results.load(OUT, latest=True)` gives one row per key (`point_key`, `backend`,",
+        "`direction`): the newest, a finished row preferred over an `unavailable` one.",
+        "",
+        "Null means not measured or not applicable (a non-`ok` row has no timing).",
+        "",
+        "| column | type | unit | meaning |",
+        "|---|---|---|---|",
+    ]
+    for f in SCHEMA:
+        unit, meaning = FIELDS[f.name]
+        lines.append(f"| `{f.name}` | {_type_name(f.type)} | {unit} | "
+                     f"{meaning.replace('|', chr(92) + '|')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m qlabench.results",
+                                 description="Row schema of qlabench results.")
+    ap.add_argument("--schema-md", metavar="PATH", help="write the schema as Markdown ('-': stdout)")
+    a = ap.parse_args(argv)
+    if not a.schema_md:
+        ap.print_help()
+        return 2
+    text = schema_markdown()
+    if a.schema_md == "-":
+        print(text, end="")
+    else:
+        Path(a.schema_md).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

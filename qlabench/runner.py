@@ -572,10 +572,10 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
                 tasks.append(Task(p, direction, todo, ctx))
     try:
         if devices and len(devices) > 1:
-            _run_on_devices(sweep, tasks, devices, Path(out_dir) / "logs", on_row, progress, log,
+            _run_on_devices(sweep, tasks, devices, store.logs, on_row, progress, log,
                             workers)
         else:
-            execu = executor(sweep, Path(out_dir) / "logs", log, isolate, workers,
+            execu = executor(sweep, store.logs, log, isolate, workers,
                              devices[0] if devices else None)
             try:
                 for t in tasks:

@@ -8,9 +8,85 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
-from .config import Sweep
+from .config import RandomSplit, Sweep
+
+_TP_RE = re.compile(r"\bTP(\d+)\b")
+
+
+def tp_degree(model: str | None) -> int | None:
+    """The tensor-parallel degree a model name states (``"397B/122B TP8"`` -> 8), else None
+    (``hk16_hv32``, ``Sym h32`` name heads, not a TP setting)."""
+    m = _TP_RE.search(str(model or ""))
+    return int(m.group(1)) if m else None
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.2f}".rstrip("0")
+
+
+def layout_label(seqlens, split_seed: int | None = None) -> str:
+    """The one layout label, count first (fwd and bwd alike)::
+
+        1x32768            one sequence of 32768 tokens
+        4x8192             four sequences of 8192 tokens
+        2x[28672,4096]     sequences of unequal lengths, in order
+        8x~4096s42         a random split ({total: 32768, num_seqs: 8, seed: 42}): 8 sequences
+                           of 4096 tokens on average (total = count x mean), seed 42
+
+    A random split into one sequence is ``1x<total>`` (no cut, the seed changes nothing)."""
+    s = [int(x) for x in seqlens]
+    n = len(s)
+    if n == 1:
+        return f"1x{s[0]}"
+    if split_seed is not None:
+        return f"{n}x~{_num(sum(s) / n)}s{split_seed}"
+    if len(set(s)) == 1:
+        return f"{n}x{s[0]}"
+    return f"{n}x[{','.join(map(str, s))}]"
+
+
+_LABEL_RE = re.compile(r"(\d+)x(?:(\d+)|\[([\d,]+)\]|~([\d.]+)s(-?\d+))")
+
+
+def label_fits(label, seqlens) -> bool:
+    """Whether ``label`` is in the :func:`layout_label` scheme and describes ``seqlens``
+    (a label stored before the scheme, e.g. ``8192x4`` or ``32768/8seq``, does not)."""
+    m = _LABEL_RE.fullmatch(str(label or ""))
+    if m is None or seqlens is None:
+        return False
+    s = [int(x) for x in seqlens]
+    n, eq, lst, mean, _ = m.groups()
+    if int(n) != len(s) or not s:
+        return False
+    if eq is not None:
+        return all(x == int(eq) for x in s)
+    if lst is not None:
+        return lst.split(",") == [str(x) for x in s] and len(set(s)) > 1
+    return len(s) > 1 and _num(sum(s) / len(s)) == mean
+
+
+def spec_labels(spec_list) -> dict[tuple, str]:
+    """lengths -> label of every layout of a stored sweep's ``seqlens`` (the run metadata's
+    ``sweep.seqlens``: lists, ``{count, length}`` and ``{total, num_seqs, seed}``)."""
+    out: dict[tuple, str] = {}
+    for spec in spec_list or []:
+        try:
+            if isinstance(spec, dict) and "total" in spec:
+                r = RandomSplit.model_validate(spec)
+                lens = tuple(r.lengths())
+                out[lens] = layout_label(lens, r.seed if r.num_seqs > 1 else None)
+            elif isinstance(spec, dict):
+                lens = (int(spec["length"]),) * int(spec["count"])
+                out[lens] = layout_label(lens)
+            else:
+                lens = tuple(int(x) for x in spec)
+                out[lens] = layout_label(lens)
+        except Exception:
+            continue
+    return out
 
 
 @dataclass(frozen=True)
@@ -30,6 +106,9 @@ class Point:
     gate_recipe: str = "published"
     gate_params: tuple = ()
     index: int = field(default=0, compare=False)
+    #: seed of the random split the lengths came from (``{total, num_seqs, seed}``), else None;
+    #: it names the layout (:func:`layout_label`) and is not part of the key (the lengths are)
+    split_seed: int | None = field(default=None, compare=False)
 
     @property
     def total_tokens(self) -> int:
@@ -44,15 +123,13 @@ class Point:
         return f"{self.h_qk}/{self.h_v}"
 
     @property
+    def tp_degree(self) -> int | None:
+        """The tensor-parallel degree named in the model (``397B/122B TP8`` -> 8), else None."""
+        return tp_degree(self.model)
+
+    @property
     def layout_label(self) -> str:
-        s = self.seqlens
-        if len(s) == 1:
-            return f"1x{s[0]}"
-        if len(set(s)) == 1:
-            return f"{s[0]}x{len(s)}"
-        if len(s) == 2:
-            return f"{s[0]}+{s[1]}"
-        return f"{self.total_tokens}/{len(s)}seq"
+        return layout_label(self.seqlens, self.split_seed)
 
     @property
     def gate_label(self) -> str:
@@ -112,12 +189,13 @@ def points(sweep: Sweep) -> list[Point]:
     """models × layouts × gate recipes (recipes innermost, so a point's recipes sit together)."""
     out: list[Point] = []
     for m in sweep.resolved_models():
-        for lens in sweep.resolved_layouts():
+        for spec, lens in zip(sweep.seqlens, sweep.resolved_layouts()):
+            seed = spec.seed if isinstance(spec, RandomSplit) and spec.num_seqs > 1 else None
             for gate in sweep.resolved_gates():
                 out.append(Point(
                     model=m.name, h_qk=m.h_qk, h_v=m.h_v, head_dim=m.head_dim,
                     seqlens=tuple(int(x) for x in lens), dtype=sweep.dtype, seed=sweep.seed,
                     initial_state=sweep.initial_state, output_final_state=sweep.output_final_state,
-                    index=len(out), **_gate_fields(gate),
+                    index=len(out), split_seed=seed, **_gate_fields(gate),
                 ))
     return out

@@ -20,7 +20,7 @@ ENVF=/tmp/qlabench_env.sh
 sweep() { local b; b=$(( $(left) - ${RESERVE_S:-0} )); [ "$b" -lt 40 ] && { log "no time for $*"; return 1; }; log "run $* (budget ${b}s)"
   timeout --signal=INT --kill-after=20 $(( b - 15 )) qlabench run "$@" >> "$OUT/sweeps.log" 2>&1
   local rc=$?; tail -2 "$OUT/sweeps.log"; log "exit $rc"; }
-pack() { tar czf "$OUT/runs.tgz" --exclude=logs runs 2>/dev/null; ls -la "$OUT"; log done; }
+pack() { tar czf "$OUT/runs.tgz" --exclude=logs --exclude=_logs runs 2>/dev/null; ls -la "$OUT"; log done; }
 install_tree() { python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 1; }; }
 prev_vs_new() {  # tilelang vs tilelang@prev, forward then backward, each resumed where it stopped

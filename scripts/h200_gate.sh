@@ -57,4 +57,4 @@ for p in "/tmp/kept_fq runs/fq" "/tmp/kept_bq runs/bq"; do
   set -- $p; qlabench compare $1 $2 --threshold 0.02 --out "runs/compare_$(basename $2).json" > /tmp/cmp.log 2>&1
   echo "exit $?" >> /tmp/cmp.log; cat /tmp/cmp.log >> "$OUT/compare.log"; tail -30 /tmp/cmp.log; done
 fi
-tar czf "$OUT/runs.tgz" --exclude=logs runs; ls -la "$OUT"; log done
+tar czf "$OUT/runs.tgz" --exclude=logs --exclude=_logs runs; ls -la "$OUT"; log done

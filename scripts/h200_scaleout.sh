@@ -20,7 +20,8 @@ one() {
   # where the wall time went (run metadata timeline_s: start-up, checks, ceilings, rows, figures)
   python3 - "$D/$tag" <<'PY' | tee -a "$OUT/scaleout.txt"
 import json, pathlib, sys
-for f in sorted(pathlib.Path(sys.argv[1], "runs").glob("*.json")):
+from qlabench.results import meta_files
+for f in meta_files(sys.argv[1]):
     print("   ", f.stem, json.loads(f.read_text()).get("timeline_s"))
 PY
 }

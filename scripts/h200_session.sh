@@ -20,7 +20,7 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 DL=${DEADLINE_S:-540}; [ -n "${MAX_DEADLINE_S:-}" ] && [ "$MAX_DEADLINE_S" -lt "$DL" ] && DL=$MAX_DEADLINE_S
 # GPU=N: checks, tests and profiles run pinned to GPU N (sweeps pick theirs with --gpus)
 pin() { if [ -n "${GPU:-}" ]; then CUDA_VISIBLE_DEVICES=$GPU "$@"; else "$@"; fi; }
-pack() { [ -d "$1" ] && tar czf "$OUT/$(basename "$1").tgz" --exclude=logs "$1"; }
+pack() { [ -d "$1" ] && tar czf "$OUT/$(basename "$1").tgz" --exclude=logs --exclude=_logs "$1"; }
 [ "${SKIP_INSTALL:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 cat "$OUT/nvidia-smi.csv"

@@ -20,11 +20,8 @@ BACKENDS = {"fla": 1.0, "flashqla": 0.7, "tilelang": 0.8}
 
 
 def layout_label(s: list[int]) -> str:
-    if len(s) == 1:
-        return f"1x{s[0]}"
-    if len(set(s)) == 1:
-        return f"{s[0]}x{len(s)}"
-    return f"{s[0]}+{s[1]}" if len(s) == 2 else f"{sum(s)}/{len(s)}seq"
+    from qlabench.sweep import layout_label as label
+    return label(s)
 
 
 def point_key(hq: int, hv: int, seqlens: list[int]) -> str:

@@ -11,7 +11,7 @@ def test_select_point_by_index_and_label():
     assert select_point(PTS, "0", None).index == 0
     p = select_point(PTS, "1x32768", "2/8")
     assert p.seqlens == (32768,) and p.h_v == 8
-    assert select_point(PTS, "8192x4", "397B/122B TP1").h_v == 64
+    assert select_point(PTS, "4x8192", "397B/122B TP1").h_v == 64
 
 
 @pytest.mark.parametrize("point,model,needle", [("999", None, "points 0..170"),

@@ -160,5 +160,5 @@ def test_merge_reads_compacted_dirs(tmp_path):
     R.compact(a)
     c = R.merge(tmp_path / "m", [a])
     assert c["copied"] == n and len(R.latest(R.load(tmp_path / "m"))) == n
-    assert R.merge(tmp_path / "m", [a])["copied"] == 0
+    assert R.merge(tmp_path / "m", [a], force=True)["copied"] == 0
     assert len(R.load(tmp_path / "m")) == n

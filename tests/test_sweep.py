@@ -45,6 +45,6 @@ def test_equal_batch_and_labels():
     s = C.parse({"name": "x", "models": [{"name": "m", "h_qk": 1, "h_v": 2}],
                  "seqlens": [{"count": 4, "length": 8192}, [28672, 4096], [7]]})
     pts = points(s)
-    assert pts[0].seqlens == (8192,) * 4 and pts[0].layout_label == "8192x4"
-    assert pts[1].layout_label == "28672+4096" and pts[2].layout_label == "1x7"
+    assert pts[0].seqlens == (8192,) * 4 and pts[0].layout_label == "4x8192"
+    assert pts[1].layout_label == "2x[28672,4096]" and pts[2].layout_label == "1x7"
     assert pts[0].recipe_hash != points(s.model_copy(update={"seed": 1}))[0].recipe_hash

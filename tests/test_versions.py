@@ -159,9 +159,9 @@ def test_versioned_entries_run_in_their_own_worker_next_to_plain_ones(tmp_path, 
     # worker did not (it leaves no mark)
     started = mark.read_text().splitlines()
     assert sum("--multiprocessing-fork" in ln for ln in started) == 1, started
-    logs = list((out / "logs").glob("*reference@alt*"))
+    logs = list((out / results.LOGS_DIR).glob("*reference@alt*"))
     assert len(logs) == 1 and f"sys.path ['', '{alt}'" in logs[0].read_text()  # the worker imports there
-    assert not any(str(alt) in p.read_text() for p in (out / "logs").glob("*") if p not in logs)
+    assert not any(str(alt) in p.read_text() for p in (out / results.LOGS_DIR).glob("*") if p not in logs)
     meta = next(iter(results.load_meta(out).values()))
     assert meta["environments"]["reference@alt"]["PYTHONPATH"].startswith(str(alt))
     assert meta["backend_names"]["reference@alt"] == "reference"
