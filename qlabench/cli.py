@@ -82,14 +82,17 @@ def _parse_gpus(gpus: str | None) -> list[str] | None:
 
 @app.command()
 def merge(
-    out: Path = typer.Argument(..., help="merged results directory (created)"),
     inputs: list[Path] = typer.Argument(..., help="shard or run directories to merge"),
+    out: Path = typer.Option(..., "--out", help="merged results directory (created; refused when "
+                             "it already holds rows, unless --force)"),
+    force: bool = typer.Option(False, "--force", help="add the inputs' rows to an --out that "
+                               "already holds rows"),
 ):
     """Merge shard outputs (or several runs) into one results directory: newest row per key."""
     from .results import MergeError
     from .results import merge as do_merge
     try:
-        c = do_merge(out, inputs)
+        c = do_merge(out, inputs, force=force)
     except MergeError as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2) from None
@@ -113,8 +116,10 @@ def compact(dirs: list[Path] = typer.Argument(..., help="results directories")):
 def submit(
     config: Path = typer.Argument(..., help="sweep YAML"),
     shards: int = typer.Option(..., "--shards", min=1, help="number of shards (one job each)"),
-    out: Path = typer.Option(..., "--out", help="results directory; shards write OUT/shard-i, merged into OUT"),
-    executor: str = typer.Option("slurm", "--executor", help="slurm | local | debug (submitit executors)"),
+    out: Path = typer.Option(..., "--out", help="results directory; shards write OUT/_shards/shard-i, "
+                             "merged into OUT"),
+    executor: str = typer.Option("slurm", "--executor", help="slurm (needs Slurm: fails without "
+                                 "it) | local | debug (submitit executors)"),
     partition: str | None = typer.Option(None, "--partition", help="Slurm partition"),
     timeout_min: int = typer.Option(240, "--timeout-min", help="per-job time limit (minutes)"),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="shards skip rows already present"),
@@ -152,10 +157,30 @@ def list_points(config: Path = typer.Argument(..., help="sweep YAML")):
     console.print(t)
 
 
+def _refuse_unrunnable_into_kept(config: Path, sweep: C.Sweep, names: list[str], out_dir: Path):
+    """The config's default output directory already holds rows and no backend of the run can
+    run here: say so and write nothing (exit 2). An explicit ``--out`` is obeyed."""
+    from .results import holds_rows
+    if not holds_rows(out_dir):
+        return
+    from .runner import check_backends
+    avail, _, _ = check_backends(sweep.entries(names))
+    if any(ok for ok, _ in avail.values()):
+        return
+    why = "; ".join(f"{n}: {r}" for n, (_, r) in avail.items())
+    err.print(f"error: no backend of {config} can run on this machine ({why}). {out_dir} (the "
+              "config's `out`) already holds rows, so nothing was written there. Pass --out "
+              f"{out_dir} to add `unavailable` rows to it anyway, or --out a new directory.",
+              highlight=False)
+    raise typer.Exit(2)
+
+
 @app.command()
 def run(
     config: Path = typer.Argument(..., help="sweep YAML (e.g. configs/smoke.yaml)"),
-    out: Path | None = typer.Option(None, "--out", help="output directory (default: the config's `out`)"),
+    out: Path | None = typer.Option(None, "--out", help="output directory (default: the config's "
+                                    "`out`, under runs/; kept runs are written with an explicit "
+                                    "--out results/...)"),
     backends: str | None = typer.Option(None, "--backends", help="comma list overriding the config's backends"),
     limit: int | None = typer.Option(None, "--limit", min=1, help="only the first N points"),
     resume: bool = typer.Option(False, "--resume", help="skip rows already in --out (same key and backend version)"),
@@ -179,6 +204,8 @@ def run(
         from .runner import shard_points
         pts = shard_points(pts, *shard_t)
     out_dir = out or Path(s.out.format(name=s.name))
+    if not dry_run and out is None:
+        _refuse_unrunnable_into_kept(config, s, names, out_dir)
     if dry_run:
         from .runner import check_backends
         t = Table(title=f"plan: {len(pts)} points × {names} × {s.directions} -> {out_dir}")
@@ -222,6 +249,10 @@ def run(
                 plots.run_figures(df, out_dir)
             raise typer.Exit(130) from None
         prog.update(task, completed=total)
+    if summary.counts and set(summary.counts) == {"unavailable"}:
+        err.print(f"note: no backend of this run can run on this machine: all "
+                  f"{summary.counts['unavailable']} rows it wrote are `unavailable` (the reason is "
+                  "in each row)", highlight=False)
     t_fig = time.time()
     df = results.latest(results.load(out_dir))
     made = plots.run_figures(df, out_dir) if plot else []

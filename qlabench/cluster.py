@@ -6,14 +6,33 @@ is the maintained, dependency-light way to submit Python callables as Slurm job 
 ``local`` and ``debug`` executors that run the same code path on one machine, which is how CI
 tests it). Ray would need a long-lived cluster and an object store we do not use.
 
-Each job runs ``qlabench run CONFIG --shard i/n`` into ``OUT/shard-i`` (deterministic shards,
-``--resume`` so a requeued job continues), and the submitting process merges the shards into
-``OUT`` with :func:`qlabench.results.merge` once they finish.
+Each job runs ``qlabench run CONFIG --shard i/n`` into ``OUT/_shards/shard-i`` (deterministic
+shards, ``--resume`` so a requeued job continues), and the submitting process merges the shards
+into ``OUT`` with :func:`qlabench.results.merge` once they finish. submitit's own files go to
+``OUT/_submitit``; both names start with ``_``, so ``pandas.read_parquet(OUT)`` reads the merged
+rows only.
+
+``--executor slurm`` (the default) needs Slurm (``sbatch`` on ``PATH``): without it
+:func:`submit_sweep` fails (exit 2) instead of letting submitit fall back to running the jobs
+locally; ``--executor local`` runs the shards on this machine on purpose.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+
+from .results import SHARDS_DIR
+
+SUBMITIT_DIR = "_submitit"
+
+
+class NoSlurm(Exception):
+    """``--executor slurm`` on a machine without Slurm."""
+
+
+def slurm_available() -> bool:
+    return shutil.which("sbatch") is not None
 
 
 def shard_job(config_path: str, i: int, n: int, out_dir: str, resume: bool) -> dict:
@@ -28,7 +47,12 @@ def shard_job(config_path: str, i: int, n: int, out_dir: str, resume: bool) -> d
 def make_executor(kind: str, folder: Path, partition: str | None, timeout_min: int, n: int):
     import submitit
     if kind == "slurm":
-        ex = submitit.AutoExecutor(folder=folder)
+        if not slurm_available():
+            raise NoSlurm("Slurm is not available here (no `sbatch` on PATH), so no job was "
+                          "submitted; run `qlabench submit` on a Slurm login node, or pass "
+                          "--executor local to run the shards on this machine")
+        # cluster="slurm": never submitit's automatic fallback to local jobs
+        ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
         params = dict(timeout_min=timeout_min, gpus_per_node=1, tasks_per_node=1, cpus_per_task=8,
                       slurm_array_parallelism=n, name="qlabench")
         if partition:
@@ -54,12 +78,12 @@ def submit_sweep(sweep, config_path, shards: int, out: Path, executor: str, part
         return 2
     out = Path(out).resolve()
     try:
-        ex = make_executor(executor, out / "submitit", partition, timeout_min, shards)
-    except ValueError as e:
+        ex = make_executor(executor, out / SUBMITIT_DIR, partition, timeout_min, shards)
+    except (ValueError, NoSlurm) as e:
         err.print(f"error: {e}", highlight=False)
         return 2
     cfg = str(Path(config_path).resolve())
-    dirs = [str(out / f"shard-{i}") for i in range(shards)]
+    dirs = [str(out / SHARDS_DIR / f"shard-{i}") for i in range(shards)]
     jobs = ex.map_array(shard_job, [cfg] * shards, list(range(shards)), [shards] * shards, dirs,
                         [resume] * shards)
     console.print(f"submitted {len(jobs)} jobs ({executor}): {[j.job_id for j in jobs]}")
@@ -73,7 +97,7 @@ def submit_sweep(sweep, config_path, shards: int, out: Path, executor: str, part
             err.print(f"shard {i}/{shards} failed: {type(e).__name__}: {str(e)[:300]}", highlight=False)
     present = [d for d in dirs if (Path(d) / "parts").is_dir()]
     try:
-        c = merge(out, present)
+        c = merge(out, present, force=True)  # OUT is this submission's own (a resubmit adds to it)
     except MergeError as e:
         err.print(f"error: {e}", highlight=False)
         return 2
