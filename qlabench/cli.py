@@ -260,6 +260,8 @@ def run(
     console.print(f"run {summary.run_id}: {summary.counts or 'nothing new'}"
                   + (f", {summary.skipped_done} rows already done" if summary.skipped_done else "")
                   + f" -> {out_dir}/parts" + (f"; figures: {', '.join(str(m) for m in made)}" if made else ""))
+    from .summary import print_run_summary
+    print_run_summary(df)
 
 
 @app.command()
@@ -288,6 +290,37 @@ def compare(
     raise typer.Exit(compare_cmd(base, new if new is not None else base, threshold=threshold,
                                  alpha=alpha, out=out, base_backend=base_backend,
                                  new_backend=new_backend))
+
+
+@app.command()
+def summary(
+    results_dir: Path = typer.Argument(..., help="results directory (e.g. results/h200_fwd)"),
+    model: str | None = typer.Option(None, "--model", help="model name or h_qk/h_v, e.g. 16/64"),
+    direction: str | None = typer.Option(None, "--direction", help="fwd | bwd | fwdbwd (default: all)"),
+    baseline: str = typer.Option("fla", "--baseline", help="backend label the speedup is over"),
+    alpha: float = typer.Option(0.01, "--alpha", help="significance level of the tie test"),
+    threshold: float = typer.Option(0.01, "--threshold", help="differences up to this are ties (0.01 = 1%)"),
+):
+    """Per point: the fastest correct backend, its latency (p10-p90), runner-up, margin, tie,
+    speedup over the baseline and correctness; per model: geomean speedups and wins."""
+    from .summary import summary_cmd
+    raise typer.Exit(summary_cmd(results_dir, model, direction, baseline, alpha, threshold))
+
+
+@app.command()
+def recommend(
+    results_dir: Path = typer.Argument(..., help="results directory (e.g. results/h200_fwd)"),
+    out: Path = typer.Option(Path("runs/dispatch.json"), "--out", help="dispatch table JSON (docs/dispatch.md)"),
+    direction: str = typer.Option("fwd", "--direction", help="fwd | bwd | fwdbwd"),
+    backends: str | None = typer.Option(None, "--backends", help="comma list of labels to choose "
+                                        "from (default: every label in the rows)"),
+    alpha: float = typer.Option(0.01, "--alpha", help="significance level of the tie test"),
+    threshold: float = typer.Option(0.01, "--threshold", help="differences up to this are ties (0.01 = 1%)"),
+):
+    """Dispatch table: per head config and shape bucket, the fastest correct backend, judged by
+    leave-one-layout-out per model (accuracy and geomean regret printed and stored)."""
+    from .dispatch import recommend_cmd
+    raise typer.Exit(recommend_cmd(results_dir, out, direction, backends, alpha, threshold))
 
 
 @app.command()

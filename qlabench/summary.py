@@ -1,0 +1,283 @@
+"""Who wins each point, by how much, and is it correct: ``qlabench summary DIR`` and the table at
+the end of ``qlabench run``.
+
+Input: :func:`qlabench.results.latest` rows (one per point × backend label × direction). Per point
+(model, h_qk/h_v, layout, direction) — :func:`point_table`:
+
+- ``winner``: the backend label with the lowest median latency (``latency_ms``) among the rows
+  with status ``ok`` (checked against the reference before timing); ``winner_ms``,
+  ``winner_p10_ms`` / ``winner_p90_ms`` its median and p10–p90 over the stored per-call samples;
+- ``runner_up`` / ``runner_up_ms``: the second-fastest ``ok`` label; ``margin`` = runner-up ms /
+  winner ms (≥ 1);
+- ``tie``: the winner and runner-up are not distinguishable within the noise (:func:`is_tie`);
+- ``speedup``: baseline ms / winner ms (baseline: a label, FLA by default; blank when the baseline
+  has no ``ok`` row at that point);
+- correctness: ``winner_max_rel_l2`` and ``n_incorrect`` / ``n_failed`` (statuses ``incorrect``
+  and ``crashed`` / ``timeout`` / ``oom``) over the point's labels; ``n_ok`` of ``n_backends``;
+- ``pairing`` / ``baseline_pairing``: :func:`qlabench.results.pair_tag` of winner vs runner-up and
+  winner vs baseline ("" when both rows share GPU and campaign; else ``cross-GPU``,
+  ``cross-campaign``, ``throttled``).
+
+**Tie rule** (:func:`is_tie`): the two sample lists are distinguishable only when the median
+ratio exceeds ``1 + threshold`` (a practical floor, 1% by default) **and** a two-sided
+Mann–Whitney U test on them gives p < ``alpha`` (0.01) — the same two gates as
+:mod:`qlabench.compare`. Everything else is a tie, including pairs with too few samples for the
+test to ever reach ``alpha`` (:func:`qlabench.compare.min_two_sided_p`): what cannot be told apart
+is reported as such, not as a win.
+
+Per model (and direction) a footer (:func:`model_footer`): for each label, the geomean speedup over
+the baseline on the points where both are ``ok``, the points it wins and how many of those wins
+are ties.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from . import results
+from .compare import BadInput, _samples, _val, min_two_sided_p
+
+ALPHA = 0.01
+THRESHOLD = 0.01
+BASELINE = "fla"
+FAILED = ("incorrect", *results.FAILED_STATUSES)
+#: columns that identify a point of the table (``point_key`` holds seqlens and gate recipe)
+POINT = ["model", "h_qk", "h_v", "layout", "direction", "point_key"]
+
+
+def is_tie(a, b, alpha: float = ALPHA, threshold: float = THRESHOLD) -> bool:
+    """True when samples ``a`` (or a row with ``samples_ms``) and ``b`` cannot be told apart: not
+    (median ratio beyond ``1 + threshold`` either way and two-sided Mann–Whitney p < ``alpha``).
+    Too few samples for the test to reach ``alpha`` → tie."""
+    from scipy.stats import mannwhitneyu
+
+    a = _samples(a) if isinstance(a, Mapping) else np.asarray(a, float)
+    b = _samples(b) if isinstance(b, Mapping) else np.asarray(b, float)
+    if not len(a) or not len(b):
+        return True
+    ma, mb = float(np.median(a)), float(np.median(b))
+    if ma <= 0 or mb <= 0:
+        return True
+    ratio = max(ma, mb) / min(ma, mb)
+    if ratio <= 1 + threshold:
+        return True
+    if min_two_sided_p(len(a), len(b)) >= alpha:
+        return True
+    return not float(mannwhitneyu(a, b, alternative="two-sided").pvalue) < alpha
+
+
+def resolve_baseline(df: pd.DataFrame, baseline: str) -> str | None:
+    """The label of ``baseline``: itself when rows carry it, else the only label of that library
+    (``backend_name``); None when absent."""
+    labels = set(df["backend"].dropna())
+    if baseline in labels:
+        return baseline
+    if "backend_name" in df.columns:
+        named = sorted(set(df.loc[df["backend_name"] == baseline, "backend"].dropna()))
+        if len(named) == 1:
+            return named[0]
+    return None
+
+
+def select_model(df: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Rows of ``model``: a model name (``397B/122B TP1``) or ``h_qk/h_v`` (``16/64``).
+    :class:`BadInput` naming the known ones otherwise."""
+    m = model.strip()
+    hit = df["model"].astype(str) == m
+    if not hit.any():
+        heads = df["h_qk"].astype("Int64").astype(str) + "/" + df["h_v"].astype("Int64").astype(str)
+        hit = heads == m.replace(" ", "")
+    if not hit.any():
+        known = (df[["model", "h_qk", "h_v"]].drop_duplicates().sort_values(["h_qk", "h_v"]))
+        names = ", ".join(f"{r.model} ({r.h_qk}/{r.h_v})" for r in known.itertuples())
+        raise BadInput(f"--model {model!r}: no such model in these rows; known: {names}")
+    return df[hit]
+
+
+def point_table(df: pd.DataFrame, baseline: str = BASELINE, alpha: float = ALPHA,
+                threshold: float = THRESHOLD) -> pd.DataFrame:
+    """One row per point and direction of ``df`` (latest rows); the columns of the module doc.
+    Points without any ``ok`` row keep ``winner`` None."""
+    base = resolve_baseline(df, baseline) if len(df) else None
+    out = []
+    for keys, g in df.groupby(POINT, sort=False, dropna=False):
+        info = dict(zip(POINT, keys))
+        first = g.iloc[0]
+        recs = g.to_dict("records")
+        ok = sorted((r for r in recs if r["status"] == "ok" and _val(r, "latency_ms") is not None),
+                    key=lambda r: (r["latency_ms"], r["backend"]))
+        row = {**info, "point_index": _val(first, "point_index"),
+               "seqlens": [int(x) for x in first["seqlens"]] if first["seqlens"] is not None else [],
+               "num_seqs": _val(first, "num_seqs"), "total_tokens": _val(first, "total_tokens"),
+               "n_backends": len(recs), "n_ok": len(ok),
+               "n_incorrect": sum(r["status"] == "incorrect" for r in recs),
+               "n_failed": sum(r["status"] in results.FAILED_STATUSES for r in recs),
+               "winner": None, "winner_ms": None, "winner_p10_ms": None, "winner_p90_ms": None,
+               "winner_max_rel_l2": None, "runner_up": None, "runner_up_ms": None,
+               "margin": None, "tie": False, "pairing": "", "baseline": base,
+               "baseline_ms": None, "speedup": None, "baseline_pairing": "",
+               "latency_ms": {r["backend"]: float(r["latency_ms"]) for r in ok}}
+        if ok:
+            w = ok[0]
+            s = _samples(w)
+            row.update(winner=w["backend"], winner_ms=float(w["latency_ms"]),
+                       winner_p10_ms=_q(s, 0.1, w, "p10_ms"), winner_p90_ms=_q(s, 0.9, w, "p90_ms"),
+                       winner_max_rel_l2=_val(w, "max_rel_l2"))
+            if len(ok) > 1:
+                r2 = ok[1]
+                row.update(runner_up=r2["backend"], runner_up_ms=float(r2["latency_ms"]),
+                           margin=float(r2["latency_ms"]) / float(w["latency_ms"]),
+                           tie=is_tie(w, r2, alpha, threshold),
+                           pairing=results.pair(w, r2)["pairing"])
+            b = next((r for r in ok if r["backend"] == base), None)
+            if b is not None:
+                row.update(baseline_ms=float(b["latency_ms"]),
+                           speedup=float(b["latency_ms"]) / float(w["latency_ms"]),
+                           baseline_pairing=results.pair(w, b)["pairing"] if b is not w else "")
+        out.append(row)
+    t = pd.DataFrame(out)
+    if not t.empty:
+        t = t.sort_values(["direction", "h_qk", "h_v", "model", "num_seqs", "total_tokens",
+                           "point_index"], kind="stable").reset_index(drop=True)
+    return t
+
+
+def _q(s: np.ndarray, q: float, row: Mapping, col: str) -> float | None:
+    if len(s) > 1:
+        return float(np.quantile(s, q))
+    return _val(row, col)
+
+
+def model_footer(df: pd.DataFrame, table: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
+    """Per label over one model's points (``df``: its latest rows, ``table``: its
+    :func:`point_table`): ``geomean_speedup`` over the baseline (points where both are ``ok``),
+    ``points`` (that many), ``wins`` and ``tied_wins``."""
+    rows = []
+    ok = df[df["status"] == "ok"]
+    lat = ok.pivot_table(index=["point_key", "direction"], columns="backend", values="latency_ms",
+                         aggfunc="first")
+    for label in sorted(set(df["backend"].dropna())):
+        gm, n = None, 0
+        if baseline is not None and baseline in lat.columns and label in lat.columns:
+            both = lat[[baseline, label]].dropna()
+            n = len(both)
+            if n:
+                gm = float(np.exp(np.mean(np.log(both[baseline] / both[label]))))
+        won = table[table["winner"] == label]
+        rows.append({"backend": label, "geomean_speedup": gm, "points": n,
+                     "wins": len(won), "tied_wins": int(won["tie"].sum())})
+    return pd.DataFrame(rows)
+
+
+def _f(x, spec: str) -> str:
+    return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def print_summary(df: pd.DataFrame, console=None, baseline: str = BASELINE,
+                  alpha: float = ALPHA, threshold: float = THRESHOLD) -> pd.DataFrame:
+    """Print one table per model and direction (plus its footer) for latest rows ``df``;
+    returns the :func:`point_table`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(soft_wrap=True, width=200)
+    table = point_table(df, baseline, alpha, threshold)
+    base = resolve_baseline(df, baseline)
+    bname = base or baseline
+    for (direction, hq, hv, model), t in table.groupby(["direction", "h_qk", "h_v", "model"],
+                                                       sort=False):
+        tab = Table(title=f"{model} ({hq}/{hv}) {direction}: fastest correct backend per layout "
+                    f"(tie: not distinguishable, Mann–Whitney p ≥ {alpha:g} or ≤ {threshold:.0%})")
+        for c, j in (("layout", "left"), ("winner", "left"), ("ms", "right"),
+                     ("p10–p90 ms", "right"), ("runner-up", "left"), ("ms ", "right"),
+                     ("margin", "right"), ("tie", "left"), (f"× {bname}", "right"),
+                     ("max_rel_l2", "right"), ("ok", "right"), ("bad", "left"),
+                     ("pairing", "left")):
+            tab.add_column(c, justify=j)
+        for r in t.to_dict("records"):
+            bad = ", ".join(w for w in (f"{r['n_incorrect']} incorrect" if r["n_incorrect"] else "",
+                                        f"{r['n_failed']} failed" if r["n_failed"] else "") if w)
+            tags = [f"vs runner-up: {r['pairing']}" if r["pairing"] else "",
+                    f"vs {bname}: {r['baseline_pairing']}" if r["baseline_pairing"] else ""]
+            if r["winner"] is None:
+                tab.add_row(str(r["layout"]), "[red]no ok row[/red]", "", "", "", "", "", "", "",
+                            "", f"0/{r['n_backends']}", bad, "")
+                continue
+            p1090 = (f"{_f(r['winner_p10_ms'], '.4f')}–{_f(r['winner_p90_ms'], '.4f')}"
+                     if r["winner_p10_ms"] is not None else "")
+            tab.add_row(str(r["layout"]), r["winner"], _f(r["winner_ms"], ".4f"), p1090,
+                        r["runner_up"] or "", _f(r["runner_up_ms"], ".4f"),
+                        _f(r["margin"], ".3f") + ("×" if r["margin"] is not None else ""),
+                        "[yellow]tie[/yellow]" if r["tie"] else "",
+                        _f(r["speedup"], ".2f") + ("×" if r["speedup"] is not None else ""),
+                        _f(r["winner_max_rel_l2"], ".1e"), f"{r['n_ok']}/{r['n_backends']}", bad,
+                        "; ".join(x for x in tags if x))
+        console.print(tab)
+        rows = df[(df["model"] == model) & (df["direction"] == direction)]
+        foot = model_footer(rows, t, base)
+        parts = []
+        for f in foot.to_dict("records"):
+            sp = (f"{f['geomean_speedup']:.2f}× over {bname} ({f['points']} pts)"
+                  if f["geomean_speedup"] is not None and f["backend"] != base else "")
+            w = f"{f['wins']} win{'s' * (f['wins'] != 1)}" + (f" ({f['tied_wins']} tie)" if f["tied_wins"] else "")
+            parts.append(f"{f['backend']}: " + ", ".join(x for x in (sp, w) if x))
+        console.print(f"{model} ({hq}/{hv}) {direction}, {len(t)} points — " + "; ".join(parts),
+                      highlight=False, markup=False)
+        if base is None:
+            console.print(f"(no rows of baseline {baseline!r}: speedups left blank)",
+                          highlight=False, markup=False)
+    return table
+
+
+def load_latest(path: Path) -> pd.DataFrame:
+    """Latest rows of a results directory; :class:`BadInput` when missing or empty."""
+    from .compare import load_side
+    return results.latest(load_side(Path(path)))
+
+
+def summary_cmd(path: Path, model: str | None = None, direction: str | None = None,
+                baseline: str = BASELINE, alpha: float = ALPHA, threshold: float = THRESHOLD,
+                console=None) -> int:
+    """``qlabench summary DIR``: tables on stdout; exit 2 (message on stderr) on bad input."""
+    import sys
+
+    from rich.console import Console
+
+    console = console or Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        df = load_latest(path)
+        if direction is not None:
+            have = sorted(set(df["direction"].dropna()))
+            if direction not in have:
+                raise BadInput(f"--direction {direction!r}: {path} has rows for {', '.join(have)}")
+            df = df[df["direction"] == direction]
+        if model is not None:
+            df = select_model(df, model)
+        if not (df["status"] == "ok").any():
+            raise BadInput(f"{path}: no ok rows to summarise (statuses: "
+                           f"{', '.join(f'{k} {v}' for k, v in df['status'].value_counts().items())})")
+    except BadInput as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        return 2
+    print_summary(df, console, baseline, alpha, threshold)
+    return 0
+
+
+def print_run_summary(df: pd.DataFrame, console=None) -> None:
+    """The end of ``qlabench run``: :func:`print_summary` over the output directory's latest rows,
+    or one line when none of them is ``ok``."""
+    import sys
+
+    from rich.console import Console
+
+    console = console or Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    if df.empty or not (df["status"] == "ok").any():
+        console.print("summary: no ok rows (nothing to rank)", highlight=False, markup=False)
+        return
+    print_summary(df, console)
