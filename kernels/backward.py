@@ -113,12 +113,22 @@ def chunk_gdn_bwd(
     dh0 = None
     if h0 is not None:
         dh0 = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
-    # every buffer is allocated here, on the calling stream, before the chains fork
+    # every buffer the two chains share is allocated here, on the calling stream, before they fork:
+    # whatever the calling stream does to a new buffer (a NaN fill under PoisonAllocations, say) is then
+    # ordered before the state side's writes (e_end, m_tr, h_start, h_all, vnew)
     bf = dict(device=dev, dtype=torch.bfloat16)
     h_all = torch.empty(h_v, ncs, HEAD_DIM, HEAD_DIM, **bf)
     vnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, **bf)
     dh_all = torch.empty(h_v, ncs, HEAD_DIM, HEAD_DIM, **bf)
     dvnew = torch.empty(h_v, ncs * CHUNK, HEAD_DIM, **bf)
+    if split_tokens:  # segment states and their gradients (split path)
+        ns = stab.shape[0]
+        f32 = dict(device=dev, dtype=torch.float32)
+        e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+        m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **bf)
+        h_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+        f_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
+        d_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
     # bwd_h (state recompute) and bwd_dhu (reverse gradient chain) do not depend on each other:
     # the state side runs on a second stream (joined before dqkwg)
     side = _side_stream(dev) if streams else None
@@ -131,13 +141,6 @@ def chunk_gdn_bwd(
         # Pᵀ / W' on the main stream, after the fork: the state side does not wait for them
         pt_all, w_all = run_bwd_pw(q, k, gcs, a_beta, ctab, scale, target=target)
         if split_tokens:
-            ns = stab.shape[0]
-            f32 = dict(device=dev, dtype=torch.float32)
-            e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
-            m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **bf)
-            h_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
-            f_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
-            d_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
             m_ready = torch.cuda.Event() if side is not None else None
             with on_side:  # segment maps and start states, then h per chunk
                 run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, target=target)

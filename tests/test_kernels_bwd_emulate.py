@@ -254,3 +254,152 @@ def test_every_group_size_runs_the_persistent_kernels(monkeypatch, h_qk, h_v):
     )  # fmt: skip
     assert seen == ["run_bwd_dqkwg", "run_bwd_wy"]
     _check(dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db, dh0=dh0), _ref(x), True)
+
+
+class _Streams:
+    """The two CUDA streams of ``chunk_gdn_bwd`` on the CPU. While the chains are forked (from
+    ``side.wait_stream(main)`` to ``main.wait_stream(side)``), every launch and every NaN fill of a
+    poisoned allocation is queued on the stream current at that time; the join runs the queues in
+    the order ``pick`` chooses among the streams that can go on (events respected), as the GPU may."""
+
+    def __init__(self, pick):
+        self.main, self.side = _Stream(self, "main"), _Stream(self, "side")
+        self.current, self.forked, self.running, self.pick = self.main, False, False, pick
+
+    def launch(self, fn):
+        if self.forked and not self.running:
+            self.current.ops.append(("run", fn))
+        else:
+            fn()
+
+    def join(self):
+        self.running = True
+        streams = (self.main, self.side)
+        while any(s.ops for s in streams):
+            ready = [s for s in streams if s.ops and (s.ops[0][0] != "wait" or s.ops[0][1].done)]
+            assert ready, "the streams wait on each other"
+            kind, x = self.pick(ready).ops.pop(0)
+            if kind == "run":
+                x()
+            elif kind == "record":
+                x.done = True
+        self.running = self.forked = False
+
+
+class _Event:
+    def __init__(self, sim):
+        self.sim, self.done = sim, False
+
+    def record(self, stream):
+        stream.ops.append(("record", self))
+
+
+class _Stream:
+    def __init__(self, sim, name):
+        self.sim, self.name, self.ops = sim, name, []
+
+    def wait_event(self, ev):
+        self.ops.append(("wait", ev))
+
+    def wait_stream(self, other):
+        ev = _Event(self.sim)
+        ev.record(other)
+        self.wait_event(ev)
+        if self is self.sim.side:
+            self.sim.forked = True
+        else:
+            self.sim.join()
+
+
+def _on_two_streams(monkeypatch, sim):
+    """Run chunk_gdn_bwd's kernels (emulated) and its poison fills on ``sim``'s streams."""
+    import contextlib
+
+    pkg = _patch_kernels(monkeypatch)
+    bw = importlib.import_module("qlabench_kernels.backward")
+    for name in ("run_bwd_h", "run_seg_state", "run_fixup", "run_rfixup"):  # dqkwg, wy: after the join
+        fn = getattr(bw, name)
+        monkeypatch.setattr(bw, name, lambda *a, _fn=fn, **kw: sim.launch(lambda: _fn(*a, **kw)))
+    fake_dhu, fake_pw = bw.run_bwd_dhu, bw.run_bwd_pw
+
+    def lazy_dhu(*a, **kw):  # the driver passes dh0, dh_all, dvnew positionally
+        sim.launch(lambda: fake_dhu(*a, **kw))
+        return a[11], a[12], a[8]
+
+    def lazy_pw(q, k, gcs, a_beta, ctab, scale, target=None):
+        h_v, rows = gcs.shape[0], ctab.shape[0] * 64
+        pt = torch.empty(h_v, rows, 64, dtype=torch.bfloat16)
+        w = torch.empty(h_v, rows, D, dtype=torch.bfloat16)
+
+        def body():
+            a, b = fake_pw(q, k, gcs, a_beta, ctab, scale)
+            pt.copy_(a)
+            w.copy_(b)
+
+        sim.launch(body)
+        return pt, w
+
+    @contextlib.contextmanager
+    def on(stream):
+        prev, sim.current = sim.current, stream
+        try:
+            yield
+        finally:
+            sim.current = prev
+
+    monkeypatch.setattr(bw, "run_bwd_dhu", lazy_dhu)
+    monkeypatch.setattr(bw, "run_bwd_pw", lazy_pw)
+    monkeypatch.setattr(bw, "_side_stream", lambda dev: sim.side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: sim.current)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: _Event(sim))
+    return pkg
+
+
+def _poison_on(sim):
+    from qlabench.poison import PoisonAllocations
+
+    class Poison(PoisonAllocations):
+        """PoisonAllocations whose NaN fill is a launch on the current stream (a CUDA fill kernel)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func.overloadpacket.__name__ in ("empty", "empty_like", "new_empty", "empty_strided"):
+                for t in [out] if isinstance(out, torch.Tensor) else []:
+                    if t.is_floating_point() and t.numel():
+                        sim.launch(lambda t=t: t.fill_(float("nan")))
+            return out
+
+    return Poison()
+
+
+@pytest.mark.parametrize("order", ["side_first", "main_first", 0, 1, 2, 3])
+def test_split_backward_poisoned_on_two_streams(monkeypatch, order):
+    """The split path under NaN-poisoned allocations with the state side (seg_state, fixup, bwd_h)
+    on a second stream that runs ahead of, behind or interleaved with the main one: the gradients
+    are those of the reference only if every buffer the side stream writes is poisoned before the
+    fork (a fill queued on the main stream after it may land on e_end / m_tr / h_start after the
+    side stream wrote them)."""
+    import random
+
+    if isinstance(order, int):
+        rng = random.Random(order)
+        pick = rng.choice
+    else:
+        pick = (lambda r: r[-1]) if order == "side_first" else (lambda r: r[0])
+    sim = _Streams(pick)
+    pkg = _on_two_streams(monkeypatch, sim)
+    emu = _tool("emulate")
+    common = importlib.import_module("qlabench_kernels._common")
+    seqlens = (130, 455)  # 128-token segments: 2 and 4 per sequence
+    x = _inputs(seqlens, 2, 4, True, True, seed=29)
+    T, N = sum(seqlens), len(seqlens)
+    ctab, _ = common.chunk_table(x["cu"].long(), T, N)
+    gcs, a_beta = emu.emu_prep(x["k"], x["g"], x["beta"], ctab)
+    with _poison_on(sim) as mode:
+        r = pkg.chunk_gdn_bwd(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
+            cu_seqlens=x["cu"], gcs=gcs, a_beta=a_beta, ctab=ctab, split_tokens=128, seqlens=list(seqlens),
+        )  # fmt: skip
+    assert mode.filled >= 10 and not sim.forked and not (sim.main.ops or sim.side.ops)
+    _check(dict(zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), r)), _ref(x), True)

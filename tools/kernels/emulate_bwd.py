@@ -239,10 +239,10 @@ def emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale):
     dh = dh_all.transpose(0, 1).float()
     vn = _slots(vnew, ncs)
     dvn = _slots(dvnew, ncs)
-    h = torch.nan_to_num(h)
-    dh = torch.nan_to_num(dh)
-    vn = torch.nan_to_num(vn)
-    dvn = torch.nan_to_num(dvn)
+    # unused chunk slots (nothing writes them, and the kernel's items there exit) count as 0; NaN a
+    # used slot holds (an element no earlier stage wrote) reaches the outputs
+    used = (ctab[:, 2] >= 0).to(dev)[:, None, None, None]
+    h, dh, vn, dvn = (torch.where(used, t, 0.0) for t in (h, dh, vn, dvn))
     gl = torch.gather(g, 2, (ln - 1)[:, None, None].expand(-1, h_v, 1))  # [NCS,Hv,1]
     ar = torch.arange(C, device=dev)
     lower = ar[:, None] >= ar[None, :]
@@ -290,8 +290,9 @@ def emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_part, dg_part, ctab):
     bc = _gather(beta[0], rows, valid)  # [NCS,Hv,64]
     g = _slots(gcs, ncs)
     ab = _slots(a_beta, ncs)
-    dws = torch.nan_to_num(_slots(dw, ncs))
-    du = torch.nan_to_num(_slots(dvnew, ncs))
+    used = (ctab[:, 2] >= 0).to(dev)[:, None, None, None]  # unused slots: 0, used ones as stored
+    dws = torch.where(used, _slots(dw, ncs), 0.0)
+    du = torch.where(used, _slots(dvnew, ncs), 0.0)
     ar = torch.arange(C, device=dev)
     lower = ar[:, None] >= ar[None, :]
     strict = ar[:, None] > ar[None, :]
@@ -318,7 +319,7 @@ def emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_part, dg_part, ctab):
     dkk = _r(dm * gam)
     dk = dk + dkk @ kc + dkk.transpose(-1, -2) @ kc
 
-    dgt = (dg + torch.nan_to_num(_slots(dg_part, ncs))) * valid[:, None, :]
+    dgt = torch.where(valid[:, None, :], dg + _slots(dg_part, ncs), 0.0)  # rows past ln: not stored
     dgr = torch.flip(torch.cumsum(torch.flip(dgt, [-1]), -1), [-1])
 
     vr = rows[valid]
