@@ -1,7 +1,8 @@
 #!/bin/bash
 # The forward campaign with both FlashInfer generations, over the FlashInfer 0.7 relay
 # (../shared/device/README.md): four device calls back to back on one warm machine, one GPU.
-#   STEP=setup    carry .devsite .tlcache/all.tar.xz .run/prevkernels (+ tree): /tmp/site312, the
+#   STEP=setup    carry .devsite .tlcache/all.tar.xz .run/prevkernels [.tlcache/fqla_fwd.tar.xz]
+#                 (+ tree): /tmp/site312, the
 #                 TileLang cache (ours, the previous kernels', the tests'), then in the background
 #                 FlashInfer 0.6.13's JIT and FlashQLA's kernels for the sweep and the tests; in the
 #                 foreground the whole GPU test suite in one job, then tilelang vs tilelang@prev.
@@ -30,6 +31,9 @@ prev_vs_new() {  # tilelang vs tilelang@prev, forward then backward, each resume
 case "${STEP:?STEP=setup|fi07a|campaign|finish}" in
 setup)
   mkdir -p /tmp/tlc && tar -xJf .tlcache/all.tar.xz -C /tmp/tlc || exit 1
+  if [ -f .tlcache/fqla_fwd.tar.xz ]; then  # FlashQLA's kernels of the forward sweep, compiled offline
+    tar -xJf .tlcache/fqla_fwd.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fqla_fwd/. /tmp/tlc/all/ && FQLA_CARRIED=1
+  fi
   cp -r .run/prevkernels /tmp/prevkernels || exit 1
   source .devsite/setup.sh || exit 1
   cat > "$ENVF" <<EOF
@@ -50,6 +54,7 @@ torch.cuda.synchronize(); print('flashinfer jit ready')" > /tmp/fi_jit.log 2>&1 
   # FlashQLA's TileLang kernels: the tests' head configs first, then one process per sweep head config
   python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from precompile_flashqla import ensure_flash_qla; ensure_flash_qla(Path('/tmp/flashqla_site'))"
   ( nice -n 5 python3 scripts/precompile_flashqla.py --heads 2/8,4/12,2/2 --all-widths > "$OUT/fqla_tests.log" 2>&1
+    [ -n "${FQLA_CARRIED:-}" ] && exit 0
     for h in 2/8 4/16 8/32 16/64 16/32 8/24 16/48 16/16 32/32; do
       nice -n 10 python3 scripts/precompile_flashqla.py --config configs/h200_fwd.yaml --only $h > "/tmp/fqla_${h/\//_}.log" 2>&1 &
     done; wait; cat /tmp/fqla_*.log > "$OUT/fqla_sweep.log"; echo "flashqla kernels ready" >> "$OUT/fqla_sweep.log" ) &
