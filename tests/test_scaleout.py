@@ -30,7 +30,7 @@ def test_shard_runs_then_merge_equal_one_run(tmp_path):
     s = C.parse(CFG)
     for i in range(3):
         runner.run(s, tmp_path / f"s{i}", shard=(i, 3), log=lambda m: None)
-    r = CliRunner().invoke(app, ["merge", str(tmp_path / "m")] + [str(tmp_path / f"s{i}") for i in range(3)])
+    r = CliRunner().invoke(app, ["merge", "--out", str(tmp_path / "m")] + [str(tmp_path / f"s{i}") for i in range(3)])
     assert r.exit_code == 0, r.output
     df = results.load(tmp_path / "m")
     assert len(df) == 8 and not df.duplicated(results.KEY).any() and set(df.status) == {"ok"}
@@ -40,7 +40,7 @@ def test_shard_runs_then_merge_equal_one_run(tmp_path):
 def test_merge_refuses_mixed_recipes(tmp_path):
     runner.run(C.parse(CFG), tmp_path / "a", limit=1, log=lambda m: None)
     runner.run(C.parse({**CFG, "seed": 7}), tmp_path / "b", limit=1, log=lambda m: None)
-    r = CliRunner().invoke(app, ["merge", str(tmp_path / "m"), str(tmp_path / "a"), str(tmp_path / "b")])
+    r = CliRunner().invoke(app, ["merge", "--out", str(tmp_path / "m"), str(tmp_path / "a"), str(tmp_path / "b")])
     assert r.exit_code == 2 and "recipes" in r.output
 
 
