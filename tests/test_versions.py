@@ -235,8 +235,14 @@ def test_rows_without_backend_name_load_with_their_backend(tmp_path):
 
 
 def test_committed_results_load_with_backend_name_equal_to_backend():
+    """Rows of plain entries (written before labels existed, or plain since) carry their name as
+    both; the labelled FlashInfer 0.7.4 rows carry the library."""
     df = results.load(ROOT / "results" / "h200_fwd")
-    assert len(df) and (df["backend_name"] == df["backend"]).all()
+    plain = ~df["backend"].str.contains("@", regex=False)
+    assert plain.sum() and (df.loc[plain, "backend_name"] == df.loc[plain, "backend"]).all()
+    fi = df[df["backend"] == "flashinfer@0.7.4"]
+    assert len(fi) == 171 and (fi["backend_name"] == "flashinfer").all()
+    assert (fi["backend_version"] == "0.7.4").all()
 
 
 def test_two_labels_of_one_library_get_their_own_colours_and_reproduce_columns(tmp_path):
