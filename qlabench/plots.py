@@ -11,6 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from . import results as _results  # noqa: E402
+
 BACKEND_COLORS = {"reference": "#7f7f7f", "fla": "#1f77b4", "flashinfer": "#2ca02c",
                   "flashqla": "#d62728", "tilelang": "#9467bd", "faulty": "#8c564b"}
 
@@ -38,82 +40,187 @@ def palette(df: pd.DataFrame) -> dict[str, str | None]:
     return out
 
 
+#: figures of a results directory live in this subfolder (:data:`qlabench.results.FIGURES_DIR`):
+#: pyarrow's dataset discovery (so ``pd.read_parquet(results_dir)``) skips names starting with
+#: ``_`` and tries to read any other file as Parquet
+FIGURES_DIR = _results.FIGURES_DIR
+#: every figure is at most this wide ...
+MAX_WIDTH_PX = 2000
+#: ... drawn at this resolution ...
+DPI = 100
+#: ... with no text smaller than this (points; 8 pt at 100 dpi is 11 px)
+MIN_FONT_PT = 8.0
+#: PNG text keys written into every figure (read back with PIL: ``Image.open(p).text``)
+META_DPI, META_MIN_FONT = "qlabench:dpi", "qlabench:min_font_pt"
+
+
+def figures_dir(results_dir: str | Path) -> Path:
+    """Where the figures of a results directory go: ``<results_dir>/_figures``."""
+    return Path(results_dir) / FIGURES_DIR
+
+
+def layout_key(num_seqs, total_tokens, seqlens) -> tuple:
+    """The one layout order of every figure and table: number of sequences, then total tokens,
+    then the sequence lengths in stored order (``1x8192`` < ``1x32768`` < ``4096+4096`` <
+    ``8192+24576`` < ``32768/4seq``)."""
+    lens = tuple(int(x) for x in seqlens) if np.ndim(seqlens) == 1 else ()
+    n = _num(num_seqs, len(lens))
+    t = _num(total_tokens, sum(lens))
+    return (int(n), int(t), lens)
+
+
+def _layout_keys(df: pd.DataFrame) -> list[tuple]:
+    n = df["num_seqs"] if "num_seqs" in df else pd.Series([None] * len(df), index=df.index)
+    t = df["total_tokens"] if "total_tokens" in df else pd.Series([None] * len(df), index=df.index)
+    s = df["seqlens"] if "seqlens" in df else pd.Series([()] * len(df), index=df.index)
+    return [layout_key(a, b, c) for a, b, c in zip(n, t, s)]
+
+
+def layout_order(df: pd.DataFrame) -> list[str]:
+    """The distinct ``layout`` labels of ``df`` in :func:`layout_key` order."""
+    if df.empty:
+        return []
+    k = pd.Series(_layout_keys(df), index=df.index)
+    first = {}
+    for lab, key in zip(df["layout"], k):
+        first[lab] = min(first.get(lab, key), key)
+    return sorted(first, key=lambda lab: (first[lab], lab))
+
+
+def sort_layouts(df: pd.DataFrame, by_model: bool = True) -> pd.DataFrame:
+    """``df`` sorted by model (:func:`model_order`, when ``by_model``), then layout
+    (:func:`layout_order`), then backend (:func:`palette` order)."""
+    if df.empty:
+        return df
+    lay = {lab: i for i, lab in enumerate(layout_order(df))}
+    cols = {"_l": df["layout"].map(lay)}
+    if by_model:
+        mo = {m: i for i, m in enumerate(model_order(df))}
+        cols["_m"] = df["model"].map(mo)
+    if "backend" in df:
+        bo = {b: i for i, b in enumerate(palette(df))}
+        cols["_b"] = df["backend"].map(bo)
+    keys = [k for k in ("_m", "_l", "_b") if k in cols]
+    return df.assign(**cols).sort_values(keys, kind="stable").drop(columns=keys)
+
+
+def model_order(df: pd.DataFrame) -> list[str]:
+    """The distinct ``model`` values of ``df`` in sweep order (first ``point_index``)."""
+    if df.empty:
+        return []
+    d = df.sort_values("point_index", kind="stable") if "point_index" in df else df
+    return list(dict.fromkeys(d["model"]))
+
+
+def _panel_label(sub: pd.DataFrame, m: str) -> str:
+    r = sub.iloc[0]
+    return f"{m} (h_qk={r['h_qk']}, h_v={r['h_v']})" if "h_qk" in sub else str(m)
+
+
+def _grid(n_panels: int, n_groups: int, n_bars: int, bar_px: float = 14.0,
+          panel_h_in: float = 3.0, extra_h_in: float = 0.9) -> tuple[int, int, tuple]:
+    """(ncol, nrow, figsize) for panels of ``n_groups`` groups of ``n_bars`` bars: as many
+    columns as fit in :data:`MAX_WIDTH_PX` at ``bar_px`` per bar (at most 3)."""
+    group_px = n_bars * bar_px + 22
+    panel_px = n_groups * group_px + 120
+    ncol = int(max(1, min(3, n_panels, MAX_WIDTH_PX // max(panel_px, 1))))
+    nrow = int(np.ceil(n_panels / ncol))
+    w_px = min(MAX_WIDTH_PX, max(720, ncol * panel_px))
+    return ncol, nrow, (w_px / DPI, panel_h_in * nrow + extra_h_in)
+
+
+def _bars(ok: pd.DataFrame, m: str) -> pd.DataFrame:
+    return ok[ok["model"] == m]
+
+
 def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = None,
                    title: str = "") -> Path | None:
-    """Grouped bars: one panel per model/TP, one group per layout, one bar per backend; the
-    fastest ok backend's speedup over FLA labelled above each group (:data:`PAIR_MARK` when
-    the two rows are not known to share GPU and campaign, or one is throttled; the title gives
-    ``results.pairing_label`` over the labels)."""
-    from . import results
+    """Grouped bars: one panel per model/TP, one group per layout (:func:`layout_order`), one
+    bar per backend label (:func:`palette`), bar = median latency, whisker = p10..p90 of the
+    samples; log latency axis."""
     ok = _ok(df, direction)
     if ok.empty:
         return None
-    models = list(dict.fromkeys(ok.sort_values("point_index")["model"]))
+    models = model_order(ok)
     colors = palette(ok)
     backends = list(colors)
-    ncol = min(3, len(models))
-    nrow = int(np.ceil(len(models) / ncol))
-    fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 3.6 * nrow), squeeze=False)
-    pairs: list[dict] = []
+    n_groups = max(len(layout_order(_bars(ok, m))) for m in models)
+    ncol, nrow, size = _grid(len(models), n_groups, len(backends))
+    fig, axes = plt.subplots(nrow, ncol, figsize=size, squeeze=False, layout="constrained")
     for ax, m in zip(axes.flat, models):
-        sub = ok[ok["model"] == m]
-        layouts = list(dict.fromkeys(sub.sort_values("point_index")["layout"]))
+        sub = _bars(ok, m)
+        layouts = layout_order(sub)
         x = np.arange(len(layouts))
         w = 0.8 / max(1, len(backends))
         for i, b in enumerate(backends):
-            vals = [sub[(sub["layout"] == lay) & (sub["backend"] == b)]["latency_ms"].median()
-                    for lay in layouts]
-            ax.bar(x + (i - (len(backends) - 1) / 2) * w, vals, w, label=b, color=colors[b])
-        base = "fla" if "fla" in backends else None
-        if base and len(backends) > 1:
-            for j, lay in enumerate(layouts):
-                at = sub[sub["layout"] == lay]
-                b_rows, others = at[at["backend"] == base], at[at["backend"] != base]
-                if len(b_rows) and len(others):
-                    rb = b_rows.iloc[-1]
-                    best = others.loc[others["latency_ms"].idxmin()]
-                    if best["latency_ms"] > 0:
-                        pr = results.pair(rb.to_dict(), best.to_dict())
-                        pairs.append(pr)
-                        ax.text(x[j], at["latency_ms"].max() * 1.02,
-                                f"{rb['latency_ms'] / best['latency_ms']:.2f}x"
-                                + (PAIR_MARK if pr["pairing"] else ""), ha="center", fontsize=7)
-            ax.set_ylim(top=sub["latency_ms"].max() * 1.12)  # room for the labels
-        hq, hv = sub.iloc[0]["h_qk"], sub.iloc[0]["h_v"]
-        ax.set_title(f"{m} (h_qk={hq}, h_v={hv})", fontsize=9)
-        ax.set_xticks(x, layouts, rotation=60, fontsize=7, ha="right")
-        ax.set_ylabel("latency (ms)")
-        ax.grid(axis="y", alpha=0.3)
+            med, lo, hi = _per_layout(sub[sub["backend"] == b], layouts)
+            ax.bar(x + (i - (len(backends) - 1) / 2) * w, med, w, label=b, color=colors[b],
+                   yerr=[np.maximum(med - lo, 0), np.maximum(hi - med, 0)],
+                   error_kw={"elinewidth": 0.8, "capsize": 1.5, "ecolor": "#333333"})
+        ax.set_yscale("log")
+        ax.set_title(_panel_label(sub, m), fontsize=10)
+        ax.set_xticks(x, layouts, rotation=45, fontsize=8, ha="right", rotation_mode="anchor")
+        ax.tick_params(axis="y", labelsize=8)
+        ax.set_xlim(-0.6, len(layouts) - 0.4)
+        ax.set_ylabel("latency (ms, log)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3, which="both")
     for ax in list(axes.flat)[len(models):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
+    _legend(fig, axes.flat[0], len(backends))
     gpu = ok["gpu_name"].iloc[0]
     modes = ",".join(sorted(set(ok["timing_mode"].dropna())))
-    note = "; labels: FLA / fastest other" if "fla" in backends and len(backends) > 1 else ""
-    if pairs:
-        pp = pd.DataFrame(pairs)
-        note += f"\nlabels' pairs: {results.pairing_label(pp)}"
-        note += f" ({_pair_note(list(pp['pairing']))})" if pp["pairing"].any() else ""
-    fig.suptitle(title or f"GDN {direction or ''} latency on {gpu} (timing: {modes}){note}",
-                 fontsize=11)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    _title(fig, title or f"GDN {direction or ''} latency on {gpu} (timing: {modes}); "
+                 "bar: median, whisker: p10..p90 of the samples", fontsize=11)
+    return _save(fig, out)
+
+
+def _per_layout(rows: pd.DataFrame, layouts: list[str]) -> tuple[np.ndarray, ...]:
+    """(median, p10, p90) latency per layout of ``rows`` (NaN where absent; p10/p90 fall back
+    to the median on rows without them)."""
+    r = rows.drop_duplicates("layout", keep="last").set_index("layout").reindex(layouts)
+    med = r["latency_ms"].to_numpy(float)
+    lo, hi = _quantile_cols(r) if len(r) else (med, med)
+    return med, np.where(np.isfinite(med), lo, np.nan), np.where(np.isfinite(med), hi, np.nan)
+
+
+def _num(v, default: float) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return default
+    return f if np.isfinite(f) else default
+
+
+def _title(fig, text: str, fontsize: float = 10) -> None:
+    """``fig.suptitle`` with each line wrapped to the figure's width (never cut at the edges)."""
+    import textwrap
+    per_char_px = fontsize * DPI / 72 * 0.56
+    width = max(20, int(fig.get_size_inches()[0] * DPI * 0.96 / per_char_px))
+    lines = [ln2 for ln in text.split("\n") for ln2 in (textwrap.wrap(ln, width) or [""])]
+    fig.suptitle("\n".join(lines), fontsize=fontsize)
+
+
+def _legend(fig, ax, n: int) -> None:
+    """One legend for the figure, below the panels."""
+    hs, ls = ax.get_legend_handles_labels()
+    if hs:
+        fig.legend(hs, ls, loc="outside lower center", ncol=min(n, 6), fontsize=9, frameon=False)
 
 
 def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None,
-                baseline: str = "fla", metas: dict | None = None) -> list[Path]:
-    """Every figure a run's rows support: ``latency_<dir>.png`` (grouped bars),
-    ``speedup_<dir>.png`` (heatmap vs ``baseline`` when it and another backend have ok rows),
-    ``latency_vs_tokens_bwd.png`` (backward latency vs total tokens). Derived roofline columns
-    are recomputed with the measured ceilings of ``metas`` (default: ``out_dir``'s run metadata)."""
+                baseline: str = "fla", metas: dict | None = None,
+                fig_dir: str | Path | None = None) -> list[Path]:
+    """Every figure a run's rows support, written to ``fig_dir`` (default
+    :func:`figures_dir` of ``out_dir``, the results directory), per direction: ``winner_<dir>``
+    (the winner map), ``speedup_<dir>`` (speedup over ``baseline`` per model, with whiskers),
+    ``latency_<dir>`` (grouped latency bars), ``roofline_<dir>``, ``sm_util_<dir>``; and
+    ``latency_vs_tokens_bwd`` (backward latency vs total tokens). Derived roofline columns are
+    recomputed with the measured ceilings of ``metas`` (default: ``out_dir``'s run metadata)."""
     from . import metrics, results
     made = []
     sub = df if run_id is None else df[df["run_id"] == run_id]
     out_dir = Path(out_dir)
+    fdir = Path(fig_dir) if fig_dir is not None else figures_dir(out_dir)
     if metas is None:
         metas = results.load_meta(out_dir) if out_dir.is_dir() else {}
     if not sub.empty and "gpu_name" in sub:
@@ -122,12 +229,13 @@ def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None
             sub = pd.concat([sub[sub["gpu_name"] == "cpu"], metrics.add_derived(gpu, None, metas)])
     for d in ("fwd", "bwd", "fwdbwd"):
         if (sub["direction"] == d).any():
-            made.append(latency_figure(sub, out_dir / f"latency_{d}.png", d))
-            made.append(speedup_heatmap(sub, out_dir / f"speedup_{d}.png", baseline, d))
-            made.append(roofline_figure(sub, out_dir / f"roofline_{d}.png", d, metas=metas))
-            made.append(util_vs_latency(sub, out_dir / f"sm_util_{d}.png", d))
+            made.append(winner_map(sub, fdir / f"winner_{d}.png", d))
+            made.append(speedup_figure(sub, fdir / f"speedup_{d}.png", baseline, d))
+            made.append(latency_figure(sub, fdir / f"latency_{d}.png", d))
+            made.append(roofline_figure(sub, fdir / f"roofline_{d}.png", d, metas=metas))
+            made.append(util_vs_latency(sub, fdir / f"sm_util_{d}.png", d))
     if (sub["direction"] == "bwd").any():
-        made.append(latency_vs_tokens(sub, out_dir / "latency_vs_tokens_bwd.png", "bwd"))
+        made.append(latency_vs_tokens(sub, fdir / "latency_vs_tokens_bwd.png", "bwd"))
     return [p for p in made if p]
 
 
@@ -155,15 +263,34 @@ def _backends(df: pd.DataFrame) -> list[str]:
 
 
 def _save(fig, out: str | Path) -> Path:
+    """Write ``fig`` at :data:`DPI`, at most :data:`MAX_WIDTH_PX` wide (a wider figure is
+    narrowed), every text at least :data:`MIN_FONT_PT` (smaller ones are raised to it); the PNG
+    records both (:data:`META_DPI`, :data:`META_MIN_FONT`)."""
+    from matplotlib.text import Text
+    w, h = fig.get_size_inches()
+    if w * DPI > MAX_WIDTH_PX:
+        fig.set_size_inches(MAX_WIDTH_PX / DPI, h)
+    # every text made so far (tick labels not yet made take rcParams' sizes, 10 pt by default)
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    for t in texts:
+        if t.get_fontsize() < MIN_FONT_PT:
+            t.set_fontsize(MIN_FONT_PT)
+    smallest = min((t.get_fontsize() for t in texts), default=MIN_FONT_PT)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=DPI, metadata={META_DPI: str(DPI), META_MIN_FONT: f"{smallest:g}"})
     plt.close(fig)
     return out
 
 
-SPEEDUP_COLUMNS = ["model", "tp", "layout", "point_index", "point_key", "backend", "backend_name",
-                   "speedup", "pairing", "same_gpu", "same_campaign", "throttled", "gpu_known",
+def save_figure(fig, out: str | Path) -> Path:
+    """:func:`_save` for figures drawn outside this module (``reproduce``)."""
+    return _save(fig, out)
+
+
+SPEEDUP_COLUMNS = ["model", "tp", "h_qk", "h_v", "layout", "num_seqs", "total_tokens", "seqlens",
+                   "point_index", "point_key", "backend", "backend_name",
+                   "speedup", "speedup_lo", "speedup_hi", "pairing", "same_gpu", "same_campaign", "throttled", "gpu_known",
                    "campaign_known"]
 #: marks a number whose two rows are not known to share GPU and campaign, or include a throttled row
 PAIR_MARK = "*"
@@ -173,7 +300,9 @@ def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd
     """Long table of baseline latency / backend latency per point and backend (> 1: the backend is
     faster than the baseline), from the latest ok row per key (``results.latest``), with the
     pair's ``results.pairing`` columns (``pairing`` = "" when both rows share GPU and campaign
-    and neither is throttled)."""
+    and neither is throttled). ``speedup_lo`` .. ``speedup_hi`` bound it conservatively from both
+    rows' sample spread: baseline p10 / backend p90 .. baseline p90 / backend p10 (a row without
+    p10/p90 contributes its median)."""
     from . import results
     ok = _ok(df, direction)
     if ok.empty or baseline not in set(ok["backend"]):
@@ -183,11 +312,77 @@ def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd
     base = ok[ok["backend"] == baseline].set_index("point_key")
     other = ok[(ok["backend"] != baseline) & ok["point_key"].isin(base.index)]
     b = base.loc[other["point_key"]].set_axis(other.index)
-    out = other[["model", "tp", "layout", "point_index", "point_key", "backend"]].copy()
+    out = other[[c for c in SPEEDUP_COLUMNS[:11] if c in other.columns]].copy()
     out["backend_name"] = results.backend_names(other)
     out["speedup"] = b["latency_ms"].to_numpy() / other["latency_ms"].to_numpy()
+    b10, b90 = _quantile_cols(b)
+    o10, o90 = _quantile_cols(other)
+    out["speedup_lo"] = b10 / o90
+    out["speedup_hi"] = b90 / o10
     out = out.join(results.pairing(b, other))
-    return out.dropna(subset=["speedup"])[SPEEDUP_COLUMNS].reset_index(drop=True)
+    out = out.dropna(subset=["speedup"]).reindex(columns=SPEEDUP_COLUMNS)
+    return sort_layouts(out).reset_index(drop=True)
+
+
+#: columns of :func:`winners`
+WINNER_COLUMNS = ["direction", "model", "tp", "layout", "point_index", "point_key", "num_seqs",
+                  "total_tokens", "seqlens", "winner", "winner_ms", "winner_p10_ms",
+                  "winner_p90_ms", "runner_up", "runner_up_ms", "margin", "overlap",
+                  "vs_baseline", "winner_max_rel_l2", "n_ok", "n_incorrect", "n_backends"]
+
+
+def winners(df: pd.DataFrame, direction: str | None = None, baseline: str = "fla") -> pd.DataFrame:
+    """One row per point (and direction) of the latest row per key: the fastest ``ok`` backend
+    label (``winner``, median ``winner_ms`` and its p10/p90), the ``runner_up`` (second fastest
+    ``ok`` label) and ``margin`` = runner-up median / winner median (NaN without a runner-up),
+    ``overlap`` (True when the winner's p90 reaches the runner-up's p10: the two are not told apart
+    by their sample spread), ``vs_baseline`` = ``baseline`` median / winner median,
+    ``winner_max_rel_l2`` (the winner's worst relative L2 error vs the reference), ``n_ok`` /
+    ``n_incorrect`` / ``n_backends`` (labels with ok / ``incorrect`` / any row at that point).
+    Sorted by :func:`model_order`, then :func:`layout_order`."""
+    from . import results
+    if df.empty:
+        return pd.DataFrame(columns=WINNER_COLUMNS)
+    d = df[df["direction"] == direction] if direction else df
+    d = results.latest(d) if {"started_at", "run_id"} <= set(d.columns) else d
+    if "gate_recipe" in d and d["gate_recipe"].nunique() > 1:
+        d = d.assign(model=[f"{m} [{recipe_name(r)}]" for m, r in zip(d["model"], d["gate_recipe"])])
+    rows = []
+    for (di, pk), g in d.groupby(["direction", "point_key"], sort=False):
+        ok = g[(g["status"] == "ok") & g["latency_ms"].notna()].sort_values("latency_ms")
+        r0 = g.iloc[0]
+        rec = {c: r0.get(c) for c in ("model", "tp", "layout", "point_index", "num_seqs",
+                                      "total_tokens", "seqlens")}
+        rec.update(direction=di, point_key=pk, n_ok=len(ok),
+                   n_incorrect=int((g["status"] == "incorrect").sum()), n_backends=len(g))
+        if ok.empty:
+            rows.append(rec)
+            continue
+        w = ok.iloc[0]
+        w10, w90 = _quantile_cols(ok.iloc[[0]])
+        rec.update(winner=w["backend"], winner_ms=float(w["latency_ms"]),
+                   winner_p10_ms=float(w10[0]), winner_p90_ms=float(w90[0]),
+                   winner_max_rel_l2=_num(w.get("max_rel_l2"), np.nan))
+        if len(ok) > 1:
+            r = ok.iloc[1]
+            r10, _ = _quantile_cols(ok.iloc[[1]])
+            rec.update(runner_up=r["backend"], runner_up_ms=float(r["latency_ms"]),
+                       margin=float(r["latency_ms"]) / float(w["latency_ms"]),
+                       overlap=bool(w90[0] >= r10[0]))
+        base = ok[ok["backend"] == baseline]
+        if len(base):
+            rec["vs_baseline"] = float(base["latency_ms"].iloc[0]) / float(w["latency_ms"])
+        rows.append(rec)
+    out = pd.DataFrame(rows).reindex(columns=WINNER_COLUMNS)
+    return sort_layouts(out).reset_index(drop=True)
+
+
+def _quantile_cols(d: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(p10, p90) latency of each row; the median where a row has none."""
+    med = d["latency_ms"].to_numpy(float)
+    lo = d["p10_ms"].to_numpy(float) if "p10_ms" in d else med
+    hi = d["p90_ms"].to_numpy(float) if "p90_ms" in d else med
+    return np.where(np.isfinite(lo), lo, med), np.where(np.isfinite(hi), hi, med)
 
 
 def _pair_note(labels: list[str]) -> str:
@@ -195,9 +390,135 @@ def _pair_note(labels: list[str]) -> str:
         if any(labels) else ""
 
 
+def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
+                   direction: str = "fwd", title: str = "") -> Path | None:
+    """Speedup over ``baseline`` per model, in the style of FlashQLA's README figure: one panel
+    per model/TP, one group of bars per layout (:func:`layout_order`), one bar per backend label
+    (:func:`palette`: the labels of one library share its colour family), bar =
+    ``baseline`` median / backend median with its value on top, whisker = ``speedup_lo`` ..
+    ``speedup_hi`` of :func:`speedup_table` (baseline p10 / backend p90 .. baseline p90 / backend
+    p10); a line at 1 (= the baseline). A value whose two rows are not known to share GPU and
+    campaign, or has a throttled row, carries :data:`PAIR_MARK`."""
+    from . import results
+    sp = speedup_table(df, baseline, direction)
+    if sp.empty:
+        return None
+    models = model_order(sp)
+    colors = palette(sp)
+    backends = list(colors)
+    n_groups = max(len(layout_order(sp[sp["model"] == m])) for m in models)
+    ncol, nrow, size = _grid(len(models), n_groups, len(backends), bar_px=20.0,
+                             panel_h_in=3.1, extra_h_in=1.1)
+    fig, axes = plt.subplots(nrow, ncol, figsize=size, squeeze=False, layout="constrained")
+    bar_px = size[0] * DPI / ncol / max(1, n_groups) * 0.8 / max(1, len(backends))
+    values = bar_px >= 12  # room for a rotated 8 pt number on each bar
+    top = float(np.nanmax(sp["speedup_hi"].clip(upper=sp["speedup"].max() * 1.5)))
+    for ax, m in zip(axes.flat, models):
+        sub = sp[sp["model"] == m]
+        layouts = layout_order(sub)
+        x = np.arange(len(layouts))
+        w = 0.8 / max(1, len(backends))
+        for i, b in enumerate(backends):
+            sb = sub[sub["backend"] == b].set_index("layout")
+            v = sb["speedup"].reindex(layouts).to_numpy(float)
+            lo = sb["speedup_lo"].reindex(layouts).to_numpy(float)
+            hi = sb["speedup_hi"].reindex(layouts).to_numpy(float)
+            tag = sb["pairing"].reindex(layouts).fillna("").to_numpy()
+            xs = x + (i - (len(backends) - 1) / 2) * w
+            ax.bar(xs, v, w, label=b, color=colors[b],
+                   yerr=[np.maximum(v - lo, 0), np.maximum(hi - v, 0)],
+                   error_kw={"elinewidth": 0.8, "capsize": 1.5, "ecolor": "#333333"})
+            if values:
+                for xx, vv, hh, t in zip(xs, v, hi, tag):
+                    if np.isfinite(vv):
+                        ax.text(xx, max(vv, hh if np.isfinite(hh) else vv) + top * 0.02,
+                                f"{vv:.2f}" + (PAIR_MARK if t else ""), rotation=90,
+                                ha="center", va="bottom", fontsize=8)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylim(0, top * (1.32 if values else 1.08))
+        ax.set_xlim(-0.6, len(layouts) - 0.4)
+        ax.set_title(_panel_label(sub, m), fontsize=10)
+        ax.set_xticks(x, layouts, rotation=45, fontsize=8, ha="right", rotation_mode="anchor")
+        ax.tick_params(axis="y", labelsize=8)
+        ax.set_ylabel(f"speedup over {baseline} (×)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in list(axes.flat)[len(models):]:
+        ax.axis("off")
+    _legend(fig, axes.flat[0], len(backends))
+    ok = _ok(df, direction)
+    gpu = ok["gpu_name"].iloc[0] if len(ok) else ""
+    note = _pair_note(list(sp["pairing"]))
+    _title(fig, title or f"GDN {direction} speedup over {baseline} on {gpu} ({results.pairing_label(sp)})"
+                 f"\nbar: {baseline} median / backend median (> 1: faster than {baseline}); "
+                 f"whisker: {baseline} p10 / backend p90 .. {baseline} p90 / backend p10"
+                 + (f"\n{note}" if note else ""), fontsize=10)
+    return _save(fig, out)
+
+
+def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseline: str = "fla",
+               title: str = "") -> Path | None:
+    """Winner map: rows layouts (:func:`layout_order`, top to bottom), columns models
+    (:func:`model_order`); each cell coloured by the fastest ``ok`` backend label
+    (:func:`winners`, colours of :func:`palette`), with the label and the margin over the
+    runner-up (``+12%``) printed; a hatched cell: the winner's p90 reaches the runner-up's p10
+    (not told apart by the sample spread); grey: no ok row."""
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch, Rectangle
+    w = winners(df, direction, baseline)
+    w = w[w["winner"].notna()] if len(w) else w
+    if w.empty:
+        return None
+    models = model_order(w)
+    layouts = layout_order(w)
+    colors = palette(_ok(df, direction))
+    cell_w = min(2.0, max(1.15, (MAX_WIDTH_PX / DPI - 2.0) / max(1, len(models))))
+    fig_w = min(MAX_WIDTH_PX / DPI, 2.0 + cell_w * len(models))
+    fig_h = 1.9 + 0.36 * len(layouts)
+    fig, ax = plt.subplots(figsize=(max(fig_w, 6.0), fig_h), layout="constrained")
+    cells = w.set_index(["model", "layout"])
+    for j, m in enumerate(models):
+        for i, lay in enumerate(layouts):
+            key = (m, lay)
+            if key not in cells.index:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, color="#eeeeee", lw=0))
+                continue
+            r = cells.loc[key]
+            r = r.iloc[0] if isinstance(r, pd.DataFrame) else r
+            c = colors.get(r["winner"]) or "#999999"
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=c, edgecolor="white",
+                                   lw=1.0, hatch="///" if r["overlap"] is True else None))
+            lum = np.dot(to_rgb(c), [0.299, 0.587, 0.114])
+            fg = "black" if lum > 0.55 else "white"
+            pct = (r["margin"] - 1) * 100
+            mg = "" if not np.isfinite(pct) else f" +{pct:.1f}%" if pct < 10 else f" +{pct:.0f}%"
+            ax.text(j, i, f"{r['winner']}{mg}", ha="center", va="center", fontsize=8, color=fg)
+    ax.set_xlim(-0.5, len(models) - 0.5)
+    ax.set_ylim(len(layouts) - 0.5, -0.5)
+    tps = w.drop_duplicates("model").set_index("model")["tp"]
+    ax.set_xticks(range(len(models)), [f"{m}\n({tps.get(m)})" for m in models], fontsize=8)
+    ax.xaxis.tick_top()
+    ax.set_yticks(range(len(layouts)), layouts, fontsize=8)
+    ax.set_ylabel("layout (sequences, then tokens)", fontsize=9)
+    for sp_ in ax.spines.values():
+        sp_.set_visible(False)
+    ax.tick_params(length=0)
+    won = [b for b in colors if b in set(w["winner"])]
+    handles = [Patch(facecolor=colors[b] or "#999999", label=b) for b in won]
+    handles.append(Patch(facecolor="white", edgecolor="#555555", hatch="///",
+                         label="p10..p90 overlap the runner-up's"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5),
+               fontsize=8, frameon=False)
+    ok = _ok(df, direction)
+    gpu = ok["gpu_name"].iloc[0] if len(ok) else ""
+    _title(fig, title or f"GDN {direction} winner per point on {gpu}: fastest ok backend, "
+                 "+margin = runner-up median / winner median - 1", fontsize=10)
+    return _save(fig, out)
+
+
 def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
                     direction: str = "fwd", title: str = "") -> Path | None:
-    """Heatmap per backend: rows model (h_qk/h_v), columns layout, cell = baseline latency /
+    """Heatmap per backend (panels stacked): rows model (h_qk/h_v), columns layout
+    (:func:`layout_order`), cell = baseline latency /
     backend latency (green: faster than the baseline, red: slower; colour on a log scale). A cell
     whose two rows are not known to share GPU and campaign, or has a throttled row, carries
     :data:`PAIR_MARK`; each panel's title gives ``results.pairing_label`` over its cells."""
@@ -205,15 +526,14 @@ def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
     sp = speedup_table(df, baseline, direction)
     if sp.empty:
         return None
-    sp = sp.sort_values("point_index", kind="stable")
-    rows = list(dict.fromkeys(zip(sp["model"], sp["tp"])))
-    cols = list(dict.fromkeys(sp["layout"]))
+    rows = [(m, sp.loc[sp["model"] == m, "tp"].iloc[0]) for m in model_order(sp)]
+    cols = layout_order(sp)
     backends = _backends(sp)
     lim = float(np.nanmax(np.abs(np.log2(sp["speedup"].clip(1e-3))))) or 1.0
     lim = min(max(lim, 0.25), 3.0)
-    w = max(4.0, 0.55 * len(cols) + 2.5)
-    h = max(2.2, 0.38 * len(rows) + 1.4)
-    fig, axes = plt.subplots(1, len(backends), figsize=(w * len(backends) + 1.5, h + 0.8),
+    w = min(MAX_WIDTH_PX / DPI, max(6.0, 0.6 * len(cols) + 3.5))
+    h = max(2.4, 0.32 * len(rows) + 1.6)
+    fig, axes = plt.subplots(len(backends), 1, figsize=(w, h * len(backends) + 0.8),
                              squeeze=False, layout="constrained")
     im = None
     for ax, b in zip(axes.flat, backends):
@@ -234,21 +554,22 @@ def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
             for j in range(len(cols)):
                 if np.isfinite(grid[i, j]):
                     ax.text(j, i, f"{grid[i, j]:.2f}{mark[i, j]}", ha="center", va="center",
-                            fontsize=6.5)
-        ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=7)
-        ax.set_yticks(range(len(rows)), [f"{m} ({t})" for m, t in rows] if ax is axes.flat[0]
-                      else [], fontsize=7)
-        ax.set_title(f"{b} vs {baseline}\n{results.pairing_label(sb)}", fontsize=8)
+                            fontsize=8)
+        ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right", fontsize=8,
+                      rotation_mode="anchor")
+        ax.set_yticks(range(len(rows)), [f"{m} ({t})" for m, t in rows], fontsize=8)
+        ax.set_title(f"{b} vs {baseline} — {results.pairing_label(sb)}", fontsize=9)
     if im is not None:
-        cb = fig.colorbar(im, ax=list(axes.flat), shrink=0.9)
+        cb = fig.colorbar(im, ax=list(axes.flat), shrink=0.6)
         ticks = sorted({t for t in (-3, -2, -1, -0.5, 0, 0.5, 1, 2, 3) if abs(t) < lim - 0.1}
                        | {-lim, lim})
         cb.set_ticks(ticks, labels=[f"{2 ** t:.2g}x" for t in ticks])
-        cb.set_label(f"speedup over {baseline}", fontsize=8)
+        cb.set_label(f"speedup over {baseline}", fontsize=9)
+        cb.ax.tick_params(labelsize=8)
     ok = _ok(df, direction)
     gpu = ok["gpu_name"].iloc[0] if len(ok) else ""
     note = _pair_note(list(sp["pairing"]))
-    fig.suptitle(title or f"GDN {direction} speedup over {baseline} on {gpu}"
+    _title(fig, title or f"GDN {direction} speedup over {baseline} on {gpu}"
                  + (f"\n{note}" if note else ""), fontsize=10)
     return _save(fig, out)
 
@@ -261,15 +582,15 @@ def latency_vs_tokens(df: pd.DataFrame, out: str | Path, direction: str = "bwd",
     ok = _ok(df, direction)
     if ok.empty:
         return None
-    ok = ok.sort_values("point_index", kind="stable")
-    panels = list(dict.fromkeys(zip(ok["model"], ok["tp"])))
+    panels = [(m, ok.loc[ok["model"] == m, "tp"].iloc[0]) for m in model_order(ok)]
     colors = palette(ok)
     backends = list(colors)
     markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
     nseqs = sorted(set(int(n) for n in ok["num_seqs"].dropna())) or [1]
     ncol = min(4, len(panels))
     nrow = int(np.ceil(len(panels) / ncol))
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.4 * nrow + 0.5), squeeze=False,
+                             layout="constrained")
     for ax, (m, t) in zip(axes.flat, panels):
         sub = ok[(ok["model"] == m) & (ok["tp"] == t)]
         for b in backends:
@@ -296,12 +617,11 @@ def latency_vs_tokens(df: pd.DataFrame, out: str | Path, direction: str = "bwd",
     for k, n in enumerate(nseqs):
         handles.append(plt.Line2D([], [], ls="", marker=markers[k % len(markers)], color="k"))
         labels.append(f"{n} seq")
-    axes.flat[0].legend(handles, labels, fontsize=6.5)
+    axes.flat[0].legend(handles, labels, fontsize=8)
     gpu = ok["gpu_name"].iloc[0]
     modes = ",".join(sorted(set(ok["timing_mode"].dropna())))
-    fig.suptitle(title or f"GDN {direction} latency vs tokens on {gpu} (timing: {modes})",
-                 fontsize=10)
-    fig.tight_layout()
+    _title(fig, title or f"GDN {direction} latency vs tokens on {gpu} (timing: {modes})",
+           fontsize=10)
     return _save(fig, out)
 
 
@@ -321,10 +641,11 @@ def history_figure(hist: pd.DataFrame, out: str | Path, title: str = "") -> Path
     panels = sorted(set(zip(h["direction"], h["backend"])),
                     key=lambda p: (dirs.index(p[0]) if p[0] in dirs else 9, order.index(p[1])))
     labels = h.drop_duplicates("run_pos").sort_values("run_pos")
-    ncol = min(3, len(panels))
+    panel_w = min(MAX_WIDTH_PX / DPI, max(5.0, 0.55 * len(labels) + 2))
+    ncol = int(max(1, min(3, len(panels), MAX_WIDTH_PX / DPI // panel_w)))
     nrow = int(np.ceil(len(panels) / ncol))
-    fig, axes = plt.subplots(nrow, ncol, figsize=(max(5.0, 0.7 * len(labels) + 2) * ncol,
-                                                  3.3 * nrow), squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(panel_w * ncol, 3.3 * nrow + 0.5),
+                             squeeze=False, layout="constrained")
     for ax, (d, b) in zip(axes.flat, panels):
         sub = h[(h["direction"] == d) & (h["backend"] == b)]
         c = colors[b] or "#333333"
@@ -338,18 +659,18 @@ def history_figure(hist: pd.DataFrame, out: str | Path, title: str = "") -> Path
                     ax.scatter(g["run_pos"][sel], rel[sel], marker=mk, s=40, color=col, zorder=4,
                                label=v)
         ax.axhline(1.0, color="k", lw=0.6)
-        ax.set_xticks(labels["run_pos"], labels["run_label"], rotation=45, ha="right", fontsize=6.5)
+        ax.set_xticks(labels["run_pos"], labels["run_label"], rotation=45, ha="right", fontsize=8,
+                      rotation_mode="anchor")
         ax.set_title(f"{b} {d}", fontsize=9)
         ax.set_ylabel("latency / first run")
         ax.grid(alpha=0.3)
         hs, ls = ax.get_legend_handles_labels()
         if hs:
             uniq = dict(zip(ls, hs))
-            ax.legend(uniq.values(), uniq.keys(), fontsize=7)
+            ax.legend(uniq.values(), uniq.keys(), fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(title or "latency history (one line per point)", fontsize=10)
-    fig.tight_layout()
+    _title(fig, title or "latency history (one line per point)", fontsize=10)
     return _save(fig, out)
 
 
@@ -371,7 +692,7 @@ def roofline_figure(df: pd.DataFrame, out: str | Path, direction: str | None = N
         c = metrics.median_ceilings([r for r in runs if r])
     peak = c.get("matmul_tflops") or metrics.H200_PEAK_TFLOPS
     bw = c.get("copy_gbps") or metrics.H200_PEAK_GBPS
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, ax = plt.subplots(figsize=(7.5, 5), layout="constrained")
     x = np.logspace(np.log10(max(1.0, ok["intensity_flop_per_byte"].min() / 2)),
                     np.log10(ok["intensity_flop_per_byte"].max() * 2), 100)
     ax.plot(x, np.minimum(peak, bw * x / 1e3), "k-", lw=1.2,
@@ -386,7 +707,6 @@ def roofline_figure(df: pd.DataFrame, out: str | Path, direction: str | None = N
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     ax.set_title(f"GDN {direction or ''} roofline on {ok['gpu_name'].iloc[0]}", fontsize=10)
-    fig.tight_layout()
     return _save(fig, out)
 
 
@@ -396,10 +716,11 @@ def util_vs_latency(df: pd.DataFrame, out: str | Path, direction: str | None = N
     ok = ok[ok["sm_util_pct"].notna()] if "sm_util_pct" in ok else ok.iloc[0:0]
     if ok.empty:
         return None
-    models = list(dict.fromkeys(ok.sort_values("point_index")["model"]))
+    models = model_order(ok)
     ncol = min(3, len(models))
     nrow = int(np.ceil(len(models) / ncol))
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False,
+                             layout="constrained")
     for ax, m in zip(axes.flat, models):
         sub = ok[ok["model"] == m]
         for b, c in palette(sub).items():
@@ -413,6 +734,5 @@ def util_vs_latency(df: pd.DataFrame, out: str | Path, direction: str | None = N
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(models):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
+    axes.flat[0].legend(fontsize=8)
     return _save(fig, out)

@@ -7,13 +7,20 @@ Rows of all given results directories are grouped by (results directory, GPU). P
   row's speedup over FLA on its point with the pair's tag (:func:`qlabench.results.pairing`), and
   per direction and backend the geomean speedup with :func:`qlabench.results.pairing_label` (do
   its rows share GPU and campaign; how many are throttled);
-- figures of the latest rows (:func:`qlabench.plots.run_figures`): grouped latency bars per layout,
-  a speedup heatmap vs FLA when FLA has rows, backward latency vs total tokens;
-- a history view when the group holds several runs: every key's measurements ordered by run start,
-  each judged against the previous measurement of the same key with :func:`qlabench.compare.judge`
-  (same threshold and test as ``qlabench compare``), regressions marked and listed with their
-  pairs' tags, the pairing label over every judged pair;
-- every run's environment (``runs/<run_id>.json``) and relative links to its Parquet parts.
+- per point (:func:`qlabench.plots.winners`): the winner (fastest ``ok`` backend label), its
+  latency (p10–p90), the runner-up and the margin, the winner's speedup over FLA, correctness (the
+  winner's ``max_rel_l2``; how many backends are ``incorrect`` there), in the one layout order of
+  :func:`qlabench.plots.layout_order`;
+- figures of the latest rows (:func:`qlabench.plots.run_figures`): the winner map and the speedup
+  over FLA per model first, then grouped latency bars, roofline, SM utilisation, backward latency
+  vs total tokens; every figure at most :data:`qlabench.plots.MAX_WIDTH_PX` wide;
+- when the group holds several runs, two history views, every key's measurements ordered by run
+  start and each judged against the previous measurement of the same key with
+  :func:`qlabench.compare.judge` (same threshold and test as ``qlabench compare``): **library
+  regressions** (backends of :data:`LIBRARIES`: FLA, FlashInfer under any label, FlashQLA; the
+  page's banner counts these only) and the **in-repo kernel history** (the other backends, i.e.
+  the TileLang kernels of ``kernels/``: their version-to-version changes, no banner);
+- every run's environment (``_runs/<run_id>.json``) and relative links to its Parquet parts.
 
 Like every view here, it only reads the rows (Parquet is the truth, the site is derived).
 """
@@ -34,6 +41,11 @@ import pandas as pd
 from . import compare as Q
 from . import plots, results
 
+#: backend libraries (``backend_name``) whose latency changes between runs are regressions a
+#: user should hear about; every other backend (the in-repo TileLang kernels) goes to the
+#: in-repo kernel history
+LIBRARIES = ("fla", "flashinfer", "flashqla")
+
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1500px;
      padding:0 16px;color:#222}
@@ -42,7 +54,8 @@ h3{margin-top:1.4em}
 table{border-collapse:collapse;font-size:12px;margin:8px 0}
 th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f4f4f4} td.num{text-align:right;font-variant-numeric:tabular-nums}
-img{max-width:100%;border:1px solid #eee;margin:6px 0}
+img{max-width:100%;height:auto;border:1px solid #eee;margin:6px 0}
+td.bad{background:#fde7ea}
 .slower{color:#b00020;font-weight:600} .faster{color:#0a7d27;font-weight:600}
 .incomparable{color:#8a6d00}
 .banner{padding:8px 12px;border-radius:4px;margin:10px 0}
@@ -168,7 +181,8 @@ def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
             prev_run.append(recs[i - 1]["run_id"])
             tag.append(results.pair(recs[i - 1], r))
     out = h.loc[order, ["run_id", "run_pos", "run_label", "git_sha", *results.KEY, "model", "tp",
-                        "layout", "point_index", "status", "latency_ms"]].copy()
+                        "layout", "point_index", "status", "latency_ms"]
+                   + [c for c in ("num_seqs", "total_tokens", "seqlens") if c in h]].copy()
     out["backend_name"] = results.backend_names(h.loc[order])
     out["verdict"], out["ratio"], out["p_value"] = verdict, ratio, pval
     out["reason"], out["prev_run_id"] = reason, prev_run
@@ -207,7 +221,7 @@ def vs_fla(latest: pd.DataFrame) -> pd.DataFrame:
 
 
 def _latest_table(latest: pd.DataFrame) -> str:
-    d = vs_fla(latest.sort_values(["direction", "point_index", "backend"]))
+    d = vs_fla(_ordered(latest))
     cols = {"model": "model", "tp": "h_qk/h_v", "layout": "layout", "direction": "dir",
             "backend": "backend", "backend_version": "version", "path": "path", "status": "status",
             "latency_ms": "latency_ms",
@@ -265,14 +279,20 @@ def _runs_section(runs: pd.DataFrame, df: pd.DataFrame, metas: dict, site: Path)
         files = sorted(pdir.glob(f"{r.run_id}-*.parquet")) if pdir.is_dir() else [src]
         links = "".join(f'<li><a href="{_href(f, site)}">{_e(f.name)}</a></li>' for f in files)
         meta = metas.get(r.run_id)
-        mfile = src / "runs" / f"{r.run_id}.json"
-        env = _table(_env_rows(meta)) if meta else "<p class='muted'>no runs/*.json for this run</p>"
+        # run metadata: ``_runs/`` (``runs/`` in directories written before it)
+        mfile = next((src / d / f"{r.run_id}.json"
+                      for d in (results.RUNS_DIR, results.LEGACY_RUNS_DIR)
+                      if (src / d / f"{r.run_id}.json").exists()),
+                     src / results.RUNS_DIR / f"{r.run_id}.json")
+        env = _table(_env_rows(meta)) if meta else \
+            "<p class='muted'>no _runs/*.json for this run</p>"
         open_ = " open" if r.run_pos == runs["run_pos"].max() else ""
         parts.append(
             f"<details{open_}><summary><b>{_e(r.run_id)}</b> — started {_e(r.started_at)}, "
             f"git {_e(r.git_sha)}, {r.rows} rows ({_e(counts)}), from {_e(r.src)}</summary>"
             f"<h4>environment</h4>{env}"
-            + (f'<p><a href="{_href(mfile, site)}">runs/{_e(mfile.name)}</a> · ' if mfile.exists()
+            + (f'<p><a href="{_href(mfile, site)}">{_e(mfile.parent.name)}/{_e(mfile.name)}</a> · '
+               if mfile.exists()
                else "<p>")
             + f'<a href="{_href(pdir, site)}/">parts folder</a></p>'
             f"<details><summary>{len(files)} Parquet part(s) of this run</summary><ul>{links}</ul>"
@@ -280,36 +300,122 @@ def _runs_section(runs: pd.DataFrame, df: pd.DataFrame, metas: dict, site: Path)
     return "".join(parts)
 
 
-def _history_section(hist: pd.DataFrame, img_dir: Path, site: Path, slug: str) -> str:
-    if hist["run_pos"].nunique() < 2 or not hist["verdict"].ne("").any():
+def _ordered(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows by direction, then model, layout (:func:`plots.layout_order`) and backend."""
+    dirs = {"fwd": 0, "bwd": 1, "fwdbwd": 2}
+    parts = [plots.sort_layouts(g) for _, g in sorted(df.groupby("direction", sort=False),
+                                                      key=lambda kv: dirs.get(kv[0], 9))]
+    return pd.concat(parts) if parts else df
+
+
+def is_library(hist: pd.DataFrame) -> pd.Series:
+    """True for rows of a backend library (:data:`LIBRARIES`, by ``backend_name``)."""
+    return results.backend_names(hist).isin(LIBRARIES)
+
+
+def _history_section(hist: pd.DataFrame, img_dir: Path, site: Path, anchor: str, kind: str) -> str:
+    """``kind`` ``library``: the library regressions; ``in-repo``: the in-repo kernel history."""
+    if hist.empty or hist["run_pos"].nunique() < 2 or not hist["verdict"].ne("").any() \
+            or not hist["latency_ms"].notna().any():  # never measured (e.g. unavailable only)
         return ""
-    out = [f'<h3 id="{slug}-history">History</h3>',
-           "<p class='muted'>Each point's latency relative to its first measurement, one line per "
-           "point; each measurement judged against the previous one of the same point with the "
-           "rules of <code>qlabench compare</code>. ▼ red: slower, ▲ green: faster.</p>"]
-    p = plots.history_figure(hist, img_dir / "history.png")
+    names = ", ".join(sorted(set(results.backend_names(hist))))
+    if kind == "library":
+        out = [f'<h3 id="{anchor}">Library regressions ({_e(names)})</h3>',
+               "<p class='muted'>Backend libraries' latency across runs: each point's latency "
+               "relative to its first measurement, one line per point; each measurement judged "
+               "against the previous one of the same point with the rules of <code>qlabench "
+               "compare</code>. ▼ red: slower, ▲ green: faster.</p>"]
+        fig, alt = "history_libraries.png", "library latency history"
+    else:
+        out = [f'<h3 id="{anchor}">In-repo kernel history ({_e(names)})</h3>',
+               "<p class='muted'>The in-repo kernels' own version-to-version changes (kernel "
+               "development, not a library regression): each point's latency relative to its "
+               "first measurement, judged like the libraries'. ▼ red: slower, ▲ green: "
+               "faster.</p>"]
+        fig, alt = "history_in_repo.png", "in-repo kernel history"
+    p = plots.history_figure(hist, img_dir / fig, title=alt)
     if p:
-        out.append(f'<img src="{_href(p, site)}" alt="latency history">')
+        out.append(_img(p, site, alt, f"{anchor}-figure", "history"))
     judged = hist[hist["verdict"] != ""]
     steps = judged.groupby(["run_label", "verdict"]).size().unstack(fill_value=0).reset_index()
     out.append("<h4>verdicts per run (vs the previous measurement of each point)</h4>")
     out.append(_table(steps, num=tuple(c for c in steps.columns if c != "run_label")))
     out.append(f"<p class='muted'>pairs judged: {_e(results.pairing_label(judged))}</p>")
     reg = judged[judged["verdict"] == "slower"]
+    word = "regression(s)" if kind == "library" else "slower step(s)"
     if len(reg):
-        t = reg[["run_label", "model", "tp", "layout", "backend", "direction", "latency_ms",
-                 "ratio", "p_value", "pairing", "prev_run_id", "run_id"]].rename(
+        t = _ordered(reg)[["run_label", "model", "tp", "layout", "backend", "direction",
+                           "latency_ms", "ratio", "p_value", "pairing", "prev_run_id",
+                           "run_id"]].rename(
             columns={"run_label": "run", "tp": "h_qk/h_v", "ratio": "vs previous"})
-        out.append(f"<h4 class='slower'>{len(reg)} regression(s)</h4>")
+        cls = "slower" if kind == "library" else ""
+        out.append(f"<h4 class='{cls}'>{len(reg)} {word}</h4>")
         out.append(_table(t, num=("latency_ms", "vs previous", "p_value"),
                           fmt={"latency_ms": ".4f", "vs previous": ".3f", "p_value": ".2g"}))
     else:
-        out.append("<p class='faster'>no regressions between consecutive measurements</p>")
+        out.append(f"<p class='faster'>no {word} between consecutive measurements</p>")
     return "".join(out)
 
 
+def _img(p: Path, site: Path, alt: str, id_: str, cls: str) -> str:
+    """An ``<img>`` with its pixel size (the PNG's; CSS shrinks it to the page, never wider)."""
+    from PIL import Image
+    with Image.open(p) as im:
+        w, h = im.size
+    return (f'<p><img id="{_e(id_)}" class="fig {cls}" src="{_href(p, site)}" alt="{_e(alt)}" '
+            f'width="{w}" height="{h}" loading="eager"></p>')
+
+
+def _winners_section(lat: pd.DataFrame, slug: str) -> str:
+    """Per direction: the winner table of :func:`plots.winners`."""
+    out = []
+    for d in ("fwd", "bwd", "fwdbwd"):
+        if not (lat["direction"] == d).any():
+            continue
+        w = plots.winners(lat, d)
+        if w.empty:
+            continue
+        n_won = int(w["winner"].notna().sum())
+        inc = int((w["n_incorrect"] > 0).sum())
+        counts = w["winner"].value_counts()
+        tally = ", ".join(f"{_e(b)} {n}" for b, n in counts.items())
+        t = pd.DataFrame({
+            "model": w["model"], "h_qk/h_v": w["tp"], "layout": w["layout"],
+            "winner": w["winner"].fillna("— (no ok row)"),
+            "latency_ms (p10–p90)": [
+                "" if not np.isfinite(m) else f"{m:.4f} ({lo:.4f}–{hi:.4f})"
+                for m, lo, hi in zip(w["winner_ms"].astype(float), w["winner_p10_ms"].astype(float),
+                                     w["winner_p90_ms"].astype(float))],
+            "runner-up": w["runner_up"].fillna(""),
+            "margin": [_margin(m, o) for m, o in zip(w["margin"].astype(float), w["overlap"])],
+            "vs fla": w["vs_baseline"].astype(float),
+            "winner max_rel_l2": w["winner_max_rel_l2"].astype(float),
+            "incorrect backends": w["n_incorrect"].astype(int),
+            "ok / backends": [f"{a} / {b}" for a, b in zip(w["n_ok"], w["n_backends"])],
+        })
+        out.append(f'<h4 id="{slug}-winners-{d}">{_e(d)}: winner per point</h4>'
+                   f"<p>{n_won} of {len(w)} points have a winner ({tally}); "
+                   + (f"<span class='slower'>{inc} point(s) with an incorrect backend</span>"
+                      if inc else "no incorrect backend at any point")
+                   + ". margin: runner-up median / winner median − 1; ≈: the winner's p90 "
+                   "reaches the runner-up's p10 (not told apart by the sample spread).</p>")
+        out.append(_table(t, num=("vs fla", "winner max_rel_l2", "incorrect backends", "margin"),
+                          fmt={"vs fla": ".2f", "winner max_rel_l2": ".2e"}))
+    if not out:
+        return ""
+    return (f'<h3 id="{slug}-winners">Who wins (latest rows)</h3>'
+            f"<details open><summary>winner, margin and correctness per point</summary>"
+            f"{''.join(out)}</details>")
+
+
+def _margin(m: float, overlap) -> str:
+    if not np.isfinite(m):
+        return ""
+    return f"{'≈ ' if overlap is True else ''}+{(m - 1) * 100:.1f}%"
+
+
 def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0.01) -> Path:
-    """Write ``out/index.html`` (+ ``out/img/*.png``); returns the page's path."""
+    """Write ``out/index.html`` (+ ``out/img/<section>/*.png``); returns the page's path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     df, metas, notes = load_dirs(dirs)
@@ -323,36 +429,51 @@ def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0
         img = out / "img" / slug
         runs = run_order(g, metas)
         lat = results.latest(g)
-        figs = plots.run_figures(lat, img)
+        figs = plots.run_figures(lat, Path(g["_src"].iloc[0]), metas=metas, fig_dir=img)
         body = [f'<h2 id="{slug}">{_e(cfg)} — {_e(gpu)}</h2>',
                 f"<p>{len(runs)} run(s), {len(g)} rows, {len(lat)} distinct point × backend × "
                 f"direction keys; latest run {_e(runs['run_id'].iloc[-1])} "
                 f"({_e(runs['started_at'].iloc[-1])}).</p>",
                 "<h3>status of the latest row per key</h3>", _status_table(lat),
-                _pairing_lines(lat)]
-        if figs:
-            body.append(f'<h3 id="{slug}-figures">Latency and speedup (latest rows)</h3>')
-            body += [f'<p><img src="{_href(p, out)}" alt="{_e(p.stem)}"></p>' for p in figs]
-        else:
+                _pairing_lines(lat), _winners_section(lat, slug)]
+        first = [p for p in figs if p.stem.split("_")[0] in ("winner", "speedup")]
+        rest = [p for p in figs if p not in first]
+        kinds = {"winner": ("winner-map", "winner map"), "speedup": ("speedup", "speedup over FLA")}
+        if first:
+            body.append(f'<h3 id="{slug}-figures">Winner map and speedup over FLA (latest rows)</h3>')
+            for p in first:
+                cls, what = kinds[p.stem.split("_")[0]]
+                body.append(_img(p, out, f"{what} ({p.stem.rsplit('_', 1)[-1]})",
+                                 f"{slug}-{p.stem}", cls))
+        if rest:
+            body.append(f'<h3 id="{slug}-more-figures">Latency, roofline, utilisation (latest '
+                        "rows)</h3>")
+            body += [_img(p, out, p.stem, f"{slug}-{p.stem}", "more") for p in rest]
+        if not figs:
             body.append("<p class='muted'>no ok rows with a latency: nothing to plot</p>")
         body.append(f"<details><summary>latest rows ({len(lat)})</summary>{_latest_table(lat)}"
                     "</details>")
         if len(runs) > 1:
             hist = history(g, runs, threshold, alpha)
-            hs = _history_section(hist, img, out, slug)
-            body.append(hs)
-            last = hist[(hist["run_pos"] == runs["run_pos"].max()) & (hist["verdict"] == "slower")]
+            lib = is_library(hist)
+            body.append(_history_section(hist[lib], img, out, f"{slug}-history", "library"))
+            body.append(_history_section(hist[~lib], img, out, f"{slug}-kernel-history", "in-repo"))
+            last = hist[lib & (hist["run_pos"] == runs["run_pos"].max())
+                        & (hist["verdict"] == "slower")]
             if len(last):
                 banners.append(f"<div class='banner bad'><b>{_e(cfg)} on {_e(gpu)}</b>: latest run "
-                               f"has {len(last)} regression(s) vs the previous measurement — "
-                               f'<a href="#{slug}-history">history</a></div>')
+                               f"has {len(last)} library regression(s) "
+                               f"({_e(', '.join(sorted(set(last['backend']))))}) vs the previous "
+                               f'measurement — <a href="#{slug}-history">library regressions</a>'
+                               "</div>")
         body.append(f'<h3 id="{slug}-runs">Runs and environment</h3>')
         body.append(_runs_section(runs, g, metas, out))
         sections.append("".join(body))
         nav.append(f'<a href="#{slug}">{_e(cfg)} ({_e(gpu)})</a>')
     if not banners:
-        banners.append("<div class='banner good'>latest run of each config: no regression vs "
-                       "the previous measurement of any point</div>")
+        banners.append("<div class='banner good'>latest run of each config: no library "
+                       "regression vs the previous measurement of any point (the in-repo kernels' "
+                       "own changes are in each section's in-repo kernel history)</div>")
     src = ", ".join(f'<a href="{_href(Path(d), out)}/">{_e(d)}</a>' for d in dirs)
     page = (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"

@@ -542,12 +542,16 @@ def _md_table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def figure(pub: Published, table: pd.DataFrame, path: Path) -> Path:
-    """Published vs measured speedup per point, one colour per model, y = x and ±10% band."""
-    import matplotlib
-    matplotlib.use("Agg")
+    """Published vs measured speedup per point, one colour per model, y = x and ±10% band; the
+    title wrapped to the figure's width, saved by :func:`qlabench.plots.save_figure` (≤ 2000 px
+    wide, no text under 8 pt)."""
+    import textwrap
+
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    from . import plots
+
+    fig, ax = plt.subplots(figsize=(7.2, 6.4), layout="constrained")
     models = list(dict.fromkeys(table["model"]))
     cmap = plt.get_cmap("tab10")
     both = table[np.isfinite(table["speedup_ms"])]
@@ -575,20 +579,17 @@ def figure(pub: Published, table: pd.DataFrame, path: Path) -> Path:
     ax.set_ylabel(f"measured speedup ({lab})")
     gp, gm = geomean(table["speedup_pub"]), geomean(both["speedup_ms"])
     gs = geomean(both["speedup_pub"])
-    ax.set_title(f"{pub.name} {pub.direction}: geomean published {_fx(gp)} ({len(table)} points; "
-                 f"{_fx(gs)} on the {len(both)} measured), measured {_fx(gm)}\nmeasured pairs: "
-                 f"{pairing_of(table, 'speedup', 'speedup_ms')}", fontsize=8)
+    head = (f"{pub.name} {pub.direction}: geomean published {_fx(gp)} ({len(table)} points; "
+            f"{_fx(gs)} on the {len(both)} measured), measured {_fx(gm)}")
+    pairs = f"measured pairs: {pairing_of(table, 'speedup', 'speedup_ms')}"
+    ax.set_title("\n".join(textwrap.wrap(head, 80) + textwrap.wrap(pairs, 80)), fontsize=9)
     if both.empty:
         ax.text(0.5, 0.5, "no measured speedups\n(" + ", ".join(
             sorted({s for b in (pub.baseline, pub.target) for s in table[f"{b}_status"]} - {"ok"}))
             + ")", transform=ax.transAxes, ha="center", va="center", color="grey")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    ax.legend(fontsize=8, loc="upper left")
+    return plots.save_figure(fig, path)
 
 
 def markdown(pub: Published, table: pd.DataFrame, s: dict, notes: Notes, source: str,

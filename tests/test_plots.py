@@ -1,6 +1,10 @@
-"""Figures from rows of several gate recipes in one results directory draw each recipe apart."""
+"""Figures: each gate recipe drawn apart, the one layout order, speedup whiskers, the winner map,
+readable sizes, and figures kept out of the rows' folder."""
 
+import numpy as np
+import pandas as pd
 import synth_results as S
+from PIL import Image
 
 from qlabench import plots, results
 
@@ -24,5 +28,50 @@ def test_recipes_are_drawn_apart(tmp_path):
     wide = by.pivot_table(index=["k", "backend"], columns="strong", values="speedup")
     assert len(wide) == 16 and ((wide[True] / wide[False]).between(1.9, 2.1)).all()  # FLA 2x slower
     names = {p.name for p in plots.run_figures(lat, tmp_path / "figs")}
-    assert {"latency_fwd.png", "speedup_fwd.png", "roofline_fwd.png"} <= names
+    assert {"winner_fwd.png", "latency_fwd.png", "speedup_fwd.png", "roofline_fwd.png"} <= names
     assert plots.recipe_name("zero0.25/seed0") == "published"
+
+
+def test_layout_order_is_sequences_then_tokens_then_lengths():
+    lens = [[4096, 28672], [32768], [1024] * 8, [28672, 4096], [2048], [4096, 4096], [8192] * 4]
+    df = pd.DataFrame({"layout": [S.layout_label(x) for x in lens], "seqlens": lens,
+                       "num_seqs": [len(x) for x in lens], "total_tokens": [sum(x) for x in lens]})
+    want = [[2048], [32768], [4096, 4096], [4096, 28672], [28672, 4096], [8192] * 4, [1024] * 8]
+    assert plots.layout_order(df) == [S.layout_label(x) for x in want]
+    assert list(plots.sort_layouts(df, by_model=False)["layout"]) == plots.layout_order(df)
+
+
+def test_speedup_whiskers_take_both_rows_spread(tmp_path):
+    lat = results.latest(results.load(S.write_run(tmp_path / "r")))
+    sp = plots.speedup_table(lat, "fla", "fwd")
+    ok = lat.set_index(["point_key", "backend"])
+    r = sp.iloc[0]
+    b, o = ok.loc[(r["point_key"], "fla")], ok.loc[(r["point_key"], r["backend"])]
+    assert np.isclose(r["speedup_lo"], b["p10_ms"] / o["p90_ms"])
+    assert np.isclose(r["speedup_hi"], b["p90_ms"] / o["p10_ms"])
+    assert (sp["speedup_lo"] <= sp["speedup"]).all() and (sp["speedup"] <= sp["speedup_hi"]).all()
+
+
+def test_figures_are_readable_and_beside_the_rows_not_in_them(tmp_path):
+    """Many layouts and labels: every figure fits MAX_WIDTH_PX at >= MIN_FONT_PT; figures go to
+    _figures/, so pd.read_parquet of the results directory reads rows only."""
+    lays = [[n] for n in (2048, 4096, 8192, 16384, 32768)] + [[a, 32768 - a] for a in
+                                                              (4096, 8192, 16384, 24576)]
+    lays += [[8192] * 4, [4096] * 8, [1024] * 8, [2048] * 4]
+    d = S.write_run(tmp_path / "r", directions=("fwd", "bwd"), layouts=lays,
+                    backends=("fla", "flashinfer", "flashinfer@0.7.4", "flashqla", "tilelang"),
+                    models=[*S.MODELS, ("35B TP1", 16, 32), ("9B TP1", 16, 64), ("4B", 8, 16)])
+    lat = results.latest(results.load(d))
+    made = plots.run_figures(lat, d)
+    assert {p.parent for p in made} == {d / plots.FIGURES_DIR}
+    assert {p.name for p in made} >= {"winner_fwd.png", "speedup_fwd.png", "winner_bwd.png",
+                                      "speedup_bwd.png", "latency_vs_tokens_bwd.png"}
+    for p in made:
+        with Image.open(p) as im:
+            assert im.size[0] <= plots.MAX_WIDTH_PX, (p.name, im.size)
+            assert float(im.text[plots.META_MIN_FONT]) >= plots.MIN_FONT_PT, p.name
+    # pyarrow's dataset discovery (pd.read_parquet(d)) skips names starting with "_"
+    assert all(p.relative_to(d).parts[0].startswith("_") for p in made)
+    w = plots.winners(lat, "fwd")
+    assert len(w) == 5 * 13 and set(w["winner"]) == {"flashqla"}  # 0.7x FLA; others 1x or 0.8x
+    assert list(w[w["model"] == S.MODELS[0][0]]["layout"]) == plots.layout_order(lat)

@@ -99,7 +99,7 @@ def test_cli_smoke_writes_rows_and_png(tmp_path):
     df = results.load(tmp_path)
     ok = df[df["status"] == "ok"]
     assert len(ok) >= 4 and ok["latency_ms"].notna().all() and ok["max_rel_l2"].notna().all()
-    assert (tmp_path / "latency_fwd.png").stat().st_size > 10_000
+    assert (tmp_path / "_figures" / "latency_fwd.png").stat().st_size > 10_000
 
 
 def test_cli_gpu_sweep_on_cpu_gives_unavailable_rows(tmp_path):
