@@ -23,7 +23,7 @@ def _execute(tmp_path: Path, results_dir: Path, monkeypatch) -> tuple[str, int]:
     monkeypatch.setenv("QLABENCH_RESULTS", str(results_dir))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(nb_path, as_version=4)
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+    nbclient.NotebookClient(nb, timeout=360, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     text, pngs = [], 0
     for c in nb.cells:
