@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_every_column_is_documented_and_nothing_else():
     assert list(R.FIELDS) and set(R.FIELDS) == set(R.COLUMNS)
-    for name, (unit, meaning) in R.FIELDS.items():
+    for name, (_unit, meaning) in R.FIELDS.items():
         assert meaning.strip(), name
 
 
@@ -78,7 +78,7 @@ def test_old_layout_metadata_loads_and_moves_on_write(tmp_path):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "r1.json").write_text(json.dumps({"run_id": "r1"}))
     assert set(R.load_meta(tmp_path)) == {"r1"}
-    with pytest.raises(Exception):
+    with pytest.raises((pa.ArrowInvalid, OSError)):
         pd.read_parquet(tmp_path)
     R.ResultStore(tmp_path).append(_row(point_index=1))
     assert not list((tmp_path / "runs").glob("*.json"))
