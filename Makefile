@@ -1,18 +1,21 @@
 # Thin wrappers over the CLI and pytest.
 PY ?= python3
 
-.PHONY: install test lint smoke bench-quick bench-fwd bench-bwd
+.PHONY: deps install test lint smoke bench-quick bench-fwd bench-bwd
+deps:               ## install only when something is missing
+	@$(PY) -c "import torch, qlabench, qlabench_kernels, pytest, ruff" 2>/dev/null || $(MAKE) install
+
 install:            ## CPU machine: torch (CPU build) first, then the package with dev extras
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[dev]"
 
-test:               ## the test suite (GPU tests skip without CUDA)
+test: deps          ## the test suite (GPU tests skip without CUDA)
 	$(PY) -m pytest -q
 
 lint:
 	ruff check qlabench kernels tests
 
-smoke:
+smoke: deps         ## the smoke sweep (CPU: the reference backend; GPU: every backend)
 	qlabench run configs/smoke.yaml
 
 bench-quick:
