@@ -76,7 +76,8 @@ def test_kill_9_then_resume_completes_without_duplicates(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_sigint_sigterm_exit_cleanly_and_keep_rows(tmp_path, sig):
-    cfg = {**BASE, "backends": ["reference"], "seqlens": [[200 + i] for i in range(12)],
+    # enough points that the run cannot finish between the poll that sees two rows and the signal
+    cfg = {**BASE, "backends": ["reference"], "seqlens": [[200 + i] for i in range(80)],
            "reference": {"impl": "recurrent", "dtype": "fp64"}}
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(cfg))
