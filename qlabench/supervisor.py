@@ -60,10 +60,13 @@ def deferred_signals():
 
 
 def install_sigterm_as_interrupt() -> None:
+    """SIGTERM, and SIGINT even where the run was started with it ignored (a shell's background
+    job inherits SIG_IGN), end the run like Ctrl-C: the rows in flight finish, nothing is lost."""
     def to_kbi(signum, frame):
         raise KeyboardInterrupt
     with contextlib.suppress(ValueError):
         signal.signal(signal.SIGTERM, to_kbi)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class InProcess:
