@@ -325,56 +325,23 @@ def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd
 
 
 #: columns of :func:`winners`
-WINNER_COLUMNS = ["direction", "model", "tp", "layout", "point_index", "point_key", "num_seqs",
-                  "total_tokens", "seqlens", "winner", "winner_ms", "winner_p10_ms",
-                  "winner_p90_ms", "runner_up", "runner_up_ms", "margin", "overlap",
-                  "vs_baseline", "winner_max_rel_l2", "n_ok", "n_incorrect", "n_backends"]
-
-
 def winners(df: pd.DataFrame, direction: str | None = None, baseline: str = "fla") -> pd.DataFrame:
-    """One row per point (and direction) of the latest row per key: the fastest ``ok`` backend
-    label (``winner``, median ``winner_ms`` and its p10/p90), the ``runner_up`` (second fastest
-    ``ok`` label) and ``margin`` = runner-up median / winner median (NaN without a runner-up),
-    ``overlap`` (True when the winner's p90 reaches the runner-up's p10: the two are not told apart
-    by their sample spread), ``vs_baseline`` = ``baseline`` median / winner median,
-    ``winner_max_rel_l2`` (the winner's worst relative L2 error vs the reference), ``n_ok`` /
-    ``n_incorrect`` / ``n_backends`` (labels with ok / ``incorrect`` / any row at that point).
-    Sorted by :func:`model_order`, then :func:`layout_order`."""
-    from . import results
-    if df.empty:
-        return pd.DataFrame(columns=WINNER_COLUMNS)
-    d = df[df["direction"] == direction] if direction else df
+    """:func:`qlabench.summary.point_table` over the latest row per key of ``df`` (one direction
+    when given): per point the fastest ``ok`` label, its p10–p90, the runner-up, ``margin``,
+    ``tie`` (not distinguishable by the stored samples: the summary's rule), ``speedup`` over
+    ``baseline`` and the correctness counts, plus ``tp`` (``h_qk/h_v``). Points of a non-published
+    gate recipe carry the recipe in ``model``. Sorted by :func:`model_order`, then
+    :func:`layout_order`."""
+    from . import results, summary
+    d = df[df["direction"] == direction] if direction and len(df) else df
     d = results.latest(d) if {"started_at", "run_id"} <= set(d.columns) else d
     if "gate_recipe" in d and d["gate_recipe"].nunique() > 1:
         d = d.assign(model=[f"{m} [{recipe_name(r)}]" for m, r in zip(d["model"], d["gate_recipe"])])
-    rows = []
-    for (di, pk), g in d.groupby(["direction", "point_key"], sort=False):
-        ok = g[(g["status"] == "ok") & g["latency_ms"].notna()].sort_values("latency_ms")
-        r0 = g.iloc[0]
-        rec = {c: r0.get(c) for c in ("model", "tp", "layout", "point_index", "num_seqs",
-                                      "total_tokens", "seqlens")}
-        rec.update(direction=di, point_key=pk, n_ok=len(ok),
-                   n_incorrect=int((g["status"] == "incorrect").sum()), n_backends=len(g))
-        if ok.empty:
-            rows.append(rec)
-            continue
-        w = ok.iloc[0]
-        w10, w90 = _quantile_cols(ok.iloc[[0]])
-        rec.update(winner=w["backend"], winner_ms=float(w["latency_ms"]),
-                   winner_p10_ms=float(w10[0]), winner_p90_ms=float(w90[0]),
-                   winner_max_rel_l2=_num(w.get("max_rel_l2"), np.nan))
-        if len(ok) > 1:
-            r = ok.iloc[1]
-            r10, _ = _quantile_cols(ok.iloc[[1]])
-            rec.update(runner_up=r["backend"], runner_up_ms=float(r["latency_ms"]),
-                       margin=float(r["latency_ms"]) / float(w["latency_ms"]),
-                       overlap=bool(w90[0] >= r10[0]))
-        base = ok[ok["backend"] == baseline]
-        if len(base):
-            rec["vs_baseline"] = float(base["latency_ms"].iloc[0]) / float(w["latency_ms"])
-        rows.append(rec)
-    out = pd.DataFrame(rows).reindex(columns=WINNER_COLUMNS)
-    return sort_layouts(out).reset_index(drop=True)
+    t = summary.point_table(d, baseline) if len(d) else pd.DataFrame()
+    if t.empty:
+        return pd.DataFrame(columns=[*summary.POINT, "tp", "winner", "margin", "tie"])
+    t["tp"] = [f"{int(a)}/{int(b)}" for a, b in zip(t["h_qk"], t["h_v"])]
+    return sort_layouts(t).reset_index(drop=True)
 
 
 def _quantile_cols(d: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -461,7 +428,7 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
     (:func:`model_order`); each cell coloured by the fastest ``ok`` backend label
     (:func:`winners`, colours of :func:`palette`), with the label and the margin over the
     runner-up (``+12%``) printed; a hatched cell: the winner's p90 reaches the runner-up's p10
-    (not told apart by the sample spread); grey: no ok row."""
+    (a tie: not told apart by the stored samples); grey: no ok row."""
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch, Rectangle
     w = winners(df, direction, baseline)
@@ -486,10 +453,10 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
             r = r.iloc[0] if isinstance(r, pd.DataFrame) else r
             c = colors.get(r["winner"]) or "#999999"
             ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=c, edgecolor="white",
-                                   lw=1.0, hatch="///" if r["overlap"] is True else None))
+                                   lw=1.0, hatch="///" if r["tie"] is True else None))
             lum = np.dot(to_rgb(c), [0.299, 0.587, 0.114])
             fg = "black" if lum > 0.55 else "white"
-            pct = (r["margin"] - 1) * 100
+            pct = (float(r["margin"]) - 1) * 100 if r["margin"] is not None else np.nan
             mg = "" if not np.isfinite(pct) else f" +{pct:.1f}%" if pct < 10 else f" +{pct:.0f}%"
             ax.text(j, i, f"{r['winner']}{mg}", ha="center", va="center", fontsize=8, color=fg)
     ax.set_xlim(-0.5, len(models) - 0.5)
@@ -505,7 +472,7 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
     won = [b for b in colors if b in set(w["winner"])]
     handles = [Patch(facecolor=colors[b] or "#999999", label=b) for b in won]
     handles.append(Patch(facecolor="white", edgecolor="#555555", hatch="///",
-                         label="p10..p90 overlap the runner-up's"))
+                         label="tie with the runner-up (samples)"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5),
                fontsize=8, frameon=False)
     ok = _ok(df, direction)

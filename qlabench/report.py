@@ -387,8 +387,8 @@ def _winners_section(lat: pd.DataFrame, slug: str) -> str:
                 for m, lo, hi in zip(w["winner_ms"].astype(float), w["winner_p10_ms"].astype(float),
                                      w["winner_p90_ms"].astype(float))],
             "runner-up": w["runner_up"].fillna(""),
-            "margin": [_margin(m, o) for m, o in zip(w["margin"].astype(float), w["overlap"])],
-            "vs fla": w["vs_baseline"].astype(float),
+            "margin": [_margin(m, o) for m, o in zip(w["margin"].astype(float), w["tie"])],
+            "vs fla": w["speedup"].astype(float),
             "winner max_rel_l2": w["winner_max_rel_l2"].astype(float),
             "incorrect backends": w["n_incorrect"].astype(int),
             "ok / backends": [f"{a} / {b}" for a, b in zip(w["n_ok"], w["n_backends"])],
@@ -397,8 +397,8 @@ def _winners_section(lat: pd.DataFrame, slug: str) -> str:
                    f"<p>{n_won} of {len(w)} points have a winner ({tally}); "
                    + (f"<span class='slower'>{inc} point(s) with an incorrect backend</span>"
                       if inc else "no incorrect backend at any point")
-                   + ". margin: runner-up median / winner median − 1; ≈: the winner's p90 "
-                   "reaches the runner-up's p10 (not told apart by the sample spread).</p>")
+                   + ". margin: runner-up median / winner median − 1; ≈: a tie (the two labels' samples "
+                   "are not told apart: the rule of <code>qlabench summary</code>).</p>")
         out.append(_table(t, num=("vs fla", "winner max_rel_l2", "incorrect backends", "margin"),
                           fmt={"vs fla": ".2f", "winner max_rel_l2": ".2e"}))
     if not out:
@@ -408,10 +408,10 @@ def _winners_section(lat: pd.DataFrame, slug: str) -> str:
             f"{''.join(out)}</details>")
 
 
-def _margin(m: float, overlap) -> str:
+def _margin(m: float, tie) -> str:
     if not np.isfinite(m):
         return ""
-    return f"{'≈ ' if overlap is True else ''}+{(m - 1) * 100:.1f}%"
+    return f"{'≈ ' if tie is True else ''}+{(m - 1) * 100:.1f}%"
 
 
 def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0.01) -> Path:

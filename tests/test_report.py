@@ -99,7 +99,7 @@ def test_winner_table_counts_incorrect_backends(tmp_path):
     assert len(w) == 8 and set(w["winner"]) == {"flashqla"} and set(w["runner_up"]) == {"fla"}
     assert (w["n_incorrect"] == 1).all() and (w["n_ok"] == 2).all()
     assert w["margin"].between(1 / 0.7 - 0.05, 1 / 0.7 + 0.05).all()
-    assert (w["winner_max_rel_l2"] == 3e-3).all() and not w["overlap"].any()
+    assert (w["winner_max_rel_l2"] == 3e-3).all() and not w["tie"].any()
     assert report.report_cmd([res], tmp_path / "site") == 0
     page = (tmp_path / "site" / "index.html").read_text()
     assert "8 point(s) with an incorrect backend" in page
