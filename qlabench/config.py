@@ -41,19 +41,18 @@ MODEL_PRESETS: dict[str, tuple[int, int]] = {
     "27B TP2": (8, 24),
     "27B TP1": (16, 48),
     "2B/0.8B TP1": (16, 16),
+    "35B/9B/4B TP2": (8, 16),
+    "35B/9B/4B TP4": (4, 8),
+    "35B/9B/4B TP8": (2, 4),
     "Sym h32": (32, 32),
-    # backward sweep (published): named by heads
-    "hk16_hv32": (16, 32),
-    "hk8_hv16": (8, 16),
-    "hk4_hv8": (4, 8),
-    "hk2_hv4": (2, 4),
 }
 MODEL_SETS: dict[str, list[str]] = {
     "qwen-fwd": [
         "397B/122B TP8", "397B/122B TP4", "397B/122B TP2", "397B/122B TP1",
         "35B/9B/4B TP1", "27B TP2", "27B TP1", "2B/0.8B TP1", "Sym h32",
     ],
-    "qwen-bwd": ["hk16_hv32", "hk8_hv16", "hk4_hv8", "hk2_hv4"],
+    # the published backward sweep's head configs: 35B/9B/4B at TP1, 2, 4, 8
+    "qwen-bwd": ["35B/9B/4B TP1", "35B/9B/4B TP2", "35B/9B/4B TP4", "35B/9B/4B TP8"],
 }
 
 

@@ -108,12 +108,12 @@ FIELDS: dict[str, tuple[str, str]] = {
                   "with `backend` and `direction` the key of a row (`results.KEY`)"),
     "recipe_hash": ("", "hash of everything that defines the inputs (lengths, heads, dtype, gate "
                     "and seeds, state flags); rows of one key and two hashes are never mixed"),
-    "model": ("", "model / head-configuration name (`397B/122B TP8`, `hk16_hv32`, or a custom "
+    "model": ("", "model / head-configuration name (`397B/122B TP8`, `35B/9B/4B TP2`, or a custom "
               "name)"),
     "tp": ("", "head-configuration label `h_qk/h_v` (e.g. `2/8`); kept under this name for "
            "compatibility — it is not a TP degree (see `tp_degree`)"),
     "tp_degree": ("", "tensor-parallel degree the model name states (`397B/122B TP8` -> 8); null "
-                  "where the name states none (`hk16_hv32`, `Sym h32`); rows stored before the "
+                  "where the name states none (`Sym h32`, a custom name); rows stored before the "
                   "column get it on load"),
     "h_qk": ("heads", "query/key heads"),
     "h_v": ("heads", "value heads (a multiple of `h_qk`; v-head j reads q/k head j // (h_v/h_qk))"),

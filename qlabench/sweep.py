@@ -18,7 +18,7 @@ _TP_RE = re.compile(r"\bTP(\d+)\b")
 
 def tp_degree(model: str | None) -> int | None:
     """The tensor-parallel degree a model name states (``"397B/122B TP8"`` -> 8), else None
-    (``hk16_hv32``, ``Sym h32`` name heads, not a TP setting)."""
+    (``Sym h32`` names heads, not a TP setting)."""
     m = _TP_RE.search(str(model or ""))
     return int(m.group(1)) if m else None
 

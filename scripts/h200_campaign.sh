@@ -1,92 +1,104 @@
 #!/bin/bash
-# The forward campaign with both FlashInfer generations, over the FlashInfer 0.7 relay
-# (../shared/device/README.md): four device calls back to back on one warm machine, one GPU.
-#   STEP=setup    carry .devsite .tlcache/all.tar.xz .run/prevkernels [.tlcache/fqla_fwd.tar.xz]
-#                 (+ tree): /tmp/site312, the
-#                 TileLang cache (ours, the previous kernels', the tests'), then in the background
-#                 FlashInfer 0.6.13's JIT and FlashQLA's kernels for the sweep and the tests; in the
-#                 foreground the whole GPU test suite in one job, then tilelang vs tilelang@prev.
-#   STEP=fi07a    carry .fi07a: the CuTe-DSL MLIR library into /tmp.
-#   STEP=campaign carry .fi07b (+ tree): /tmp/fisite, then configs/h200_fwd.yaml (fla, FlashInfer
-#                 0.6.13 and 0.7.4, flashqla, tilelang) into runs/h200_fwd until the deadline.
-#   STEP=finish   (+ tree): the campaign resumed to its end (same GPU: same campaign), what is
-#                 left of tilelang vs tilelang@prev, the comparisons.
-# Everything a call writes is under $OUT (logs, runs.tgz); /tmp/qlabench_env.sh carries the
-# environment from call to call.
+# One H200 session's work as one background job, fed over the FlashInfer 0.7 relay
+# (../shared/device/README.md): device calls back to back on one warm machine, one GPU.
+#   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels [.tlcache/fqla_fwd.tar.xz
+#               .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz] (+ tree): /tmp/site312, the
+#               caches, a copy of the tree in /tmp/repo, then the job below started in its own
+#               process session (it outlives the call); returns at once.
+#   STEP=fi07a  carry .fi07a: the CuTe-DSL MLIR library into /tmp.
+#   STEP=fi07b  carry .fi07b: /tmp/fisite (FlashInfer 0.7.4); the job starts the campaign once it is there.
+#   STEP=wait   until the job ends or the call's deadline: its logs and runs so far into $OUT.
+# The job (STEP=job, in /tmp/repo):
+#   1. FlashInfer 0.6.13's JIT module in the background (or the carried one);
+#   2. tilelang vs tilelang@prev on the backward sweep (configs/h200_bwd_kernels_prev.yaml);
+#   3. the GPU test suite in one job (its first run on this machine);
+#   4. the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4, flashqla,
+#      tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
+#   5. the GPU test suite again, every cache warm, when the session's deadline allows;
+#   6. the comparisons.
+# JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; REPO=$(pwd)
-T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-left() { echo $(( ${DEADLINE_S:-570} - ($(date +%s) - T0) )); }
-ENVF=/tmp/qlabench_env.sh
-sweep() { local b; b=$(( $(left) - ${RESERVE_S:-0} )); [ "$b" -lt 40 ] && { log "no time for $*"; return 1; }; log "run $* (budget ${b}s)"
-  timeout --signal=INT --kill-after=20 $(( b - 15 )) qlabench run "$@" >> "$OUT/sweeps.log" 2>&1
-  local rc=$?; tail -2 "$OUT/sweeps.log"; log "exit $rc"; }
-pack() { tar czf "$OUT/runs.tgz" --exclude=logs --exclude=_logs runs 2>/dev/null; ls -la "$OUT"; log done; }
-install_tree() { python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
-  || { tail -20 "$OUT/install.log"; exit 1; }; }
-prev_vs_new() {  # tilelang vs tilelang@prev, forward then backward, each resumed where it stopped
-  sweep configs/h200_fwd_kernels_prev.yaml --resume && \
-  sweep configs/h200_bwd_kernels_prev.yaml --resume; }
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+T0=$(date +%s); log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
+J=/tmp/job; ENVF=$J/env.sh
 
-case "${STEP:?STEP=setup|fi07a|campaign|finish}" in
+snapshot() {  # what the job has so far, into $OUT (small: no kernel caches)
+  tar czf "$OUT/runs.tgz" -C /tmp/repo --exclude=_logs runs 2>/dev/null
+  cp "$J"/*.log "$J"/*.xml "$J"/*.csv "$OUT/" 2>/dev/null; ls -la "$OUT"; }
+
+case "${STEP:?STEP=setup|fi07a|fi07b|wait|job}" in
 setup)
-  mkdir -p /tmp/tlc && tar -xJf .tlcache/all.tar.xz -C /tmp/tlc || exit 1
-  if [ -f .tlcache/fqla_fwd.tar.xz ]; then  # FlashQLA's kernels of the forward sweep, compiled offline
-    tar -xJf .tlcache/fqla_fwd.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fqla_fwd/. /tmp/tlc/all/ && FQLA_CARRIED=1
-  fi
+  mkdir -p "$J" /tmp/tlc
+  tar -xJf .tlcache/all.tar.xz -C /tmp/tlc || exit 1
+  for f in fqla_fwd fqla_tests; do  # FlashQLA's kernels (sweep, tests), compiled offline
+    [ -f .tlcache/$f.tar.xz ] && tar -xJf .tlcache/$f.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/$f/. /tmp/tlc/all/
+  done
+  if [ -f .tlcache/fi0613_jit.tar.xz ]; then tar -xJf .tlcache/fi0613_jit.tar.xz -C / && echo "flashinfer 0.6.13 jit: carried"; fi
   cp -r .run/prevkernels /tmp/prevkernels || exit 1
   source .devsite/setup.sh || exit 1
+  rm -rf /tmp/repo && mkdir /tmp/repo && tar cf - --exclude=./.devsite --exclude=./.tlcache --exclude=./.run \
+    --exclude=./.fi07a --exclude=./.fi07b --exclude=./runs . | tar xf - -C /tmp/repo
   cat > "$ENVF" <<EOF
 export PYTHONPATH=/tmp/site312 PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlc/all
 export FLA_FLASH_QLA=0 TRITON_CACHE_AUTOTUNING=1
 export QLABENCH_PREV_KERNELS=/tmp/prevkernels
 export QLABENCH_FLASHINFER07_PATH=/tmp/fisite:/tmp/fisite/nvidia_cutlass_dsl/dsl_packages
+export JOB_DEADLINE=$(( $(date +%s) + ${DEVICE_LEFT_S:-1500} ))
 EOF
-  source "$ENVF"; install_tree
+  source "$ENVF"
+  (cd /tmp/repo && python3 -m pip install -q --no-deps --no-build-isolation -e . > "$J/install.log" 2>&1) \
+    || { tail -20 "$J/install.log"; exit 1; }
   log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels"
-  nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/nvidia-smi.csv"
-  # FlashInfer 0.6.13's first GDN call JIT-compiles its CUTLASS module (~6 min on a bare machine)
-  python3 -c "
+  nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$J/nvidia-smi.csv"
+  cd /tmp/repo && setsid nohup env STEP=job bash scripts/h200_campaign.sh > "$J/job.log" 2>&1 < /dev/null &
+  sleep 20; cat "$J/job.log"; log "job started";;
+fi07a)
+  cp .fi07a/ir.xz /tmp/fi07a.xz && ls -la /tmp/fi07a.xz; tail -5 "$J/job.log"; log done;;
+fi07b)
+  cp .fi07b/rest.tar.xz /tmp/fi07b.tar.xz && source .fi07b/setup_flashinfer07.sh || exit 1
+  source "$ENVF"
+  PYTHONPATH=$QLABENCH_FLASHINFER07_PATH:$PYTHONPATH python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, flashinfer.__file__)" \
+    && touch /tmp/fisite.ready
+  tail -5 "$J/job.log"; log done;;
+wait)
+  left=${WAIT_S:-560}
+  while [ ! -f "$J/done" ] && [ $(( $(date +%s) - T0 )) -lt "$left" ]; do  # a snapshot a minute:
+    sleep 5; [ $(( ($(date +%s) - T0) % 60 )) -lt 5 ] && snapshot > /dev/null  # the call may be cut
+  done
+  tail -30 "$J/job.log"; snapshot; log "$( [ -f "$J/done" ] && echo 'job done' || echo 'job still running')";;
+job)
+  source "$ENVF"
+  left() { echo $(( JOB_DEADLINE - $(date +%s) )); }
+  step() {  # step NAME NEED MAX CMD...: CMD for at most MAX s (0: no cap) and the deadline less a minute
+    local name=$1 need=$2 max=$3; shift 3; local b=$(( $(left) - 60 ))
+    [ "$max" -gt 0 ] && [ "$b" -gt "$max" ] && b=$max
+    if [ "$b" -lt "$need" ]; then log "skip $name: ${b}s left"; return 1; fi
+    log "start $name (budget ${b}s)"; local t=$(date +%s)
+    timeout --signal=INT --kill-after=20 "$b" "$@" > "$J/$name.log" 2>&1; local rc=$?
+    tail -3 "$J/$name.log"; log "end $name: exit $rc, $(( $(date +%s) - t )) s"; return $rc; }
+  suite() { echo env QLABENCH_TEST_TIMEOUT_S=240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
+    --durations=25 --junitxml="$J/$1.xml" tests/test_kernels_gpu.py tests/test_kernels_bwd_gpu.py \
+    tests/test_poison_gpu.py tests/test_backends_gpu.py; }
+  if [ -z "$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | head -1)" ]; then
+    python3 -c "
 import torch; from flashinfer.gdn_prefill import chunk_gated_delta_rule as f
 T=64; q=torch.randn(T,2,128,device='cuda',dtype=torch.bfloat16); v=torch.randn(T,8,128,device='cuda',dtype=torch.bfloat16)
 f(q=q,k=q,v=v,g=torch.rand(T,8,device='cuda'),beta=torch.rand(T,8,device='cuda'),cu_seqlens=torch.tensor([0,T],device='cuda'),output_final_state=True)
-torch.cuda.synchronize(); print('flashinfer jit ready')" > /tmp/fi_jit.log 2>&1 &
-  # FlashQLA's TileLang kernels: the tests' head configs first, then one process per sweep head config
-  python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from precompile_flashqla import ensure_flash_qla; ensure_flash_qla(Path('/tmp/flashqla_site'))"
-  ( nice -n 5 python3 scripts/precompile_flashqla.py --heads 2/8,4/12,2/2 --all-widths > "$OUT/fqla_tests.log" 2>&1
-    [ -n "${FQLA_CARRIED:-}" ] && exit 0
-    for h in 2/8 4/16 8/32 16/64 16/32 8/24 16/48 16/16 32/32; do
-      nice -n 10 python3 scripts/precompile_flashqla.py --config configs/h200_fwd.yaml --only $h > "/tmp/fqla_${h/\//_}.log" 2>&1 &
-    done; wait; cat /tmp/fqla_*.log > "$OUT/fqla_sweep.log"; echo "flashqla kernels ready" >> "$OUT/fqla_sweep.log" ) &
-  log "gpu test suite"; t=$(date +%s)
-  QLABENCH_TEST_TIMEOUT_S=240 timeout --signal=INT --kill-after=20 ${SUITE_S:-480} python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
-    --durations=25 --junitxml="$OUT/junit.xml" tests/test_kernels_gpu.py tests/test_kernels_bwd_gpu.py \
-    tests/test_poison_gpu.py tests/test_backends_gpu.py > "$OUT/gpu_tests.log" 2>&1
-  echo "exit $? wall $(( $(date +%s) - t )) s" | tee -a "$OUT/gpu_tests.log"; tail -40 "$OUT/gpu_tests.log"
-  log "tilelang kernels compiled on the device: $(find $TILELANG_CACHE_DIR -name executable.so -newer "$OUT/nvidia-smi.csv" | wc -l)"
-  RESERVE_S=60 prev_vs_new  # a minute left for the compiles to finish: they die with the call
-  log "waiting for the background compiles"; while [ "$(jobs -r | wc -l)" -gt 0 ] && [ "$(left)" -gt 15 ]; do sleep 5; done
-  cp /tmp/fi_jit.log "$OUT/"; tail -2 "$OUT/fi_jit.log" "$OUT/fqla_sweep.log" 2>/dev/null
-  pack;;
-fi07a)
-  cp .fi07a/ir.xz /tmp/fi07a.xz && ls -la /tmp/fi07a.xz; log done;;
-campaign|finish)
-  if [ "$STEP" = campaign ]; then
-    cp .fi07b/rest.tar.xz /tmp/fi07b.tar.xz && source .fi07b/setup_flashinfer07.sh || exit 1
+torch.cuda.synchronize(); print('flashinfer jit ready')" > "$J/fi_jit.log" 2>&1 &
+    FI_PID=$!
   fi
-  source "$ENVF"; install_tree  # PYTHONPATH back to /tmp/site312: only the 0.7.4 entry adds /tmp/fisite
-  PYTHONPATH=$QLABENCH_FLASHINFER07_PATH:$PYTHONPATH python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, flashinfer.__file__)"
-  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, flashinfer.__file__)"
-  tail -1 /tmp/fi_jit.log; ls ~/.cache/flashinfer 2>/dev/null | head -3
-  R=""; [ "$STEP" = finish ] && R=--resume
-  sweep configs/h200_fwd.yaml --out runs/h200_fwd $R ${CAMPAIGN_ARGS:-}
-  if [ "$STEP" = finish ]; then
-    prev_vs_new
-    for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_fwd_kernels_prev tilelang@prev tilelang" \
-             "runs/h200_bwd_kernels_prev tilelang@prev tilelang"; do
-      set -- $c; qlabench compare "$1" --base-backend "$2" --new-backend "$3" --out "$1/compare_$2_vs_$3.json" \
-        > "$1/compare_$2_vs_$3.txt" 2>&1; echo "exit $?" >> "$1/compare_$2_vs_$3.txt"; tail -25 "$1/compare_$2_vs_$3.txt"
-    done
-  fi
-  pack;;
+  step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml
+  step suite_first 200 420 $(suite suite_first)
+  while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
+  tail -1 "$J/fi_jit.log" 2>/dev/null
+  log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
+  step campaign 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd
+  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_resume 90 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd --resume
+  step suite_warm 240 480 $(suite suite_warm)
+  for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang"; do
+    set -- $c; [ -d "$1" ] || continue
+    qlabench compare "$1" --base-backend "$2" --new-backend "$3" --out "$1/compare_$2_vs_$3.json" \
+      > "$1/compare_$2_vs_$3.txt" 2>&1; echo "exit $?" >> "$1/compare_$2_vs_$3.txt"; tail -25 "$1/compare_$2_vs_$3.txt"
+  done
+  log "job done"; touch "$J/done";;
 esac

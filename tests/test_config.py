@@ -78,6 +78,6 @@ def test_missing_file_exits_2(tmp_path):
 
 
 def test_presets_and_sets():
-    s = C.parse({"name": "x", "models": ["qwen-fwd", "hk8_hv16"], "seqlens": [[8]]})
+    s = C.parse({"name": "x", "models": ["qwen-fwd", "35B/9B/4B TP2"], "seqlens": [[8]]})
     ms = s.resolved_models()
     assert len(ms) == 10 and (ms[-1].h_qk, ms[-1].h_v) == (8, 16)
