@@ -33,10 +33,12 @@ def _backend_list(arg: str | None, sweep: C.Sweep) -> list[str]:
     if not arg:
         return labels
     names = [b.strip() for b in arg.split(",") if b.strip()]
-    bad = [b for b in names if b not in C.BACKENDS and b not in labels]
+    from . import backends
+    known = backends.names()
+    bad = [b for b in names if b not in known and b not in labels]
     if bad:
         err.print(f"error: --backends: unknown backend(s) {', '.join(bad)}; known: "
-                  f"{', '.join(dict.fromkeys([*labels, *C.BACKENDS]))}", highlight=False)
+                  f"{', '.join(dict.fromkeys([*labels, *known]))}", highlight=False)
         raise typer.Exit(2)
     return names
 

@@ -28,7 +28,6 @@ from pydantic import (
     model_validator,
 )
 
-BACKENDS = ("reference", "fla", "flashinfer", "flashqla", "tilelang", "faulty")
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 
 # Qwen3.5/3.6 GDN head configurations (h_qk, h_v), per tensor-parallel setting.
@@ -300,8 +299,9 @@ class BackendEntry(_Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in BACKENDS:
-            raise ValueError(f"unknown backend {v!r}; known: {', '.join(BACKENDS)}")
+        from . import backends
+        if v not in backends.registered():
+            raise ValueError(f"unknown backend {v!r}; known: {', '.join(backends.names())}")
         return v
 
     @field_validator("label")

@@ -13,26 +13,25 @@ import pandas as pd  # noqa: E402
 
 from . import results as _results  # noqa: E402
 
-BACKEND_COLORS = {"reference": "#7f7f7f", "fla": "#1f77b4", "flashinfer": "#2ca02c",
-                  "flashqla": "#d62728", "tilelang": "#9467bd", "faulty": "#8c564b"}
-
 
 def palette(df: pd.DataFrame) -> dict[str, str | None]:
-    """Backend label -> colour, in :data:`BACKEND_COLORS`' library order (by ``backend_name``;
-    a library's plain label first): a library's first label gets its colour, further labels
-    of it (``flashinfer@0.7.4`` beside ``flashinfer``) lighter and darker shades of it."""
+    """Backend label -> colour, in the registry's order (:func:`qlabench.backends.colors`, by
+    ``backend_name``; a library's plain label first): a library's first label gets its class's
+    ``color``, further labels of it (``flashinfer@0.7.4`` beside ``flashinfer``) lighter and
+    darker shades of it."""
     from matplotlib.colors import to_hex, to_rgb
 
-    from . import results
+    from . import backends, results
     lib = dict(zip(df["backend"], results.backend_names(df))) if len(df) else {}
-    libs = list(BACKEND_COLORS)
+    colors = backends.colors()
+    libs = list(colors)
     order = sorted(lib, key=lambda b: (libs.index(lib[b]) if lib[b] in libs else len(libs),
                                        lib[b], b != lib[b], b))
     out: dict = {}
     seen: dict = {}
     for b in order:
         k = seen[lib[b]] = seen.get(lib[b], -1) + 1
-        c = BACKEND_COLORS.get(lib[b])
+        c = colors.get(lib[b])
         if c is not None and k:
             to, t = (1.0 if k % 2 else 0.0), min(0.8, 0.4 * ((k + 1) // 2))  # odd: lighter
             c = to_hex([x + (to - x) * t for x in to_rgb(c)])

@@ -101,9 +101,9 @@ def profile_main(sweep, config_path, point, model, backend, direction, ncu, out,
     except ValueError as e:
         err.print(f"error: {e}", highlight=False)
         return 2
-    if backend not in B.__dict__.get("KNOWN", ()) and backend not in (
-            "reference", "fla", "flashinfer", "flashqla", "tilelang", "faulty"):
-        err.print(f"error: --backend {backend!r}: unknown", highlight=False)
+    if backend not in B.registered():
+        err.print(f"error: --backend {backend!r}: unknown; known: {', '.join(B.names())}",
+                  highlight=False)
         return 2
     be = B.get(backend)
     ok, why = be.available()

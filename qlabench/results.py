@@ -244,8 +244,15 @@ def environment() -> dict:
     except Exception as e:
         env["torch"] = f"error: {e}"
     from importlib.metadata import PackageNotFoundError, version
-    for dist in ("triton", "tilelang", "flash-linear-attention", "fla-core", "flash-qla",
-                 "flashinfer-python", "nvidia-ml-py", "pydantic", "pandas", "pyarrow"):
+
+    from . import backends
+    dists = ["triton", "tilelang", "nvidia-ml-py", "pydantic", "pandas", "pyarrow"]
+    for name in backends.names():  # each registered backend's distribution
+        try:
+            dists.append(backends.backend_class(name).distribution)
+        except Exception:
+            continue
+    for dist in dict.fromkeys(d for d in dists if d):
         try:
             env[dist] = version(dist)
         except PackageNotFoundError:

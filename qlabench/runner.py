@@ -423,7 +423,6 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
     p, direction = task.point, task.direction
     dev = device()
     x = ref = None
-    os.environ["QLABENCH_FAULT_POINT"] = str(p.index)  # read by the test-only ``faulty`` backend
     if "c" not in sweep_ceilings:
         sweep_ceilings["c"] = task.ctx.get("ceilings") or {}
     for n in task.backends:

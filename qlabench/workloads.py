@@ -41,6 +41,8 @@ class Inputs:
     do: torch.Tensor | None = None
     dht: torch.Tensor | None = None
     zero_gate_heads: tuple[int, ...] = ()
+    #: the sweep position of the point these inputs were made for (-1: none)
+    point_index: int = -1
 
     @property
     def T(self) -> int:
@@ -139,4 +141,4 @@ def make(point: Point, device: str | torch.device = "cpu", with_grads: bool = Fa
     return Inputs(q=q, k=k, v=v, g=g, beta=beta, h0=h0,
                   cu_seqlens=cu_seqlens_of(point.seqlens, dev), scale=d ** -0.5,
                   output_final_state=point.output_final_state, do=do, dht=dht,
-                  zero_gate_heads=tuple(zh))
+                  zero_gate_heads=tuple(zh), point_index=int(point.index))

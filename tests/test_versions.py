@@ -14,6 +14,7 @@ import synth_results as S
 import yaml
 from typer.testing import CliRunner
 
+from qlabench import backends as B
 from qlabench import config as C
 from qlabench import plots, results, runner
 from qlabench import reproduce as R
@@ -250,7 +251,7 @@ def test_two_labels_of_one_library_get_their_own_colours_and_reproduce_columns(t
                        "backend_name": ["flashinfer", "fla", "flashinfer"]})
     pal = plots.palette(df)
     assert list(pal) == ["fla", "flashinfer", "flashinfer@0.7.4"]
-    assert pal["flashinfer"] == plots.BACKEND_COLORS["flashinfer"]
+    assert pal["flashinfer"] == B.backend_class("flashinfer").color
     assert pal["flashinfer@0.7.4"] not in (None, pal["flashinfer"])
 
     pub = R.load_published("flashqla-h200", "fwd")

@@ -14,9 +14,11 @@ Canonical outputs by direction:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 @dataclass
@@ -36,21 +38,64 @@ class Unsupported(Exception):
     """Raised by ``prepare`` when a point turns out to be outside what the library takes."""
 
 
+def cuda_cc() -> tuple[int, int] | None:
+    """The compute capability of GPU 0, or None without a CUDA device."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(0)
+
+
+class NoParams(BaseModel):
+    """A backend without parameters: any key is unknown."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BadParams(ValueError):
+    """Backend parameters its ``Params`` model rejects; the message names the key."""
+
+
 class Backend:
-    name: str = "?"
-    directions: tuple[str, ...] = ("fwd",)
+    """One library's GDN chunked prefill. Subclasses set the class attributes below and
+    implement :meth:`prepare` / :meth:`outputs_to_canonical`; register the class under ``name``
+    (:mod:`qlabench.backends`)."""
+
+    name: ClassVar[str] = "?"
+    directions: ClassVar[tuple[str, ...]] = ("fwd",)
     #: the Python module whose presence makes the backend available
-    module: str | None = None
-    needs_cuda: bool = True
+    module: ClassVar[str | None] = None
+    #: the distribution whose version the rows carry (``version()``); None: "n/a"
+    distribution: ClassVar[str | None] = None
+    #: plot colour of the backend's first label (further labels get shades of it)
+    color: ClassVar[str | None] = None
+    needs_cuda: ClassVar[bool] = True
+    #: the backend's parameters (YAML ``params:``): a pydantic model, unknown keys rejected
+    Params: ClassVar[type[BaseModel]] = NoParams
+
+    def __init__(self, params: Mapping | None = None):
+        self.params = self.validate_params(params)
+
+    @classmethod
+    def validate_params(cls, params: Mapping | None) -> BaseModel:
+        """``params`` as the backend's ``Params`` model; :class:`BadParams` naming the key."""
+        try:
+            return cls.Params.model_validate(dict(params or {}))
+        except ValidationError as e:
+            errs = []
+            for err in e.errors():
+                key = ".".join(str(x) for x in err["loc"]) or "params"
+                msg = "unknown parameter" if err["type"] == "extra_forbidden" else err["msg"]
+                known = ", ".join(cls.Params.model_fields) or "none"
+                errs.append(f"{key}: {msg} (parameters of {cls.name}: {known})")
+            raise BadParams("; ".join(errs)) from None
 
     def version(self) -> str:
-        if self.module is None:
+        if self.distribution is None:
             return "n/a"
         try:
             from importlib.metadata import version
-            dist = {"fla": "flash-linear-attention", "flash_qla": "flash-qla",
-                    "flashinfer": "flashinfer-python", "qlabench_kernels": "qlabench"}
-            return version(dist.get(self.module, self.module))
+            return version(self.distribution)
         except Exception:
             return "unknown"
 

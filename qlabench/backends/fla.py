@@ -26,17 +26,12 @@ class FLABackend(Backend):
     name = "fla"
     directions = ("fwd", "bwd", "fwdbwd")
     module = "fla"
+    distribution = "fla-core"  # the kernels' distribution (flash-linear-attention is a shim over it)
+    color = "#1f77b4"
 
     def available(self):
         os.environ["FLA_FLASH_QLA"] = "0"
         return super().available()
-
-    def version(self) -> str:
-        try:
-            from importlib.metadata import version
-            return version("fla-core")
-        except Exception:
-            return super().version()
 
     def supports(self, point, direction):
         ok, why = super().supports(point, direction)

@@ -29,8 +29,7 @@ import inspect
 
 import torch
 
-from .base import Backend, Prepared
-from .flashqla import cuda_cc
+from .base import Backend, Prepared, cuda_cc
 
 
 def to_flashinfer(x) -> dict:
@@ -64,13 +63,8 @@ class FlashInferBackend(Backend):
     name = "flashinfer"
     directions = ("fwd",)
     module = "flashinfer"
-
-    def version(self) -> str:
-        try:
-            from importlib.metadata import version
-            return version("flashinfer-python")
-        except Exception:
-            return "unknown"
+    distribution = "flashinfer-python"
+    color = "#2ca02c"
 
     def available(self):
         cc = cuda_cc()

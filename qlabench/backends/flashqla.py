@@ -13,20 +13,15 @@ that cost lands in ``compile_s``, never in latency.
 
 from __future__ import annotations
 
-from .base import Backend, Prepared
-
-
-def cuda_cc() -> tuple[int, int] | None:
-    import torch
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(0)
+from .base import Backend, Prepared, cuda_cc
 
 
 class FlashQLABackend(Backend):
     name = "flashqla"
     directions = ("fwd", "bwd", "fwdbwd")
     module = "flash_qla"
+    distribution = "flash-qla"
+    color = "#d62728"
 
     def available(self):
         cc = cuda_cc()

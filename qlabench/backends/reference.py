@@ -135,6 +135,8 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     directions = ("fwd", "bwd", "fwdbwd")
+    color = "#7f7f7f"
+    needs_cuda = False
 
     def version(self) -> str:
         return f"torch-{torch.__version__}"

@@ -13,6 +13,7 @@ class TileLangBackend(Backend):
     name = "tilelang"
     directions = ("fwd", "bwd", "fwdbwd")
     module = "qlabench_kernels"
+    color = "#9467bd"
 
     def version(self) -> str:
         """A hash of the kernel sources: editing ``kernels/`` makes a new resume key."""

@@ -1,4 +1,5 @@
-"""Test-only backend that misbehaves on demand (fault-injection suite).
+"""Test-only backend that misbehaves on demand (fault-injection suite); registered by
+``conftest.py`` through ``$QLABENCH_BACKENDS`` (``faulty=faulty_backend:FaultyBackend``).
 
 It computes the reference's answer, except on the points named in ``QLABENCH_FAULTS``:
 ``"crash@1,hang@2,oom@3,wrong@4,raise@5,abort@6"`` maps point index -> fault:
@@ -19,8 +20,8 @@ import time
 
 import torch
 
-from .base import Prepared
-from .reference import ReferenceBackend
+from qlabench.backends.base import Prepared
+from qlabench.backends.reference import ReferenceBackend
 
 
 def faults() -> dict[int, str]:
@@ -35,13 +36,14 @@ def faults() -> dict[int, str]:
 class FaultyBackend(ReferenceBackend):
     name = "faulty"
     needs_cuda = False
+    color = "#8c564b"
 
     def version(self) -> str:
         return "test"
 
     def prepare(self, x, direction):
         prep = super().prepare(x, direction)
-        kind = faults().get(int(os.environ.get("QLABENCH_FAULT_POINT", "-1")))
+        kind = faults().get(x.point_index)
         return self._wrap(prep, kind)
 
     def _wrap(self, prep, kind):
@@ -65,7 +67,7 @@ class FaultyBackend(ReferenceBackend):
 
     def outputs_to_canonical(self, raw, x, direction):
         out = super().outputs_to_canonical(raw, x, direction)
-        if faults().get(int(os.environ.get("QLABENCH_FAULT_POINT", "-1"))) == "wrong":
+        if faults().get(x.point_index) == "wrong":
             key = "o" if "o" in out else "dv"
             out[key] = out[key] * 1.5
         return out
