@@ -10,10 +10,11 @@ them into exit code 2.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
@@ -280,12 +281,17 @@ class BackendEntry(_Strict):
     same Python version, e.g. ``${VENV}/bin/python``) and/or ``pythonpath`` (``:``-separated
     directories put before the inherited ``PYTHONPATH``) runs in a worker process of its own
     with that environment; ``${VAR}`` is expanded at run time, so no machine path is committed.
-    A label ending in ``@<version>`` (digits and dots) must prefix the version imported there."""
+    A label ending in ``@<version>`` (digits and dots) must prefix the version imported there.
+
+    ``params`` (``{name: tilelang, label: tl-bv32, params: {fwd_block_v: 32}}``) are the
+    backend's own parameters, validated by its ``Params`` model (an unknown key is an error
+    naming it); rows store the ones that differ from the defaults (``backend_params``)."""
 
     name: str
     label: str = ""
     python: Annotated[str, Field(min_length=1)] | None = None
     pythonpath: Annotated[str, Field(min_length=1)] | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -319,6 +325,26 @@ class BackendEntry(_Strict):
             raise ValueError(f"{v!r}: write environment variables as ${{NAME}}")
         return v
 
+    @model_validator(mode="after")
+    def _params_of_the_backend(self) -> BackendEntry:
+        if self.params:
+            from .backends import backend_class
+            from .backends.base import BadParams
+            try:
+                backend_class(self.name).validate_params(self.params)
+            except BadParams as e:
+                raise ValueError(f"params: {e}") from None
+        return self
+
+    @property
+    def params_json(self) -> str:
+        """The parameters that differ from the backend's defaults, as sorted JSON (``{}``)."""
+        if not self.params:
+            return "{}"
+        from .backends import backend_class
+        p = backend_class(self.name).validate_params(self.params)
+        return json.dumps(p.model_dump(mode="json", exclude_defaults=True), sort_keys=True)
+
     @property
     def own_environment(self) -> bool:
         return self.python is not None or self.pythonpath is not None
@@ -326,7 +352,7 @@ class BackendEntry(_Strict):
     @property
     def plain(self) -> bool:
         """Written as a bare name in the YAML (and in stored sweep dumps)."""
-        return self.label == self.name and not self.own_environment
+        return self.label == self.name and not self.own_environment and not self.params
 
 
 class Sweep(_Strict):
@@ -373,7 +399,7 @@ class Sweep(_Strict):
         out = []
         for e in v:
             e = BackendEntry.model_validate(e)
-            out.append(e.name if e.plain else e.model_dump(exclude_none=True))
+            out.append(e.name if e.plain else e.model_dump(exclude_defaults=True))
         return out
 
     def entries(self, labels=None) -> dict[str, BackendEntry]:

@@ -57,7 +57,7 @@ SCHEMA = pa.schema(
         ("initial_state", _b), ("output_final_state", _b),
         ("direction", _s), ("backend", _s), ("backend_version", _s),
         # ``backend`` is the entry's label (the identity); ``backend_name`` the registry name
-        ("backend_name", _s),
+        ("backend_name", _s), ("backend_params", _s),
         ("gpu_name", _s), ("gpu_index", _i), ("gpu_uuid", _s), ("campaign_id", _s),
         ("started_at", _s),
         # outcome
@@ -138,6 +138,9 @@ FIELDS: dict[str, tuple[str, str]] = {
                         "when it did not import)"),
     "backend_name": ("", "registry name of the library (`reference`, `fla`, `flashinfer`, "
                      "`flashqla`, `tilelang`); rows stored before it load with `backend`"),
+    "backend_params": ("", "the entry's backend parameters (YAML `params:`) that differ from the "
+                       "backend's defaults, as sorted JSON (`{}`: defaults); a resume re-measures "
+                       "a key whose parameters changed; rows stored before it load with `{}`"),
     "gpu_name": ("", "device name (`cpu` without CUDA)"),
     "gpu_index": ("", "CUDA device index the row ran on (after `CUDA_VISIBLE_DEVICES`)"),
     "gpu_uuid": ("", "the GPU's UUID; ratios pair rows of one GPU"),
@@ -313,15 +316,15 @@ class ResultStore:
         return load(self.out)
 
     def done_keys(self, retry_failed: bool = False) -> dict[tuple, str]:
-        """(point_key, backend, direction, backend_version) -> recipe_hash of finished rows.
-        With ``retry_failed`` also crashed/timeout/oom rows are run again."""
+        """(point_key, backend, direction, backend_version, backend_params) -> recipe_hash of
+        finished rows. With ``retry_failed`` also crashed/timeout/oom rows are run again."""
         df = self.load()
         if df.empty:
             return {}
         retry = RETRY_STATUSES + (FAILED_STATUSES if retry_failed else ())
         df = df[~df["status"].isin(retry)]
-        return {(r.point_key, r.backend, r.direction, r.backend_version): r.recipe_hash
-                for r in df.itertuples()}
+        return {(r.point_key, r.backend, r.direction, r.backend_version, r.backend_params):
+                r.recipe_hash for r in df.itertuples()}
 
     def check_method(self, mode: str, l2: str) -> None:
         """Refuse to resume into a directory whose GPU rows were timed another way."""
@@ -425,6 +428,8 @@ def _upgrade(df: pd.DataFrame, meta: dict | None = None) -> pd.DataFrame:
     from .sweep import label_fits, layout_label, spec_labels, tp_degree
     if "backend" in df.columns:
         df["backend_name"] = backend_names(df)
+        params = df["backend_params"] if "backend_params" in df.columns else None
+        df["backend_params"] = "{}" if params is None else params.fillna("{}").replace("", "{}")
     if "model" in df.columns:
         derived = df["model"].map(tp_degree).astype("Int64")
         if "tp_degree" in df.columns:

@@ -225,9 +225,9 @@ def campaign_for(store: ResultStore, uuids: list[str], resume: bool, sweep_dump:
 
 def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name: str,
              be_version: str, gpu_name: str, campaign_id: str | None = None,
-             be_lib: str | None = None) -> dict:
+             be_lib: str | None = None, be_params: str = "{}") -> dict:
     """The identity of a row; ``be_name`` is the backend entry's label, ``be_lib`` its registry
-    name (default: the label)."""
+    name (default: the label), ``be_params`` its non-default parameters (JSON)."""
     return {
         "run_id": run_id, "git_sha": sha, "config": cfg, "point_index": p.index,
         "point_key": p.key, "recipe_hash": p.recipe_hash, "model": p.model, "tp": p.tp_label,
@@ -237,6 +237,7 @@ def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name:
         "gate_zero_frac": p.gate_zero_frac, "initial_state": p.initial_state,
         "output_final_state": p.output_final_state, "direction": direction,
         "backend": be_name, "backend_name": be_lib or be_name, "backend_version": be_version,
+        "backend_params": be_params,
         "gpu_name": gpu_name,
         "gpu_index": _gpu_index(), "gpu_uuid": device_uuid(), "campaign_id": campaign_id,
         "started_at": datetime.now().isoformat(timespec="milliseconds"),
@@ -414,7 +415,7 @@ def row_for(task: Task, backend: str) -> dict:
     c = task.ctx
     return base_row(c["run_id"], c["sha"], c["config"], task.point, task.direction, backend,
                     c["versions"][backend], c["gpu_name"], c.get("campaign_id"),
-                    c.get("names", {}).get(backend))
+                    c.get("names", {}).get(backend), c.get("params_json", {}).get(backend, "{}"))
 
 
 def measure_task(sweep: Sweep, task: Task, emit) -> None:
@@ -427,7 +428,7 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
         sweep_ceilings["c"] = task.ctx.get("ceilings") or {}
     for n in task.backends:
         emit("start", n)
-        be = B.get(task.ctx.get("names", {}).get(n, n))
+        be = B.get(task.ctx.get("names", {}).get(n, n), task.ctx.get("params", {}).get(n))
         row = row_for(task, n)
         ok, why = task.ctx["avail"][n]
         if ok:
@@ -499,6 +500,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     avail, versions, workers = check_backends(entries)
     tl["backends_checked"] = round(time.time() - t_run, 3)
 
+    params_json = {n: e.params_json for n, e in entries.items()}
     done = store.done_keys(retry_failed) if resume else {}
     if resume:
         store.check_method(sweep.timing.mode, sweep.timing.l2)
@@ -532,6 +534,8 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     store.write_meta(run_id, meta)
     ctx = {"run_id": run_id, "sha": sha, "config": config_name, "versions": versions,
            "names": {n: e.name for n, e in entries.items()},
+           "params": {n: e.params for n, e in entries.items() if e.params},
+           "params_json": params_json,
            "avail": avail, "gpu_name": gpu_name, "campaign_id": campaign_id,
            # what the derived columns use: this run's ceilings, or where their measurement failed
            # the same-GPU runs' median in this directory (what metrics.add_derived recomputes)
@@ -563,7 +567,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         for direction in sweep.directions:
             todo = []
             for n in names:
-                if (p.key, n, direction, versions[n]) in done:
+                if (p.key, n, direction, versions[n], params_json[n]) in done:
                     summary.skipped_done += 1
                     continue
                 todo.append(n)

@@ -19,6 +19,7 @@ import os
 import time
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from qlabench.backends.base import Prepared
 from qlabench.backends.reference import ReferenceBackend
@@ -33,10 +34,17 @@ def faults() -> dict[int, str]:
     return out
 
 
+class FaultyParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    #: multiplies o (fwd) or dv (bwd): 1.0 is the reference's answer
+    o_scale: float = 1.0
+
+
 class FaultyBackend(ReferenceBackend):
     name = "faulty"
     needs_cuda = False
     color = "#8c564b"
+    Params = FaultyParams
 
     def version(self) -> str:
         return "test"
@@ -67,7 +75,8 @@ class FaultyBackend(ReferenceBackend):
 
     def outputs_to_canonical(self, raw, x, direction):
         out = super().outputs_to_canonical(raw, x, direction)
-        if faults().get(x.point_index) == "wrong":
+        scale = (1.5 if faults().get(x.point_index) == "wrong" else 1.0) * self.params.o_scale
+        if scale != 1.0:
             key = "o" if "o" in out else "dv"
-            out[key] = out[key] * 1.5
+            out[key] = out[key] * scale
         return out

@@ -26,10 +26,12 @@ the kernel (our q, k are already normalised).
 from __future__ import annotations
 
 import inspect
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
-from .base import Backend, Prepared, cuda_cc
+from .base import Backend, Prepared, Unsupported, cuda_cc
 
 
 def to_flashinfer(x) -> dict:
@@ -59,12 +61,24 @@ def state_from_flashinfer(st: torch.Tensor) -> torch.Tensor:
     return st.transpose(-1, -2)
 
 
+class FlashInferParams(BaseModel):
+    """Arguments of the CuTe-DSL API (0.6.14 and later); the CUTLASS-flat one takes neither."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    #: context parallelism: "auto" (the library's rule), or forced on / off
+    use_cp: Literal["auto"] | bool = "auto"
+    #: "linear": the gate passed as α = exp(g) (computed in prepare, outside the timed call);
+    #: "log": g passed as is with gate_domain="log" (the library's exp runs inside the call)
+    gate_domain: Literal["linear", "log"] = "linear"
+
+
 class FlashInferBackend(Backend):
     name = "flashinfer"
     directions = ("fwd",)
     module = "flashinfer"
     distribution = "flashinfer-python"
     color = "#2ca02c"
+    Params = FlashInferParams
 
     def available(self):
         cc = cuda_cc()
@@ -94,6 +108,16 @@ class FlashInferBackend(Backend):
         extra = {}
         if api == "cute-dsl":  # read once here, outside the timed calls (no host sync in them)
             extra["max_seqlen"] = int(x.cu_seqlens.diff().max()) if x.N else 0
+        p = self.params
+        chosen = p.model_dump(exclude_defaults=True)
+        if chosen and api != "cute-dsl":
+            raise Unsupported(f"parameters {', '.join(chosen)} need FlashInfer's CuTe-DSL API "
+                              "(0.6.14 and later); this one is CUTLASS-flat")
+        if p.use_cp != "auto":
+            extra["use_cp"] = p.use_cp
+        if p.gate_domain == "log":
+            a["g"] = x.g.reshape(T, hv).float().contiguous()
+            extra["gate_domain"] = "log"
 
         def fn():
             return chunk_gated_delta_rule(

@@ -6,7 +6,27 @@ layout at run time (``seqlens=``, read to the host once in ``prepare``, plans th
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
 from .base import Backend, Prepared
+
+_Tokens = Annotated[int, Field(ge=0, multiple_of=64)]
+
+
+class TileLangParams(BaseModel):
+    """The run-time choices of the in-repo kernels; ``None`` leaves each to its planner."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    #: fwd_o's V block (64 or 32); None: planned together with the split
+    fwd_block_v: Literal[32, 64] | None = None
+    #: forward segment length in tokens (a multiple of 64); 0: never split; None: planned
+    fwd_split_tokens: _Tokens | None = None
+    #: backward chains' segment length in tokens (a multiple of 64); 0: never split; None: planned
+    bwd_split_tokens: _Tokens | None = None
+    #: the backward's state side on a second CUDA stream
+    bwd_streams: bool = True
 
 
 class TileLangBackend(Backend):
@@ -14,6 +34,7 @@ class TileLangBackend(Backend):
     directions = ("fwd", "bwd", "fwdbwd")
     module = "qlabench_kernels"
     color = "#9467bd"
+    Params = TileLangParams
 
     def version(self) -> str:
         """A hash of the kernel sources: editing ``kernels/`` makes a new resume key."""
@@ -58,8 +79,16 @@ class TileLangBackend(Backend):
 
         # the layout on the host, read once here (outside the timed calls), plans the sequence split
         lens = x.cu_seqlens.diff().tolist()
+        p = self.params
+        chosen = p.fwd_block_v is not None or p.fwd_split_tokens is not None
 
         def fwd():
+            if chosen:  # the planner's choices replaced by the parameters
+                r = qk.chunk_gdn_fwd_lowlevel(
+                    x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
+                    output_final_state=x.output_final_state, cu_seqlens=x.cu_seqlens,
+                    split_tokens=p.fwd_split_tokens, block_v=p.fwd_block_v, seqlens=lens)
+                return r["o"], r["final_state"]
             return qk.chunk_gdn_fwd(x.q, x.k, x.v, x.g, x.beta, scale=x.scale,
                                     initial_state=x.h0, output_final_state=x.output_final_state,
                                     cu_seqlens=x.cu_seqlens, seqlens=lens)
@@ -74,9 +103,16 @@ class TileLangBackend(Backend):
                                           cu_seqlens=x.cu_seqlens)
             return {k: r[k] for k in ("gcs", "a_beta", "ctab") if k in r}
 
+        bwd_kw = {}
+        if p.bwd_split_tokens is not None:
+            bwd_kw["split_tokens"] = p.bwd_split_tokens
+        if not p.bwd_streams:
+            bwd_kw["streams"] = False
+
         def bwd(sv):
             return qk.chunk_gdn_bwd(x.q, x.k, x.v, x.g, x.beta, x.do, x.dht, scale=x.scale,
-                                    initial_state=x.h0, cu_seqlens=x.cu_seqlens, seqlens=lens, **sv)
+                                    initial_state=x.h0, cu_seqlens=x.cu_seqlens, seqlens=lens,
+                                    **sv, **bwd_kw)
 
         if direction == "bwd":
             sv = saved()  # a forward's saved tensors, outside the timed region

@@ -1,0 +1,98 @@
+"""The backend registry (entry points, the checkout's pyproject table, $QLABENCH_BACKENDS) and
+backend parameters in YAML (validated by the backend, stored on the row, part of the resume key)."""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from qlabench import backends as B
+from qlabench import config as C
+from qlabench import runner
+from qlabench.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"name": "params", "models": [{"name": "m", "h_qk": 1, "h_v": 2, "head_dim": 8}],
+        "seqlens": [[5], [9]], "directions": ["fwd"],
+        "reference": {"impl": "chunked", "dtype": "fp64"},
+        "timing": {"min_samples": 5, "max_samples": 6, "budget_s": 0.05}}
+
+
+def test_in_repo_backends_come_from_the_pyproject_entry_points():
+    import tomllib
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][B.GROUP]
+    assert list(B.names())[:len(table)] == list(table)
+    for name, target in table.items():
+        cls = B.backend_class(name)
+        assert f"{cls.__module__}:{cls.__qualname__}" == target and cls.name == name
+        assert cls.color and set(cls.directions) <= set(C.DIRECTIONS)
+    assert B.backend_class("fla").distribution == "fla-core"
+    # the test backend is registered by conftest through the environment, not shipped
+    assert "faulty" in B.registered() and "faulty" not in table
+
+
+def test_environment_registration(monkeypatch):
+    monkeypatch.setenv(B.ENV, "faulty=faulty_backend:FaultyBackend,twin=faulty_backend:FaultyBackend")
+    assert "twin" in B.names()
+    with pytest.raises(TypeError, match="registered as 'twin' but its name is 'faulty'"):
+        B.backend_class("twin")
+    monkeypatch.setenv(B.ENV, "nonsense")
+    with pytest.raises(ValueError, match="name=module:Class"):
+        B.registered()
+    monkeypatch.delenv(B.ENV)
+    with pytest.raises(B.UnknownBackend, match="unknown backend 'faulty'; known: reference, fla"):
+        B.backend_class("faulty")
+
+
+def test_unknown_name_and_unknown_param_exit_2_naming_them(tmp_path):
+    def validate(backends):
+        p = tmp_path / "s.yaml"
+        p.write_text(yaml.safe_dump({**BASE, "backends": backends}))
+        return CliRunner().invoke(app, ["validate", str(p)])
+
+    r = validate(["reference", "nope"])
+    assert r.exit_code == 2 and "backends[1]" in r.output and "unknown backend 'nope'" in r.output
+    r = validate([{"name": "tilelang", "label": "tl-bv32", "params": {"fwd_bv": 32}}])
+    assert r.exit_code == 2 and "fwd_bv: unknown parameter" in r.output
+    assert "fwd_block_v" in r.output  # the backend's parameters are listed
+    r = validate([{"name": "tilelang", "params": {"fwd_split_tokens": 100}}])
+    assert r.exit_code == 2 and "fwd_split_tokens" in r.output and "multiple of 64" in r.output
+    r = validate([{"name": "flashinfer", "params": {"use_cp": "sometimes"}}])
+    assert r.exit_code == 2 and "use_cp" in r.output
+    assert validate([{"name": "flashinfer", "params": {"use_cp": False}},
+                     {"name": "tilelang", "label": "tl-bv32", "params": {"fwd_block_v": 32}}]).exit_code == 0
+
+
+def test_params_dump_and_json():
+    s = C.parse({**BASE, "backends": ["reference", {"name": "tilelang", "label": "tl-bv32",
+                                                    "params": {"fwd_block_v": 32, "bwd_streams": True}}]})
+    e = s.entries()["tl-bv32"]
+    assert e.params_json == '{"fwd_block_v": 32}'  # defaults are not stored
+    assert s.entries()["reference"].params_json == "{}"
+    assert s.model_dump(mode="json")["backends"][1]["params"] == {"fwd_block_v": 32, "bwd_streams": True}
+    assert C.Sweep.model_validate(s.model_dump(mode="json")) == s
+
+
+def test_params_reach_the_backend_are_stored_and_key_the_resume(tmp_path):
+    """o_scale 2 makes the test backend wrong: the parameter reached the worker's instance. Rows
+    carry the non-default parameters; a resume with other parameters measures the key again."""
+    out = tmp_path / "r"
+
+    def run(params):
+        s = C.parse({**BASE, "backends": ["reference", {"name": "faulty", "label": "f",
+                                                        "params": params}]})
+        runner.run(s, out, resume=True, log=lambda *a, **k: None)
+        return pd.read_parquet(out)
+
+    df = run({})
+    f = df[df["backend"] == "f"]
+    assert len(f) == 2 and set(f["status"]) == {"ok"} and set(f["backend_params"]) == {"{}"}
+    df = run({})  # same parameters: nothing new
+    assert len(df) == 4
+    df = run({"o_scale": 2.0})
+    f = df[df["backend"] == "f"]
+    assert len(df) == 6 and list(f["status"]).count("incorrect") == 2
+    assert json.loads(f["backend_params"].iloc[-1]) == {"o_scale": 2.0}
