@@ -1,10 +1,11 @@
 #!/bin/bash
 # One H200 session's work as one background job, fed over the FlashInfer 0.7 relay
 # (../shared/device/README.md): device calls back to back on one warm machine, one GPU.
-#   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels [.tlcache/fqla_fwd.tar.xz
-#               .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz] (+ tree): /tmp/site312, the
-#               caches, a copy of the tree in /tmp/repo, then the job below started in its own
-#               process session (it outlives the call); returns at once.
+#   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz
+#               [.tlcache/fqla_fwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz]:
+#               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
+#               here with `git archive HEAD -- . ':!results' | gzip`), then the job below started
+#               in its own process session (it outlives the call); returns at once.
 #   STEP=fi07a  carry .fi07a: the CuTe-DSL MLIR library into /tmp.
 #   STEP=fi07b  carry .fi07b: /tmp/fisite (FlashInfer 0.7.4); the job starts the campaign once it is there.
 #   STEP=wait   until the job ends or the call's deadline: its logs and runs so far into $OUT.
@@ -33,11 +34,12 @@ setup)
   for f in fqla_fwd fqla_tests; do  # FlashQLA's kernels (sweep, tests), compiled offline
     [ -f .tlcache/$f.tar.xz ] && tar -xJf .tlcache/$f.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/$f/. /tmp/tlc/all/
   done
-  if [ -f .tlcache/fi0613_jit.tar.xz ]; then tar -xJf .tlcache/fi0613_jit.tar.xz -C / && echo "flashinfer 0.6.13 jit: carried"; fi
   cp -r .run/prevkernels /tmp/prevkernels || exit 1
   source .devsite/setup.sh || exit 1
-  rm -rf /tmp/repo && mkdir /tmp/repo && tar cf - --exclude=./.devsite --exclude=./.tlcache --exclude=./.run \
-    --exclude=./.fi07a --exclude=./.fi07b --exclude=./runs . | tar xf - -C /tmp/repo
+  # FlashInfer 0.6.13's GDN module built offline (the bf16 variants the sweeps and tests call) in
+  # its precompiled slot; the job checks it and falls back to the JIT build when it fails
+  if [ -f .tlcache/fi0613_jit.tar.xz ]; then tar -xJf .tlcache/fi0613_jit.tar.xz -C /tmp/site312 && echo "flashinfer 0.6.13 module: carried"; fi
+  rm -rf /tmp/repo && mkdir /tmp/repo && tar -xzf .run/repo.tar.gz -C /tmp/repo || exit 1
   cat > "$ENVF" <<EOF
 export PYTHONPATH=/tmp/site312 PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlc/all
 export FLA_FLASH_QLA=0 TRITON_CACHE_AUTOTUNING=1
@@ -79,14 +81,21 @@ job)
   suite() { echo env QLABENCH_TEST_TIMEOUT_S=240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
     --durations=25 --junitxml="$J/$1.xml" tests/test_kernels_gpu.py tests/test_kernels_bwd_gpu.py \
     tests/test_poison_gpu.py tests/test_backends_gpu.py; }
-  if [ -z "$(find ~/.cache/flashinfer -name '*.so' 2>/dev/null | head -1)" ]; then
-    python3 -c "
+  # FlashInfer 0.6.13 on the head shapes of the sweeps and tests (GVA or not, with and without h0)
+  fi_calls="
 import torch; from flashinfer.gdn_prefill import chunk_gated_delta_rule as f
-T=64; q=torch.randn(T,2,128,device='cuda',dtype=torch.bfloat16); v=torch.randn(T,8,128,device='cuda',dtype=torch.bfloat16)
-f(q=q,k=q,v=v,g=torch.rand(T,8,device='cuda'),beta=torch.rand(T,8,device='cuda'),cu_seqlens=torch.tensor([0,T],device='cuda'),output_final_state=True)
-torch.cuda.synchronize(); print('flashinfer jit ready')" > "$J/fi_jit.log" 2>&1 &
-    FI_PID=$!
+T=64; dev='cuda'
+for hq, hv in ((2, 8), (2, 2)):
+    for h0 in (None, torch.zeros(1, hv, 128, 128, device=dev)):
+        q=torch.randn(T,hq,128,device=dev,dtype=torch.bfloat16); v=torch.randn(T,hv,128,device=dev,dtype=torch.bfloat16)
+        f(q=q,k=q,v=v,g=torch.rand(T,hv,device=dev),beta=torch.rand(T,hv,device=dev),initial_state=h0,
+          cu_seqlens=torch.tensor([0,T],device=dev,dtype=torch.int64),output_final_state=True)
+torch.cuda.synchronize(); print('flashinfer ready')"
+  AOT=/tmp/site312/flashinfer/data/aot/gdn_prefill_sm90/gdn_prefill_sm90.so
+  if [ -f "$AOT" ] && ! timeout 120 python3 -c "$fi_calls" > "$J/fi_aot.log" 2>&1; then
+    tail -5 "$J/fi_aot.log"; log "carried flashinfer module failed: JIT build instead"; rm -f "$AOT"
   fi
+  if [ ! -f "$AOT" ]; then python3 -c "$fi_calls" > "$J/fi_jit.log" 2>&1 & FI_PID=$!; else log "flashinfer: carried module ok"; fi
   step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml
   step suite_first 200 420 $(suite suite_first)
   while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
