@@ -1,4 +1,5 @@
-"""``qlabench run|list|validate`` (and, as they land, compare|report|reproduce|profile|merge)."""
+"""The ``qlabench`` command: run | list | validate | submit | merge | compact (measure, schedule,
+combine), summary | compare | recommend | report | reproduce (read stored rows), profile."""
 
 from __future__ import annotations
 
@@ -200,11 +201,8 @@ def run(
     names = _backend_list(backends, s)
     shard_t = _parse_shard(shard)
     devices = _parse_gpus(gpus)
-    from .sweep import points
-    pts = points(s)[:limit] if limit else points(s)
-    if shard_t:
-        from .runner import shard_points
-        pts = shard_points(pts, *shard_t)
+    from .sweep import scheduled_points
+    pts = scheduled_points(s, limit, shard_t)  # what runner.run measures, for the plan and the bar
     out_dir = out or Path(s.out.format(name=s.name))
     if not dry_run and out is None:
         _refuse_unrunnable_into_kept(config, s, names, out_dir)

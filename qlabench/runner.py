@@ -1,8 +1,14 @@
-"""The flow: Sweep -> points -> inputs -> backends -> correctness gate -> timing -> rows.
+"""A run: a sweep's points into a results directory, each row durable before the next.
 
-Data flows one way. For each point and direction the reference is computed once (lazily, only
-if some backend will run), every backend is checked against it before it is timed, and each row
-is written durably before the next one starts.
+:func:`run` selects the points (``--limit``, ``--shard``: :func:`qlabench.sweep.scheduled_points`),
+checks each backend's availability and version (:func:`check_backends`, in an entry's own
+environment where it has one), refuses a ``--resume`` over rows of another input recipe, measures
+the GPU's ceilings, writes the run's metadata (versions, environment, campaign:
+:func:`campaign_for`, timeline), and hands the tasks — point x direction x the backends not yet
+done — to an :func:`executor`: a supervised worker process (:mod:`qlabench.supervisor`), this
+process, or one worker per GPU (heaviest tasks first from one queue). Each task is measured by
+:func:`qlabench.measure.measure_task`; every row it sends back is appended to the store at once,
+with SIGINT / SIGTERM held until the write is over.
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ import os
 import queue
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -21,14 +26,19 @@ import pyarrow.parquet as pq
 import torch
 
 from . import backends as B
-from . import metrics, poison, timing
-from .config import Sweep
+from . import metrics
+from .config import Sweep, label_version_problem
+from .measure import Task, device, device_uuid, uuid_of
 from .results import ResultStore, environment, git_sha, load_meta, new_run_id
-from .sweep import Point, points
-from .workloads import Inputs, make
-
-FWD_OUTPUTS = ("o", "final_state")
-BWD_OUTPUTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+from .supervisor import (
+    InProcess,
+    PerEnvironment,
+    Supervisor,
+    deferred_signals,
+    install_sigterm_as_interrupt,
+    worker_environment,
+)
+from .sweep import Point, point_cost, scheduled_points
 
 
 class RecipeMismatch(Exception):
@@ -42,151 +52,6 @@ class RunSummary:
     counts: dict = field(default_factory=dict)
     skipped_done: int = 0
     rows: list = field(default_factory=list)
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(‖out − ref‖ / ‖ref‖, max |out − ref|) computed in fp64; NaN/inf -> inf."""
-    a = out.detach().to(torch.float64).reshape(-1)
-    b = ref.detach().to(torch.float64).reshape(-1).to(a.device)
-    if a.shape != b.shape:
-        raise ValueError(f"shape mismatch: got {tuple(out.shape)}, reference {tuple(ref.shape)}")
-    if not torch.isfinite(a).all():
-        return float("inf"), float("inf")
-    diff = a - b
-    denom = b.norm().item()
-    rel = diff.norm().item() / denom if denom > 0 else diff.norm().item()
-    return rel, diff.abs().max().item()
-
-
-TOKEN_OUTPUTS = ("o", "dq", "dk", "dv", "dg", "dbeta")
-STATE_OUTPUTS = ("final_state", "dh0")
-BLOCK_TOKENS = 1024
-#: a 1024-token block x head may be this many times worse than the global threshold (short
-#: blocks are noisier)
-BLOCK_FACTOR = 3.0
-#: a (sequence, head) state may be this many times worse than the global threshold (each holds
-#: K x V = 16k elements, as tight as the global norm; one sequence of 8 with a 5% error moves
-#: the global norm by ~1.8%)
-SEQ_FACTOR = 1.5
-
-
-def _worst_rel(d2: torch.Tensor, r2: torch.Tensor) -> float:
-    """max sqrt(d2 / r2) over the entries whose reference norm is not negligible."""
-    if not torch.isfinite(d2).all():
-        return float("inf")
-    if not d2.numel():
-        return 0.0
-    mask = r2 > 1e-20 * max(float(r2.max()), 1e-300)
-    if not mask.any():
-        return 0.0
-    return float((d2[mask] / r2[mask]).sqrt().max())
-
-
-def worst_block_rel_err(out: torch.Tensor, ref: torch.Tensor, cu_seqlens: torch.Tensor) -> float:
-    """Largest relative L2 error over (block of <= 1024 tokens of one sequence) x head, for a
-    [1, T, H, D] or [1, T, H] output. A global norm hides a wrong chunk or head in a long
-    sequence (one wrong 64-token chunk of 16/64 1x32768 moves the global error by ~5e-3); per
-    block it stands out."""
-    a = out.detach().reshape(out.shape[1], out.shape[2], -1).to(torch.float64)
-    b = ref.detach().reshape(ref.shape[1], ref.shape[2], -1).to(torch.float64).to(a.device)
-    T = a.shape[0]
-    cu = cu_seqlens.to(a.device)
-    t = torch.arange(T, device=a.device)
-    seq = torch.searchsorted(cu[1:], t, right=True)
-    blk = seq * (T // BLOCK_TOKENS + 2) + (t - cu[seq]) // BLOCK_TOKENS
-    _, blk = torch.unique(blk, return_inverse=True)
-    nb = int(blk.max()) + 1 if T else 0
-    d2 = torch.zeros(nb, a.shape[1], dtype=torch.float64, device=a.device)
-    r2 = torch.zeros_like(d2)
-    d2.index_add_(0, blk, ((a - b) ** 2).sum(-1))
-    r2.index_add_(0, blk, (b ** 2).sum(-1))
-    return _worst_rel(d2, r2)
-
-
-def worst_state_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest relative L2 error over (sequence, head) of an [N, H, K, V] state or gradient."""
-    a = out.detach().to(torch.float64)
-    b = ref.detach().to(torch.float64).to(a.device)
-    return _worst_rel(((a - b) ** 2).sum((-1, -2)), (b ** 2).sum((-1, -2)))
-
-
-def local_rel_err(name: str, out: torch.Tensor, ref: torch.Tensor,
-                  cu_seqlens: torch.Tensor) -> tuple[float, float, str]:
-    """(worst local rel L2, its factor over the global threshold, what "local" is) of an output."""
-    if name in STATE_OUTPUTS:
-        return worst_state_rel_err(out, ref), SEQ_FACTOR, "sequence x head"
-    return (worst_block_rel_err(out, ref, cu_seqlens), BLOCK_FACTOR,
-            f"{BLOCK_TOKENS}-token block x head")
-
-
-def reference_outputs(x: Inputs, direction: str, impl: str, dtype: str) -> dict:
-    from .backends.reference import gdn_chunked, gdn_chunked_grads, gdn_recurrent
-    dt = torch.float64 if dtype == "fp64" else torch.float32
-    with torch.no_grad() if direction == "fwd" else torch.enable_grad():
-        if direction == "fwd":
-            fn = gdn_recurrent if impl == "recurrent" else gdn_chunked
-            o, ht = fn(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens, dtype=dt)
-            return {"o": o, "final_state": ht}
-        return gdn_chunked_grads(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens,
-                                 x.do, x.dht, dtype=dt)
-
-
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
-def _gpu_index() -> int | None:
-    """Physical GPU index of this process (a worker pinned by ``CUDA_VISIBLE_DEVICES``)."""
-    pinned = os.environ.get("QLABENCH_GPU_INDEX")
-    if pinned is not None:
-        return int(pinned)
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
-
-
-def point_cost(p: Point, n_backends: int = 1) -> float:
-    """Relative work of a point, for heaviest-first scheduling and balanced shards."""
-    return float(p.total_tokens) * p.h_v * max(1, n_backends) + 1e6 * p.num_seqs
-
-
-def shard_points(pts: list[Point], i: int, n: int) -> list[Point]:
-    """Deterministic shard ``i`` of ``n``: points sorted heaviest first, dealt round robin
-    (snake order so shards get similar work)."""
-    order = sorted(pts, key=lambda p: (-point_cost(p), p.index))
-    mine = []
-    for rank, p in enumerate(order):
-        r, k = divmod(rank, n)
-        owner = k if r % 2 == 0 else n - 1 - k
-        if owner == i:
-            mine.append(p)
-    return sorted(mine, key=lambda p: p.index)
-
-
-_UUIDS: dict = {}
-
-
-def device_uuid() -> str:
-    """This process's device: the CUDA device's UUID (``GPU-…``, as ``nvidia-smi -L`` prints it),
-    or ``cpu:<hostname>``. Rows pair as "same GPU" only when these are equal."""
-    if not torch.cuda.is_available():
-        import socket
-        return f"cpu:{socket.gethostname()}"
-    return uuid_of(torch.cuda.current_device())
-
-
-def uuid_of(i: int) -> str:
-    if i not in _UUIDS:
-        u = str(getattr(torch.cuda.get_device_properties(i), "uuid", "") or "")
-        _UUIDS[i] = u if u.startswith("GPU-") else (f"GPU-{u}" if u else f"cuda:{i}:unknown")
-    return _UUIDS[i]
 
 
 #: a --resume continues a campaign only within this many hours of its last run's start
@@ -223,244 +88,6 @@ def campaign_for(store: ResultStore, uuids: list[str], resume: bool, sweep_dump:
     return "c" + new_run_id()
 
 
-def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name: str,
-             be_version: str, gpu_name: str, campaign_id: str | None = None,
-             be_lib: str | None = None, be_params: str = "{}") -> dict:
-    """The identity of a row; ``be_name`` is the backend entry's label, ``be_lib`` its registry
-    name (default: the label), ``be_params`` its non-default parameters (JSON)."""
-    return {
-        "run_id": run_id, "git_sha": sha, "config": cfg, "point_index": p.index,
-        "point_key": p.key, "recipe_hash": p.recipe_hash, "model": p.model, "tp": p.tp_label,
-        "h_qk": p.h_qk, "h_v": p.h_v, "head_dim": p.head_dim, "seqlens": list(p.seqlens),
-        "layout": p.layout_label, "total_tokens": p.total_tokens, "num_seqs": p.num_seqs,
-        "dtype": p.dtype, "gate_recipe": p.gate_label,
-        "gate_zero_frac": p.gate_zero_frac, "initial_state": p.initial_state,
-        "output_final_state": p.output_final_state, "direction": direction,
-        "backend": be_name, "backend_name": be_lib or be_name, "backend_version": be_version,
-        "backend_params": be_params,
-        "gpu_name": gpu_name,
-        "gpu_index": _gpu_index(), "gpu_uuid": device_uuid(), "campaign_id": campaign_id,
-        "started_at": datetime.now().isoformat(timespec="milliseconds"),
-        "reason": "",
-    }
-
-
-def check_outputs(outs: dict, ref: dict, x: Inputs, direction: str, sweep: Sweep,
-                  row: dict | None = None) -> tuple[float, float, list[str]]:
-    """Compare canonical outputs with the reference: (worst global rel L2, worst local rel L2,
-    problems). Each output is gated twice: globally against its threshold, and per (sequence,
-    head) for states / per (1024-token block, head) for the others against a multiple of it.
-    Fills ``rel_l2_*`` / ``max_abs_*`` / ``local_rel_l2_*`` into ``row`` when given."""
-    names = FWD_OUTPUTS if direction == "fwd" else BWD_OUTPUTS
-    worst, worst_loc, bad = 0.0, 0.0, []
-    for n in names:
-        if n not in ref or ref[n] is None:
-            continue
-        if n == "final_state" and not x.output_final_state:
-            continue  # not asked for: libraries return None
-        if outs.get(n) is None:
-            bad.append(f"{n} missing")
-            continue
-        rel, mx = rel_err(outs[n], ref[n])
-        loc, factor, what = local_rel_err(n, outs[n], ref[n], x.cu_seqlens)
-        if row is not None:
-            row[f"rel_l2_{n}"], row[f"max_abs_{n}"], row[f"local_rel_l2_{n}"] = rel, mx, loc
-        worst, worst_loc = max(worst, rel), max(worst_loc, loc)
-        lim = sweep.thresholds.get(n)
-        if not rel <= lim:
-            bad.append(f"{n} rel_l2={rel:.3g} > {lim:g}")
-        elif not loc <= factor * lim:
-            bad.append(f"{n} worst {what} rel_l2={loc:.3g} > {factor * lim:g}")
-    return worst, worst_loc, bad
-
-
-def checked_call(be: B.Backend, prep: B.Prepared, x: Inputs, direction: str,
-                 expected_out_bytes: int) -> tuple[dict, float]:
-    """One eager call of ``prep.fn`` with every output it can write poisoned beforehand
-    (``poison``): its canonical outputs and the call's seconds (poisoning excluded)."""
-    poison.poison_cached_memory(2 * expected_out_bytes)
-    poison.fill_nan(prep.outputs)
-    _sync()
-    t0 = time.perf_counter()
-    with poison.PoisonAllocations():
-        raw = prep.fn()
-    _sync()
-    return be.outputs_to_canonical(raw, x, direction), time.perf_counter() - t0
-
-
-def check_replay(be: B.Backend, replay, raw, x: Inputs, direction: str, ref: dict,
-                 sweep: Sweep, preallocated=()) -> tuple[float, list[str]]:
-    """Check the timed path itself: ``raw`` are the outputs of the last call captured in the
-    timing graph; they and the backend's ``preallocated`` output buffers are poisoned (inputs a
-    library hands back are spared), the graph is replayed once, and what it wrote is compared
-    with the reference."""
-    n = poison.fill_nan((raw, tuple(preallocated)), keep=x.tensors().values())
-    _sync()
-    replay()
-    _sync()
-    if n == 0:
-        return float("nan"), ["the captured call returned no floating-point output to check"]
-    outs = be.outputs_to_canonical(raw, x, direction)
-    worst, _, bad = check_outputs(outs, ref, x, direction, sweep)
-    return worst, bad
-
-
-def _fail(row: dict, t_wall: float, reason: str) -> dict:
-    row.update(status="incorrect", latency_ms=None, reason=reason)
-    row["wall_s"] = time.perf_counter() - t_wall
-    return row
-
-
-def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: Sweep,
-                    row: dict, expected_out_bytes: int) -> dict:
-    """Prepare, check, time one backend on one point × direction, then check the timed graph's
-    own outputs and one more eager call. Fills and returns ``row``."""
-    t_wall = time.perf_counter()
-    try:
-        prep = be.prepare(x, direction)
-    except B.Unsupported as e:
-        row.update(status="unsupported", reason=str(e))
-        return row
-    outs, row["compile_s"] = checked_call(be, prep, x, direction, expected_out_bytes)
-    worst, worst_loc, bad = check_outputs(outs, ref, x, direction, sweep, row)
-    del outs
-    row["max_rel_l2"] = worst
-    row["worst_block_rel_l2"] = worst_loc
-    if bad:
-        return _fail(row, t_wall, "; ".join(bad))
-
-    gpu = torch.cuda.is_available() and sweep.timing.mode != "cpu"
-    graph = None
-    if gpu:
-        for attempt in range(2):  # a throttled measurement is re-measured once
-            c0 = metrics.clocks()
-            tr, graph = timing.measure_gpu(prep.fn, sweep.timing, prep.graph_safe)
-            c1 = metrics.clocks()
-            row["sm_clock_mhz_before"] = c0.get("sm_clock_mhz")
-            row["sm_clock_mhz_after"] = c1.get("sm_clock_mhz")
-            row["throttled"] = metrics.throttled(c0.get("throttle_reasons")) or \
-                metrics.throttled(c1.get("throttle_reasons"))
-            if not row["throttled"]:
-                break
-            if attempt == 0:
-                row["reason"] = "throttled (NVML clock-event reasons); re-measured once"
-    else:
-        tr = timing.measure_cpu(prep.fn, sweep.timing.model_copy(update={"mode": "cpu"}))
-    st = tr.stats()
-    row.update(latency_ms=st["latency_ms"], p10_ms=st["p10_ms"], p90_ms=st["p90_ms"],
-               iqr_ms=st["iqr_ms"], mean_ms=st["mean_ms"], rse=st["rse"],
-               samples_ms=tr.samples_ms, n_samples=tr.n_samples, timing_mode=tr.timing_mode,
-               timing_fallback=tr.fallback_reason, stop_reason=tr.stop_reason,
-               calls_per_sample=tr.calls_per_sample, l2=tr.l2)
-    if graph is not None:  # what the timed graph computes, not only what an eager call does
-        g_worst, bad_g = check_replay(be, graph.replay, tr.outputs, x, direction, ref, sweep,
-                                      prep.outputs)
-        row["graph_max_rel_l2"] = g_worst
-        if bad_g:
-            return _fail(row, t_wall, "the timed CUDA graph's outputs differ from the reference "
-                         "(another path under capture?): " + "; ".join(bad_g))
-    tr.outputs = None
-    # the timed calls ran on the same inputs: check one more call (races, carried state)
-    outs, _ = checked_call(be, prep, x, direction, expected_out_bytes)
-    _, _, bad2 = check_outputs(outs, ref, x, direction, sweep)
-    del outs
-    if bad2:
-        return _fail(row, t_wall, "a call after timing was wrong (race or state carried between "
-                     "calls?): " + "; ".join(bad2))
-    if gpu and sweep.timing.gpm:
-        replay = graph.replay if graph is not None else prep.fn
-        row.update(metrics.gpm_sample(replay))
-    if gpu:
-        try:
-            from .profile import kernel_breakdown, stored_kernels
-            kb = kernel_breakdown(prep.fn)
-            if kb:
-                top = kb[0]
-                row["top_kernel"] = top["name"][:200]
-                row["ctas"] = top.get("ctas")
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                row["ctas_per_sm"] = (top["ctas"] / sms) if top.get("ctas") else None
-                row["kernels_per_call"] = sum(k["calls"] for k in kb)
-                row["kernels"] = stored_kernels(kb)
-                row["path"] = be.path([k["name"] for k in kb])
-        except Exception as e:  # profiling is a bonus; never fails a row
-            row["reason"] = (row.get("reason") or "") + f" profile failed: {type(e).__name__}"
-    c = sweep_ceilings.get("c") or {}
-    p_ = x
-    row.update(metrics.derive(direction, row.get("latency_ms"), p_.T, p_.h_qk, p_.h_v, p_.N,
-                              p_.q.shape[-1], row["dtype"], c.get("matmul_tflops"),
-                              c.get("copy_gbps"), p_.h0 is not None, p_.output_final_state))
-    if not gpu:  # the roofline is the GPU's; a CPU timing has no place on it
-        row.update(roofline_ms=None, pct_roofline=None)
-    row["status"] = "ok"
-    row["wall_s"] = time.perf_counter() - t_wall
-    return row
-
-
-#: ceilings measured once per process on the GPU (set by the worker / in-process run)
-sweep_ceilings: dict = {}
-
-
-@dataclass
-class Task:
-    """One point × direction and the backends still to measure on it."""
-
-    point: Point
-    direction: str
-    backends: list[str]  # labels
-    ctx: dict  # run_id, sha, config, names (label -> registry name), versions, avail, gpu_name
-
-
-def row_for(task: Task, backend: str) -> dict:
-    c = task.ctx
-    return base_row(c["run_id"], c["sha"], c["config"], task.point, task.direction, backend,
-                    c["versions"][backend], c["gpu_name"], c.get("campaign_id"),
-                    c.get("names", {}).get(backend), c.get("params_json", {}).get(backend, "{}"))
-
-
-def measure_task(sweep: Sweep, task: Task, emit) -> None:
-    """Measure every backend of ``task``; ``emit(kind, payload)`` gets ("start", backend) before
-    each backend and ("row", row) after it. Runs in the worker (or in-process)."""
-    p, direction = task.point, task.direction
-    dev = device()
-    x = ref = None
-    if "c" not in sweep_ceilings:
-        sweep_ceilings["c"] = task.ctx.get("ceilings") or {}
-    for n in task.backends:
-        emit("start", n)
-        be = B.get(task.ctx.get("names", {}).get(n, n), task.ctx.get("params", {}).get(n))
-        row = row_for(task, n)
-        ok, why = task.ctx["avail"][n]
-        if ok:
-            ok, why = be.supports(p, direction)
-            status = "unsupported"
-        else:
-            status = "unavailable"
-        if not ok:
-            row.update(status=status, reason=why)
-        else:
-            try:
-                if x is None:
-                    x = make(p, dev, with_grads=direction != "fwd")
-                    ref = reference_outputs(x, direction, sweep.reference.impl,
-                                            sweep.reference.dtype)
-                out_bytes = (x.v.numel() * 2 + (x.h0.numel() * 4 if x.h0 is not None else 0)) \
-                    * (1 if direction == "fwd" else 3)
-                row = measure_backend(be, x, direction, ref, sweep, row, out_bytes)
-            except Exception as e:
-                status = "oom" if _is_oom(e) else "crashed"
-                tb = traceback.format_exc(limit=4)
-                row.update(status=status, reason=f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}")
-                if status == "oom":
-                    x = ref = None  # free what we hold; the next backend rebuilds
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-        emit("row", row)
-    del x, ref
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def process_started_at() -> float | None:
     """Epoch seconds at which this process started (Linux /proc), else None."""
     try:
@@ -479,8 +106,6 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         devices: list[str] | None = None, retry_failed: bool = False) -> RunSummary:
     """Run a sweep into ``out_dir``. With ``isolate`` (default: the sweep's ``isolate``), points
     run in a supervised worker process: a crash or a hang costs one row, not the sweep."""
-    from .supervisor import deferred_signals, install_sigterm_as_interrupt
-
     t_run = time.time()
     tl: dict = {}  # the run's timeline (seconds from the run's start), stored in the metadata
     t_proc = process_started_at()
@@ -490,11 +115,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         install_sigterm_as_interrupt()  # SIGTERM ends a run like Ctrl-C: rows kept, metadata written
 
     store = ResultStore(out_dir)
-    pts = points(sweep)
-    if limit is not None:
-        pts = pts[:limit]
-    if shard is not None:
-        pts = shard_points(pts, *shard)
+    pts = scheduled_points(sweep, limit, shard)
     entries = sweep.entries(backend_names)
     names = list(entries)
     avail, versions, workers = check_backends(entries)
@@ -604,8 +225,6 @@ def check_backends(entries: dict) -> tuple[dict, dict, dict]:
     :class:`~qlabench.config.BackendEntry`). An entry with an environment of its own is checked
     in it (:func:`supervisor.worker_environment`), the others in this process; a label's
     ``@<version>`` suffix must prefix the version found."""
-    from .config import label_version_problem
-    from .supervisor import worker_environment
     avail, versions, workers = {}, {}, {}
     for n, e in entries.items():
         if e.own_environment:
@@ -628,7 +247,6 @@ def executor(sweep: Sweep, log_dir: Path, log, isolate: bool, workers: dict,
     """What runs tasks: a supervised worker (``isolate``) or this process, and a worker of its
     own for each entry in ``workers`` (label -> :class:`supervisor.WorkerEnv`); ``device``: a
     CUDA index every worker is pinned to."""
-    from .supervisor import InProcess, PerEnvironment, Supervisor
     env = {"CUDA_VISIBLE_DEVICES": device, "QLABENCH_GPU_INDEX": device} if device else None
     default = Supervisor(sweep, log_dir, log=log, env=env, stop=stop) if isolate \
         else InProcess(sweep)

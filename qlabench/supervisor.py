@@ -1,7 +1,7 @@
 """Crash isolation: points run in a worker process that the main process supervises.
 
 The worker (``multiprocessing`` spawn context, so CUDA is never forked) receives one
-:class:`~qlabench.runner.Task` at a time and sends back ``("start", backend)`` before each backend
+:class:`~qlabench.measure.Task` at a time and sends back ``("start", backend)`` before each backend
 and ``("row", row)`` after it; the main process writes each row durably. If the worker dies
 (illegal address, abort, segfault), the backend in flight gets a ``crashed`` row with the tail of
 the worker's stderr log; if a backend runs past ``row_timeout_s`` the worker is killed and the row
@@ -14,6 +14,10 @@ directories before the inherited ``PYTHONPATH``, and the ``sys.path`` that inter
 it (:func:`worker_environment` asks it, in a subprocess, which also checks the backend there).
 
 SIGINT/SIGTERM in the main process never interrupt a row write (:func:`deferred_signals`).
+
+The worker imports this module before its environment is set (``sys.path``, the pinned GPU), so
+nothing here imports torch or a backend at module level: :mod:`qlabench.measure` is imported
+where it is used.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ class InProcess:
         self.sweep = sweep
 
     def run_task(self, task, on_row) -> None:
-        from .runner import measure_task
+        from .measure import measure_task
 
         def emit(kind, payload):
             if kind == "row":
@@ -101,7 +105,7 @@ def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None,
     print(f"--- worker {os.getpid()}: {sys.executable}, sys.path {sys.path[:4]}", file=sys.stderr,
           flush=True)
     from .config import Sweep
-    from .runner import measure_task
+    from .measure import measure_task
     sweep = Sweep.model_validate(sweep_json)
     while True:
         task = conn.recv()
@@ -199,7 +203,7 @@ class Supervisor:
         self.conn = None
 
     def run_task(self, task, on_row) -> None:
-        from .runner import Task, row_for, uuid_of
+        from .measure import Task, row_for, uuid_of
         remaining = list(task.backends)
         idle_deaths = 0
         while remaining:
@@ -370,7 +374,7 @@ class PerEnvironment:
         self.stop = stop
 
     def run_task(self, task, on_row) -> None:
-        from .runner import Task
+        from .measure import Task
         groups: dict = {}
         for b in task.backends:
             groups.setdefault(b if b in self.make else None, []).append(b)

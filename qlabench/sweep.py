@@ -1,7 +1,9 @@
-"""Sweep -> concrete Points.
+"""Sweep -> concrete Points, and which of them a run measures in which order.
 
 A **point** is (model: h_qk, h_v, head_dim; the list of sequence lengths; dtype; gate recipe).
 A **row** is point × backend × direction. Points are ordered models-major, layouts-minor.
+:func:`scheduled_points` is the points one run measures (``--limit``, ``--shard``); shards are
+balanced by :func:`point_cost`, which also orders work heaviest first across GPUs.
 """
 
 from __future__ import annotations
@@ -199,3 +201,33 @@ def points(sweep: Sweep) -> list[Point]:
                     index=len(out), split_seed=seed, **_gate_fields(gate),
                 ))
     return out
+
+
+def point_cost(p: Point, n_backends: int = 1) -> float:
+    """Relative work of a point, for heaviest-first scheduling and balanced shards."""
+    return float(p.total_tokens) * p.h_v * max(1, n_backends) + 1e6 * p.num_seqs
+
+
+def shard_points(pts: list[Point], i: int, n: int) -> list[Point]:
+    """Deterministic shard ``i`` of ``n``: points sorted heaviest first, dealt round robin
+    (snake order so shards get similar work)."""
+    order = sorted(pts, key=lambda p: (-point_cost(p), p.index))
+    mine = []
+    for rank, p in enumerate(order):
+        r, k = divmod(rank, n)
+        owner = k if r % 2 == 0 else n - 1 - k
+        if owner == i:
+            mine.append(p)
+    return sorted(mine, key=lambda p: p.index)
+
+
+def scheduled_points(sweep: Sweep, limit: int | None = None,
+                     shard: tuple[int, int] | None = None) -> list[Point]:
+    """The points a run of ``sweep`` measures: the first ``limit`` of them, then of those shard
+    ``i`` of ``n`` (:func:`shard_points`) when ``shard`` is ``(i, n)``."""
+    pts = points(sweep)
+    if limit is not None:
+        pts = pts[:limit]
+    if shard is not None:
+        pts = shard_points(pts, *shard)
+    return pts

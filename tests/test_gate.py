@@ -5,7 +5,7 @@ import torch
 
 from qlabench import config as C
 from qlabench import results, runner
-from qlabench.runner import worst_block_rel_err
+from qlabench.gate import worst_block_rel_err
 from qlabench.workloads import cu_seqlens_of
 
 

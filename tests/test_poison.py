@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlabench import backends as B
 from qlabench import config as C
-from qlabench import poison, runner, timing
+from qlabench import gate, poison, runner, timing
 from qlabench.backends.base import Prepared
 from qlabench.backends.reference import ReferenceBackend
 from qlabench.workloads import cu_seqlens_of
@@ -62,7 +62,7 @@ class SkipsTail(ReferenceBackend):
 
 
 def _run(tmp_path, monkeypatch, be, cfg=CFG):
-    monkeypatch.setattr(B, "get", lambda n: be)
+    monkeypatch.setattr(B, "get", lambda n, params=None: be)
     return runner.run(C.parse(cfg), tmp_path, log=lambda m: None).rows
 
 
@@ -123,7 +123,7 @@ def _tiny(direction="fwd"):
     from qlabench.workloads import make
     sw = C.parse({**CFG, "directions": [direction]})
     x = make(points(sw)[0], with_grads=direction != "fwd")
-    return sw, x, runner.reference_outputs(x, direction, "chunked", "fp64")
+    return sw, x, gate.reference_outputs(x, direction, "chunked", "fp64")
 
 
 class HandsBackH0(ReferenceBackend):
@@ -142,13 +142,13 @@ def test_check_replay_poisons_the_captured_outputs_then_checks_what_the_replay_w
         raw[0].copy_(ref["o"])
         raw[1].copy_(ref["final_state"])
 
-    worst, bad = runner.check_replay(be, replay_all, raw, x, "fwd", ref, sw)
+    worst, bad = gate.check_replay(be, replay_all, raw, x, "fwd", ref, sw)
     assert bad == [] and worst < 1e-6 and torch.isfinite(x.h0).all()
 
     def replay_skips_state():  # under capture the library leaves the state alone
         raw[0].copy_(ref["o"])
 
-    _, bad = runner.check_replay(be, replay_skips_state, raw, x, "fwd", ref, sw)
+    _, bad = gate.check_replay(be, replay_skips_state, raw, x, "fwd", ref, sw)
     assert any("final_state" in b for b in bad)
 
 
@@ -159,7 +159,7 @@ def test_state_gate_catches_one_wrong_sequence_the_global_norm_hides():
     bad[5] = bad[5] * 1.05  # one sequence of 8 with a 5% error
     glob = ((bad - ref).norm() / ref.norm()).item()
     assert glob < 2e-2  # passes the global threshold ...
-    assert runner.worst_state_rel_err(bad, ref) > runner.SEQ_FACTOR * 2e-2  # ... not this one
+    assert gate.worst_state_rel_err(bad, ref) > gate.SEQ_FACTOR * 2e-2  # ... not this one
 
 
 LOCAL = {**CFG, "models": [{"name": "m", "h_qk": 1, "h_v": 4, "head_dim": 16}],
@@ -173,15 +173,15 @@ def test_small_gradients_are_gated_locally(name, factor):
     from qlabench.workloads import make
     sw = C.parse({**LOCAL, "directions": ["bwd"]})
     x = make(points(sw)[0], with_grads=True)
-    ref = runner.reference_outputs(x, "bwd", "chunked", "fp64")
+    ref = gate.reference_outputs(x, "bwd", "chunked", "fp64")
     outs = {k: v.clone() for k, v in ref.items()}
-    assert runner.check_outputs(outs, ref, x, "bwd", sw)[2] == []
+    assert gate.check_outputs(outs, ref, x, "bwd", sw)[2] == []
     if name == "dh0":
         outs[name][1, 2] *= factor  # sequence 1, head 2
     else:
         outs[name][0, 2000:2040, 2] *= factor  # all of sequence 1, head 2
     row: dict = {}
-    _, _, bad = runner.check_outputs(outs, ref, x, "bwd", sw, row)
+    _, _, bad = gate.check_outputs(outs, ref, x, "bwd", sw, row)
     assert row[f"rel_l2_{name}"] < sw.thresholds.get(name)  # passes the global threshold ...
     assert [b for b in bad if b.startswith(f"{name} worst")] == bad and bad  # ... not the local one
 
@@ -253,4 +253,4 @@ def test_block_gate_on_token_outputs_of_rank_three():
     ref = torch.randn(1, 2048, 3)
     out = ref.clone()
     out[0, 1100:1200, 2] = 0
-    assert runner.worst_block_rel_err(out, ref, cu_seqlens_of([2048])) > 0.2
+    assert gate.worst_block_rel_err(out, ref, cu_seqlens_of([2048])) > 0.2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qlabench import config as C
-from qlabench import results, runner
+from qlabench import measure, results, runner
 from qlabench.backends.reference import gdn_chunked, gdn_recurrent
 from qlabench.sweep import points
 from qlabench.workloads import make
@@ -66,21 +66,21 @@ def test_resume_on_the_same_device_continues_the_campaign(tmp_path):
     r2 = runner.run(cfg, tmp_path, limit=2, resume=True, log=lambda m: None)
     df = results.load(tmp_path)
     assert r1.run_id != r2.run_id and len(df) == 2 and df["campaign_id"].nunique() == 1
-    assert df["gpu_uuid"].iloc[0] == runner.device_uuid() and df["campaign_id"].notna().all()
+    assert df["gpu_uuid"].iloc[0] == measure.device_uuid() and df["campaign_id"].notna().all()
     camp = df["campaign_id"].iloc[0]
     r3 = runner.run(cfg, tmp_path / "other", log=lambda m: None)  # not a resume
     assert r3.rows[0]["campaign_id"] != camp
     # an edited sweep, or a run on another device last, starts a new campaign
     edited = C.parse({**CFG, "gate": {"recipe": "published"}, "seqlens": [[70, 5], [33], [13]]})
-    assert runner.campaign_for(results.ResultStore(tmp_path), [runner.device_uuid()], True,
+    assert runner.campaign_for(results.ResultStore(tmp_path), [measure.device_uuid()], True,
                                edited.model_dump(mode="json")) != camp
     meta = results.load_meta(tmp_path)[r2.run_id]
-    assert runner.campaign_for(results.ResultStore(tmp_path), [runner.device_uuid()], True,
+    assert runner.campaign_for(results.ResultStore(tmp_path), [measure.device_uuid()], True,
                                cfg.model_dump(mode="json"), meta["backend_versions"]) == camp
-    assert runner.campaign_for(results.ResultStore(tmp_path), [runner.device_uuid()], True,
+    assert runner.campaign_for(results.ResultStore(tmp_path), [measure.device_uuid()], True,
                                cfg.model_dump(mode="json"), {"reference": "other"}) != camp
     later = datetime.fromisoformat(meta["started_at"]) + timedelta(hours=runner.CAMPAIGN_HOURS + 1)
-    assert runner.campaign_for(results.ResultStore(tmp_path), [runner.device_uuid()], True,
+    assert runner.campaign_for(results.ResultStore(tmp_path), [measure.device_uuid()], True,
                                cfg.model_dump(mode="json"), now=later) != camp
     for rid, m in results.load_meta(tmp_path).items():  # the earlier runs were on another GPU
         results.ResultStore(tmp_path).write_meta(rid, {**m, "gpu_uuids": ["GPU-elsewhere"]})

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 from qlabench import config as C
 from qlabench import results, runner
 from qlabench.cli import app
-from qlabench.sweep import points
+from qlabench.sweep import point_cost, points, scheduled_points, shard_points
 
 CFG = {"name": "so", "models": [{"name": "a", "h_qk": 1, "h_v": 2, "head_dim": 8},
                                 {"name": "b", "h_qk": 1, "h_v": 1, "head_dim": 8}],
@@ -18,11 +18,11 @@ CFG = {"name": "so", "models": [{"name": "a", "h_qk": 1, "h_v": 2, "head_dim": 8
 
 def test_shards_partition_the_points_deterministically():
     pts = points(C.load("configs/h200_fwd.yaml"))
-    shards = [runner.shard_points(pts, i, 4) for i in range(4)]
+    shards = [shard_points(pts, i, 4) for i in range(4)]
     keys = [p.key for s in shards for p in s]
     assert sorted(keys) == sorted(p.key for p in pts) and len(set(keys)) == len(keys)
-    assert [p.key for p in runner.shard_points(pts, 2, 4)] == [p.key for p in shards[2]]
-    work = [sum(runner.point_cost(p) for p in s) for s in shards]
+    assert [p.key for p in shard_points(pts, 2, 4)] == [p.key for p in shards[2]]
+    work = [sum(point_cost(p) for p in s) for s in shards]
     assert max(work) / min(work) < 1.15
 
 
@@ -35,6 +35,10 @@ def test_shard_runs_then_merge_equal_one_run(tmp_path):
     df = results.load(tmp_path / "m")
     assert len(df) == 8 and not df.duplicated(results.KEY).any() and set(df.status) == {"ok"}
     assert len(results.load_meta(tmp_path / "m")) == 3
+    # a shard measures what `qlabench run --shard` plans: the limit first, then the shard
+    shard1 = {r.point_key for r in results.load(tmp_path / "s1").itertuples()}
+    assert shard1 == {p.key for p in scheduled_points(s, None, (1, 3))}
+    assert scheduled_points(s, 5, (1, 3)) == shard_points(points(s)[:5], 1, 3)
 
 
 def test_merge_refuses_mixed_recipes(tmp_path):

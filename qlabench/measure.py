@@ -1,0 +1,238 @@
+"""The measurement of one task (a point x direction and its backends), in a worker or in process.
+
+For each backend of a :class:`Task`: its availability and support, then (the inputs and the
+reference built once, lazily, for the task) :func:`measure_backend` — prepare, the correctness
+gate (:mod:`qlabench.gate`), timing, the timed graph's and one more eager call's outputs checked,
+kernel breakdown and derived metrics against the run's ceilings — and one row each, sent through
+``emit``. An exception costs that backend's row (``oom`` / ``crashed``), not the task. A row's
+identity (:func:`base_row`) includes the device it was measured on (:func:`device_uuid`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime
+
+import torch
+
+from . import backends as B
+from . import metrics, timing
+from .config import Sweep
+from .gate import check_outputs, check_replay, checked_call, reference_outputs
+from .sweep import Point
+from .workloads import Inputs, make
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _gpu_index() -> int | None:
+    """Physical GPU index of this process (a worker pinned by ``CUDA_VISIBLE_DEVICES``)."""
+    pinned = os.environ.get("QLABENCH_GPU_INDEX")
+    if pinned is not None:
+        return int(pinned)
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+_UUIDS: dict = {}
+
+
+def device_uuid() -> str:
+    """This process's device: the CUDA device's UUID (``GPU-…``, as ``nvidia-smi -L`` prints it),
+    or ``cpu:<hostname>``. Rows pair as "same GPU" only when these are equal."""
+    if not torch.cuda.is_available():
+        import socket
+        return f"cpu:{socket.gethostname()}"
+    return uuid_of(torch.cuda.current_device())
+
+
+def uuid_of(i: int) -> str:
+    if i not in _UUIDS:
+        u = str(getattr(torch.cuda.get_device_properties(i), "uuid", "") or "")
+        _UUIDS[i] = u if u.startswith("GPU-") else (f"GPU-{u}" if u else f"cuda:{i}:unknown")
+    return _UUIDS[i]
+
+
+def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name: str,
+             be_version: str, gpu_name: str, campaign_id: str | None = None,
+             be_lib: str | None = None, be_params: str = "{}") -> dict:
+    """The identity of a row; ``be_name`` is the backend entry's label, ``be_lib`` its registry
+    name (default: the label), ``be_params`` its non-default parameters (JSON)."""
+    return {
+        "run_id": run_id, "git_sha": sha, "config": cfg, "point_index": p.index,
+        "point_key": p.key, "recipe_hash": p.recipe_hash, "model": p.model, "tp": p.tp_label,
+        "h_qk": p.h_qk, "h_v": p.h_v, "head_dim": p.head_dim, "seqlens": list(p.seqlens),
+        "layout": p.layout_label, "total_tokens": p.total_tokens, "num_seqs": p.num_seqs,
+        "dtype": p.dtype, "gate_recipe": p.gate_label,
+        "gate_zero_frac": p.gate_zero_frac, "initial_state": p.initial_state,
+        "output_final_state": p.output_final_state, "direction": direction,
+        "backend": be_name, "backend_name": be_lib or be_name, "backend_version": be_version,
+        "backend_params": be_params,
+        "gpu_name": gpu_name,
+        "gpu_index": _gpu_index(), "gpu_uuid": device_uuid(), "campaign_id": campaign_id,
+        "started_at": datetime.now().isoformat(timespec="milliseconds"),
+        "reason": "",
+    }
+
+
+def _fail(row: dict, t_wall: float, reason: str) -> dict:
+    row.update(status="incorrect", latency_ms=None, reason=reason)
+    row["wall_s"] = time.perf_counter() - t_wall
+    return row
+
+
+def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: Sweep,
+                    row: dict, expected_out_bytes: int, ceilings: dict) -> dict:
+    """Prepare, check, time one backend on one point × direction, then check the timed graph's
+    own outputs and one more eager call. ``ceilings``: the run's measured GPU ceilings
+    (``matmul_tflops``, ``copy_gbps``; empty: no roofline), which the derived columns use. Fills
+    and returns ``row``."""
+    t_wall = time.perf_counter()
+    try:
+        prep = be.prepare(x, direction)
+    except B.Unsupported as e:
+        row.update(status="unsupported", reason=str(e))
+        return row
+    outs, row["compile_s"] = checked_call(be, prep, x, direction, expected_out_bytes)
+    worst, worst_loc, bad = check_outputs(outs, ref, x, direction, sweep, row)
+    del outs
+    row["max_rel_l2"] = worst
+    row["worst_block_rel_l2"] = worst_loc
+    if bad:
+        return _fail(row, t_wall, "; ".join(bad))
+
+    gpu = torch.cuda.is_available() and sweep.timing.mode != "cpu"
+    graph = None
+    if gpu:
+        for attempt in range(2):  # a throttled measurement is re-measured once
+            c0 = metrics.clocks()
+            tr, graph = timing.measure_gpu(prep.fn, sweep.timing, prep.graph_safe)
+            c1 = metrics.clocks()
+            row["sm_clock_mhz_before"] = c0.get("sm_clock_mhz")
+            row["sm_clock_mhz_after"] = c1.get("sm_clock_mhz")
+            row["throttled"] = metrics.throttled(c0.get("throttle_reasons")) or \
+                metrics.throttled(c1.get("throttle_reasons"))
+            if not row["throttled"]:
+                break
+            if attempt == 0:
+                row["reason"] = "throttled (NVML clock-event reasons); re-measured once"
+    else:
+        tr = timing.measure_cpu(prep.fn, sweep.timing.model_copy(update={"mode": "cpu"}))
+    st = tr.stats()
+    row.update(latency_ms=st["latency_ms"], p10_ms=st["p10_ms"], p90_ms=st["p90_ms"],
+               iqr_ms=st["iqr_ms"], mean_ms=st["mean_ms"], rse=st["rse"],
+               samples_ms=tr.samples_ms, n_samples=tr.n_samples, timing_mode=tr.timing_mode,
+               timing_fallback=tr.fallback_reason, stop_reason=tr.stop_reason,
+               calls_per_sample=tr.calls_per_sample, l2=tr.l2)
+    if graph is not None:  # what the timed graph computes, not only what an eager call does
+        g_worst, bad_g = check_replay(be, graph.replay, tr.outputs, x, direction, ref, sweep,
+                                      prep.outputs)
+        row["graph_max_rel_l2"] = g_worst
+        if bad_g:
+            return _fail(row, t_wall, "the timed CUDA graph's outputs differ from the reference "
+                         "(another path under capture?): " + "; ".join(bad_g))
+    tr.outputs = None
+    # the timed calls ran on the same inputs: check one more call (races, carried state)
+    outs, _ = checked_call(be, prep, x, direction, expected_out_bytes)
+    _, _, bad2 = check_outputs(outs, ref, x, direction, sweep)
+    del outs
+    if bad2:
+        return _fail(row, t_wall, "a call after timing was wrong (race or state carried between "
+                     "calls?): " + "; ".join(bad2))
+    if gpu and sweep.timing.gpm:
+        replay = graph.replay if graph is not None else prep.fn
+        row.update(metrics.gpm_sample(replay))
+    if gpu:
+        try:
+            from .profile import kernel_breakdown, stored_kernels
+            kb = kernel_breakdown(prep.fn)
+            if kb:
+                top = kb[0]
+                row["top_kernel"] = top["name"][:200]
+                row["ctas"] = top.get("ctas")
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                row["ctas_per_sm"] = (top["ctas"] / sms) if top.get("ctas") else None
+                row["kernels_per_call"] = sum(k["calls"] for k in kb)
+                row["kernels"] = stored_kernels(kb)
+                row["path"] = be.path([k["name"] for k in kb])
+        except Exception as e:  # profiling is a bonus; never fails a row
+            row["reason"] = (row.get("reason") or "") + f" profile failed: {type(e).__name__}"
+    c = ceilings or {}
+    p_ = x
+    row.update(metrics.derive(direction, row.get("latency_ms"), p_.T, p_.h_qk, p_.h_v, p_.N,
+                              p_.q.shape[-1], row["dtype"], c.get("matmul_tflops"),
+                              c.get("copy_gbps"), p_.h0 is not None, p_.output_final_state))
+    if not gpu:  # the roofline is the GPU's; a CPU timing has no place on it
+        row.update(roofline_ms=None, pct_roofline=None)
+    row["status"] = "ok"
+    row["wall_s"] = time.perf_counter() - t_wall
+    return row
+
+
+@dataclass
+class Task:
+    """One point × direction and the backends still to measure on it."""
+
+    point: Point
+    direction: str
+    backends: list[str]  # labels
+    #: the run's: run_id, sha, config, campaign_id, gpu_name, ceilings (:func:`measure_backend`),
+    #: and per label: names (registry name), params / params_json, versions, avail
+    ctx: dict
+
+
+def row_for(task: Task, backend: str) -> dict:
+    c = task.ctx
+    return base_row(c["run_id"], c["sha"], c["config"], task.point, task.direction, backend,
+                    c["versions"][backend], c["gpu_name"], c.get("campaign_id"),
+                    c.get("names", {}).get(backend), c.get("params_json", {}).get(backend, "{}"))
+
+
+def measure_task(sweep: Sweep, task: Task, emit) -> None:
+    """Measure every backend of ``task``; ``emit(kind, payload)`` gets ("start", backend) before
+    each backend and ("row", row) after it. Runs in the worker (or in-process)."""
+    p, direction = task.point, task.direction
+    dev = device()
+    x = ref = None
+    ceilings = task.ctx.get("ceilings") or {}
+    for n in task.backends:
+        emit("start", n)
+        be = B.get(task.ctx.get("names", {}).get(n, n), task.ctx.get("params", {}).get(n))
+        row = row_for(task, n)
+        ok, why = task.ctx["avail"][n]
+        if ok:
+            ok, why = be.supports(p, direction)
+            status = "unsupported"
+        else:
+            status = "unavailable"
+        if not ok:
+            row.update(status=status, reason=why)
+        else:
+            try:
+                if x is None:
+                    x = make(p, dev, with_grads=direction != "fwd")
+                    ref = reference_outputs(x, direction, sweep.reference.impl,
+                                            sweep.reference.dtype)
+                out_bytes = (x.v.numel() * 2 + (x.h0.numel() * 4 if x.h0 is not None else 0)) \
+                    * (1 if direction == "fwd" else 3)
+                row = measure_backend(be, x, direction, ref, sweep, row, out_bytes, ceilings)
+            except Exception as e:
+                status = "oom" if _is_oom(e) else "crashed"
+                tb = traceback.format_exc(limit=4)
+                row.update(status=status, reason=f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}")
+                if status == "oom":
+                    x = ref = None  # free what we hold; the next backend rebuilds
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        emit("row", row)
+    del x, ref
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
