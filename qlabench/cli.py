@@ -337,10 +337,11 @@ def report(
 def reproduce(
     name: str = typer.Argument("flashqla-h200", help="published table set (configs/published/NAME)"),
     direction: str = typer.Option("fwd", "--direction", help="fwd | bwd"),
-    from_: Path | None = typer.Option(None, "--from", help="read measured rows from here instead of running"),
+    from_: Path | None = typer.Option(None, "--from", help="results directory measured by `qlabench run` "
+                                      "of the set's sweep (needed: reproduce only reads rows)"),
     out: Path = typer.Option(Path("runs/reproduce"), "--out", help="where to write the side-by-side table and figure"),
 ):
-    """Published speedup table vs measured, side by side, with a summary."""
+    """Published speedup table vs measured rows (--from), side by side, with a summary."""
     from .reproduce import reproduce_cmd
     raise typer.Exit(reproduce_cmd(name, direction, from_, out))
 

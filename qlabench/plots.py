@@ -702,3 +702,49 @@ def util_vs_latency(df: pd.DataFrame, out: str | Path, direction: str | None = N
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     return _save(fig, out)
+
+
+def reproduce_figure(table: pd.DataFrame, out: str | Path, baseline: str, target: str,
+                     title: str, extra: str = "tilelang", within: float = 0.10) -> Path:
+    """Published vs measured speedup (``baseline`` / ``target``) per point of a reproduction
+    table (:func:`qlabench.reproduce.side_by_side`: ``model``, ``speedup_pub``, ``speedup_ms``,
+    ``<extra>_vs_fla``, ``<backend>_status``), one colour per model, the ``extra`` backend's
+    fla / ``extra`` as crosses, y = x and a ±``within`` band; each line of ``title`` wrapped to
+    the figure's width."""
+    import textwrap
+
+    fig, ax = plt.subplots(figsize=(7.2, 6.4), layout="constrained")
+    models = list(dict.fromkeys(table["model"]))
+    cmap = plt.get_cmap("tab10")
+    both = table[np.isfinite(table["speedup_ms"])]
+    for i, m in enumerate(models):
+        sub = both[both["model"] == m]
+        if not sub.empty:
+            ax.scatter(sub["speedup_pub"], sub["speedup_ms"], s=22, color=cmap(i % 10), label=m,
+                       edgecolor="black", linewidth=0.3)
+    ex = f"{extra}_vs_fla"
+    if ex in table and np.isfinite(table[ex]).any():
+        e = table[np.isfinite(table[ex])]
+        ax.scatter(e["speedup_pub"], e[ex], s=22, marker="x", color="#9467bd",
+                   label=f"{extra} (fla/{extra}, measured)")
+    lo = 0.9 * float(np.nanmin(np.r_[table["speedup_pub"], both["speedup_ms"], 1.0]))
+    hi = 1.1 * float(np.nanmax(np.r_[table["speedup_pub"], both["speedup_ms"],
+                                     table[ex] if ex in table else [], 1.0]))
+    xs = np.linspace(lo, hi, 50)
+    ax.plot(xs, xs, color="black", lw=1, label="y = x")
+    ax.fill_between(xs, xs * (1 - within), xs * (1 + within), color="grey", alpha=0.15,
+                    label=f"±{within:.0%}")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    lab = f"{baseline} / {target}"
+    ax.set_xlabel(f"published speedup ({lab})")
+    ax.set_ylabel(f"measured speedup ({lab})")
+    ax.set_title("\n".join(w for ln in title.split("\n") for w in textwrap.wrap(ln, 80)),
+                 fontsize=9)
+    if both.empty:
+        ax.text(0.5, 0.5, "no measured speedups\n(" + ", ".join(
+            sorted({s for b in (baseline, target) for s in table[f"{b}_status"]} - {"ok"}))
+            + ")", transform=ax.transAxes, ha="center", va="center", color="grey")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, out)

@@ -1,4 +1,4 @@
-"""``qlabench reproduce NAME``: a published table vs measured rows, point by point.
+"""``qlabench reproduce NAME --from RESULTS``: a published table vs measured rows, point by point.
 
 Published tables live in the repository as data, one folder per set::
 
@@ -6,10 +6,9 @@ Published tables live in the repository as data, one folder per set::
     configs/published/NAME/bwd.csv          (seqlens: space-separated ints; '#' lines: provenance)
     configs/published/NAME/provenance.yaml  versions, timing method, input recipe, sweeps, caveats
 
-Measured rows come from ``--from RESULTS`` (a results directory; :func:`results.latest` of it) or,
-without it, from running the set's sweep (``provenance.sweeps[direction]``) through
-:func:`runner.run` into ``OUT/rows-<direction>`` (resumable). Rows join published points on
-``(h_qk, h_v, tuple(seqlens))``. Per point: published and measured ms per backend, measured /
+Measured rows come from ``--from RESULTS``, a results directory written by ``qlabench run`` (of
+the set's sweep, ``provenance.sweeps[direction]``; :func:`results.latest` of it). Rows join
+published points on ``(h_qk, h_v, tuple(seqlens))``. Per point: published and measured ms per backend, measured /
 published, published vs measured speedup (baseline / target, FLA / FlashQLA), and the in-repo
 ``tilelang`` kernel as an extra measured column (its speedup over FLA and over the best measured
 library). A published library measured under further labels (``flashinfer@0.7.4`` beside
@@ -22,8 +21,9 @@ rows share GPU and campaign, is one throttled), and the summary's geomeans their
 compared with the published ones and the differences are printed next to the backends they may
 explain.
 
-Writes ``OUT/reproduce_<NAME>_<direction>.{csv,md,png}``. Reads only stored rows and the
-published folder (plus the runner when it has to measure); never imports a backend itself.
+Writes ``OUT/reproduce_<NAME>_<direction>.{csv,md,png}`` (the figure:
+:func:`qlabench.plots.reproduce_figure`). Reads only stored rows, their run metadata and the
+published folder: it measures nothing and imports neither the runner nor a backend.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from . import results
+from . import plots, results
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: where published sets are looked up (tests point this elsewhere)
@@ -541,55 +541,14 @@ def _md_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def figure(pub: Published, table: pd.DataFrame, path: Path) -> Path:
-    """Published vs measured speedup per point, one colour per model, y = x and ±10% band; the
-    title wrapped to the figure's width, saved by :func:`qlabench.plots.save_figure` (≤ 2000 px
-    wide, no text under 8 pt)."""
-    import textwrap
-
-    import matplotlib.pyplot as plt
-
-    from . import plots
-
-    fig, ax = plt.subplots(figsize=(7.2, 6.4), layout="constrained")
-    models = list(dict.fromkeys(table["model"]))
-    cmap = plt.get_cmap("tab10")
+def figure_title(pub: Published, table: pd.DataFrame) -> str:
+    """The reproduction figure's title: the geomean speedups, then the measured pairs' tag."""
     both = table[np.isfinite(table["speedup_ms"])]
-    for i, m in enumerate(models):
-        sub = both[both["model"] == m]
-        if not sub.empty:
-            ax.scatter(sub["speedup_pub"], sub["speedup_ms"], s=22, color=cmap(i % 10), label=m,
-                       edgecolor="black", linewidth=0.3)
-    ex = f"{EXTRA_BACKEND}_vs_fla"
-    if ex in table and np.isfinite(table[ex]).any():
-        e = table[np.isfinite(table[ex])]
-        ax.scatter(e["speedup_pub"], e[ex], s=22, marker="x", color="#9467bd",
-                   label=f"{EXTRA_BACKEND} (fla/{EXTRA_BACKEND}, measured)")
-    lo = 0.9 * float(np.nanmin(np.r_[table["speedup_pub"], both["speedup_ms"], 1.0]))
-    hi = 1.1 * float(np.nanmax(np.r_[table["speedup_pub"], both["speedup_ms"],
-                                     table[ex] if ex in table else [], 1.0]))
-    xs = np.linspace(lo, hi, 50)
-    ax.plot(xs, xs, color="black", lw=1, label="y = x")
-    ax.fill_between(xs, xs * (1 - WITHIN), xs * (1 + WITHIN), color="grey", alpha=0.15,
-                    label=f"±{WITHIN:.0%}")
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
-    lab = f"{pub.baseline} / {pub.target}"
-    ax.set_xlabel(f"published speedup ({lab})")
-    ax.set_ylabel(f"measured speedup ({lab})")
     gp, gm = geomean(table["speedup_pub"]), geomean(both["speedup_ms"])
     gs = geomean(both["speedup_pub"])
     head = (f"{pub.name} {pub.direction}: geomean published {_fx(gp)} ({len(table)} points; "
             f"{_fx(gs)} on the {len(both)} measured), measured {_fx(gm)}")
-    pairs = f"measured pairs: {pairing_of(table, 'speedup', 'speedup_ms')}"
-    ax.set_title("\n".join(textwrap.wrap(head, 80) + textwrap.wrap(pairs, 80)), fontsize=9)
-    if both.empty:
-        ax.text(0.5, 0.5, "no measured speedups\n(" + ", ".join(
-            sorted({s for b in (pub.baseline, pub.target) for s in table[f"{b}_status"]} - {"ok"}))
-            + ")", transform=ax.transAxes, ha="center", va="center", color="grey")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    return plots.save_figure(fig, path)
+    return f"{head}\nmeasured pairs: {pairing_of(table, 'speedup', 'speedup_ms')}"
 
 
 def markdown(pub: Published, table: pd.DataFrame, s: dict, notes: Notes, source: str,
@@ -657,7 +616,8 @@ def write(rep: Reproduction, out: Path) -> dict[str, Path]:
     stem = f"reproduce_{rep.pub.name}_{rep.pub.direction}"
     files = {"csv": out / f"{stem}.csv", "markdown": out / f"{stem}.md", "figure": out / f"{stem}.png"}
     rep.table.to_csv(files["csv"], index=False, float_format="%.6g")
-    figure(rep.pub, rep.table, files["figure"])
+    plots.reproduce_figure(rep.table, files["figure"], rep.pub.baseline, rep.pub.target,
+                           figure_title(rep.pub, rep.table), extra=EXTRA_BACKEND, within=WITHIN)
     files["markdown"].write_text(markdown(rep.pub, rep.table, rep.summary, rep.notes, rep.source, files))
     rep.files = files
     return files
@@ -699,41 +659,20 @@ def print_report(rep: Reproduction, console: Console) -> None:
         console.print("wrote " + ", ".join(str(p) for p in rep.files.values()), highlight=False)
 
 
-def _measure(pub: Published, out: Path, console: Console) -> tuple[Path, str]:
-    """Run the set's sweep into OUT/rows-<direction> (resumable); return (rows dir, description)."""
-    from . import config as C
-    from . import runner
-
-    path = pub.sweep_path()
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it."""
     try:
-        sweep = C.load(path)
-    except C.ConfigError as e:
-        raise ReproduceError(str(e)) from None
-    if pub.direction not in sweep.directions:
-        raise ReproduceError(f"{path}: directions {list(sweep.directions)} lack {pub.direction!r}")
-    rows_dir = Path(out) / f"rows-{pub.direction}"
-    hidden = {"n": 0}
-
-    def log(msg: str) -> None:
-        if msg.startswith("[unavailable]"):
-            hidden["n"] += 1
-            return
-        console.print(msg, highlight=False, markup=False)
-
-    console.print(f"running {path} -> {rows_dir} (resumable; pass --from {rows_dir} to only re-read)",
-                  highlight=False)
-    try:
-        summ = runner.run(sweep, rows_dir, config_name=str(path), resume=True, log=log)
-    except runner.RecipeMismatch as e:
-        raise ReproduceError(str(e)) from None
-    if hidden["n"]:
-        console.print(f"{hidden['n']} rows unavailable (reasons in the table below)", highlight=False)
-    return rows_dir, f"run {summ.run_id} of {path.name} ({summ.counts or 'nothing new'})"
+        return str(path.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
 
 
 def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
                   console: Console | None = None) -> int:
-    """Exit code: 0 report written (whatever the agreement), 2 a problem the user must fix."""
+    """Compare the published set ``name`` with the rows under ``from_`` (a results directory of
+    ``qlabench run``) and write the report into ``out``. Exit code: 0 report written (whatever
+    the agreement), 2 a problem the user must fix (no ``from_`` among them: the message names
+    the sweep that measures the set)."""
     err = console or Console(stderr=True, soft_wrap=True)
     console = console or Console(soft_wrap=True)
     try:
@@ -741,9 +680,10 @@ def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
             raise ReproduceError(f"--direction {direction!r}: use one of {', '.join(DIRECTIONS)}")
         pub = load_published(name, direction)
         if from_ is None:
-            rows_dir, source = _measure(pub, Path(out), console)
-        else:
-            rows_dir, source = Path(from_), f"rows read from {from_}"
+            raise ReproduceError(
+                f"no --from: reproduce only reads measured rows; measure them with `qlabench run "
+                f"{_shown(pub.sweep_path())} --out DIR`, then pass --from DIR")
+        rows_dir, source = Path(from_), f"rows read from {from_}"
         rows = measured_rows(rows_dir, direction)
         meta = results.load_meta(rows_dir) if rows_dir.is_dir() else {}
     except ReproduceError as e:

@@ -4,8 +4,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import torch
-import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -185,26 +183,20 @@ def test_errors_exit_2_with_a_clear_message(tmp_path, pub_bwd):
     assert r.exit_code == 0, r.output
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_without_from_runs_the_sweep_and_reports_unavailable(tmp_path, monkeypatch):
-    """No GPU: the sweep's GPU backends give `unavailable` rows, shown as such, exit 0."""
-    pub_dir = tmp_path / "published" / "tiny"
-    pub_dir.mkdir(parents=True)
-    sweep = {"name": "tiny", "models": [{"name": "m", "h_qk": 1, "h_v": 2, "head_dim": 16}],
-             "seqlens": [[17], [5, 9]], "directions": ["fwd"], "backends": ["fla", "flashqla"]}
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(sweep))
-    (pub_dir / "fwd.csv").write_text("# tiny\nmodel,seqlens_label,seqlens,h_qk,h_v,flashqla_ms,fla_ms\n"
-                                     "m,1x17,17,1,2,0.01,0.02\nm,5+9,5 9,1,2,0.01,0.03\n")
-    (pub_dir / "provenance.yaml").write_text(yaml.safe_dump({
-        "tables": {"fwd": "fwd.csv"}, "backends": {"fwd": ["fla", "flashqla"]},
-        "sweeps": {"fwd": str(tmp_path / "tiny.yaml")}, "versions": {"flash-qla": "0.1.2"}}))
-    monkeypatch.setattr(R, "PUBLISHED_ROOT", tmp_path / "published")
+def test_reproduce_only_reads_rows(tmp_path, pub_fwd):
+    """Without --from nothing is measured: exit 2 naming the sweep to run. Rows that could not be
+    measured (all `unavailable`) are reported as such, exit 0."""
+    r = CliRunner().invoke(app, ["reproduce", NAME, "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--from" in r.output
+    assert "qlabench run configs/h200_fwd.yaml" in " ".join(r.output.split())
+    assert not (tmp_path / "o").exists()
+    src = _write_rows(tmp_path / "rows", pub_fwd, n_points=2, statuses={
+        b: ("unavailable", "no CUDA device (test)") for b in pub_fwd.backends})
     con, buf = _console()
-    assert R.reproduce_cmd("tiny", "fwd", None, tmp_path / "out", console=con) == 0
-    t = pd.read_csv(tmp_path / "out" / "reproduce_tiny_fwd.csv")
-    assert (t["fla_status"] == "unavailable").all() and (t["flashqla_status"] == "unavailable").all()
-    assert t["speedup_ms"].isna().all() and np.allclose(t["speedup_pub"], [2.0, 3.0])
-    assert len(results.load(tmp_path / "out" / "rows-fwd")) == 4
+    assert R.reproduce_cmd(NAME, "fwd", src, tmp_path / "out", console=con) == 0
+    t = pd.read_csv(tmp_path / "out" / f"reproduce_{NAME}_fwd.csv")
+    assert (t["fla_status"].iloc[:2] == "unavailable").all() and t["speedup_ms"].isna().all()
+    assert (tmp_path / "out" / f"reproduce_{NAME}_fwd.png").stat().st_size > 0
     text = buf.getvalue()
     assert "unavailable" in text and "no backend measured any point" in text
 
