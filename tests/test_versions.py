@@ -230,9 +230,11 @@ def test_rows_without_backend_name_load_with_their_backend(tmp_path):
     df = results.load(tmp_path).set_index("run_id")
     assert df.loc["r1", "backend_name"] == "fla" and df.loc["r2", "backend_name"] == "fla"
     assert df.loc["r2", "backend"] == "fla@0.5"
-    # resume keys of stored rows: the label (= the name for plain entries) and the version
+    # resume keys of stored rows: the label (= the name for plain entries), the version and the
+    # parameters (rows stored before them: the defaults, {})
     assert set(results.ResultStore(tmp_path).done_keys()) == {
-        ("2/8/d128|8192|bf16", "fla", "fwd", "0.6.0"), ("2/8/d128|8192|bf16", "fla@0.5", "fwd", "0.6.0")}
+        ("2/8/d128|8192|bf16", "fla", "fwd", "0.6.0", "{}"),
+        ("2/8/d128|8192|bf16", "fla@0.5", "fwd", "0.6.0", "{}")}
 
 
 def test_committed_results_load_with_backend_name_equal_to_backend():
