@@ -117,6 +117,6 @@ def test_sigint_with_two_workers_keeps_finished_rows(tmp_path):
     meta = next(iter(results.load_meta(out).values()))
     # Known race, not yet explained (about 1 run in 10 under load): the last in-flight row can reach
     # the disk after the run metadata counted the stored parts, so the count may be one short.
-    # Tracked in docs/STATUS.md; the rows themselves are all kept (asserted above).
+    # A known issue (README, Status); the rows themselves are all kept (asserted above).
     assert meta.get("finished_at") and len(df) - 1 <= sum(meta["counts"].values()) <= len(df), \
         f"{meta.get('counts')} {why}"
