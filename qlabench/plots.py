@@ -282,11 +282,6 @@ def _save(fig, out: str | Path) -> Path:
     return out
 
 
-def save_figure(fig, out: str | Path) -> Path:
-    """:func:`_save` for figures drawn outside this module (``reproduce``)."""
-    return _save(fig, out)
-
-
 SPEEDUP_COLUMNS = ["model", "tp", "h_qk", "h_v", "layout", "num_seqs", "total_tokens", "seqlens",
                    "point_index", "point_key", "backend", "backend_name",
                    "speedup", "speedup_lo", "speedup_hi", "pairing", "same_gpu", "same_campaign", "throttled", "gpu_known",
