@@ -186,7 +186,7 @@ def run(
                                     "--out results/...)"),
     backends: str | None = typer.Option(None, "--backends", help="comma list overriding the config's backends"),
     limit: int | None = typer.Option(None, "--limit", min=1, help="only the first N points"),
-    resume: bool = typer.Option(False, "--resume", help="skip rows already in --out (same key and backend version)"),
+    resume: bool = typer.Option(False, "--resume", help="skip rows already in --out (same key, backend version and parameters)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan; write nothing"),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="write latency PNGs into --out"),
     gpus: str | None = typer.Option(None, "--gpus", help="'all' or a comma list of GPU indices: one "

@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
@@ -304,7 +305,9 @@ class BackendEntry(_Strict):
 
     @field_validator("name")
     @classmethod
-    def _known(cls, v: str) -> str:
+    def _known(cls, v: str, info: ValidationInfo) -> str:
+        if (info.context or {}).get("validated"):
+            return v
         from . import backends
         if v not in backends.registered():
             raise ValueError(f"unknown backend {v!r}; known: {', '.join(backends.names())}")
@@ -326,14 +329,16 @@ class BackendEntry(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _params_of_the_backend(self) -> BackendEntry:
-        if self.params:
+    def _params_of_the_backend(self, info: ValidationInfo) -> BackendEntry:
+        if self.params and not (info.context or {}).get("validated"):
             from .backends import backend_class
             from .backends.base import BadParams
             try:
                 backend_class(self.name).validate_params(self.params)
             except BadParams as e:
                 raise ValueError(f"params: {e}") from None
+            except Exception as e:  # the backend's module does not import here
+                raise ValueError(f"params: cannot check them: {type(e).__name__}: {e}") from None
         return self
 
     @property
@@ -355,13 +360,18 @@ class BackendEntry(_Strict):
         return self.label == self.name and not self.own_environment and not self.params
 
 
+def _entry(e) -> BackendEntry:
+    """A backend entry (validated when it is not one already)."""
+    return e if isinstance(e, BackendEntry) else BackendEntry.model_validate(e)
+
+
 class Sweep(_Strict):
     name: str
     description: str = ""
     models: Annotated[list[Union[str, Model]], Field(min_length=1)]
     seqlens: Annotated[list[Layout], Field(min_length=1)]
     directions: Annotated[list[Literal["fwd", "bwd", "fwdbwd"]], Field(min_length=1)] = ["fwd"]
-    #: registry names or :class:`BackendEntry` mappings (label, python, pythonpath)
+    #: registry names or :class:`BackendEntry` mappings (label, python, pythonpath, params)
     backends: Annotated[list[BackendEntry], Field(min_length=1)] = ["reference"]
     dtype: Literal["bf16", "fp16"] = "bf16"
     #: one gate recipe or several (an axis of the sweep: each point runs under each recipe)
@@ -397,18 +407,17 @@ class Sweep(_Strict):
     def _dump_backends(self, v: list) -> list:
         """Plain entries dump as their name: a sweep of names dumps as it did before entries."""
         out = []
-        for e in v:
-            e = BackendEntry.model_validate(e)
+        for e in map(_entry, v):
             out.append(e.name if e.plain else e.model_dump(exclude_defaults=True))
         return out
 
     def entries(self, labels=None) -> dict[str, BackendEntry]:
         """label -> entry, in the sweep's order; ``labels`` picks some (a label of the sweep, or
         a registry name, which is a plain entry)."""
-        mine = {e.label: e for e in map(BackendEntry.model_validate, self.backends)}
+        mine = {e.label: e for e in map(_entry, self.backends)}
         if labels is None:
             return mine
-        return {b: mine.get(b) or BackendEntry.model_validate(b) for b in labels}
+        return {b: mine.get(b) or _entry(b) for b in labels}
 
     @field_validator("models")
     @classmethod

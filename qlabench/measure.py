@@ -205,14 +205,17 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
     ceilings = task.ctx.get("ceilings") or {}
     for n in task.backends:
         emit("start", n)
-        be = B.get(task.ctx.get("names", {}).get(n, n), task.ctx.get("params", {}).get(n))
         row = row_for(task, n)
         ok, why = task.ctx["avail"][n]
+        status = "unavailable"
+        if ok:
+            try:
+                be = B.get(task.ctx.get("names", {}).get(n, n), task.ctx.get("params", {}).get(n))
+            except Exception as e:  # the backend's module does not load in this worker
+                ok, why = False, f"backend does not load: {type(e).__name__}: {str(e)[:200]}"
         if ok:
             ok, why = be.supports(p, direction)
             status = "unsupported"
-        else:
-            status = "unavailable"
         if not ok:
             row.update(status=status, reason=why)
         else:

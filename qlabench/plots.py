@@ -318,7 +318,6 @@ def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd
     return sort_layouts(out).reset_index(drop=True)
 
 
-#: columns of :func:`winners`
 def winners(df: pd.DataFrame, direction: str | None = None, baseline: str = "fla") -> pd.DataFrame:
     """:func:`qlabench.summary.point_table` over the latest row per key of ``df`` (one direction
     when given): per point the fastest ``ok`` label, its p10–p90, the runner-up, ``margin``,
@@ -421,8 +420,8 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
     """Winner map: rows layouts (:func:`layout_order`, top to bottom), columns models
     (:func:`model_order`); each cell coloured by the fastest ``ok`` backend label
     (:func:`winners`, colours of :func:`palette`), with the label and the margin over the
-    runner-up (``+12%``) printed; a hatched cell: the winner's p90 reaches the runner-up's p10
-    (a tie: not told apart by the stored samples); grey: no ok row."""
+    runner-up (``+12%``) printed; a hatched cell: a tie with the runner-up (not told apart by
+    the stored samples: :func:`qlabench.summary.is_tie`); grey: no ok row."""
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch, Rectangle
     w = winners(df, direction, baseline)
@@ -447,7 +446,7 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
             r = r.iloc[0] if isinstance(r, pd.DataFrame) else r
             c = colors.get(r["winner"]) or "#999999"
             ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=c, edgecolor="white",
-                                   lw=1.0, hatch="///" if r["tie"] is True else None))
+                                   lw=1.0, hatch="///" if bool(r["tie"]) else None))
             lum = np.dot(to_rgb(c), [0.299, 0.587, 0.114])
             fg = "black" if lum > 0.55 else "white"
             pct = (float(r["margin"]) - 1) * 100 if r["margin"] is not None else np.nan

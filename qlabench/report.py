@@ -17,9 +17,9 @@ Rows of all given results directories are grouped by (results directory, GPU). P
 - when the group holds several runs, two history views, every key's measurements ordered by run
   start and each judged against the previous measurement of the same key with
   :func:`qlabench.compare.judge` (same threshold and test as ``qlabench compare``): **library
-  regressions** (backends of :data:`LIBRARIES`: FLA, FlashInfer under any label, FlashQLA; the
-  page's banner counts these only) and the **in-repo kernel history** (the other backends, i.e.
-  the TileLang kernels of ``kernels/``: their version-to-version changes, no banner);
+  regressions** (backends whose class's ``kind`` is ``library``: FLA, FlashInfer under any label,
+  FlashQLA, outside packages; the page's banner counts these only) and the **in-repo kernel
+  history** (the TileLang kernels of ``kernels/``: their version-to-version changes, no banner);
 - every run's environment (``_runs/<run_id>.json``) and relative links to its Parquet parts.
 
 Like every view here, it only reads the rows (Parquet is the truth, the site is derived).
@@ -40,11 +40,6 @@ import pandas as pd
 
 from . import compare as Q
 from . import plots, results
-
-#: backend libraries (``backend_name``) whose latency changes between runs are regressions a
-#: user should hear about; every other backend (the in-repo TileLang kernels) goes to the
-#: in-repo kernel history
-LIBRARIES = ("fla", "flashinfer", "flashqla")
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1500px;
@@ -309,8 +304,12 @@ def _ordered(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def is_library(hist: pd.DataFrame) -> pd.Series:
-    """True for rows of a backend library (:data:`LIBRARIES`, by ``backend_name``)."""
-    return results.backend_names(hist).isin(LIBRARIES)
+    """True for rows of a backend library (its class's ``kind``, by ``backend_name``): latency
+    changes of these between runs are regressions a user should hear about; the in-repo kernels'
+    go to the in-repo kernel history."""
+    from . import backends
+    kinds = backends.kinds()
+    return results.backend_names(hist).map(lambda b: kinds.get(b, "library") == "library")
 
 
 def _history_section(hist: pd.DataFrame, img_dir: Path, site: Path, anchor: str, kind: str) -> str:

@@ -232,7 +232,12 @@ def check_backends(entries: dict) -> tuple[dict, dict, dict]:
             if w is not None:
                 workers[n] = w
         else:
-            be = B.get(e.name)
+            try:
+                be = B.get(e.name)
+            except Exception as err:  # registered, but its module does not import here
+                avail[n], versions[n] = (False, f"backend {e.name!r} does not load: "
+                                         f"{type(err).__name__}: {str(err)[:200]}"), "unavailable"
+                continue
             avail[n] = be.available()
             versions[n] = be.version() if avail[n][0] else "unavailable"
         why = label_version_problem(n, versions[n]) if avail[n][0] else ""

@@ -106,7 +106,9 @@ def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None,
           flush=True)
     from .config import Sweep
     from .measure import measure_task
-    sweep = Sweep.model_validate(sweep_json)
+    # validated by the parent already; here only rebuilt (this environment need not register
+    # every entry's backend)
+    sweep = Sweep.model_validate(sweep_json, context={"validated": True})
     while True:
         task = conn.recv()
         if task is None:

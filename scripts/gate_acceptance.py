@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         sw = sw.model_copy(update={"backends": [a.backend], "timing": sw.timing.model_copy(
             update={"budget_s": 0.2, "min_samples": 3, "max_samples": 5, "gpm": False})})
         cls = broken(base, name)
-        B.get = lambda n, cls=cls: cls() if n == a.backend else real_get(n)
+        B.get = lambda n, params=None, cls=cls: cls(params) if n == a.backend else real_get(n, params)
         try:
             s = runner.run(sw, Path(a.out) / name, config_name=f"gate-acceptance:{name}",
                            isolate=False)

@@ -4,7 +4,8 @@
 #   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz
 #               [.tlcache/fqla_fwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
-#               here with `git archive HEAD -- . ':!results' | gzip`), then the job below started
+#               here with `git archive HEAD -- . ':!results' | gzip`; its commit, which rows
+#               record as git_sha, from the archive's header), then the job below started
 #               in its own process session (it outlives the call); returns at once.
 #   STEP=fi07a  carry .fi07a: the CuTe-DSL MLIR library into /tmp.
 #   STEP=fi07b  carry .fi07b: /tmp/fisite (FlashInfer 0.7.4); the job starts the campaign once it is there.
@@ -40,12 +41,14 @@ setup)
   # its precompiled slot; the job checks it and falls back to the JIT build when it fails
   if [ -f .tlcache/fi0613_jit.tar.xz ]; then tar -xJf .tlcache/fi0613_jit.tar.xz -C /tmp/site312 && echo "flashinfer 0.6.13 module: carried"; fi
   rm -rf /tmp/repo && mkdir /tmp/repo && tar -xzf .run/repo.tar.gz -C /tmp/repo || exit 1
+  SHA=$(gzip -dc .run/repo.tar.gz | git get-tar-commit-id 2>/dev/null | cut -c1-12)
   cat > "$ENVF" <<EOF
 export PYTHONPATH=/tmp/site312 PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlc/all
 export FLA_FLASH_QLA=0 TRITON_CACHE_AUTOTUNING=1
 export QLABENCH_PREV_KERNELS=/tmp/prevkernels
 export QLABENCH_FLASHINFER07_PATH=/tmp/fisite:/tmp/fisite/nvidia_cutlass_dsl/dsl_packages
 export JOB_DEADLINE=$(( $(date +%s) + ${DEVICE_LEFT_S:-1500} ))
+export QLABENCH_GIT_SHA=${SHA:-unknown}
 EOF
   source "$ENVF"
   (cd /tmp/repo && python3 -m pip install -q --no-deps --no-build-isolation -e . > "$J/install.log" 2>&1) \

@@ -9,7 +9,8 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")
 # the test-only backend `faulty` (tests/faulty_backend.py), registered for this process and the
 # workers it starts (they inherit the environment: PYTHONPATH finds the module)
 _here = os.path.dirname(os.path.abspath(__file__))
-os.environ["QLABENCH_BACKENDS"] = "faulty=faulty_backend:FaultyBackend"
+os.environ["QLABENCH_BACKENDS"] = ",".join(filter(None, [os.environ.get("QLABENCH_BACKENDS"),
+                                                         "faulty=faulty_backend:FaultyBackend"]))
 os.environ["PYTHONPATH"] = os.pathsep.join([_here, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 HAS_CUDA = torch.cuda.is_available()

@@ -96,3 +96,37 @@ def test_params_reach_the_backend_are_stored_and_key_the_resume(tmp_path):
     f = df[df["backend"] == "f"]
     assert len(df) == 6 and list(f["status"]).count("incorrect") == 2
     assert json.loads(f["backend_params"].iloc[-1]) == {"o_scale": 2.0}
+
+
+def test_a_registered_backend_that_does_not_import_gives_unavailable_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv(B.ENV, "faulty=faulty_backend:FaultyBackend,broken=no_such_module_here:X")
+    s = C.parse({**BASE, "backends": ["reference", "broken"]})
+    runner.run(s, tmp_path / "r", log=lambda *a, **k: None)
+    df = pd.read_parquet(tmp_path / "r")
+    bad = df[df["backend"] == "broken"]
+    assert len(bad) == 2 and set(bad["status"]) == {"unavailable"}
+    assert bad["reason"].str.contains("does not load: ModuleNotFoundError").all()
+    assert set(df.loc[df["backend"] == "reference", "status"]) == {"ok"}
+    # parameters for it cannot be checked: a config error naming the field, not a traceback
+    with pytest.raises(C.ConfigError, match=r"backends\[0\]: params: cannot check them"):
+        C.parse({**BASE, "backends": [{"name": "broken", "params": {"a": 1}}]})
+
+
+def test_a_worker_rebuilds_the_sweep_without_the_parents_registry():
+    """The parent validated the sweep; a worker in another environment only rebuilds it (it
+    need not register every entry's backend)."""
+    s = C.parse({**BASE, "backends": ["reference", {"name": "faulty", "label": "f",
+                                                    "params": {"o_scale": 2.0}}]})
+    dump = s.model_dump(mode="json")
+    dump["backends"][1]["name"] = "registered-elsewhere"
+    with pytest.raises(Exception, match="unknown backend"):
+        C.Sweep.model_validate(dump)
+    assert C.Sweep.model_validate(dump, context={"validated": True}).entries()["f"].params == {"o_scale": 2.0}
+
+
+def test_git_sha_outside_a_checkout_comes_from_the_environment(tmp_path, monkeypatch):
+    from qlabench.results import git_sha
+    monkeypatch.setenv("QLABENCH_GIT_SHA", "abc123def456")
+    assert git_sha(str(tmp_path)) == "abc123def456"
+    monkeypatch.delenv("QLABENCH_GIT_SHA")
+    assert git_sha(str(tmp_path)) == "unknown"

@@ -240,7 +240,7 @@ def test_rows_without_backend_name_load_with_their_backend(tmp_path):
 def test_committed_results_load_with_backend_name_equal_to_backend():
     """Rows of plain entries (written before labels existed, or plain since) carry their name as
     both; the labelled FlashInfer 0.7.4 rows carry the library."""
-    df = results.load(ROOT / "results" / "h200_fwd")
+    df = results.load(ROOT / "results" / "h200_fwd", latest=True)
     plain = ~df["backend"].str.contains("@", regex=False)
     assert plain.sum() and (df.loc[plain, "backend_name"] == df.loc[plain, "backend"]).all()
     fi = df[df["backend"] == "flashinfer@0.7.4"]

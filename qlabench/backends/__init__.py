@@ -38,8 +38,11 @@ class UnknownBackend(KeyError):
 
 @functools.lru_cache(maxsize=1)
 def _installed() -> dict[str, str]:
+    """Installed entry points, qlabench's own first."""
     from importlib.metadata import entry_points
-    return {ep.name: ep.value for ep in entry_points(group=GROUP)}
+    eps = sorted(entry_points(group=GROUP),
+                 key=lambda ep: getattr(getattr(ep, "dist", None), "name", "") != "qlabench")
+    return {ep.name: ep.value for ep in eps}
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,7 +80,7 @@ def names() -> tuple[str, ...]:
     """Registered backend names, qlabench's own first (in its declaration order)."""
     reg = registered()
     own = [n for n in _own_pyproject() if n in reg]
-    return tuple(dict.fromkeys([*own, *reg]))
+    return tuple(dict.fromkeys([*own, *_installed(), *reg]))
 
 
 @functools.cache
@@ -105,16 +108,26 @@ def get(name: str, params: Mapping | None = None) -> Backend:
     return backend_class(name)(params)
 
 
-def colors() -> dict[str, str | None]:
-    """name -> plot colour of every registered backend that imports (declaration order)."""
+def _attr(attr: str, default) -> dict:
     out = {}
     for n in names():
         try:
-            out[n] = backend_class(n).color
-        except Exception:
-            out[n] = None
+            out[n] = getattr(backend_class(n), attr)
+        except Exception:  # registered, but its module does not import here
+            out[n] = default
     return out
 
 
+def colors() -> dict[str, str | None]:
+    """name -> plot colour of every registered backend (declaration order; None: it does not
+    import here)."""
+    return _attr("color", None)
+
+
+def kinds() -> dict[str, str]:
+    """name -> ``kind`` (``library``, ``in-repo``, ``reference``) of every registered backend."""
+    return _attr("kind", "library")
+
+
 __all__ = ["Backend", "GROUP", "Prepared", "Unsupported", "UnknownBackend", "backend_class",
-           "colors", "get", "names", "registered"]
+           "colors", "get", "kinds", "names", "registered"]

@@ -70,6 +70,9 @@ class Backend:
     #: plot colour of the backend's first label (further labels get shades of it)
     color: ClassVar[str | None] = None
     needs_cuda: ClassVar[bool] = True
+    #: "library" (a package users pick between; its regressions are news), "in-repo" (this
+    #: repository's kernels: their history is development) or "reference" (the torch reference)
+    kind: ClassVar[str] = "library"
     #: the backend's parameters (YAML ``params:``): a pydantic model, unknown keys rejected
     Params: ClassVar[type[BaseModel]] = NoParams
 

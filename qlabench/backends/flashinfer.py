@@ -113,6 +113,10 @@ class FlashInferBackend(Backend):
         if chosen and api != "cute-dsl":
             raise Unsupported(f"parameters {', '.join(chosen)} need FlashInfer's CuTe-DSL API "
                               "(0.6.14 and later); this one is CUTLASS-flat")
+        takes = inspect.signature(chunk_gated_delta_rule).parameters
+        missing = [k for k in chosen if k not in takes]
+        if missing:
+            raise Unsupported(f"this FlashInfer's chunk_gated_delta_rule takes no {', '.join(missing)}")
         if p.use_cp != "auto":
             extra["use_cp"] = p.use_cp
         if p.gate_domain == "log":

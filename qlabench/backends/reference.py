@@ -137,6 +137,7 @@ class ReferenceBackend(Backend):
     directions = ("fwd", "bwd", "fwdbwd")
     color = "#7f7f7f"
     needs_cuda = False
+    kind = "reference"
 
     def version(self) -> str:
         return f"torch-{torch.__version__}"

@@ -34,6 +34,7 @@ class TileLangBackend(Backend):
     directions = ("fwd", "bwd", "fwdbwd")
     module = "qlabench_kernels"
     color = "#9467bd"
+    kind = "in-repo"
     Params = TileLangParams
 
     def version(self) -> str:
@@ -98,9 +99,11 @@ class TileLangBackend(Backend):
 
         def saved():
             # the forward's prep outputs the backward reuses (g cumsum, A·diag(β), chunk table)
+            chosen_fwd = dict(split_tokens=p.fwd_split_tokens, block_v=p.fwd_block_v,
+                              seqlens=lens) if chosen else {}
             r = qk.chunk_gdn_fwd_lowlevel(x.q, x.k, x.v, x.g, x.beta, scale=x.scale,
                                           initial_state=x.h0, output_final_state=x.output_final_state,
-                                          cu_seqlens=x.cu_seqlens)
+                                          cu_seqlens=x.cu_seqlens, **chosen_fwd)
             return {k: r[k] for k in ("gcs", "a_beta", "ctab") if k in r}
 
         bwd_kw = {}
