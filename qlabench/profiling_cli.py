@@ -101,11 +101,14 @@ def profile_main(sweep, config_path, point, model, backend, direction, ncu, out,
     except ValueError as e:
         err.print(f"error: {e}", highlight=False)
         return 2
-    if backend not in B.registered():
-        err.print(f"error: --backend {backend!r}: unknown; known: {', '.join(B.names())}",
-                  highlight=False)
+    labels = sweep.entries()
+    if backend not in labels and backend not in B.registered():
+        known = ", ".join(dict.fromkeys([*labels, *B.names()]))
+        err.print(f"error: --backend {backend!r}: unknown; labels of the sweep and registry "
+                  f"names: {known}", highlight=False)
         return 2
-    be = B.get(backend)
+    entry = sweep.entries([backend])[backend]  # a label keeps its parameters
+    be = B.get(entry.name, entry.params)
     ok, why = be.available()
     if ok:
         ok, why = be.supports(p, direction)
