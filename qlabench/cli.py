@@ -260,6 +260,13 @@ def run(
     console.print(f"run {summary.run_id}: {summary.counts or 'nothing new'}"
                   + (f", {summary.skipped_done} rows already done" if summary.skipped_done else "")
                   + f" -> {out_dir}/parts" + (f"; figures: {', '.join(str(m) for m in made)}" if made else ""))
+    meta = results.load_meta(out_dir).get(summary.run_id, {})
+    fc = runner.fixed_cost(meta.get("timeline_s") or {})
+    if fc:
+        console.print(f"fixed cost {fc['total']:.1f} s to the first row (start {fc['start']:.1f}, "
+                      f"backend checks {fc['checks']:.1f}, ceilings {fc['ceilings']:.1f}, then "
+                      f"{fc['to_first_row']:.1f}; the first row's own first call "
+                      f"{fc['first_row_compile']:.1f} s not counted)", highlight=False)
     from .summary import print_run_summary
     print_run_summary(df)
 

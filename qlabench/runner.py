@@ -118,8 +118,33 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     pts = scheduled_points(sweep, limit, shard)
     entries = sweep.entries(backend_names)
     names = list(entries)
+    isolate = sweep.isolate if isolate is None else isolate
+    early = None  # the worker, started now: it imports its libraries while this process checks
+    if isolate and not (devices and len(devices) > 1) and pts:
+        early = Supervisor(sweep, store.logs, log=log, env=_pin(devices[0] if devices else None),
+                           warm=[e.name for e in entries.values() if not e.own_environment])
+        early.start()
+        tl["worker_started"] = round(time.time() - t_run, 3)
+    started: list = [early] if early is not None else []  # closed however the run ends
+    try:
+        return _run(sweep, out_dir, config_name, store, pts, entries, names, early, isolate, tl,
+                    t_run, resume, progress, log, devices, retry_failed, started)
+    finally:
+        for ex in reversed(started):
+            ex.close()
+
+
+def _run(sweep, out_dir, config_name, store, pts, entries, names, early, isolate, tl, t_run,
+         resume, progress, log, devices, retry_failed, started) -> RunSummary:
     avail, versions, workers = check_backends(entries)
     tl["backends_checked"] = round(time.time() - t_run, 3)
+    execu = None
+    if not (devices and len(devices) > 1) and pts:
+        # every worker of its own environment starts now too, before anything is timed
+        execu = executor(sweep, store.logs, log, isolate, workers,
+                         devices[0] if devices else None, default=early)
+        started.append(execu)
+        execu.start()
 
     params_json = {n: e.params_json for n, e in entries.items()}
     done = store.done_keys(retry_failed) if resume else {}
@@ -164,12 +189,13 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
            if ceilings else {}}
 
     summary = RunSummary(run_id, Path(out_dir))
-    isolate = sweep.isolate if isolate is None else isolate
     lock = threading.Lock()
 
     def on_row(row: dict) -> None:
         now = round(time.time() - t_run, 3)
-        tl.setdefault("first_row", now)
+        if "first_row" not in tl:
+            tl["first_row"] = now
+            tl["first_row_compile_s"] = round(float(row.get("compile_s") or 0.0), 3)
         tl["last_row"] = now
         with lock:
             with deferred_signals():
@@ -198,16 +224,12 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         if devices and len(devices) > 1:
             _run_on_devices(sweep, tasks, devices, store.logs, on_row, progress, log,
                             workers)
-        else:
-            execu = executor(sweep, store.logs, log, isolate, workers,
-                             devices[0] if devices else None)
-            try:
-                for t in tasks:
-                    if progress is not None:
-                        progress(f"{t.point.describe()} {t.direction}")
-                    execu.run_task(t, on_row)
-            finally:
-                execu.close()
+        elif execu is not None:
+            for t in tasks:
+                if progress is not None:
+                    progress(f"{t.point.describe()} {t.direction}")
+                execu.run_task(t, on_row)
+            execu.close()
     finally:
         meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         tl["finished"] = round(time.time() - t_run, 3)
@@ -247,18 +269,47 @@ def check_backends(entries: dict) -> tuple[dict, dict, dict]:
     return avail, versions, workers
 
 
+def fixed_cost(tl: dict) -> dict:
+    """A run's fixed cost from its ``timeline_s`` (seconds): ``total`` from process start to the
+    first row, less that row's own first call (``compile_s``, its compile), split into
+    ``start`` (interpreter, imports, config: process start to the run's start), ``checks``
+    (backend checks, in this process and in each entry's environment; the worker imports its
+    libraries meanwhile), ``ceilings`` and ``to_first_row`` (metadata, the worker's imports still
+    running, the first row's inputs, reference and timing). Empty without a first row."""
+    if "first_row" not in tl:
+        return {}
+    start = -float(tl.get("process_start") or 0.0)
+    checks = float(tl.get("backends_checked", 0.0))
+    ceil = float(tl.get("ceilings_measured", checks)) - checks
+    first = float(tl["first_row"]) - float(tl.get("ceilings_measured", checks))
+    compile_s = float(tl.get("first_row_compile_s") or 0.0)
+    out = {"start": start, "checks": checks, "ceilings": ceil,
+           "to_first_row": max(0.0, first - compile_s), "first_row_compile": compile_s}
+    out["total"] = start + checks + ceil + out["to_first_row"]
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def _pin(device: str | None) -> dict | None:
+    """The environment that pins a worker to CUDA device ``device``."""
+    return {"CUDA_VISIBLE_DEVICES": device, "QLABENCH_GPU_INDEX": device} if device else None
+
+
 def executor(sweep: Sweep, log_dir: Path, log, isolate: bool, workers: dict,
-             device: str | None = None, stop: threading.Event | None = None):
-    """What runs tasks: a supervised worker (``isolate``) or this process, and a worker of its
-    own for each entry in ``workers`` (label -> :class:`supervisor.WorkerEnv`); ``device``: a
-    CUDA index every worker is pinned to."""
-    env = {"CUDA_VISIBLE_DEVICES": device, "QLABENCH_GPU_INDEX": device} if device else None
-    default = Supervisor(sweep, log_dir, log=log, env=env, stop=stop) if isolate \
-        else InProcess(sweep)
+             device: str | None = None, stop: threading.Event | None = None, default=None):
+    """What runs tasks: a supervised worker (``isolate``; ``default`` when one was started
+    already) or this process, and a worker of its own for each entry in ``workers`` (label ->
+    :class:`supervisor.WorkerEnv`), each importing its backend as it starts; ``device``: a CUDA
+    index every worker is pinned to."""
+    env = _pin(device)
+    if default is None:
+        warm = [e.name for e in sweep.entries().values() if not e.own_environment]
+        default = Supervisor(sweep, log_dir, log=log, env=env, stop=stop, warm=warm) if isolate \
+            else InProcess(sweep)
     if not workers:
         return default
-    return PerEnvironment(default, {n: (lambda w=w: Supervisor(sweep, log_dir, log=log, env=env,
-                                                                 stop=stop, worker=w))
+    return PerEnvironment(default, {n: (lambda w=w, n=n: Supervisor(sweep, log_dir, log=log, env=env,
+                                                                 stop=stop, worker=w,
+                                                                 warm=(sweep.entries([n])[n].name,)))
                                     for n, w in workers.items()}, stop)
 
 

@@ -79,6 +79,9 @@ class InProcess:
     def __init__(self, sweep):
         self.sweep = sweep
 
+    def start(self) -> None:
+        pass
+
     def run_task(self, task, on_row) -> None:
         from .measure import measure_task
 
@@ -91,8 +94,22 @@ class InProcess:
         pass
 
 
+def warm_up(names) -> None:
+    """Import the backends ``names`` and their libraries now (``Backend.available``), so the
+    first row does not pay for it; failures are left for the rows to report."""
+    from . import backends as B
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            ok, why = B.get(name).available()
+        except Exception as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        print(f"--- warm {name}: {time.perf_counter() - t0:.1f} s{'' if ok else ' (' + why[:200] + ')'}",
+              file=sys.stderr, flush=True)
+
+
 def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None,
-                 sys_path: list[str] | None = None) -> None:
+                 sys_path: list[str] | None = None, warm: tuple = ()) -> None:
     os.environ.update(env or {})  # before torch is imported: pins the worker's GPU
     if sys_path:  # the entry's environment (spawn hands the child the parent's sys.path)
         sys.path[:] = sys_path
@@ -109,6 +126,7 @@ def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None,
     # validated by the parent already; here only rebuilt (this environment need not register
     # every entry's backend)
     sweep = Sweep.model_validate(sweep_json, context={"validated": True})
+    warm_up(warm)  # while the parent checks backends and measures ceilings
     while True:
         task = conn.recv()
         if task is None:
@@ -153,8 +171,9 @@ _EXECUTABLE_LOCK = threading.Lock()
 class Supervisor:
     def __init__(self, sweep, log_dir: Path, log=print, poll_s: float = 0.2,
                  env: dict | None = None, stop: threading.Event | None = None,
-                 worker: WorkerEnv | None = None):
+                 worker: WorkerEnv | None = None, warm: tuple = ()):
         self.sweep = sweep
+        self.warm = tuple(warm)  # backends the worker imports as soon as it starts
         self.stop = stop  # set: return after the row in flight (the worker is then ended)
         self.worker = worker  # a backend entry's own environment (None: this process's)
         self.env = {**(env or {}), **(worker.env if worker else {})}
@@ -178,7 +197,8 @@ class Supervisor:
         self.proc = self.ctx.Process(
             target=_worker_main, args=(child, self.sweep.model_dump(mode="json"),
                                        str(self.log_path), self.env,
-                                       self.worker.sys_path if self.worker else None), daemon=True)
+                                       self.worker.sys_path if self.worker else None, self.warm),
+            daemon=True)
         with _EXECUTABLE_LOCK:  # the worker's interpreter starts with its environment
             exe, saved = spawn.get_executable(), {k: os.environ.get(k) for k in self.env}
             if self.worker:
@@ -195,6 +215,11 @@ class Supervisor:
                         os.environ[k] = v
         child.close()
         self.conn = parent
+
+    def start(self) -> None:
+        """Start the worker now (it imports ``warm``), not at the first task."""
+        if self.proc is None or not self.proc.is_alive():
+            self._start()
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.is_alive():
@@ -374,6 +399,12 @@ class PerEnvironment:
         self.make = make  # label -> () -> Supervisor
         self.own: dict = {}
         self.stop = stop
+
+    def start(self) -> None:
+        """Start every worker now (each imports its backends while the others do)."""
+        self.default.start()
+        for label, make in self.make.items():
+            self.own.setdefault(label, make()).start()
 
     def run_task(self, task, on_row) -> None:
         from .measure import Task
