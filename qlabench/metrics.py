@@ -18,7 +18,10 @@ The backward reads q, k, v, dO, g, β, h0, dht and writes dq, dk, dv, dg, dβ, d
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 CHUNK = 64
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -243,6 +246,64 @@ def measure_ceilings(device_index: int = 0) -> dict:
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e)[:160]}"
     return out
+
+
+#: cached ceilings older than this are measured again
+CEILINGS_MAX_AGE_H = 24.0 * 7
+
+
+def ceilings_key(device_index: int = 0) -> str | None:
+    """What makes two ceiling measurements interchangeable: the GPU (UUID), its driver and its
+    maximum SM and memory clocks (NVML); None without NVML."""
+    nv = _nvml()
+    if nv is None:
+        return None
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(int(device_index))
+        uuid = nv.nvmlDeviceGetUUID(h)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        drv = nv.nvmlSystemGetDriverVersion()
+        drv = drv.decode() if isinstance(drv, bytes) else drv
+        sm = nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)
+        mem = nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_MEM)
+        return f"{uuid}|driver {drv}|sm {sm} MHz|mem {mem} MHz"
+    except Exception:
+        return None
+
+
+def ceilings_cache_path() -> Path:
+    """``$QLABENCH_CACHE_DIR/ceilings.json`` (default ``~/.cache/qlabench``)."""
+    base = os.environ.get("QLABENCH_CACHE_DIR") or Path.home() / ".cache" / "qlabench"
+    return Path(base) / "ceilings.json"
+
+
+def cached_ceilings(device_index: int = 0, key: str | None = None, measure=None,
+                    path=None, now: float | None = None) -> tuple[dict, str]:
+    """(ceilings, source) for GPU ``device_index``: the cached measurement of the same
+    :func:`ceilings_key` when younger than :data:`CEILINGS_MAX_AGE_H` (source ``cache``), else
+    a new :func:`measure_ceilings`, cached when it succeeded (source ``measured``)."""
+    key = ceilings_key(device_index) if key is None else key
+    measure = measure or measure_ceilings
+    path = ceilings_cache_path() if path is None else path
+    now = time.time() if now is None else now
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    hit = cache.get(key) if key else None
+    if hit and 0 <= now - float(hit.get("measured_at_s", -1e18)) < CEILINGS_MAX_AGE_H * 3600:
+        return {**hit["ceilings"], "device_index": int(device_index)}, "cache"
+    out = measure(device_index)
+    if key and isinstance(out.get("matmul_tflops"), (int, float)) and "error" not in out:
+        cache[key] = {"ceilings": out, "measured_at_s": now}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # an unwritable cache only costs the next run a measurement
+    return out, "measured"
 
 
 def run_ceilings(metas: dict, run_id: str, gpu_name: str | None = None) -> dict | None:

@@ -158,10 +158,10 @@ def _run(sweep, out_dir, config_name, store, pts, entries, names, early, isolate
                         f"a different input recipe ({rh} vs {p.recipe_hash}: gate, seed, dtype or "
                         "state flags changed); use a new --out directory instead of --resume")
 
-    ceilings = {}
+    ceilings, ceilings_source = {}, None
     if torch.cuda.is_available() and any(avail[n][0] for n in names):
-        ceilings = metrics.measure_ceilings(int(devices[0]) if devices else 0)
-        log(f"ceilings: {ceilings}")
+        ceilings, ceilings_source = metrics.cached_ceilings(int(devices[0]) if devices else 0)
+        log(f"ceilings ({ceilings_source}): {ceilings}")
     tl["ceilings_measured"] = round(time.time() - t_run, 3)
     run_id = new_run_id()
     uuids = _device_uuids(devices)
@@ -176,6 +176,7 @@ def _run(sweep, out_dir, config_name, store, pts, entries, names, early, isolate
             "backend_versions": versions, "availability": {n: list(a) for n, a in avail.items()},
             "env": environment(), "started_at": datetime.now().isoformat(timespec="milliseconds"),
             "points": len(pts), "device": device(), "ceilings": ceilings,
+            "ceilings_source": ceilings_source,
             "campaign_id": campaign_id, "gpu_uuids": uuids}
     store.write_meta(run_id, meta)
     ctx = {"run_id": run_id, "sha": sha, "config": config_name, "versions": versions,

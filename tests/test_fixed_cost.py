@@ -40,3 +40,30 @@ def test_a_run_of_no_points_starts_no_worker(tmp_path):
     n_logs = len(list((tmp_path / "r" / "_logs").glob("worker-*.log")))
     s = runner.run(sw, tmp_path / "r", log=lambda *a, **k: None, isolate=True, limit=0)
     assert s.counts == {} and len(list((tmp_path / "r" / "_logs").glob("worker-*.log"))) == n_logs
+
+
+def test_ceilings_are_cached_per_gpu_key_and_measured_again_when_stale(tmp_path):
+    from qlabench import metrics
+    calls = []
+
+    def measure(i):
+        calls.append(i)
+        return {"device_index": i, "matmul_tflops": 700.0 + len(calls), "copy_gbps": 4000.0}
+
+    path = tmp_path / "ceilings.json"
+    c, src = metrics.cached_ceilings(0, key="GPU-a|driver 1", measure=measure, path=path, now=1000.0)
+    assert src == "measured" and c["matmul_tflops"] == 701.0
+    c, src = metrics.cached_ceilings(1, key="GPU-a|driver 1", measure=measure, path=path, now=2000.0)
+    assert src == "cache" and c["matmul_tflops"] == 701.0 and c["device_index"] == 1
+    # another GPU, driver or clock: a key of its own
+    _, src = metrics.cached_ceilings(0, key="GPU-a|driver 2", measure=measure, path=path, now=2000.0)
+    assert src == "measured" and len(calls) == 2
+    # stale: measured again
+    stale = 1000.0 + metrics.CEILINGS_MAX_AGE_H * 3600 + 1
+    c, src = metrics.cached_ceilings(0, key="GPU-a|driver 1", measure=measure, path=path, now=stale)
+    assert src == "measured" and c["matmul_tflops"] == 703.0
+    # without NVML (no key) nothing is cached; a failed measurement is not cached either
+    _, src = metrics.cached_ceilings(0, key="", measure=measure, path=tmp_path / "x.json")
+    assert src == "measured" and not (tmp_path / "x.json").exists()
+    _, src = metrics.cached_ceilings(0, key="GPU-b", measure=lambda i: {"error": "no"}, path=path)
+    assert src == "measured" and "GPU-b" not in json.loads(path.read_text())
