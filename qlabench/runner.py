@@ -247,22 +247,31 @@ def check_backends(entries: dict) -> tuple[dict, dict, dict]:
     """(availability, version, worker environment) per label of ``entries`` (label ->
     :class:`~qlabench.config.BackendEntry`). An entry with an environment of its own is checked
     in it (:func:`supervisor.worker_environment`), the others in this process; a label's
-    ``@<version>`` suffix must prefix the version found."""
-    avail, versions, workers = {}, {}, {}
-    for n, e in entries.items():
-        if e.own_environment:
-            w, avail[n], versions[n] = worker_environment(e)
-            if w is not None:
-                workers[n] = w
-        else:
+    ``@<version>`` suffix must prefix the version found. The environments are asked (each a
+    subprocess) while this process checks the others."""
+    from concurrent.futures import ThreadPoolExecutor
+    got: dict = {}
+    own = {n: e for n, e in entries.items() if e.own_environment}
+    with ThreadPoolExecutor(max_workers=max(1, len(own))) as pool:
+        probes = {n: pool.submit(worker_environment, e) for n, e in own.items()}
+        for n, e in entries.items():
+            if n in own:
+                continue
             try:
                 be = B.get(e.name)
             except Exception as err:  # registered, but its module does not import here
-                avail[n], versions[n] = (False, f"backend {e.name!r} does not load: "
-                                         f"{type(err).__name__}: {str(err)[:200]}"), "unavailable"
+                got[n] = (None, (False, f"backend {e.name!r} does not load: "
+                                 f"{type(err).__name__}: {str(err)[:200]}"), "unavailable")
                 continue
-            avail[n] = be.available()
-            versions[n] = be.version() if avail[n][0] else "unavailable"
+            ok = be.available()
+            got[n] = (None, ok, be.version() if ok[0] else "unavailable")
+        for n, f in probes.items():
+            got[n] = f.result()
+    avail, versions, workers = {}, {}, {}
+    for n in entries:
+        w, avail[n], versions[n] = got[n]
+        if w is not None:
+            workers[n] = w
         why = label_version_problem(n, versions[n]) if avail[n][0] else ""
         if why:
             avail[n], versions[n] = (False, why), "unavailable"
