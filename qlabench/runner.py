@@ -13,6 +13,7 @@ with SIGINT / SIGTERM held until the write is over.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -119,128 +120,120 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     entries = sweep.entries(backend_names)
     names = list(entries)
     isolate = sweep.isolate if isolate is None else isolate
-    early = None  # the worker, started now: it imports its libraries while this process checks
-    if isolate and not (devices and len(devices) > 1) and pts:
-        early = Supervisor(sweep, store.logs, log=log, env=_pin(devices[0] if devices else None),
-                           warm=[e.name for e in entries.values() if not e.own_environment])
-        early.start()
-        tl["worker_started"] = round(time.time() - t_run, 3)
-    started: list = [early] if early is not None else []  # closed however the run ends
-    try:
-        return _run(sweep, out_dir, config_name, store, pts, entries, names, early, isolate, tl,
-                    t_run, resume, progress, log, devices, retry_failed, started)
-    finally:
-        for ex in reversed(started):
-            ex.close()
+    one_device = not (devices and len(devices) > 1)
+    first_device = devices[0] if devices else None  # the one a single-GPU run is pinned to
+    warm = [e.name for e in entries.values() if not e.own_environment]
+    with contextlib.ExitStack() as started:  # every worker started is closed however the run ends
+        early = None  # the worker, started now: it imports its libraries while this process checks
+        if isolate and one_device and pts:
+            early = default_worker(sweep, store.logs, log, first_device, warm)
+            started.callback(early.close)
+            early.start()
+            tl["worker_started"] = round(time.time() - t_run, 3)
+        avail, versions, workers = check_backends(entries)
+        tl["backends_checked"] = round(time.time() - t_run, 3)
+        execu = None
+        if one_device and pts:
+            # every worker of its own environment starts now too, before anything is timed
+            execu = executor(sweep, store.logs, log, isolate, workers, first_device, default=early,
+                             warm=warm)
+            started.callback(execu.close)
+            execu.start()
 
+        params_json = {n: e.params_json for n, e in entries.items()}
+        done = store.done_keys(retry_failed) if resume else {}
+        if resume:
+            store.check_method(sweep.timing.mode, sweep.timing.l2)
+            for (pk, direction), rh in store.recipes().items():
+                for p in pts:
+                    if p.key == pk and rh != p.recipe_hash:
+                        raise RecipeMismatch(
+                            f"{out_dir}: rows for point {p.describe()} ({direction}) were made from "
+                            f"a different input recipe ({rh} vs {p.recipe_hash}: gate, seed, dtype or "
+                            "state flags changed); use a new --out directory instead of --resume")
 
-def _run(sweep, out_dir, config_name, store, pts, entries, names, early, isolate, tl, t_run,
-         resume, progress, log, devices, retry_failed, started) -> RunSummary:
-    avail, versions, workers = check_backends(entries)
-    tl["backends_checked"] = round(time.time() - t_run, 3)
-    execu = None
-    if not (devices and len(devices) > 1) and pts:
-        # every worker of its own environment starts now too, before anything is timed
-        execu = executor(sweep, store.logs, log, isolate, workers,
-                         devices[0] if devices else None, default=early)
-        started.append(execu)
-        execu.start()
-
-    params_json = {n: e.params_json for n, e in entries.items()}
-    done = store.done_keys(retry_failed) if resume else {}
-    if resume:
-        store.check_method(sweep.timing.mode, sweep.timing.l2)
-        for (pk, direction), rh in store.recipes().items():
-            for p in pts:
-                if p.key == pk and rh != p.recipe_hash:
-                    raise RecipeMismatch(
-                        f"{out_dir}: rows for point {p.describe()} ({direction}) were made from "
-                        f"a different input recipe ({rh} vs {p.recipe_hash}: gate, seed, dtype or "
-                        "state flags changed); use a new --out directory instead of --resume")
-
-    ceilings, ceilings_source = {}, None
-    if torch.cuda.is_available() and any(avail[n][0] for n in names):
-        ceilings, ceilings_source = metrics.cached_ceilings(int(devices[0]) if devices else 0)
-        log(f"ceilings ({ceilings_source}): {ceilings}")
-    tl["ceilings_measured"] = round(time.time() - t_run, 3)
-    run_id = new_run_id()
-    uuids = _device_uuids(devices)
-    campaign_id = campaign_for(store, uuids, resume, sweep.model_dump(mode="json"), versions)
-    sha = git_sha(str(Path(__file__).resolve().parent.parent))
-    gpu_name = (torch.cuda.get_device_name(int(devices[0]) if devices else 0)
-                if torch.cuda.is_available() else "cpu")
-    meta = {"run_id": run_id, "git_sha": sha, "config": config_name,
-            "sweep": sweep.model_dump(mode="json"), "backends": names,
-            "backend_names": {n: e.name for n, e in entries.items()},
-            "environments": {n: {"python": w.python, **w.env} for n, w in workers.items()},
-            "backend_versions": versions, "availability": {n: list(a) for n, a in avail.items()},
-            "env": environment(), "started_at": datetime.now().isoformat(timespec="milliseconds"),
-            "points": len(pts), "device": device(), "ceilings": ceilings,
-            "ceilings_source": ceilings_source,
-            "campaign_id": campaign_id, "gpu_uuids": uuids}
-    store.write_meta(run_id, meta)
-    ctx = {"run_id": run_id, "sha": sha, "config": config_name, "versions": versions,
-           "names": {n: e.name for n, e in entries.items()},
-           "params": {n: e.params for n, e in entries.items() if e.params},
-           "params_json": params_json,
-           "avail": avail, "gpu_name": gpu_name, "campaign_id": campaign_id,
-           # what the derived columns use: this run's ceilings, or where their measurement failed
-           # the same-GPU runs' median in this directory (what metrics.add_derived recomputes)
-           "ceilings": (metrics.run_ceilings(load_meta(out_dir), run_id, gpu_name) or {})
-           if ceilings else {}}
-
-    summary = RunSummary(run_id, Path(out_dir))
-    lock = threading.Lock()
-
-    def on_row(row: dict) -> None:
-        now = round(time.time() - t_run, 3)
-        if "first_row" not in tl:
-            tl["first_row"] = now
-            tl["first_row_compile_s"] = round(float(row.get("compile_s") or 0.0), 3)
-        tl["last_row"] = now
-        with lock:
-            with deferred_signals():
-                store.append(row)
-            summary.rows.append(row)
-            summary.counts[row["status"]] = summary.counts.get(row["status"], 0) + 1
-        lat = row.get("latency_ms")
-        log(f"[{row['status']:>11}] {Point.describe_row(row):<36} {row['direction']:<6} "
-            f"{row['backend']:<10} " + (f"{lat:9.4f} ms" if lat is not None else " " * 12)
-            + (f"  err={row['max_rel_l2']:.2e}" if row.get("max_rel_l2") is not None else "")
-            + (f"  [{row['path']}]" if row.get("path") else "")
-            + (f"  ({row['reason'][:90]})" if row.get("reason") else ""))
-
-    tasks: list[Task] = []
-    for p in pts:
-        for direction in sweep.directions:
-            todo = []
-            for n in names:
-                if (p.key, n, direction, versions[n], params_json[n]) in done:
-                    summary.skipped_done += 1
-                    continue
-                todo.append(n)
-            if todo:
-                tasks.append(Task(p, direction, todo, ctx))
-    try:
-        if devices and len(devices) > 1:
-            _run_on_devices(sweep, tasks, devices, store.logs, on_row, progress, log,
-                            workers)
-        elif execu is not None:
-            for t in tasks:
-                if progress is not None:
-                    progress(f"{t.point.describe()} {t.direction}")
-                execu.run_task(t, on_row)
-            execu.close()
-    finally:
-        meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        tl["finished"] = round(time.time() - t_run, 3)
-        meta["timeline_s"] = tl
-        meta["counts"] = _counts_on_disk(store, run_id) or summary.counts
-        seen = sorted({r.get("gpu_uuid") for r in summary.rows if r.get("gpu_uuid")})
-        if seen:  # the devices the rows were measured on (workers pin theirs)
-            meta["gpu_uuids"] = seen
+        ceilings, ceilings_source = {}, None
+        if torch.cuda.is_available() and any(avail[n][0] for n in names):
+            ceilings, ceilings_source = metrics.cached_ceilings(int(devices[0]) if devices else 0)
+            log(f"ceilings ({ceilings_source}): {ceilings}")
+        tl["ceilings_measured"] = round(time.time() - t_run, 3)
+        run_id = new_run_id()
+        uuids = _device_uuids(devices)
+        campaign_id = campaign_for(store, uuids, resume, sweep.model_dump(mode="json"), versions)
+        sha = git_sha(str(Path(__file__).resolve().parent.parent))
+        gpu_name = (torch.cuda.get_device_name(int(devices[0]) if devices else 0)
+                    if torch.cuda.is_available() else "cpu")
+        meta = {"run_id": run_id, "git_sha": sha, "config": config_name,
+                "sweep": sweep.model_dump(mode="json"), "backends": names,
+                "backend_names": {n: e.name for n, e in entries.items()},
+                "environments": {n: {"python": w.python, **w.env} for n, w in workers.items()},
+                "backend_versions": versions, "availability": {n: list(a) for n, a in avail.items()},
+                "env": environment(), "started_at": datetime.now().isoformat(timespec="milliseconds"),
+                "points": len(pts), "device": device(), "ceilings": ceilings,
+                "ceilings_source": ceilings_source,
+                "campaign_id": campaign_id, "gpu_uuids": uuids}
         store.write_meta(run_id, meta)
-    return summary
+        ctx = {"run_id": run_id, "sha": sha, "config": config_name, "versions": versions,
+               "names": {n: e.name for n, e in entries.items()},
+               "params": {n: e.params for n, e in entries.items() if e.params},
+               "params_json": params_json,
+               "avail": avail, "gpu_name": gpu_name, "campaign_id": campaign_id,
+               # what the derived columns use: this run's ceilings, or where their measurement failed
+               # the same-GPU runs' median in this directory (what metrics.add_derived recomputes)
+               "ceilings": (metrics.run_ceilings(load_meta(out_dir), run_id, gpu_name) or {})
+               if ceilings else {}}
+
+        summary = RunSummary(run_id, Path(out_dir))
+        lock = threading.Lock()
+
+        def on_row(row: dict) -> None:
+            now = round(time.time() - t_run, 3)
+            if "first_row" not in tl:
+                tl["first_row"] = now
+                tl["first_row_compile_s"] = round(float(row.get("compile_s") or 0.0), 3)
+            tl["last_row"] = now
+            with lock:
+                with deferred_signals():
+                    store.append(row)
+                summary.rows.append(row)
+                summary.counts[row["status"]] = summary.counts.get(row["status"], 0) + 1
+            lat = row.get("latency_ms")
+            log(f"[{row['status']:>11}] {Point.describe_row(row):<36} {row['direction']:<6} "
+                f"{row['backend']:<10} " + (f"{lat:9.4f} ms" if lat is not None else " " * 12)
+                + (f"  err={row['max_rel_l2']:.2e}" if row.get("max_rel_l2") is not None else "")
+                + (f"  [{row['path']}]" if row.get("path") else "")
+                + (f"  ({row['reason'][:90]})" if row.get("reason") else ""))
+
+        tasks: list[Task] = []
+        for p in pts:
+            for direction in sweep.directions:
+                todo = []
+                for n in names:
+                    if (p.key, n, direction, versions[n], params_json[n]) in done:
+                        summary.skipped_done += 1
+                        continue
+                    todo.append(n)
+                if todo:
+                    tasks.append(Task(p, direction, todo, ctx))
+        try:
+            if devices and len(devices) > 1:
+                _run_on_devices(sweep, tasks, devices, store.logs, on_row, progress, log,
+                                workers, warm)
+            elif execu is not None:
+                for t in tasks:
+                    if progress is not None:
+                        progress(f"{t.point.describe()} {t.direction}")
+                    execu.run_task(t, on_row)
+        finally:
+            meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            tl["finished"] = round(time.time() - t_run, 3)
+            meta["timeline_s"] = tl
+            meta["counts"] = _counts_on_disk(store, run_id) or summary.counts
+            seen = sorted({r.get("gpu_uuid") for r in summary.rows if r.get("gpu_uuid")})
+            if seen:  # the devices the rows were measured on (workers pin theirs)
+                meta["gpu_uuids"] = seen
+            store.write_meta(run_id, meta)
+        return summary
 
 
 def check_backends(entries: dict) -> tuple[dict, dict, dict]:
@@ -304,16 +297,23 @@ def _pin(device: str | None) -> dict | None:
     return {"CUDA_VISIBLE_DEVICES": device, "QLABENCH_GPU_INDEX": device} if device else None
 
 
+def default_worker(sweep: Sweep, log_dir: Path, log, device: str | None, warm,
+                   stop: threading.Event | None = None) -> Supervisor:
+    """The supervised worker of the entries without an environment of their own: pinned to
+    CUDA device ``device``, importing the backends ``warm`` as it starts."""
+    return Supervisor(sweep, log_dir, log=log, env=_pin(device), stop=stop, warm=warm)
+
+
 def executor(sweep: Sweep, log_dir: Path, log, isolate: bool, workers: dict,
-             device: str | None = None, stop: threading.Event | None = None, default=None):
+             device: str | None = None, stop: threading.Event | None = None, default=None,
+             warm=()):
     """What runs tasks: a supervised worker (``isolate``; ``default`` when one was started
-    already) or this process, and a worker of its own for each entry in ``workers`` (label ->
-    :class:`supervisor.WorkerEnv`), each importing its backend as it starts; ``device``: a CUDA
-    index every worker is pinned to."""
+    already, else :func:`default_worker` importing ``warm``) or this process, and a worker of
+    its own for each entry in ``workers`` (label -> :class:`supervisor.WorkerEnv`), each
+    importing its backend as it starts; ``device``: a CUDA index every worker is pinned to."""
     env = _pin(device)
     if default is None:
-        warm = [e.name for e in sweep.entries().values() if not e.own_environment]
-        default = Supervisor(sweep, log_dir, log=log, env=env, stop=stop, warm=warm) if isolate \
+        default = default_worker(sweep, log_dir, log, device, warm, stop) if isolate \
             else InProcess(sweep)
     if not workers:
         return default
@@ -354,7 +354,8 @@ def _counts_on_disk(store: ResultStore, run_id: str) -> dict:
     return counts
 
 
-def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log, workers=None) -> None:
+def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log, workers=None,
+                    warm=()) -> None:
     """One supervised worker per GPU (and per entry with an environment of its own), each pinned
     with ``CUDA_VISIBLE_DEVICES``; tasks are taken heaviest first from one queue, so the GPUs
     finish close together."""
@@ -365,7 +366,7 @@ def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log, worke
     stop = threading.Event()
 
     def serve(dev: str) -> None:
-        sup = executor(sweep, log_dir, log, True, workers or {}, dev, stop)
+        sup = executor(sweep, log_dir, log, True, workers or {}, dev, stop, warm=warm)
         try:
             while not stop.is_set():
                 try:

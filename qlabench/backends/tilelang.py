@@ -81,14 +81,15 @@ class TileLangBackend(Backend):
         # the layout on the host, read once here (outside the timed calls), plans the sequence split
         lens = x.cu_seqlens.diff().tolist()
         p = self.params
-        chosen = p.fwd_block_v is not None or p.fwd_split_tokens is not None
+        # the planner's forward choices replaced by the parameters (none: the planner's)
+        fwd_kw = (dict(split_tokens=p.fwd_split_tokens, block_v=p.fwd_block_v, seqlens=lens)
+                  if p.fwd_block_v is not None or p.fwd_split_tokens is not None else {})
 
         def fwd():
-            if chosen:  # the planner's choices replaced by the parameters
+            if fwd_kw:
                 r = qk.chunk_gdn_fwd_lowlevel(
                     x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
-                    output_final_state=x.output_final_state, cu_seqlens=x.cu_seqlens,
-                    split_tokens=p.fwd_split_tokens, block_v=p.fwd_block_v, seqlens=lens)
+                    output_final_state=x.output_final_state, cu_seqlens=x.cu_seqlens, **fwd_kw)
                 return r["o"], r["final_state"]
             return qk.chunk_gdn_fwd(x.q, x.k, x.v, x.g, x.beta, scale=x.scale,
                                     initial_state=x.h0, output_final_state=x.output_final_state,
@@ -99,11 +100,9 @@ class TileLangBackend(Backend):
 
         def saved():
             # the forward's prep outputs the backward reuses (g cumsum, A·diag(β), chunk table)
-            chosen_fwd = dict(split_tokens=p.fwd_split_tokens, block_v=p.fwd_block_v,
-                              seqlens=lens) if chosen else {}
             r = qk.chunk_gdn_fwd_lowlevel(x.q, x.k, x.v, x.g, x.beta, scale=x.scale,
                                           initial_state=x.h0, output_final_state=x.output_final_state,
-                                          cu_seqlens=x.cu_seqlens, **chosen_fwd)
+                                          cu_seqlens=x.cu_seqlens, **fwd_kw)
             return {k: r[k] for k in ("gcs", "a_beta", "ctab") if k in r}
 
         bwd_kw = {}
