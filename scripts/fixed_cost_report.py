@@ -1,0 +1,190 @@
+"""A run's fixed cost by phase, for runs of any commit that records ``timeline_s``.
+
+    python scripts/fixed_cost_report.py RUN_DIR... [--csv fixed_cost.csv] [--limit-s 10]
+
+Each RUN_DIR is a results directory (``--out`` of one ``qlabench run``; every run in it is
+reported). The phases are :func:`qlabench.runner.fixed_cost` over the run's ``timeline_s``
+(``_runs/<run_id>.json``), seconds from process start to the first row:
+
+- ``start``: interpreter, imports and config (process start to the run's start);
+- ``checks``: the backend checks (at the new commit the worker starts first and imports its
+  libraries meanwhile: ``warm_s``, from the worker log's ``--- warm NAME: X s`` lines);
+- ``ceilings``: the GPU's ceilings (measured, or read from the per-GPU cache: ``ceil_src``);
+- ``to_first_row``: the rest up to the first row, that row's own first call excluded: at the old
+  commit the worker's start and its library imports (lazy, at the first row) are in here;
+- ``compile``: the first row's own first call (its ``compile_s``), not counted in ``total``.
+
+Timelines written before ``first_row_compile_s`` was recorded (the old commit 7a7503c:
+``process_start``, ``backends_checked``, ``ceilings_measured``, ``first_row``, ``last_row``,
+``finished``, ``figures_s``) get it from the run's rows: the ``compile_s`` of the row that
+started first (``started_at``; rows of one worker are measured and sent one at a time), so both
+layouts go through the same definition. ``shell.json`` in a RUN_DIR (written by
+``scripts/h200_fixed_cost.sh``) adds the run's label, commit, exit status and the wall time the
+shell measured around the process.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's qlabench
+
+from qlabench.results import PARTS_DIR, load_meta  # noqa: E402
+from qlabench.runner import fixed_cost  # noqa: E402
+
+PHASES = ("start", "checks", "ceilings", "to_first_row", "first_row_compile", "total")
+COLUMNS = ("label", "commit", "run_dir", "run_id", "git_sha", "layout", "rows_ok", "rows",
+           "first_row_backend", "ceilings_source", *PHASES, "compile_from", "warm_s",
+           "worker_started", "run_s", "figures_s", "process_s", "shell_wall_s", "rc", "within_limit")
+WARM = re.compile(r"^--- warm (\S+): ([0-9.]+) s", re.M)
+
+
+def first_row(run_dir: Path, run_id: str) -> dict | None:
+    """The row of ``run_id`` that started first (``started_at``, then point index)."""
+    import pyarrow.parquet as pq
+    best = None
+    for f in sorted((run_dir / PARTS_DIR).glob(f"{run_id}-*.parquet")):
+        try:
+            r = pq.read_table(f, columns=["started_at", "compile_s", "backend", "point_index",
+                                          "status"]).to_pylist()[0]
+        except Exception:
+            continue
+        k = (str(r.get("started_at") or "~"), int(r.get("point_index") or 0))
+        if best is None or k < best[0]:
+            best = (k, r)
+    return best[1] if best else None
+
+
+def timeline_of(meta: dict, run_dir: Path) -> tuple[dict, str, dict | None]:
+    """(timeline with ``first_row_compile_s``, where that came from, the first row or None)."""
+    tl = dict(meta.get("timeline_s") or {})
+    row = first_row(run_dir, meta.get("run_id", ""))
+    if "first_row_compile_s" in tl:
+        return tl, "timeline", row
+    if "first_row" not in tl:
+        return tl, "", row
+    if row is None:
+        return tl, "missing", row
+    tl["first_row_compile_s"] = float(row.get("compile_s") or 0.0)
+    return tl, "rows", row
+
+
+def worker_warm(run_dir: Path) -> float | None:
+    """Seconds the run's worker spent importing its backends as it started (new commits log
+    ``--- warm NAME: X s``; None where no worker log says so)."""
+    got = []
+    for f in sorted((run_dir / "_logs").glob("worker-*.log")):
+        try:
+            got += [float(s) for _, s in WARM.findall(f.read_text(errors="replace"))]
+        except OSError:
+            continue
+    return round(sum(got), 2) if got else None
+
+
+def report_dir(run_dir: Path, limit_s: float) -> list[dict]:
+    """One dict per run in ``run_dir`` (keys: :data:`COLUMNS`)."""
+    run_dir = Path(run_dir)
+    try:
+        shell = json.loads((run_dir / "shell.json").read_text())
+    except (OSError, ValueError):
+        shell = {}
+    metas = load_meta(run_dir)
+    out = []
+    for run_id, meta in sorted(metas.items()):
+        tl, source, row = timeline_of(meta, run_dir)
+        fc = fixed_cost(tl)
+        counts = meta.get("counts") or {}
+        ps = -float(tl.get("process_start") or 0.0)
+        rec = {
+            "label": shell.get("label", run_dir.name), "commit": shell.get("commit", ""),
+            "run_dir": str(run_dir), "run_id": run_id, "git_sha": meta.get("git_sha", ""),
+            "layout": "new" if "worker_started" in tl or "first_row_compile_s" in
+            (meta.get("timeline_s") or {}) else "old",
+            "rows_ok": counts.get("ok", 0), "rows": sum(counts.values()),
+            "first_row_backend": (row or {}).get("backend", ""),
+            "ceilings_source": meta.get("ceilings_source") or ("measured" if meta.get("ceilings") else ""),
+            **{k: fc.get(k) for k in PHASES}, "compile_from": source,
+            "warm_s": worker_warm(run_dir) if len(metas) == 1 else None,
+            "worker_started": tl.get("worker_started"),
+            "run_s": tl.get("finished"), "figures_s": tl.get("figures_s"),
+            "process_s": round(ps + float(tl["finished"]) + float(tl.get("figures_s") or 0.0), 2)
+            if "finished" in tl else None,
+            "shell_wall_s": shell.get("wall_s"), "rc": shell.get("rc"),
+            "within_limit": (fc["total"] <= limit_s) if fc else None,
+        }
+        out.append(rec)
+    if not metas:
+        out.append({**dict.fromkeys(COLUMNS), "label": shell.get("label", run_dir.name),
+                    "commit": shell.get("commit", ""), "run_dir": str(run_dir),
+                    "shell_wall_s": shell.get("wall_s"), "rc": shell.get("rc")})
+    return out
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return str(v)
+
+
+def print_table(recs: list[dict], limit_s: float) -> None:
+    cols = [("label", "run"), ("commit", "commit"), ("layout", "tl"), ("rows_ok", "ok"),
+            ("start", "start"), ("checks", "checks"), ("ceilings", "ceil"),
+            ("ceilings_source", "ceil_src"), ("to_first_row", "to_1st"),
+            ("first_row_compile", "compile*"), ("total", "FIXED"), ("warm_s", "warm_s"),
+            ("process_s", "process"), ("shell_wall_s", "shell"), ("within_limit", f"<={limit_s:g}s")]
+    cells = [[h for _, h in cols]] + [[_fmt(r.get(k)) for k, _ in cols] for r in recs]
+    w = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    for j, c in enumerate(cells):
+        print("  ".join(s.rjust(w[i]) if i > 1 else s.ljust(w[i]) for i, s in enumerate(c)))
+        if j == 0:
+            print("  ".join("-" * x for x in w))
+    print("seconds. FIXED = start + checks + ceil + to_1st: process start -> first row, that row's "
+          "own first call (compile*) not counted; start: interpreter, imports, config; checks: "
+          "backend checks (new: the worker imports its libraries meanwhile, warm_s); to_1st: "
+          "metadata, the worker's start and imports still due (old: all of them), the first "
+          "row's inputs, reference and timing; process: process start -> end of figures (the "
+          "run's own clock); shell: the wall time the shell measured around the process.")
+    for r in recs:
+        if r.get("compile_from") == "rows":
+            print(f"{r['label']}: first_row_compile_s not in its timeline (old layout): the "
+                  f"compile_s of its first-started row ({r['first_row_backend']})")
+        if r.get("total") is None:
+            print(f"{r['label']}: no first row recorded (rc {r.get('rc')})")
+    by: dict = {}
+    for r in recs:
+        if r.get("total") is not None and not str(r["label"]).endswith("warmup"):
+            by.setdefault(r.get("commit") or r["label"], []).append(r["total"])
+    for c, xs in by.items():
+        print(f"commit {c}: fixed cost {', '.join(f'{x:.2f}' for x in xs)} s "
+              f"(median {statistics.median(xs):.2f}; every run <= {limit_s:g} s: "
+              f"{'yes' if max(xs) <= limit_s else 'NO'})")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dirs", nargs="+", type=Path)
+    ap.add_argument("--csv", type=Path, default=None, help="write the table here")
+    ap.add_argument("--limit-s", type=float, default=10.0, help="the acceptance bound (seconds)")
+    a = ap.parse_args(argv)
+    recs = [r for d in a.run_dirs for r in report_dir(d, a.limit_s)]
+    print_table(recs, a.limit_s)
+    if a.csv:
+        with open(a.csv, "w", newline="") as fh:
+            wr = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+            wr.writeheader()
+            wr.writerows(recs)
+        print(f"-> {a.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
