@@ -140,3 +140,40 @@ def test_forward_refuses_more_chunk_slots_than_preps_grid_holds():
     g = torch.empty(1, T, 1, device="meta")
     with pytest.raises(ValueError, match="chunk slots, at most 65535 per call"):
         pkg.chunk_gdn_fwd_lowlevel(q, q, q, g, g)
+
+
+@pytest.mark.parametrize("lens,h_qk,h_v", [([300], 2, 4), ([64, 130, 7, 200], 1, 3)])
+def test_fused_algebra_matches_reference(lens, h_qk, h_v):
+    """The fused kernel's algebra (state as Sᵀ, A_β by the fp16 (I − N)(I + N²)D inverse, its bf16
+    casts) against the fp64 token recurrence: o and the final state within bf16 error."""
+    from qlabench_kernels._common import chunk_table, segment_table
+
+    emu = _tool("emulate")
+    inp = emu.make_inputs(lens, h_qk, h_v, seed=3)
+    T, N = sum(lens), len(lens)
+    cu = inp["cu"].long()
+    ctab, cuc = chunk_table(cu, T, N)
+    stab, _ = segment_table(cu, cuc, T, N, (T + 63) // 64 * 64, split=False)
+    o, ht = emu.emu_fwd_fused(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], stab, inp["h0"], 128**-0.5, N)
+    ro, rh = emu.reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 128**-0.5, inp["h0"], cu)
+    assert not torch.isnan(o).any()
+    assert emu.rel_l2(o, ro) < 6e-3 and emu.rel_l2(ht, rh) < 6e-3
+
+
+def test_fused_inverse_beats_bf16_rounding_on_correlated_keys():
+    """fp16 operands keep the tensor-core inverse's error below A_β's own bf16 rounding where
+    keys are correlated (bf16 operands do not: ~4x that rounding)."""
+    emu = _tool("emulate")
+    gen = torch.Generator().manual_seed(0)
+    H, C = 8, 64
+    base = torch.randn(1, 1, 128, generator=gen)
+    kc = torch.nn.functional.normalize(torch.randn(H, C, 128, generator=gen) + 3 * base, dim=-1).to(torch.bfloat16).float()
+    gch = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(H, C, generator=gen) + 3) * 0.1, dim=1)
+    bch = torch.sigmoid(torch.randn(H, C, generator=gen) + 2)
+    i = torch.arange(C)
+    L = torch.where(i[:, None] > i[None], bch[..., :, None] * torch.exp(gch[..., :, None] - gch[..., None, :]) * (kc @ kc.transpose(-1, -2)), 0.0)
+    eye = torch.eye(C, dtype=torch.float64)
+    exact = torch.linalg.solve_triangular(eye + L.double(), eye.expand(H, C, C).contiguous(), upper=False) * bch.double()[..., None, :]
+    got = emu.fused_a_beta(kc, gch, bch)
+    own_rounding = emu.rel_l2(exact.to(torch.bfloat16), exact)
+    assert emu.rel_l2(got, exact) < 1.5 * own_rounding

@@ -152,6 +152,75 @@ def emu_fwd_o(q, k, v, gcs, a_beta, stab, h_init, scale, N, want_ht=True, uw=Fal
     return o, ht
 
 
+def _r16(x):
+    """Round to fp16 and back (the fused kernel's inverse operands)."""
+    return x.to(torch.float16).float()
+
+
+def fused_a_beta(kc, gch, bch):
+    """The fused kernel's A_β on tensor cores, per head: kc [H,64,K] (rows past the end: any
+    finite values), gch [H,64] cumsum, bch [H,64] β (zero past the end). D = blockdiag((I+L_bb)⁻¹),
+    N = D L_off, A_β = (I − N)(I + N²) D diag β with fp16 operands. Returns [H,64,64] bf16 values."""
+    kk = kc @ kc.transpose(-1, -2)
+    i = torch.arange(C, device=kc.device)
+    gam = torch.exp(torch.where(i[:, None] > i[None], gch[..., :, None] - gch[..., None, :], torch.zeros((), device=kc.device)))
+    L = torch.where(i[:, None] > i[None], bch[..., :, None] * gam * kk, torch.zeros((), device=kc.device))
+    blk = i[:, None] // 16 == i[None] // 16
+    Dm = solve_blocked_diag(torch.where(blk, L, torch.zeros((), device=kc.device)))
+    lo = _r16(torch.where(blk, torch.zeros((), device=kc.device), L))
+    d16, db16 = _r16(Dm), _r16(Dm * bch[..., None, :])
+    n16 = _r16(d16 @ lo)
+    n2 = _r16(n16 @ n16)
+    y16 = _r16(n2 @ db16 + db16)
+    return _r(torch.where(i[:, None] >= i[None], y16 - n16 @ y16, torch.zeros((), device=kc.device)))
+
+
+def emu_fwd_fused(q, k, v, g, beta, stab, h_init, scale, N, want_ht=True):
+    """Mirror of fwd_fused.py: the state as Sᵀ, bf16 where the kernel casts an accumulator into a
+    wgmma operand. Returns o [1,T,Hv,128] fp32 (unwritten rows NaN) and ht [N,Hv,128,128] fp32 (K x V)."""
+    T, h_qk, h_v = q.shape[1], q.shape[2], v.shape[2]
+    G = h_v // h_qk
+    dev = q.device
+    o = torch.full((1, T, h_v, D), float("nan"), device=dev)
+    ht = torch.full((N, h_v, D, D), float("nan"), device=dev) if want_ht else None
+    i = torch.arange(C, device=dev)
+    causal = i[:, None] >= i[None]
+    for row in stab.tolist():
+        bos, eos, seq, _, irow, is_last = row[:6]
+        if seq < 0:
+            continue
+        St = torch.zeros(h_v, D, D, device=dev) if h_init is None else h_init[irow].float().transpose(-1, -2).clone()
+        for ci in range((eos - bos + C - 1) // C):
+            t0 = bos + ci * C
+            ln = min(eos - t0, C)
+            valid = i < ln
+            rows = torch.arange(t0, t0 + C, device=dev)
+            inb = (rows < T)[:, None, None]
+            rr = rows.clamp(max=T - 1)
+            qc = (q[0, rr].float() * inb).repeat_interleave(G, dim=1).permute(1, 0, 2)  # [Hv,64,K]
+            kc = (k[0, rr].float() * inb).repeat_interleave(G, dim=1).permute(1, 0, 2)
+            vc = (v[0, rr].float() * inb).permute(1, 0, 2)
+            gr = torch.where(valid[:, None], g[0, rr].float(), torch.zeros((), device=dev)).T  # [Hv,64]
+            br = torch.where(valid[:, None], beta[0, rr].float(), torch.zeros((), device=dev)).T
+            gch = torch.cumsum(gr, dim=1)
+            eg = torch.exp(gch)
+            el = torch.where(valid, torch.exp(gch[:, ln - 1 : ln] - gch), torch.zeros((), device=dev))
+            ab = fused_a_beta(kc, gch, br)
+            pp = _r(torch.where(causal, scale * torch.exp(gch[..., :, None] - gch[..., None, :]) * (qc @ kc.transpose(-1, -2)),
+                                torch.zeros((), device=dev)))  # fmt: skip
+            sb = _r(St)
+            x = sb @ kc.transpose(-1, -2)  # [Hv, V, 64]
+            oc = sb @ qc.transpose(-1, -2)
+            wb = _r(vc.transpose(-1, -2) - eg[:, None, :] * x)
+            vd = wb @ ab.transpose(-1, -2)
+            oc = oc * (scale * eg[:, None, :]) + _r(vd) @ pp.transpose(-1, -2)
+            St = St * eg[:, ln - 1, None, None] + _r(el[:, None, :] * vd) @ kc
+            o[0, t0 : t0 + ln] = oc[:, :, :ln].permute(2, 0, 1)
+        if want_ht and is_last == 1:
+            ht[seq] = St.transpose(-1, -2)
+    return o, ht
+
+
 def emu_seg_state(k, v, gcs, a_beta, stab):
     """Mirror of seg_state.py. Returns e_end [NS,Hv,K,V] fp32 and m_tr [NS,Hv,K,K] fp32 (bf16 values);
     rows of unused / last segments are NaN."""

@@ -1,0 +1,329 @@
+"""Forward kernel: the whole chunk step fused, warp-specialised, the state in registers.
+
+One CTA of 512 threads per (segment, v-head), full V = 128 (a segment is a run of whole chunks
+of one sequence, the whole sequence unless split: ``_common.segment_table``). Nothing
+intermediate goes to HBM: per chunk (C = 64 rows; g = chunk-local cumsum of the log-gate, g_l its
+last valid value)
+
+    L    = StrictLower(diag β · Γ ⊙ K Kᵀ),  Γ_ij = e^{g_i − g_j}
+    A_β  = (I + L)⁻¹ diag β
+    P    = scale · Γ ⊙ Q Kᵀ (causal incl. the diagonal)
+    Wᵀ   = Vᵀ − e^g ⊙ (Sᵀ Kᵀ)          (columns are tokens)
+    Vdᵀ  = Wᵀ A_βᵀ                       (= FLA's v_newᵀ)
+    Oᵀ   = scale · e^g ⊙ (Sᵀ Qᵀ) + Vdᵀ Pᵀ
+    Sᵀ  ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
+
+The inverse on tensor cores, in fp16: D = blockdiag((I + L_bb)⁻¹) over 16x16 diagonal blocks (by
+substitution), N = D L_off (strictly block-lower, N⁴ = 0), so (I + L)⁻¹ = (I + N)⁻¹ D =
+(I − N)(I + N²) D: with Y = Dβ + N² Dβ (Dβ = D diag β), A_β = Y − N Y. Four 64x64x64 wgmmas;
+fp16 (not bf16) operands keep A_β's error (~5e-4 relative on correlated keys) below its own bf16
+rounding.
+
+Roles:
+
+    WG0-1 (tx   0..255, setmaxnreg 184)  the state Sᵀ [128 V, 128 K] fp32 in registers (64 V rows
+            per warpgroup); every GEMM takes its A operand from registers (the accumulator cast to
+            bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = Wᵀ A_βᵀ, O += Vdᵀ Pᵀ, Sᵀ += Vd'ᵀ K; stores the valid o rows
+    WG2   (tx 256..383, setmaxnreg 104)  aux, up to two chunks ahead: K Kᵀ, Q Kᵀ, the gating, the
+            inverse → A_β and P (bf16) into the two-stage ring t (ta_sh, pp_sh)
+    WG3   (tx 384..511, setmaxnreg  40)  producer: warp 12's elected lane TMA-loads Q, K, V of chunk c
+            into stage c % 3; warp 13 loads g and β (zero past the sequence end), takes the
+            chunk-local cumsum with warp shuffles and writes g, β, e^g and mask · e^{g_l − g} into
+            the same stage; warps 14-15 exit
+
+mbarriers (c = chunk, js = c % 3, pj = (c // 3) % 2, jt = c % 2, pt = (c // 2) % 2; a "free" wait
+uses the other parity, which passes at once on a fresh barrier):
+
+    full[js]    count 64  warps 12 and 13 (+ TMA tx bytes)    aux and state wait pj
+    empty[js]   count 384 aux and state, done with stage js   producer warps wait 1 − pj
+    t_ready[jt] count 128 aux after writing ta/pp[jt] (+fence) state waits pt
+    t_free[jt]  count 256 state after its last GEMM of chunk c aux waits 1 − pt
+
+No barrier gets two phases ahead of its waiter: aux's arrive on t_ready[jt] for chunk c + 2 sits
+behind its wait on t_free[jt] for chunk c; the producers' arrive on full[js] for c + 3 behind their
+wait on empty[js] for c, which needs every consumer past chunk c.
+
+Rows past the sequence end: β and g are zeroed there (the cumsum repeats g_l), so L's rows, and
+A_β's rows and columns, are zero past the end; Vd is zero there, e^{g_l − g} is masked, and o rows
+past the end are not stored. TMA loads of q/k/v may read the next sequence's rows (zero-filled
+past T), which only meet those zeros.
+
+Inputs:  q, k [1,T,Hqk,128] bf16; v [1,T,Hv,128] bf16; g, beta [1,T,Hv] fp32; stab int32 [NS,8];
+         h_init [R,Hv,128,128] fp32 (row stab[s,4], read when ``has_init``); scale fp32.
+Outputs: o [1,T,Hv,128] bf16; ht [N,Hv,128,128] fp32 (last segment of each sequence, ``has_ht``).
+"""
+
+import functools
+
+import torch
+
+from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
+
+#: setmaxnreg budgets (registers / thread) of the state warpgroups (WG0 and WG1), aux (WG2) and
+#: producer (WG3): they sum to 512 per thread slot, what the launch's 512 x 128 registers hold.
+NREG = (192, 104, 24)
+assert 2 * NREG[0] + NREG[1] + NREG[2] == 512 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
+#: input ring depth (Q, K, V, the gate tables); aux runs up to two chunks ahead of the state
+NST = 3
+
+
+def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
+    """The prim_func ``gdn_fwd_fused`` for one head config and state flags."""
+    import tilelang.language as T
+
+    G = check_heads(h_qk, h_v)
+    C, D, B = CHUNK, HEAD_DIM, 16
+    Tn = T.dynamic("T")
+    NS = T.dynamic("NS")
+    R = T.dynamic("R")
+    N = T.dynamic("N")
+    RS, RA, RP = NREG
+    FR = T.GemmWarpPolicy.FullRow
+
+    @T.prim_func
+    def gdn_fwd_fused(
+        q: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
+        v: T.Tensor((1, Tn, h_v, D), "bfloat16"),
+        g: T.Tensor((1, Tn, h_v), "float32"),
+        beta: T.Tensor((1, Tn, h_v), "float32"),
+        stab: T.Tensor((NS, 8), "int32"),
+        h_init: T.Tensor((R, h_v, D, D), "float32"),
+        scale: T.float32,
+        o: T.Tensor((1, Tn, h_v, D), "bfloat16"),
+        ht: T.Tensor((N, h_v, D, D), "float32"),
+    ):
+        # v-head fastest: the G v-heads of a q/k head start together and share its rows in L2
+        with T.Kernel(NS * h_v, threads=512) as sh:
+            s = sh // h_v
+            hv = sh % h_v
+            hk = hv // G
+
+            # input ring (producer -> aux and state): Q, K, V and per-token tables
+            # gt_sh[js, 0..3, i] = g cumsum, β, e^g, mask · e^{g_l − g}
+            q_sh = T.alloc_shared((NST, C, D), "bfloat16")
+            k_sh = T.alloc_shared((NST, C, D), "bfloat16")
+            v_sh = T.alloc_shared((NST, C, D), "bfloat16")
+            gt_sh = T.alloc_shared((NST, 4, C), "float32", scope="shared")
+            # aux -> state ring: A_β and P
+            ta_sh = T.alloc_shared((2, C, C), "bfloat16")
+            pp_sh = T.alloc_shared((2, C, C), "bfloat16")
+            # aux scratch: the diagonal blocks of L (fp32), L_off / N², D / Y, Dβ, N (fp16)
+            ld_sh = T.alloc_shared((C, B), "float32", scope="shared")
+            lo_sh = T.alloc_shared((C, C), "float16")
+            d_sh = T.alloc_shared((C, C), "float16")
+            db_sh = T.alloc_shared((C, C), "float16")
+            n_sh = T.alloc_shared((C, C), "float16")
+
+            # state warpgroups
+            s_acc = T.alloc_fragment((D, D), "float32")  # Sᵀ [V, K]
+            s_bf = T.alloc_fragment((D, D), "bfloat16")
+            x_acc = T.alloc_fragment((D, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
+            o_acc = T.alloc_fragment((D, C), "float32")
+            w_bf = T.alloc_fragment((D, C), "bfloat16")
+            vd_bf = T.alloc_fragment((D, C), "bfloat16")
+            vp_bf = T.alloc_fragment((D, C), "bfloat16")
+            # aux
+            a_acc = T.alloc_fragment((C, C), "float32")
+            x16 = T.alloc_local((B,), "float32")
+            acc1 = T.alloc_var("float32")
+            # producer warp 13
+            gv = T.alloc_local((2,), "float32")
+            bv2 = T.alloc_local((2,), "float32")
+            run = T.alloc_var("float32")
+            egl = T.alloc_var("float32")
+
+            full = T.alloc_barrier([64] * NST)
+            empty = T.alloc_barrier([384] * NST)
+            t_ready = T.alloc_barrier([128, 128])
+            t_free = T.alloc_barrier([256, 256])
+
+            bos = stab[s, 0]
+            eos = stab[s, 1]
+            seq = stab[s, 2]
+            irow = stab[s, 4]
+            is_last = stab[s, 5]
+            nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
+
+            tx = T.get_thread_binding()
+
+            if tx < 256:
+                # ---------------- WG0-1: the state Sᵀ and the output ----------------
+                T.set_max_nreg(RS, 1)
+                if has_init:
+                    for i, j in T.Parallel(D, D):
+                        s_acc[i, j] = h_init[irow, hv, j, i]
+                else:
+                    T.clear(s_acc)
+                for ci in T.serial(nchunks):
+                    js = ci % NST
+                    pj = (ci // NST) % 2
+                    jt = ci % 2
+                    pt = (ci // 2) % 2
+                    t0 = bos + ci * C
+                    ln = T.min(eos - t0, C)
+                    T.barrier_wait(full[js], pj)
+                    T.barrier_wait(t_ready[jt], pt)
+                    T.copy(s_acc, s_bf)
+                    T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    for i, j in T.Parallel(D, C):
+                        w_bf[i, j] = T.cast(T.cast(v_sh[js, j, i], "float32") - gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
+                    T.gemm(w_bf, ta_sh[jt, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    for i, j in T.Parallel(D, C):
+                        vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
+                        vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
+                        o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
+                    T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
+                    egl = gt_sh[js, 2, ln - 1]
+                    for i, j in T.Parallel(D, D):
+                        s_acc[i, j] = s_acc[i, j] * egl
+                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                    T.barrier_arrive(t_free[jt])
+                    T.barrier_arrive(empty[js])
+                    for i, j in T.Parallel(D, C):
+                        if j < ln:
+                            o[0, t0 + j, hv, i] = T.cast(o_acc[i, j], "bfloat16")
+                if has_ht:
+                    if is_last == 1:
+                        for i, j in T.Parallel(D, D):
+                            ht[seq, hv, j, i] = s_acc[i, j]
+            elif tx < 384:
+                # ---------------- WG2: aux, A_β and P ----------------
+                T.set_max_nreg(RA, 1)
+                li = tx - 256
+                for ci in T.serial(nchunks):
+                    js = ci % NST
+                    pj = (ci // NST) % 2
+                    jt = ci % 2
+                    pt = (ci // 2) % 2
+                    T.barrier_wait(full[js], pj)
+                    # L: its 16x16 diagonal blocks in fp32 (ld_sh), the rest in fp16 (lo_sh);
+                    # D and Dβ are zero outside the diagonal blocks
+                    T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        lo_sh[i, j] = T.cast(
+                            T.if_then_else(
+                                i // B > j // B,
+                                gt_sh[js, 1, i] * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j],
+                                T.float32(0),
+                            ),
+                            "float16",
+                        )
+                        if i // B == j // B:
+                            ld_sh[i, j % B] = T.if_then_else(
+                                j < i, gt_sh[js, 1, i] * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j], T.float32(0)
+                            )
+                        d_sh[i, j] = T.float16(0)
+                        db_sh[i, j] = T.float16(0)
+                    # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16
+                    if li < C:
+                        for i in T.unroll(B):
+                            x16[i] = T.float32(0)
+                        for i in T.unroll(B):
+                            acc1 = T.if_then_else(li % B == i, T.float32(1), T.float32(0))
+                            for j in T.unroll(i):
+                                acc1 = acc1 - ld_sh[(li // B) * B + i, j] * x16[j]
+                            x16[i] = acc1
+                        for i in T.unroll(B):
+                            d_sh[(li // B) * B + i, li] = T.cast(x16[i], "float16")
+                            db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
+                    T.fence_proxy_async()
+                    # N = D L_off
+                    T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
+                    T.copy(a_acc, n_sh)
+                    T.fence_proxy_async()
+                    # N² (into lo_sh: L_off is dead)
+                    T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
+                    T.copy(a_acc, lo_sh)
+                    T.fence_proxy_async()
+                    # Y = Dβ + N² Dβ (into d_sh: D is dead)
+                    T.gemm(lo_sh, db_sh, a_acc, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        d_sh[i, j] = T.cast(a_acc[i, j] + T.cast(db_sh[i, j], "float32"), "float16")
+                    T.fence_proxy_async()
+                    # A_β = Y − N Y, then P = scale Γ ⊙ Q Kᵀ, into stage jt once the state is done with it
+                    T.gemm(n_sh, d_sh, a_acc, clear_accum=True)
+                    T.barrier_wait(t_free[jt], 1 - pt)
+                    for i, j in T.Parallel(C, C):
+                        ta_sh[jt, i, j] = T.cast(
+                            T.if_then_else(i >= j, T.cast(d_sh[i, j], "float32") - a_acc[i, j], T.float32(0)), "bfloat16"
+                        )
+                    T.gemm(q_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        pp_sh[jt, i, j] = T.cast(
+                            T.if_then_else(i >= j, scale * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j], T.float32(0)),
+                            "bfloat16",
+                        )
+                    T.fence_proxy_async()
+                    T.barrier_arrive(t_ready[jt])
+                    T.barrier_arrive(empty[js])
+            else:
+                # ---------------- WG3: producer ----------------
+                T.set_max_nreg(RP, 0)
+                if tx < 416:
+                    # warp 12: TMA loads of Q, K, V (one elected lane issues them)
+                    for ci in T.serial(nchunks):
+                        js = ci % NST
+                        pj = (ci // NST) % 2
+                        t0 = bos + ci * C
+                        T.barrier_wait(empty[js], 1 - pj)
+                        T.tma_copy(q[0, t0 : t0 + C, hk, 0:D], q_sh[js, :, :], barrier=full[js])
+                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
+                        T.tma_copy(v[0, t0 : t0 + C, hv, 0:D], v_sh[js, :, :], barrier=full[js])
+                        T.barrier_arrive(full[js])
+                elif tx < 448:
+                    # warp 13: g, β and the per-token tables; lane l holds rows 2l, 2l + 1
+                    lane = tx - 416
+                    for ci in T.serial(nchunks):
+                        js = ci % NST
+                        pj = (ci // NST) % 2
+                        t0 = bos + ci * C
+                        ln = T.min(eos - t0, C)
+                        T.barrier_wait(empty[js], 1 - pj)
+                        for r in T.unroll(2):
+                            gv[r] = T.if_then_else(2 * lane + r < ln, g[0, t0 + 2 * lane + r, hv], T.float32(0))
+                            bv2[r] = T.if_then_else(2 * lane + r < ln, beta[0, t0 + 2 * lane + r, hv], T.float32(0))
+                        # inclusive scan of the lane pairs' sums over the warp
+                        run = gv[0] + gv[1]
+                        for d in T.unroll(5):
+                            acc1 = T.shfl_up(run, 1 << d)
+                            if lane >= (1 << d):
+                                run = run + acc1
+                        acc1 = gv[1]
+                        gv[1] = run
+                        gv[0] = run - acc1
+                        # g_l: the cumsum at row ln − 1, from the lane that holds it
+                        egl = T.shfl_sync(T.if_then_else((ln - 1) % 2 == 0, gv[0], gv[1]), (ln - 1) // 2)
+                        for r in T.unroll(2):
+                            gt_sh[js, 0, 2 * lane + r] = gv[r]
+                            gt_sh[js, 1, 2 * lane + r] = bv2[r]
+                            gt_sh[js, 2, 2 * lane + r] = T.exp(gv[r])
+                            gt_sh[js, 3, 2 * lane + r] = T.if_then_else(2 * lane + r < ln, T.exp(egl - gv[r]), T.float32(0))
+                        T.barrier_arrive(full[js])
+
+    return gdn_fwd_fused
+
+
+@functools.cache
+def get_fwd_fused_kernel(h_qk: int, h_v: int, has_init: bool, has_ht: bool, target_k=None):
+    return compile_program(
+        fwd_fused_program(h_qk, h_v, has_init, has_ht), target=parse_target(target_k), pass_configs=FAST_MATH
+    )
+
+
+def run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=None):
+    """Launch the fused forward; writes ``o`` (and ``ht`` if given) in place.
+
+    q, k [1,T,Hqk,128] bf16; v [1,T,Hv,128] bf16; g, beta [1,T,Hv] fp32; stab int32 [NS,8];
+    h_init [R,Hv,128,128] fp32 (row stab[s, 4]) or None; o [1,T,Hv,128] bf16; ht [N,Hv,128,128]
+    fp32 or None (written by each sequence's last segment).
+    """
+    h_qk, h_v = q.shape[2], v.shape[2]
+    has_init, has_ht = h_init is not None, ht is not None
+    kern = get_fwd_fused_kernel(h_qk, h_v, has_init, has_ht, target_key(target))
+    dummy = None
+    if not (has_init and has_ht):
+        dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+    kern(q, k, v, g, beta, stab, h_init if has_init else dummy, float(scale), o, ht if has_ht else dummy)
+    return o, ht

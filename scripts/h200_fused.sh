@@ -1,0 +1,44 @@
+#!/bin/bash
+# Device calls back to back on one warm machine: the fused forward kernel's check and timing
+# (tools/kernels/check_fused.py), then the fixed-cost measurement (scripts/h200_fixed_cost.sh)
+# as a background job that the next call waits for.
+#   STEP=check  carry .devsite .tlcache/all.tar.xz .tlcache/fused.tar.xz .tlcache/fqla_fwd.tar.xz
+#               .run/prevkernels .run/repo.tar.gz .run/repo_old.tar.gz:
+#               the environment (STEP=setup JOB=none bash scripts/h200_campaign.sh), the fused
+#               kernels' cache, check_fused (small cases under a timeout: a barrier hang costs
+#               90 s, not the call), then the fixed-cost job started in its own session.
+#   STEP=wait   until the fixed-cost job ends or the call's deadline; its files into $OUT.
+# DEVICE_LEFT_S: the session's device seconds left (the fixed-cost job's deadline).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+T0=$(date +%s)
+log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
+FC=/tmp/fc_out
+
+case "${STEP:?STEP=check|wait}" in
+check)
+  STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+  tail -4 "$OUT/setup.log"
+  tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
+  source /tmp/job/env.sh
+  log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
+  nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+  cd /tmp/repo
+  timeout --kill-after=10 90 python3 tools/kernels/check_fused.py --cases small --no-time > "$OUT/fused_small.log" 2>&1
+  rc=$?; tail -25 "$OUT/fused_small.log"; log "small: exit $rc"
+  if [ $rc -eq 0 ]; then
+    timeout --kill-after=10 ${CHECK_S:-300} python3 tools/kernels/check_fused.py --cases all > "$OUT/fused_all.log" 2>&1
+    log "all: exit $?"; tail -40 "$OUT/fused_all.log"
+  fi
+  # the fixed-cost job outlives this call; the next call (STEP=wait) collects it
+  mkdir -p $FC; cp -r .run/repo_old.tar.gz $FC/ 2>/dev/null
+  end=$(( T0 + ${DEVICE_LEFT_S:-1500} - 120 ))
+  setsid nohup env OUT=$FC OLD_TGZ=$FC/repo_old.tar.gz CALL_DEADLINE=$end \
+    bash scripts/h200_fixed_cost.sh > $FC/job.out 2>&1 < /dev/null &
+  sleep 5; log "fixed-cost job started (deadline in $(( end - $(date +%s) ))s)";;
+wait)
+  left=${WAIT_S:-560}
+  while pgrep -f h200_fixed_cost.sh > /dev/null && [ $(( $(date +%s) - T0 )) -lt "$left" ]; do sleep 5; done
+  tail -40 $FC/job.out; cp $FC/fixed_cost* "$OUT/" 2>/dev/null; ls -la "$OUT"
+  log "$(pgrep -f h200_fixed_cost.sh > /dev/null && echo 'job still running' || echo 'job done')";;
+esac

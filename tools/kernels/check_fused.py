@@ -1,0 +1,169 @@
+"""Correctness and timing of the fused forward kernel (fwd_fused.py) on a Hopper GPU.
+
+    python tools/kernels/check_fused.py [--cases small|all] [--no-time]
+
+Correctness, per case: o and the final state of ``run_fwd_fused`` (outputs poisoned with NaN
+first) against the fp32 token recurrence (rel L2) and against today's forward
+(``chunk_gdn_fwd``); unsplit (tables + the fused kernel) and split (the split path's segment
+start states, then the fused kernel over the segments). Timing, per shape: CUDA-graph replay
+medians of today's planned forward, of tables + fused (unsplit), and of the split path with the
+fused kernel at a few segment lengths. Writes check_fused.json / .txt to $OUT when set.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from check_fwd import LINES, _import_pkg, graph_time_ms, log, make_inputs, reference_fp32  # noqa: E402
+
+CORRECT = [
+    # (name, seqlens, h_qk, h_v, split_tokens, with_h0)
+    ("one-chunk", [64], 2, 8, 0, True),
+    ("partial", [300], 2, 8, 0, True),
+    ("varlen", [64, 130, 7, 200, 1000], 1, 3, 0, True),
+    ("no-h0", [513, 1500], 2, 8, 0, False),
+    ("gva4-long", [4096], 2, 8, 0, True),
+    ("split", [5000, 300, 2048], 2, 8, 1024, True),
+    ("split-noh0", [4096], 2, 8, 512, False),
+    ("many-heads", [2048, 1024], 16, 64, 0, True),
+]
+SMALL = {"one-chunk", "partial", "varlen", "split"}
+
+TIMING = [
+    # (name, seqlens, h_qk, h_v)
+    ("16/64 1x32768", [32768], 16, 64),
+    ("16/64 4x8192", [8192] * 4, 16, 64),
+    ("16/64 8x1024", [1024] * 8, 16, 64),
+    ("4/16 4x8192", [8192] * 4, 4, 16),
+    ("8/32 1x32768", [32768], 8, 32),
+    ("2/8 1x32768", [32768], 2, 8),
+    ("2/8 4x8192", [8192] * 4, 2, 8),
+    ("2/8 8x1024", [1024] * 8, 2, 8),
+    ("32/32 4x8192", [8192] * 4, 32, 32),
+]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+
+
+def _fused_call(pkg, x, split_tokens, o=None, ht=None):
+    """tables (+ the split path's start states) then the fused kernel; returns (o, ht)."""
+    from qlabench_kernels._common import HEAD_DIM, default_cu_seqlens
+    from qlabench_kernels.fixup import run_fixup
+    from qlabench_kernels.fwd_fused import run_fwd_fused
+    from qlabench_kernels.prep import run_prep
+    from qlabench_kernels.seg_state import run_seg_state
+    from qlabench_kernels.tables import run_tables
+
+    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "h0", "cu"))
+    T, h_v = q.shape[1], v.shape[2]
+    cu = default_cu_seqlens(T, q.device) if cu is None else cu.long()
+    N = cu.numel() - 1
+    seg = split_tokens or (max(T, 1) + 63) // 64 * 64
+    ctab, _, stab, cu_segs = run_tables(cu, T, N, seg, bool(split_tokens))
+    scale = HEAD_DIM**-0.5
+    h_init = h0
+    if split_tokens:
+        gcs, a_beta, _ = run_prep(q, k, g, beta, ctab, scale)
+        ns = stab.shape[0]
+        e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=q.device)
+        m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.bfloat16)
+        run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr)
+        h_init = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=q.device)
+        run_fixup(m_tr, e_end, cu_segs, h0, h_init)
+    if o is None:
+        o = torch.empty(1, T, h_v, HEAD_DIM, device=q.device, dtype=torch.bfloat16)
+    if ht is None:
+        ht = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=q.device)
+    run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht)
+    return o, ht
+
+
+def check(pkg, name, seqlens, h_qk, h_v, split_tokens, with_h0, results):
+    log(f"\n=== {name}: {h_qk}/{h_v} lens={seqlens if len(seqlens) <= 8 else len(seqlens)} split={split_tokens} h0={with_h0}")
+    x = make_inputs(seqlens, h_qk, h_v, with_h0=with_h0)
+    T, N = sum(seqlens), len(seqlens)
+    o = torch.full((1, T, h_v, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ht = torch.full((N, h_v, 128, 128), float("nan"), device="cuda")
+    t0 = time.perf_counter()
+    _fused_call(pkg, x, split_tokens, o, ht)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    ro, rh = reference_fp32(x)
+    o_now, ht_now = pkg.chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"])
+    r = dict(
+        case=name, o_nan=int(torch.isnan(o.float()).sum()), ht_nan=int(torch.isnan(ht).sum()),
+        o_rel=rel(o.float(), ro), ht_rel=rel(ht, rh), o_rel_today=rel(o_now.float(), ro), ht_rel_today=rel(ht_now, rh),
+        o_vs_today=rel(o.float(), o_now.float()), first_call_s=round(dt, 2),
+    )  # fmt: skip
+    r["ok"] = r["o_nan"] == 0 and r["ht_nan"] == 0 and r["o_rel"] < 1e-2 and r["ht_rel"] < 1e-2
+    log("  " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    results["correct"].append(r)
+    return r["ok"]
+
+
+def time_shape(pkg, name, seqlens, h_qk, h_v, results):
+    from qlabench_kernels.plan import plan_fwd, sm_count
+
+    x = make_inputs(seqlens, h_qk, h_v)
+    T, N = sum(seqlens), len(seqlens)
+    bv, sp = plan_fwd(T, N, h_v, sm_count(torch.device("cuda")), seqlens=seqlens)
+    row = dict(shape=name, today_plan=f"bv{bv}/split{sp}")
+    row["today_ms"] = graph_time_ms(
+        lambda: pkg.chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], seqlens=seqlens)
+    )
+    row["fused_ms"] = graph_time_ms(lambda: _fused_call(pkg, x, 0))
+    longest = max(seqlens)
+    for seg in (512, 1024, 2048, 4096, 8192):
+        if seg < longest:
+            row[f"fused_split{seg}_ms"] = graph_time_ms(lambda seg=seg: _fused_call(pkg, x, seg))
+    best = min(v for k, v in row.items() if k.startswith("fused") and k.endswith("_ms"))
+    row["best_fused_ms"] = best
+    row["speedup_vs_today"] = row["today_ms"] / best
+    log("  " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    results["timing"].append(row)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="all", choices=["small", "all"])
+    ap.add_argument("--no-time", action="store_true")
+    args = ap.parse_args(argv)
+    pkg, _ = _import_pkg()
+    results = {"correct": [], "timing": [], "errors": [], "gpu": torch.cuda.get_device_name()}
+    all_ok = True
+    for name, lens, hq, hv, sp, h0 in CORRECT:
+        if args.cases == "small" and name not in SMALL:
+            continue
+        try:
+            all_ok &= check(pkg, name, lens, hq, hv, sp, h0, results)
+        except Exception:  # noqa: BLE001
+            all_ok = False
+            results["errors"].append({"case": name, "error": traceback.format_exc()})
+            log(traceback.format_exc())
+    if all_ok and not args.no_time:
+        log("\n=== timing (CUDA-graph replay medians, ms)")
+        for name, lens, hq, hv in TIMING:
+            try:
+                time_shape(pkg, name, lens, hq, hv, results)
+            except Exception:  # noqa: BLE001
+                results["errors"].append({"case": name, "error": traceback.format_exc()})
+                log(traceback.format_exc())
+    out = os.environ.get("OUT")
+    if out:
+        pathlib.Path(out, "check_fused.json").write_text(json.dumps(results, indent=1))
+        pathlib.Path(out, "check_fused.txt").write_text("\n".join(LINES) + "\n")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
