@@ -61,6 +61,8 @@ from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, p
 
 #: setmaxnreg budgets (registers / thread) of the state warpgroups (WG0 and WG1), aux (WG2) and
 #: producer (WG3): they sum to 512 per thread slot, what the launch's 512 x 128 registers hold.
+#: From the launch's 128, the state warpgroups increase (.inc) and the others decrease (.dec: an
+#: .inc below the current count is an illegal instruction).
 NREG = (192, 104, 24)
 assert 2 * NREG[0] + NREG[1] + NREG[2] == 512 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 #: input ring depth (Q, K, V, the gate tables); aux runs up to two chunks ahead of the state
@@ -190,7 +192,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                             ht[seq, hv, j, i] = s_acc[i, j]
             elif tx < 384:
                 # ---------------- WG2: aux, A_β and P ----------------
-                T.set_max_nreg(RA, 1)
+                T.set_max_nreg(RA, 0)
                 li = tx - 256
                 for ci in T.serial(nchunks):
                     js = ci % NST

@@ -23,6 +23,7 @@ check)
   source /tmp/job/env.sh
   log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
   nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+  mkdir -p $FC && cp .run/repo_old.tar.gz $FC/
   cd /tmp/repo
   timeout --kill-after=10 90 python3 tools/kernels/check_fused.py --cases small --no-time > "$OUT/fused_small.log" 2>&1
   rc=$?; tail -25 "$OUT/fused_small.log"; log "small: exit $rc"
@@ -31,7 +32,6 @@ check)
     log "all: exit $?"; tail -40 "$OUT/fused_all.log"
   fi
   # the fixed-cost job outlives this call; the next call (STEP=wait) collects it
-  mkdir -p $FC; cp -r .run/repo_old.tar.gz $FC/ 2>/dev/null
   end=$(( T0 + ${DEVICE_LEFT_S:-1500} - 120 ))
   setsid nohup env OUT=$FC OLD_TGZ=$FC/repo_old.tar.gz CALL_DEADLINE=$end \
     bash scripts/h200_fixed_cost.sh > $FC/job.out 2>&1 < /dev/null &
