@@ -69,7 +69,7 @@ assert 2 * NREG[0] + NREG[1] + NREG[2] == 512 and all(r % 8 == 0 and 24 <= r <= 
 NST = 3
 
 
-def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
+def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant: str = ""):
     """The prim_func ``gdn_fwd_fused`` for one head config and state flags."""
     import tilelang.language as T
 
@@ -166,26 +166,41 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     ln = T.min(eos - t0, C)
                     T.barrier_wait(full[js], pj)
                     T.barrier_wait(t_ready[jt], pt)
-                    T.copy(s_acc, s_bf)
-                    T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    for i, j in T.Parallel(D, C):
-                        w_bf[i, j] = T.cast(T.cast(v_sh[js, j, i], "float32") - gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
-                    T.gemm(w_bf, ta_sh[jt, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    for i, j in T.Parallel(D, C):
-                        vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
-                        vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
-                        o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
-                    T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
-                    egl = gt_sh[js, 2, ln - 1]
-                    for i, j in T.Parallel(D, D):
-                        s_acc[i, j] = s_acc[i, j] * egl
-                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                    if variant != "aux_only":
+                        T.copy(s_acc, s_bf)
+                        if variant == "async":
+                            T.wgmma_gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                            T.wgmma_gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
+                            T.wait_wgmma(1)
+                        else:
+                            T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                            T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
+                        for i, j in T.Parallel(D, C):
+                            w_bf[i, j] = T.cast(T.cast(v_sh[js, j, i], "float32") - gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
+                        T.gemm(w_bf, ta_sh[jt, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                        for i, j in T.Parallel(D, C):
+                            vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
+                            vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
+                            o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
+                        if variant == "async":
+                            egl = gt_sh[js, 2, ln - 1]
+                            for i, j in T.Parallel(D, D):
+                                s_acc[i, j] = s_acc[i, j] * egl
+                            T.wgmma_gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
+                            T.wgmma_gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                            T.wait_wgmma(0)
+                        else:
+                            T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
+                            egl = gt_sh[js, 2, ln - 1]
+                            for i, j in T.Parallel(D, D):
+                                s_acc[i, j] = s_acc[i, j] * egl
+                            T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
                     T.barrier_arrive(t_free[jt])
                     T.barrier_arrive(empty[js])
-                    for i, j in T.Parallel(D, C):
-                        if j < ln:
-                            o[0, t0 + j, hv, i] = T.cast(o_acc[i, j], "bfloat16")
+                    if variant != "aux_only":
+                        for i, j in T.Parallel(D, C):
+                            if j < ln:
+                                o[0, t0 + j, hv, i] = T.cast(o_acc[i, j], "bfloat16")
                 if has_ht:
                     if is_last == 1:
                         for i, j in T.Parallel(D, D):
@@ -200,63 +215,65 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     jt = ci % 2
                     pt = (ci // 2) % 2
                     T.barrier_wait(full[js], pj)
-                    # L: its 16x16 diagonal blocks in fp32 (ld_sh), the rest in fp16 (lo_sh);
-                    # D and Dβ are zero outside the diagonal blocks
-                    T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        lo_sh[i, j] = T.cast(
-                            T.if_then_else(
-                                i // B > j // B,
-                                gt_sh[js, 1, i] * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j],
-                                T.float32(0),
-                            ),
-                            "float16",
-                        )
-                        if i // B == j // B:
-                            ld_sh[i, j % B] = T.if_then_else(
-                                j < i, gt_sh[js, 1, i] * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j], T.float32(0)
+                    if variant != "state_only":
+                        # L: its 16x16 diagonal blocks in fp32 (ld_sh), the rest in fp16 (lo_sh);
+                        # D and Dβ are zero outside the diagonal blocks
+                        T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(C, C):
+                            lo_sh[i, j] = T.cast(
+                                T.if_then_else(
+                                    i // B > j // B,
+                                    gt_sh[js, 1, i] * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j],
+                                    T.float32(0),
+                                ),
+                                "float16",
                             )
-                        d_sh[i, j] = T.float16(0)
-                        db_sh[i, j] = T.float16(0)
-                    # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16
-                    if li < C:
-                        for i in T.unroll(B):
-                            x16[i] = T.float32(0)
-                        for i in T.unroll(B):
-                            acc1 = T.if_then_else(li % B == i, T.float32(1), T.float32(0))
-                            for j in T.unroll(i):
-                                acc1 = acc1 - ld_sh[(li // B) * B + i, j] * x16[j]
-                            x16[i] = acc1
-                        for i in T.unroll(B):
-                            d_sh[(li // B) * B + i, li] = T.cast(x16[i], "float16")
-                            db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
-                    T.fence_proxy_async()
-                    # N = D L_off
-                    T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
-                    T.copy(a_acc, n_sh)
-                    T.fence_proxy_async()
-                    # N² (into lo_sh: L_off is dead)
-                    T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
-                    T.copy(a_acc, lo_sh)
-                    T.fence_proxy_async()
-                    # Y = Dβ + N² Dβ (into d_sh: D is dead)
-                    T.gemm(lo_sh, db_sh, a_acc, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        d_sh[i, j] = T.cast(a_acc[i, j] + T.cast(db_sh[i, j], "float32"), "float16")
-                    T.fence_proxy_async()
-                    # A_β = Y − N Y, then P = scale Γ ⊙ Q Kᵀ, into stage jt once the state is done with it
-                    T.gemm(n_sh, d_sh, a_acc, clear_accum=True)
+                            if i // B == j // B:
+                                ld_sh[i, j % B] = T.if_then_else(
+                                    j < i, gt_sh[js, 1, i] * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j], T.float32(0)
+                                )
+                            d_sh[i, j] = T.float16(0)
+                            db_sh[i, j] = T.float16(0)
+                        # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16
+                        if li < C:
+                            for i in T.unroll(B):
+                                x16[i] = T.float32(0)
+                            for i in T.unroll(B):
+                                acc1 = T.if_then_else(li % B == i, T.float32(1), T.float32(0))
+                                for j in T.unroll(i):
+                                    acc1 = acc1 - ld_sh[(li // B) * B + i, j] * x16[j]
+                                x16[i] = acc1
+                            for i in T.unroll(B):
+                                d_sh[(li // B) * B + i, li] = T.cast(x16[i], "float16")
+                                db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
+                        T.fence_proxy_async()
+                        # N = D L_off
+                        T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
+                        T.copy(a_acc, n_sh)
+                        T.fence_proxy_async()
+                        # N² (into lo_sh: L_off is dead)
+                        T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
+                        T.copy(a_acc, lo_sh)
+                        T.fence_proxy_async()
+                        # Y = Dβ + N² Dβ (into d_sh: D is dead)
+                        T.gemm(lo_sh, db_sh, a_acc, clear_accum=True)
+                        for i, j in T.Parallel(C, C):
+                            d_sh[i, j] = T.cast(a_acc[i, j] + T.cast(db_sh[i, j], "float32"), "float16")
+                        T.fence_proxy_async()
+                        # A_β = Y − N Y, then P = scale Γ ⊙ Q Kᵀ, into stage jt once the state is done with it
+                        T.gemm(n_sh, d_sh, a_acc, clear_accum=True)
                     T.barrier_wait(t_free[jt], 1 - pt)
-                    for i, j in T.Parallel(C, C):
-                        ta_sh[jt, i, j] = T.cast(
-                            T.if_then_else(i >= j, T.cast(d_sh[i, j], "float32") - a_acc[i, j], T.float32(0)), "bfloat16"
-                        )
-                    T.gemm(q_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        pp_sh[jt, i, j] = T.cast(
-                            T.if_then_else(i >= j, scale * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j], T.float32(0)),
-                            "bfloat16",
-                        )
+                    if variant != "state_only":
+                        for i, j in T.Parallel(C, C):
+                            ta_sh[jt, i, j] = T.cast(
+                                T.if_then_else(i >= j, T.cast(d_sh[i, j], "float32") - a_acc[i, j], T.float32(0)), "bfloat16"
+                            )
+                        T.gemm(q_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(C, C):
+                            pp_sh[jt, i, j] = T.cast(
+                                T.if_then_else(i >= j, scale * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j], T.float32(0)),
+                                "bfloat16",
+                            )
                     T.fence_proxy_async()
                     T.barrier_arrive(t_ready[jt])
                     T.barrier_arrive(empty[js])
@@ -308,13 +325,13 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
 
 
 @functools.cache
-def get_fwd_fused_kernel(h_qk: int, h_v: int, has_init: bool, has_ht: bool, target_k=None):
+def get_fwd_fused_kernel(h_qk: int, h_v: int, has_init: bool, has_ht: bool, target_k=None, variant=""):
     return compile_program(
-        fwd_fused_program(h_qk, h_v, has_init, has_ht), target=parse_target(target_k), pass_configs=FAST_MATH
+        fwd_fused_program(h_qk, h_v, has_init, has_ht, variant), target=parse_target(target_k), pass_configs=FAST_MATH
     )
 
 
-def run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=None):
+def run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=None, variant=""):
     """Launch the fused forward; writes ``o`` (and ``ht`` if given) in place.
 
     q, k [1,T,Hqk,128] bf16; v [1,T,Hv,128] bf16; g, beta [1,T,Hv] fp32; stab int32 [NS,8];
@@ -323,7 +340,7 @@ def run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=None):
     """
     h_qk, h_v = q.shape[2], v.shape[2]
     has_init, has_ht = h_init is not None, ht is not None
-    kern = get_fwd_fused_kernel(h_qk, h_v, has_init, has_ht, target_key(target))
+    kern = get_fwd_fused_kernel(h_qk, h_v, has_init, has_ht, target_key(target), variant)
     dummy = None
     if not (has_init and has_ht):
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)

@@ -15,7 +15,22 @@ T0=$(date +%s)
 log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
 FC=/tmp/fc_out
 
-case "${STEP:?STEP=check|wait}" in
+case "${STEP:?STEP=check|variants|wait}" in
+variants)  # carry as for check: the variants' times and an ncu profile of the fused kernel per role
+  STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+  tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
+  source /tmp/job/env.sh; cd /tmp/repo
+  timeout 200 python3 tools/kernels/check_fused.py --cases small --no-time --variants ${VARIANTS:-base} > "$OUT/variants.log" 2>&1
+  log "variants: exit $?"; grep -A12 "=== variants" "$OUT/variants.log"; grep -c ok=True "$OUT/variants.log"
+  for v in ${NCU_VARIANTS:-base}; do
+    timeout 150 ncu --set full -k regex:gdn_fwd_fused --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu_$v" \
+      python3 tools/kernels/check_fused.py --once $v > "$OUT/ncu_$v.log" 2>&1; log "ncu $v: exit $?"
+    timeout 60 ncu --import "$OUT/ncu_$v.ncu-rep" --page source --csv --print-source sass > /tmp/src_$v.csv 2>/dev/null
+    python3 scripts/ncu_stalls.py /tmp/src_$v.csv --top 30 > "$OUT/stalls_$v.txt" 2>&1; head -70 "$OUT/stalls_$v.txt"
+    timeout 60 ncu --import "$OUT/ncu_$v.ncu-rep" --page details --csv > "$OUT/details_$v.csv" 2>/dev/null
+    xz -f /tmp/src_$v.csv && cp /tmp/src_$v.csv.xz "$OUT/"
+  done
+  log done;;
 check)
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tail -4 "$OUT/setup.log"
