@@ -110,12 +110,13 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
             # aux -> state ring: A_β and P
             ta_sh = T.alloc_shared((2, C, C), "bfloat16")
             pp_sh = T.alloc_shared((2, C, C), "bfloat16")
-            # aux scratch: the diagonal blocks of L (fp32), L_off / N², D / Y, Dβ, N (fp16)
+            # aux scratch: the diagonal blocks of L (fp32), L_off / N², D, Dβ, N, Y (fp16)
             ld_sh = T.alloc_shared((C, B), "float32", scope="shared")
             lo_sh = T.alloc_shared((C, C), "float16")
             d_sh = T.alloc_shared((C, C), "float16")
             db_sh = T.alloc_shared((C, C), "float16")
             n_sh = T.alloc_shared((C, C), "float16")
+            y_sh = T.alloc_shared((C, C), "float16")
 
             # state warpgroups
             s_acc = T.alloc_fragment((D, D), "float32")  # Sᵀ [V, K]
@@ -127,6 +128,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
             vp_bf = T.alloc_fragment((D, C), "bfloat16")
             # aux
             a_acc = T.alloc_fragment((C, C), "float32")
+            p_acc = T.alloc_fragment((C, C), "float32")
+            gi = T.alloc_fragment((C,), "float32")  # g cumsum per row of a_acc
+            bi = T.alloc_fragment((C,), "float32")  # β per row
+            gam = T.alloc_local((1,), "float32")
             x16 = T.alloc_local((B,), "float32")
             acc1 = T.alloc_var("float32")
             # producer warp 13
@@ -168,13 +173,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                     T.barrier_wait(t_ready[jt], pt)
                     if variant != "aux_only":
                         T.copy(s_acc, s_bf)
-                        if variant == "async":
-                            T.wgmma_gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                            T.wgmma_gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
-                            T.wait_wgmma(1)
-                        else:
-                            T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                            T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
+                        T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                        T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
                         for i, j in T.Parallel(D, C):
                             w_bf[i, j] = T.cast(T.cast(v_sh[js, j, i], "float32") - gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
                         T.gemm(w_bf, ta_sh[jt, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
@@ -182,19 +182,11 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                             vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
                             vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
                             o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
-                        if variant == "async":
-                            egl = gt_sh[js, 2, ln - 1]
-                            for i, j in T.Parallel(D, D):
-                                s_acc[i, j] = s_acc[i, j] * egl
-                            T.wgmma_gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
-                            T.wgmma_gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
-                            T.wait_wgmma(0)
-                        else:
-                            T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
-                            egl = gt_sh[js, 2, ln - 1]
-                            for i, j in T.Parallel(D, D):
-                                s_acc[i, j] = s_acc[i, j] * egl
-                            T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                        T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
+                        egl = gt_sh[js, 2, ln - 1]
+                        for i, j in T.Parallel(D, D):
+                            s_acc[i, j] = s_acc[i, j] * egl
+                        T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
                     T.barrier_arrive(t_free[jt])
                     T.barrier_arrive(empty[js])
                     if variant != "aux_only":
@@ -209,6 +201,9 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                 # ---------------- WG2: aux, A_β and P ----------------
                 T.set_max_nreg(RA, 0)
                 li = tx - 256
+                for i, j in T.Parallel(C, C):
+                    d_sh[i, j] = T.float16(0)
+                    db_sh[i, j] = T.float16(0)
                 for ci in T.serial(nchunks):
                     js = ci % NST
                     pj = (ci // NST) % 2
@@ -216,25 +211,24 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                     pt = (ci // 2) % 2
                     T.barrier_wait(full[js], pj)
                     if variant != "state_only":
-                        # L: its 16x16 diagonal blocks in fp32 (ld_sh), the rest in fp16 (lo_sh);
-                        # D and Dβ are zero outside the diagonal blocks
+                        # K Kᵀ and Q Kᵀ, then one pass that takes Γ once per element for L (its 16x16
+                        # diagonal blocks in fp32 into ld_sh, the rest in fp16 into lo_sh) and P (into
+                        # stage jt once the state is done with it)
                         T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
+                        T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
+                        for i in T.Parallel(C):
+                            gi[i] = gt_sh[js, 0, i]
+                            bi[i] = gt_sh[js, 1, i]
+                    T.barrier_wait(t_free[jt], 1 - pt)
+                    if variant != "state_only":
                         for i, j in T.Parallel(C, C):
-                            lo_sh[i, j] = T.cast(
-                                T.if_then_else(
-                                    i // B > j // B,
-                                    gt_sh[js, 1, i] * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j],
-                                    T.float32(0),
-                                ),
-                                "float16",
-                            )
+                            gam[0] = T.exp(gi[i] - gt_sh[js, 0, j])
+                            lo_sh[i, j] = T.cast(T.if_then_else(i // B > j // B, bi[i] * gam[0] * a_acc[i, j], T.float32(0)), "float16")
                             if i // B == j // B:
-                                ld_sh[i, j % B] = T.if_then_else(
-                                    j < i, gt_sh[js, 1, i] * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j], T.float32(0)
-                                )
-                            d_sh[i, j] = T.float16(0)
-                            db_sh[i, j] = T.float16(0)
-                        # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16
+                                ld_sh[i, j % B] = T.if_then_else(j < i, bi[i] * gam[0] * a_acc[i, j], T.float32(0))
+                            pp_sh[jt, i, j] = T.cast(T.if_then_else(i >= j, scale * gam[0] * p_acc[i, j], T.float32(0)), "bfloat16")
+                        # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
+                        # Dβ outside the diagonal blocks stay zero from before the loop)
                         if li < C:
                             for i in T.unroll(B):
                                 x16[i] = T.float32(0)
@@ -255,24 +249,16 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                         T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
                         T.copy(a_acc, lo_sh)
                         T.fence_proxy_async()
-                        # Y = Dβ + N² Dβ (into d_sh: D is dead)
+                        # Y = Dβ + N² Dβ
                         T.gemm(lo_sh, db_sh, a_acc, clear_accum=True)
                         for i, j in T.Parallel(C, C):
-                            d_sh[i, j] = T.cast(a_acc[i, j] + T.cast(db_sh[i, j], "float32"), "float16")
+                            y_sh[i, j] = T.cast(a_acc[i, j] + T.cast(db_sh[i, j], "float32"), "float16")
                         T.fence_proxy_async()
-                        # A_β = Y − N Y, then P = scale Γ ⊙ Q Kᵀ, into stage jt once the state is done with it
-                        T.gemm(n_sh, d_sh, a_acc, clear_accum=True)
-                    T.barrier_wait(t_free[jt], 1 - pt)
-                    if variant != "state_only":
+                        # A_β = Y − N Y
+                        T.gemm(n_sh, y_sh, a_acc, clear_accum=True)
                         for i, j in T.Parallel(C, C):
                             ta_sh[jt, i, j] = T.cast(
-                                T.if_then_else(i >= j, T.cast(d_sh[i, j], "float32") - a_acc[i, j], T.float32(0)), "bfloat16"
-                            )
-                        T.gemm(q_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(C, C):
-                            pp_sh[jt, i, j] = T.cast(
-                                T.if_then_else(i >= j, scale * T.exp(gt_sh[js, 0, i] - gt_sh[js, 0, j]) * a_acc[i, j], T.float32(0)),
-                                "bfloat16",
+                                T.if_then_else(i >= j, T.cast(y_sh[i, j], "float32") - a_acc[i, j], T.float32(0)), "bfloat16"
                             )
                     T.fence_proxy_async()
                     T.barrier_arrive(t_ready[jt])
