@@ -110,8 +110,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
             # aux -> state ring: A_β and P
             ta_sh = T.alloc_shared((2, C, C), "bfloat16")
             pp_sh = T.alloc_shared((2, C, C), "bfloat16")
-            # aux scratch: the diagonal blocks of L (fp32), L_off / N², D, Dβ, N, Y (fp16)
-            ld_sh = T.alloc_shared((C, B), "float32", scope="shared")
+            # aux scratch (fp16): L, then I + N²; D, Dβ, N, Y
             lo_sh = T.alloc_shared((C, C), "float16")
             d_sh = T.alloc_shared((C, C), "float16")
             db_sh = T.alloc_shared((C, C), "float16")
@@ -211,9 +210,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                     pt = (ci // 2) % 2
                     T.barrier_wait(full[js], pj)
                     if variant != "state_only":
-                        # K Kᵀ and Q Kᵀ, then one pass that takes Γ once per element for L (its 16x16
-                        # diagonal blocks in fp32 into ld_sh, the rest in fp16 into lo_sh) and P (into
-                        # stage jt once the state is done with it)
+                        # K Kᵀ and Q Kᵀ, then one pass that takes Γ once per element for L (fp16, lo_sh)
+                        # and P (into stage jt once the state is done with it)
                         T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
                         T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
                         for i in T.Parallel(C):
@@ -223,9 +221,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                     if variant != "state_only":
                         for i, j in T.Parallel(C, C):
                             gam[0] = T.exp(gi[i] - gt_sh[js, 0, j])
-                            lo_sh[i, j] = T.cast(T.if_then_else(i // B > j // B, bi[i] * gam[0] * a_acc[i, j], T.float32(0)), "float16")
-                            if i // B == j // B:
-                                ld_sh[i, j % B] = T.if_then_else(j < i, bi[i] * gam[0] * a_acc[i, j], T.float32(0))
+                            lo_sh[i, j] = T.cast(T.if_then_else(i > j, bi[i] * gam[0] * a_acc[i, j], T.float32(0)), "float16")
                             pp_sh[jt, i, j] = T.cast(T.if_then_else(i >= j, scale * gam[0] * p_acc[i, j], T.float32(0)), "bfloat16")
                         # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
                         # Dβ outside the diagonal blocks stay zero from before the loop)
@@ -235,31 +231,32 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                             for i in T.unroll(B):
                                 acc1 = T.if_then_else(li % B == i, T.float32(1), T.float32(0))
                                 for j in T.unroll(i):
-                                    acc1 = acc1 - ld_sh[(li // B) * B + i, j] * x16[j]
+                                    acc1 = acc1 - T.cast(lo_sh[(li // B) * B + i, (li // B) * B + j], "float32") * x16[j]
                                 x16[i] = acc1
                             for i in T.unroll(B):
                                 d_sh[(li // B) * B + i, li] = T.cast(x16[i], "float16")
                                 db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
                         T.fence_proxy_async()
-                        # N = D L_off
+                        # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
                         T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
+                        for i, j in T.Parallel(C, C):
+                            a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
                         T.copy(a_acc, n_sh)
                         T.fence_proxy_async()
-                        # N² (into lo_sh: L_off is dead)
+                        # I + N² (into lo_sh: L is dead)
                         T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
+                        for i, j in T.Parallel(C, C):
+                            a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
                         T.copy(a_acc, lo_sh)
                         T.fence_proxy_async()
-                        # Y = Dβ + N² Dβ
-                        T.gemm(lo_sh, db_sh, a_acc, clear_accum=True)
-                        for i, j in T.Parallel(C, C):
-                            y_sh[i, j] = T.cast(a_acc[i, j] + T.cast(db_sh[i, j], "float32"), "float16")
+                        # Y = (I + N²) Dβ (in P's accumulator, free now), then A_β = Y − N Y
+                        T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)
+                        T.copy(p_acc, y_sh)
                         T.fence_proxy_async()
-                        # A_β = Y − N Y
                         T.gemm(n_sh, y_sh, a_acc, clear_accum=True)
                         for i, j in T.Parallel(C, C):
-                            ta_sh[jt, i, j] = T.cast(
-                                T.if_then_else(i >= j, T.cast(y_sh[i, j], "float32") - a_acc[i, j], T.float32(0)), "bfloat16"
-                            )
+                            a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
+                        T.copy(a_acc, ta_sh[jt, :, :])
                     T.fence_proxy_async()
                     T.barrier_arrive(t_ready[jt])
                     T.barrier_arrive(empty[js])

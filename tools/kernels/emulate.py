@@ -159,20 +159,20 @@ def _r16(x):
 
 def fused_a_beta(kc, gch, bch):
     """The fused kernel's A_β on tensor cores, per head: kc [H,64,K] (rows past the end: any
-    finite values), gch [H,64] cumsum, bch [H,64] β (zero past the end). D = blockdiag((I+L_bb)⁻¹),
-    N = D L_off, A_β = (I − N)(I + N²) D diag β with fp16 operands. Returns [H,64,64] bf16 values."""
+    finite values), gch [H,64] cumsum, bch [H,64] β (zero past the end). L in fp16; D =
+    blockdiag((I+L_bb)⁻¹) by substitution from it; N = D L with its diagonal blocks dropped;
+    Y = (I + N²) Dβ; A_β = Y − N Y, fp16 operands. Returns [H,64,64] bf16 values."""
     kk = kc @ kc.transpose(-1, -2)
     i = torch.arange(C, device=kc.device)
-    gam = torch.exp(torch.where(i[:, None] > i[None], gch[..., :, None] - gch[..., None, :], torch.zeros((), device=kc.device)))
-    L = torch.where(i[:, None] > i[None], bch[..., :, None] * gam * kk, torch.zeros((), device=kc.device))
+    z = torch.zeros((), device=kc.device)
+    gam = torch.exp(torch.where(i[:, None] > i[None], gch[..., :, None] - gch[..., None, :], z))
+    l16 = _r16(torch.where(i[:, None] > i[None], bch[..., :, None] * gam * kk, z))
     blk = i[:, None] // 16 == i[None] // 16
-    Dm = solve_blocked_diag(torch.where(blk, L, torch.zeros((), device=kc.device)))
-    lo = _r16(torch.where(blk, torch.zeros((), device=kc.device), L))
+    Dm = solve_blocked_diag(torch.where(blk, l16, z))
     d16, db16 = _r16(Dm), _r16(Dm * bch[..., None, :])
-    n16 = _r16(d16 @ lo)
-    n2 = _r16(n16 @ n16)
-    y16 = _r16(n2 @ db16 + db16)
-    return _r(torch.where(i[:, None] >= i[None], y16 - n16 @ y16, torch.zeros((), device=kc.device)))
+    n16 = _r16(torch.where(i[:, None] // 16 > i[None] // 16, d16 @ l16, z))
+    y = _r16(n16 @ n16 + torch.eye(C, device=kc.device)) @ db16
+    return _r(torch.where(i[:, None] >= i[None], y - n16 @ _r16(y), z))
 
 
 def emu_fwd_fused(q, k, v, g, beta, stab, h_init, scale, N, want_ht=True):
