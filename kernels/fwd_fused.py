@@ -130,7 +130,6 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
             p_acc = T.alloc_fragment((C, C), "float32")
             gi = T.alloc_fragment((C,), "float32")  # g cumsum per row of a_acc
             bi = T.alloc_fragment((C,), "float32")  # β per row
-            gam = T.alloc_local((1,), "float32")
             x16 = T.alloc_local((B,), "float32")
             acc1 = T.alloc_var("float32")
             # producer warp 13
@@ -210,19 +209,26 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                     pt = (ci // 2) % 2
                     T.barrier_wait(full[js], pj)
                     if variant != "state_only":
-                        # K Kᵀ and Q Kᵀ, then one pass that takes Γ once per element for L (fp16, lo_sh)
-                        # and P (into stage jt once the state is done with it)
+                        # L = StrictLower(diag β · Γ ⊙ K Kᵀ), then P = scale · Γ ⊙ Q Kᵀ (causal, into stage
+                        # jt once the state is done with it): gated in registers (Γ clamped to ≤ 1 where
+                        # the masks drop it), stored by stmatrix; one accumulator live at a time
                         T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
-                        T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
                         for i in T.Parallel(C):
                             gi[i] = gt_sh[js, 0, i]
                             bi[i] = gt_sh[js, 1, i]
+                        for i, j in T.Parallel(C, C):
+                            a_acc[i, j] = T.if_then_else(
+                                i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
+                            )
+                        T.copy(a_acc, lo_sh)
                     T.barrier_wait(t_free[jt], 1 - pt)
                     if variant != "state_only":
+                        T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(C, C):
-                            gam[0] = T.exp(gi[i] - gt_sh[js, 0, j])
-                            lo_sh[i, j] = T.cast(T.if_then_else(i > j, bi[i] * gam[0] * a_acc[i, j], T.float32(0)), "float16")
-                            pp_sh[jt, i, j] = T.cast(T.if_then_else(i >= j, scale * gam[0] * p_acc[i, j], T.float32(0)), "bfloat16")
+                            p_acc[i, j] = T.if_then_else(
+                                i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
+                            )
+                        T.copy(p_acc, pp_sh[jt, :, :])
                         # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
                         # Dβ outside the diagonal blocks stay zero from before the loop)
                         if li < C:
