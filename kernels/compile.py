@@ -29,6 +29,7 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
     from .bwd_pw import get_bwd_pw_kernel
     from .bwd_wy import get_bwd_wy_kernel
     from .fixup import get_fixup_kernel, get_rfixup_kernel
+    from .fwd_fused import get_fwd_fused_kernel
     from .fwd_o import get_fwd_o_kernel
     from .prep import get_prep_kernel
     from .seg_state import get_seg_state_kernel
@@ -36,8 +37,11 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
 
     out = [("tables", get_tables_kernel, (NT,), {}), ("prep", get_prep_kernel, (h_qk, h_v), {})]
     h0s = sorted({h0 for h0, _ in (*fwd_flags, *bwd_flags)}, reverse=True)
-    for hi, hh in fwd_flags:
-        for bv in (64, 32):  # plan_fwd picks fwd_o's V block per shape
+    for hi, hh in fwd_flags:  # plan_fwd picks the fused kernel or fwd_o's V block per shape
+        out.append((f"fwd_fused[init={hi},ht={hh}]", get_fwd_fused_kernel, (h_qk, h_v, bool(hi), bool(hh)), {}))
+        if split and not hi:  # the split path hands the fused kernel segment start states
+            out.append((f"fwd_fused[init=1,ht={hh}]", get_fwd_fused_kernel, (h_qk, h_v, True, bool(hh)), {}))
+        for bv in (64, 32):
             out.append((f"fwd_o[init={hi},ht={hh},bv={bv}]", get_fwd_o_kernel, (h_qk, h_v, bool(hi), bool(hh), bv), {}))
     if split:
         out.append(("seg_state", get_seg_state_kernel, (h_qk, h_v), {}))

@@ -1,19 +1,22 @@
 """Forward driver: :func:`chunk_gdn_fwd_lowlevel` (with intermediates) and :func:`chunk_gdn_fwd`.
 
     tables    (one CTA)                        chunk and segment tables from cu_seqlens
-    prep      (v-head, chunk slot)             g cumsum, P = scale·Γ⊙QKᵀ, A_β = (I + L)⁻¹ diag(β)
+    [prep     (v-head, chunk slot)             g cumsum, P = scale·Γ⊙QKᵀ, A_β = (I + L)⁻¹ diag(β)]
     [seg_state (64-column block, segment, v-head)  each segment's end state from 0 and transition M]
     [fixup    (32-column block, sequence, v-head)  serial start states h_{s+1} = M_s h_s + E_s]
-    fwd_o     (V block, segment, v-head)       recurrence over the segment's chunks + output
+    fwd_fused (segment, v-head)                the whole chunk step fused, full V   (block_v 128)
+    or fwd_o  (V block, segment, v-head)       recurrence + output from prep's A_β and P (block_v 64, 32)
 
-The bracketed kernels run only when long sequences are split into segments (exact state passing);
-the split and fwd_o's V block (64 or 32) are planned from the shapes (:func:`plan.plan_fwd`).
+seg_state and fixup run only when long sequences are split into segments (exact state passing);
+prep runs for fwd_o and for the split path. The split and the final kernel (block_v) are planned
+from the shapes (:func:`plan.plan_fwd`).
 """
 
 import torch
 
 from ._common import CHUNK, HEAD_DIM, check_seqlens, default_cu_seqlens
 from .fixup import run_fixup
+from .fwd_fused import run_fwd_fused
 from .fwd_o import run_fwd_o
 from .plan import plan_fwd, plan_split, sm_count
 from .prep import run_prep
@@ -71,7 +74,8 @@ def chunk_gdn_fwd_lowlevel(
     Args: as :func:`chunk_gdn_fwd`, plus
         split_tokens: None = planned (:func:`plan.plan_fwd`), 0 = never split, or a segment length
             in tokens (a multiple of 64).
-        block_v: fwd_o's V block, 64 or 32; None = planned with the split (64 when split_tokens is given).
+        block_v: 128 = the fused kernel (full V per CTA), 64 or 32 = fwd_o's V block; None = planned
+            with the split (128 when split_tokens is given).
         target: TileLang target (default sm_90a).
         o, final_state: optional preallocated outputs ([1,T,Hv,128] bf16, [N,Hv,128,128] fp32),
             e.g. poisoned with NaN by a test to check every element is written.
@@ -82,9 +86,10 @@ def chunk_gdn_fwd_lowlevel(
         o [1,T,Hv,128] bf16; final_state [N,Hv,128,128] fp32 or None;
         gcs [Hv, NCS*64] fp32 (chunk-local cumsum of g, natural log, chunk-slot rows);
         a_beta [Hv, NCS*64, 64] bf16 (FLA's gated A times diag(β), chunk-slot rows);
-        p_all [Hv, NCS*64, 64] bf16 (P = scale·Γ⊙QKᵀ per chunk slot);
+        p_all [Hv, NCS*64, 64] bf16 (P = scale·Γ⊙QKᵀ per chunk slot) — these three are None
+        when prep did not run (the fused kernel unsplit);
         ctab int32 [NCS,4], cu_chunks int32 [N+1] (chunk slots); stab int32 [NS,8] (segments);
-        split_tokens (int, 0 = unsplit); block_v (fwd_o's V block); and, when split, cu_segs,
+        split_tokens (int, 0 = unsplit); block_v (128: fused, else fwd_o's V block); and, when split, cu_segs,
         e_end, m_tr, h_start.
     """
     T, N, h_qk, h_v = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -98,11 +103,11 @@ def chunk_gdn_fwd_lowlevel(
     h0 = None if initial_state is None else initial_state.float().contiguous()
 
     seqlens = check_seqlens(seqlens, N, T)
-    if block_v not in (None, 64, 32):
-        raise ValueError(f"block_v={block_v} must be 64, 32 or None (planned)")
+    if block_v not in (None, 128, 64, 32):
+        raise ValueError(f"block_v={block_v} must be 128 (fused), 64, 32 or None (planned)")
     if split_tokens is None and block_v is None:
         block_v, split_tokens = plan_fwd(T, N, h_v, sm_count(dev), seqlens=seqlens)
-    block_v = block_v or 64
+    block_v = block_v or HEAD_DIM
     if split_tokens is None:
         split_tokens = plan_split(T, N, h_v, sm_count(dev), block_v=block_v, seqlens=seqlens)
     if split_tokens and split_tokens % CHUNK != 0:
@@ -110,7 +115,10 @@ def chunk_gdn_fwd_lowlevel(
     seg_tokens = split_tokens if split_tokens else _round_up(max(T, 1), CHUNK)
 
     ctab, cu_chunks, stab, cu_segs = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target=target)
-    gcs, a_beta, p_all = run_prep(q, k, g, beta, ctab, scale, target=target)
+    fused = block_v == HEAD_DIM
+    gcs = a_beta = p_all = None
+    if split_tokens or not fused:
+        gcs, a_beta, p_all = run_prep(q, k, g, beta, ctab, scale, target=target)
 
     if o is None:
         o = torch.empty(1, T, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -133,7 +141,10 @@ def chunk_gdn_fwd_lowlevel(
         h_init = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
         run_fixup(m_tr, e_end, cu_segs, h0, h_init, target=target)
         out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_init)
-    run_fwd_o(q, k, v, gcs, a_beta, p_all, stab, h_init, scale, o, ht, block_v=block_v, target=target)
+    if fused:
+        run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=target)
+    else:
+        run_fwd_o(q, k, v, gcs, a_beta, p_all, stab, h_init, scale, o, ht, block_v=block_v, target=target)
     out.update(o=o, final_state=ht)
     return out
 

@@ -27,12 +27,15 @@ def sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
+#: the fused kernel's chunk step (units of _SPLIT_COST; H200, 16/64 4x8192: 256 CTAs in two rounds)
+FUSED_STEP = 4.0
 #: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30:
 #: 13-21 cases x 4-8 segment lengths in each of four sweeps over the fwd_o forms of that day; over
 #: those 68 rows the model's pick is within 0.3% of the measured best on average, worst 3.7%):
 #: fwd_o chunk step per CTA (one CTA per SM), seg_state chunk step per CTA (two CTAs per SM), fixup
-#: per segment, the split path's launches.
-_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0}
+#: per segment, the split path's launches; the fused kernel's chunk step per CTA and prep's SM time per
+#: (chunk, v-head) in the same units (H200: fwd_o 1.11 ms and prep 0.90 ms on 16/64 1x32768).
+_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 3.35}
 #: fwd_o's chunk step at block_v 32 relative to 64 (H200, fwd_o before P came from prep: 16/64
 #: 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
 _BV32_STEP = 0.8
@@ -60,13 +63,19 @@ def _lpt_makespan(groups, slots: int) -> float:
 
 
 def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) -> float:
-    """Estimated time (relative units) of fwd_o (+ seg_state + fixup when ``seg`` > 0) for sequences of
-    ``lens`` tokens cut into ``seg``-token segments (0 = unsplit); prep and tables do not depend on it."""
+    """Estimated time (relative units) of the forward for sequences of ``lens`` tokens cut into
+    ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64 / 32: fwd_o, 128 /
+    32 columns per CTA; 128: the fused kernel, one CTA per segment and v-head) longest-first on the
+    SMs, prep (every chunk, every v-head; all but the unsplit fused path run it), and when split
+    seg_state's non-last segments, the serial fix-up and the split path's launches."""
     cpb = HEAD_DIM // block_v
-    step = _SPLIT_COST["fwd_o"] * (_BV32_STEP if block_v == 32 else 1.0)
+    step = _SPLIT_COST["fused"] if block_v == HEAD_DIM else _SPLIT_COST["fwd_o"] * (_BV32_STEP if block_v == 32 else 1.0)
+    prep = 0.0
+    if seg or block_v != HEAD_DIM:
+        prep = sum(math.ceil(ln / CHUNK) for ln in lens) * h_v * _SPLIT_COST["prep"] / num_sms
     if not seg:
         fwd = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
-        return _lpt_makespan(fwd, num_sms) * step
+        return _lpt_makespan(fwd, num_sms) * step + prep
     fwd, seg_state, serial = {}, {}, 0
     for ln in lens:
         ns = max(1, math.ceil(ln / seg))
@@ -78,6 +87,7 @@ def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) 
         serial = max(serial, ns - 1)
     return (
         _lpt_makespan(list(fwd.items()), num_sms) * step
+        + prep
         + _lpt_makespan(list(seg_state.items()), 2 * num_sms) * _SPLIT_COST["seg_state"]
         + serial * _SPLIT_COST["fixup"]
         + _SPLIT_COST["launch"]
@@ -163,11 +173,12 @@ def _lens_of(T, N, seqlens):
     return (T // max(N, 1),) * max(N, 1) if T else ()
 
 
-def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(64, 32)) -> tuple:
+def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(128, 64, 32)) -> tuple:
     """(block_v, segment length) of the forward: the pair of
     ``blocks`` x {unsplit, 256..16384-token segments} that :func:`split_cost` rates fastest.
-    block_v 32 doubles the fwd_o CTAs at ~0.8x the chunk step, which pays where the heads alone
-    do not fill the SMs."""
+    block_v 128 is the fused kernel (no prep when unsplit, one CTA per segment and v-head); 64 and
+    32 are fwd_o after prep, 32 doubling its CTAs at ~0.8x the chunk step where the heads alone do
+    not fill the SMs."""
     lens = _lens_of(T, N, seqlens)
     if not lens or max(lens) <= 256:
         return (blocks[0], 0)

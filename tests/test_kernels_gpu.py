@@ -86,7 +86,7 @@ def _case(h_qk, h_v, with_h0):
     return _CACHE[key]
 
 
-@pytest.mark.parametrize("split_tokens,block_v", [(0, 64), (1024, 32)])
+@pytest.mark.parametrize("split_tokens,block_v", [(0, 64), (1024, 32), (0, 128), (1024, 128)])
 @pytest.mark.parametrize("with_ht", [True, False])
 @pytest.mark.parametrize("with_h0", [True, False])
 @pytest.mark.parametrize("h_qk,h_v", HEADS)
