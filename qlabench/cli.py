@@ -160,18 +160,18 @@ def list_points(config: Path = typer.Argument(..., help="sweep YAML")):
     console.print(t)
 
 
-def _refuse_unrunnable_into_kept(config: Path, sweep: C.Sweep, names: list[str], out_dir: Path):
+def _method_mismatch() -> type:
+    """``results.MethodMismatch``, imported once an exception is being matched (the storage code
+    is not imported before a run has started its worker)."""
+    from .results import MethodMismatch
+    return MethodMismatch
+
+
+def _unrunnable_into_kept(config: Path, out_dir: Path, e) -> None:
     """The config's default output directory already holds rows and no backend of the run can
-    run here: say so and write nothing (exit 2). An explicit ``--out`` is obeyed."""
-    from .results import holds_rows
-    if not holds_rows(out_dir):
-        return
-    from .runner import check_backends
-    avail, _, _ = check_backends(sweep.entries(names))
-    if any(ok for ok, _ in avail.values()):
-        return
-    why = "; ".join(f"{n}: {r}" for n, (_, r) in avail.items())
-    err.print(f"error: no backend of {config} can run on this machine ({why}). {out_dir} (the "
+    run here (``runner.NothingRunnable``): say so (exit 2); nothing was written. An explicit
+    ``--out`` is obeyed."""
+    err.print(f"error: no backend of {config} can run on this machine ({e}). {out_dir} (the "
               "config's `out`) already holds rows, so nothing was written there. Pass --out "
               f"{out_dir} to add `unavailable` rows to it anyway, or --out a new directory.",
               highlight=False)
@@ -204,21 +204,17 @@ def run(
     from .sweep import scheduled_points
     pts = scheduled_points(s, limit, shard_t)  # what runner.run measures, for the plan and the bar
     out_dir = out or Path(s.out.format(name=s.name))
-    if not dry_run and out is None:
-        _refuse_unrunnable_into_kept(config, s, names, out_dir)
+    from . import runner
     if dry_run:
-        from .runner import check_backends
         t = Table(title=f"plan: {len(pts)} points × {names} × {s.directions} -> {out_dir}")
         for c in ("backend", "available", "version", "reason"):
             t.add_column(c)
-        avail, versions, _ = check_backends(s.entries(names))
+        avail, versions, _ = runner.check_isolated(s.entries(names), devices[0] if devices else None)
         for n, (ok, why) in avail.items():
             t.add_row(n, "yes" if ok else "no", versions[n], why)
         console.print(t)
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from . import plots, results, runner
     total = len(pts) * len(s.directions)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=not sys.stdout.isatty(),
@@ -236,12 +232,16 @@ def run(
             summary = runner.run(s, out_dir, config_name=str(config), backend_names=names,
                                  limit=limit, resume=resume, progress=progress,
                                  shard=shard_t, devices=devices, retry_failed=retry_failed,
+                                 refuse_unrunnable=out is None,
                                  log=(lambda m: prog.console.print(m, highlight=False, markup=False))
                                  if sys.stdout.isatty() else (lambda m: print(m, flush=True)))
-        except (runner.RecipeMismatch, results.MethodMismatch) as e:
+        except runner.NothingRunnable as e:
+            _unrunnable_into_kept(config, out_dir, e)
+        except (runner.RecipeMismatch, _method_mismatch()) as e:
             err.print(f"error: {e}", highlight=False)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
+            from . import plots, results
             err.print("interrupted: every finished row is saved; rerun with --resume to go on",
                       highlight=False)
             df = results.latest(results.load(out_dir))
@@ -249,6 +249,7 @@ def run(
                 plots.run_figures(df, out_dir)
             raise typer.Exit(130) from None
         prog.update(task, completed=total)
+    from . import plots, results
     if summary.counts and set(summary.counts) == {"unavailable"}:
         err.print(f"note: no backend of this run can run on this machine: all "
                   f"{summary.counts['unavailable']} rows it wrote are `unavailable` (the reason is "

@@ -38,6 +38,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+# the directories of a results directory (see the module docstring)
+from .paths import FIGURES_DIR, LOGS_DIR, PARTS_DIR, RUNS_DIR, SHARDS_DIR  # noqa: F401
+
 STATUSES = ("ok", "unavailable", "unsupported", "incorrect", "oom", "crashed", "timeout",
             "skipped")
 #: statuses a resume re-tries (the library or device may be there now)
@@ -89,8 +92,6 @@ SCHEMA = pa.schema(
 )
 COLUMNS = [f.name for f in SCHEMA]
 
-#: directories of a results directory (see the module docstring)
-PARTS_DIR, RUNS_DIR, LOGS_DIR, FIGURES_DIR, SHARDS_DIR = "parts", "_runs", "_logs", "_figures", "_shards"
 #: where run metadata lived before ``_runs`` (read, and moved by a store writing there)
 LEGACY_RUNS_DIR = "runs"
 

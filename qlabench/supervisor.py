@@ -1,12 +1,18 @@
 """Crash isolation: points run in a worker process that the main process supervises.
 
-The worker (``multiprocessing`` spawn context, so CUDA is never forked) receives one
-:class:`~qlabench.measure.Task` at a time and sends back ``("start", backend)`` before each backend
-and ``("row", row)`` after it; the main process writes each row durably. If the worker dies
-(illegal address, abort, segfault), the backend in flight gets a ``crashed`` row with the tail of
-the worker's stderr log; if a backend runs past ``row_timeout_s`` the worker is killed and the row
-says ``timeout``. A fresh worker then goes on with the remaining backends. Compile caches that live
-on disk (TileLang, Triton, FlashInfer JIT) survive worker restarts.
+The worker (``multiprocessing`` spawn context, so CUDA is never forked) is started first thing in
+a run. It imports torch, creates its CUDA context and checks the backends it will run
+(:func:`warm_up`: each one's availability and version, its library imported by
+``Backend.available``), and sends that report (``("ready", report)``) to the main process, which
+never imports a backend's library itself (:meth:`Supervisor.ready`). It then receives one
+:class:`~qlabench.measure.Task` at a time and sends back ``("start", backend)`` before each
+backend and ``("row", row)`` after it; the main process writes each row durably. If the worker
+dies (illegal address, abort, segfault), the backend in flight gets a ``crashed`` row with the tail
+of the worker's stderr log; if a backend runs past ``row_timeout_s`` the worker is killed and the
+row says ``timeout``. A fresh worker then goes on with the remaining backends. A worker that dies
+before its report leaves the checks to :func:`probe_backends` (each backend in an interpreter of
+its own). Compile caches that live on disk (TileLang, Triton, FlashInfer JIT) survive worker
+restarts.
 
 A backend entry with an environment of its own (``python:`` / ``pythonpath:`` in the YAML) runs
 in a worker of its own (:class:`PerEnvironment`): that interpreter, ``PYTHONPATH`` = the entry's
@@ -15,9 +21,9 @@ it (:func:`worker_environment` asks it, in a subprocess, which also checks the b
 
 SIGINT/SIGTERM in the main process never interrupt a row write (:func:`deferred_signals`).
 
-The worker imports this module before its environment is set (``sys.path``, the pinned GPU), so
-nothing here imports torch or a backend at module level: :mod:`qlabench.measure` is imported
-where it is used.
+The worker imports this module before its environment is set (``sys.path``, the pinned GPU), and
+the main process imports it before it starts the worker, so nothing here imports torch or a
+backend at module level: :mod:`qlabench.measure` is imported where it is used.
 """
 
 from __future__ import annotations
@@ -94,22 +100,53 @@ class InProcess:
         pass
 
 
-def warm_up(names) -> None:
-    """Import the backends ``names`` and their libraries now (``Backend.available``), so the
-    first row does not pay for it; failures are left for the rows to report."""
+def process_started_at() -> float | None:
+    """Epoch seconds at which this process started (Linux /proc: its start in clock ticks since
+    boot against the uptime, both to 10 ms), else None."""
+    try:
+        now = time.time()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        ticks = os.sysconf("SC_CLK_TCK")
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return now - (uptime - start / ticks)
+    except Exception:
+        return None
+
+
+def check_backend(name: str) -> tuple[bool, str, str]:
+    """(available, reason, version) of backend ``name`` in this process: its module loaded and
+    ``Backend.available`` asked (which imports its library)."""
     from . import backends as B
+    try:
+        be = B.get(name)
+    except Exception as err:  # registered, but its module does not import here
+        return (False, f"backend {name!r} does not load: {type(err).__name__}: {str(err)[:200]}",
+                "unavailable")
+    try:
+        ok, why = be.available()
+    except Exception as e:
+        ok, why = False, f"{type(e).__name__}: {str(e)[:200]}"
+    return ok, why, be.version() if ok else "unavailable"
+
+
+def warm_up(names) -> tuple[dict, dict]:
+    """Check the backends ``names`` here (:func:`check_backend`), importing their libraries now
+    so that the first row does not pay for it: (name -> [available, reason, version], name ->
+    seconds), the seconds in the log too (``--- warm NAME: X s``)."""
+    out, secs = {}, {}
     for name in names:
         t0 = time.perf_counter()
-        try:
-            ok, why = B.get(name).available()
-        except Exception as e:
-            ok, why = False, f"{type(e).__name__}: {e}"
-        print(f"--- warm {name}: {time.perf_counter() - t0:.1f} s{'' if ok else ' (' + why[:200] + ')'}",
+        ok, why, version = check_backend(name)
+        out[name] = [ok, why, version]
+        secs[name] = time.perf_counter() - t0
+        print(f"--- warm {name}: {secs[name]:.1f} s{'' if ok else ' (' + why[:200] + ')'}",
               file=sys.stderr, flush=True)
+    return out, secs
 
 
 def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None,
                  sys_path: list[str] | None = None, warm: tuple = ()) -> None:
+    t_proc = process_started_at()
     os.environ.update(env or {})  # before torch is imported: pins the worker's GPU
     if sys_path:  # the entry's environment (spawn hands the child the parent's sys.path)
         sys.path[:] = sys_path
@@ -121,12 +158,25 @@ def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
     print(f"--- worker {os.getpid()}: {sys.executable}, sys.path {sys.path[:4]}", file=sys.stderr,
           flush=True)
+    t0 = time.time()
     from .config import Sweep
     from .measure import measure_task
     # validated by the parent already; here only rebuilt (this environment need not register
     # every entry's backend)
     sweep = Sweep.model_validate(sweep_json, context={"validated": True})
-    warm_up(warm)  # while the parent checks backends and measures ceilings
+    t_imports = time.time()
+    print(f"--- worker imports: {t_imports - t0:.1f} s", file=sys.stderr, flush=True)
+    import torch
+    if torch.cuda.is_available():  # the context the rows need, made before the libraries' imports
+        torch.empty(1, device="cuda")
+        torch.cuda.synchronize()
+        print(f"--- cuda context: {time.time() - t_imports:.1f} s", file=sys.stderr, flush=True)
+    t_cuda = time.time()
+    t_warm = time.perf_counter()
+    checks, secs = warm_up(warm)  # while the parent reads its results directory and the ceilings
+    conn.send(("ready", {"backends": checks, "warm_s": secs, "timeline": {
+        "process_start": t_proc, "started": t0, "imported": t_imports, "cuda": t_cuda,
+        "warmed": t_cuda + time.perf_counter() - t_warm}}))
     while True:
         task = conn.recv()
         if task is None:
@@ -163,6 +213,9 @@ def _stack(path: Path, n: int = 900) -> str:
     return " ".join(data[i:].split())[:n] if i >= 0 else " ".join(data.split())[-n:]
 
 
+#: how long a started worker may take to check and import its backends (:meth:`Supervisor.ready`)
+READY_TIMEOUT_S = 600.0
+
 #: the interpreter a spawned worker runs (``multiprocessing.spawn``) and the environment it
 #: starts with (this process's) are process-wide state
 _EXECUTABLE_LOCK = threading.Lock()
@@ -185,6 +238,8 @@ class Supervisor:
         self.proc = None
         self.conn = None
         self.n_started = 0
+        self.log_paths: list[Path] = []  # every log a worker of this supervisor wrote
+        self.report: dict | None = None  # the first worker's checks (:meth:`ready`)
         if threading.current_thread() is threading.main_thread():
             install_sigterm_as_interrupt()
 
@@ -193,6 +248,7 @@ class Supervisor:
         tag = self.env.get("QLABENCH_GPU_INDEX", "")
         tag = ("-gpu" + tag if tag else "") + (f"-{self.worker.label}" if self.worker else "")
         self.log_path = self.log_dir / f"worker-{os.getpid()}{tag}-{self.n_started}.log"
+        self.log_paths.append(self.log_path)
         parent, child = self.ctx.Pipe()
         self.proc = self.ctx.Process(
             target=_worker_main, args=(child, self.sweep.model_dump(mode="json"),
@@ -217,9 +273,47 @@ class Supervisor:
         self.conn = parent
 
     def start(self) -> None:
-        """Start the worker now (it imports ``warm``), not at the first task."""
+        """Start the worker now (it checks and imports ``warm``), not at the first task."""
         if self.proc is None or not self.proc.is_alive():
             self._start()
+
+    def ready(self, timeout_s: float | None = None) -> dict | None:
+        """The started worker's report, once it has checked and imported ``warm``:
+        ``{"backends": {name: [available, reason, version]}, "warm_s": {name: seconds},
+        "timeline": {...}}`` (epoch seconds: ``process_start``, ``started``, ``imported``,
+        ``cuda``, ``warmed``). None when the
+        worker died first, or sent nothing within ``timeout_s`` (default
+        :data:`READY_TIMEOUT_S`; it is then ended): the next task starts a fresh one."""
+        if self.report is not None:
+            return self.report
+        self.start()
+        deadline = time.monotonic() + (READY_TIMEOUT_S if timeout_s is None else timeout_s)
+        why = f"sent no report within {READY_TIMEOUT_S if timeout_s is None else timeout_s:g} s"
+        while time.monotonic() < deadline:
+            try:
+                got = self.conn.poll(self.poll_s)
+            except (EOFError, OSError):
+                got = False
+            if got:
+                try:
+                    kind, payload = self.conn.recv()
+                except (EOFError, OSError):
+                    why = "died"
+                    break
+                if kind == "ready":
+                    self.report = payload
+                    return payload
+                continue
+            if not self.proc.is_alive():
+                why = "died"
+                break
+        if self.proc is not None:
+            self.proc.join(timeout=1)
+        code = self.proc.exitcode if self.proc is not None else None
+        self._kill()
+        self.log(f"worker {why} while checking its backends ({', '.join(self.warm)}); exit "
+                 f"{code} | log tail: {_tail(self.log_path, 300)}")
+        return None
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.is_alive():
@@ -252,7 +346,9 @@ class Supervisor:
                     except (EOFError, OSError):
                         failure = "crashed"
                         break
-                    if kind == "start":
+                    if kind == "ready":  # a fresh worker has imported its backends
+                        deadline = time.monotonic() + self.sweep.row_timeout_s
+                    elif kind == "start":
                         current = payload
                         deadline = time.monotonic() + self.sweep.row_timeout_s
                     elif kind == "row":
@@ -328,17 +424,55 @@ class WorkerEnv:
     sys_path: tuple
 
 
-#: run in the entry's environment: the backend's availability and version there, and sys.path
+#: run in a fresh interpreter: a backend's availability and version there, and sys.path
 _PROBE = """
 import json, sys
 sys.path.append(sys.argv[2])  # qlabench itself, after the environment's own packages
-from qlabench import backends as B
-be = B.get(sys.argv[1])
-ok, why = be.available()
+from qlabench.supervisor import check_backend
+ok, why, version = check_backend(sys.argv[1])
 print("QLABENCH_PROBE " + json.dumps({"ok": ok, "reason": why, "sys_path": sys.path,
-                                      "version": be.version() if ok else "unavailable"}))
+                                      "version": version}))
 """
 PROBE_TIMEOUT_S = 600.0
+
+
+def _probe(python: str, name: str, environ: dict) -> tuple[dict | None, str]:
+    """Backend ``name`` checked by interpreter ``python`` in a subprocess with ``environ``:
+    (its answer: ok, reason, version, sys_path; "") or (None, why asking it failed)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    try:
+        out = subprocess.run([python, "-c", _PROBE, name, root], env=environ,
+                             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"asking {python} failed: {type(e).__name__}: {str(e)[:200]}"
+    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("QLABENCH_PROBE ")),
+                None)
+    if out.returncode or line is None:
+        code = out.returncode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return None, f"{python} ended with {how}: {' '.join(out.stderr.split())[-300:]}"
+    return json.loads(line.split(" ", 1)[1]), ""
+
+
+def probe_backends(names, env: dict | None = None) -> dict:
+    """Backends ``names`` checked each in an interpreter of its own (this one's, with this
+    process's environment and ``env``), all at once: name -> [available, reason, version]. What
+    a run falls back to when its worker died before reporting (a library whose import kills the
+    interpreter is then unavailable alone), and what ``qlabench run --dry-run`` shows."""
+    from concurrent.futures import ThreadPoolExecutor
+    names = list(dict.fromkeys(names))
+    environ = {**os.environ, **(env or {})}
+
+    def one(name):
+        got, why = _probe(sys.executable, name, environ)
+        if got is None:
+            return [False, f"checking {name} in a fresh interpreter failed: {why}", "unavailable"]
+        return [bool(got["ok"]), got["reason"], got["version"]]
+
+    if not names:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        return dict(zip(names, pool.map(one, names)))
 
 
 def worker_environment(entry, environ=None) -> tuple[WorkerEnv | None, tuple[bool, str], str]:
@@ -372,17 +506,9 @@ def worker_environment(entry, environ=None) -> tuple[WorkerEnv | None, tuple[boo
             return no(f"pythonpath {entry.pythonpath!r}: no such directory {', '.join(bad) or prefix!r}")
         inherited = environ.get("PYTHONPATH")
         env["PYTHONPATH"] = os.pathsep.join(dirs + ([inherited] if inherited else []))
-    root = str(Path(__file__).resolve().parent.parent)
-    try:
-        out = subprocess.run([python, "-c", _PROBE, entry.name, root], env={**environ, **env},
-                             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return no(f"asking {python} failed: {type(e).__name__}: {str(e)[:200]}")
-    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("QLABENCH_PROBE ")),
-                None)
-    if out.returncode or line is None:
-        return no(f"{python} exited {out.returncode}: {' '.join(out.stderr.split())[-300:]}")
-    got = json.loads(line.split(" ", 1)[1])
+    got, why = _probe(python, entry.name, {**environ, **env})
+    if got is None:
+        return no(why)
     if not got["ok"]:
         return no(got["reason"])
     return (WorkerEnv(entry.label, python, env, tuple(got["sys_path"])), (True, ""),

@@ -27,9 +27,11 @@ def test_parquet_round_trip(tmp_path):
     assert list(df.columns) == results.COLUMNS
     meta = results.load_meta(tmp_path)
     assert len(meta) == 1 and next(iter(meta.values()))["env"]["torch"]
-    # the run's timeline (where a run's wall time goes: start-up, checks, rows), in order
+    # the run's timeline (where a run's wall time goes: start-up, the worker and its checks while
+    # this process reads the ceilings, rows), in order
     tl = next(iter(meta.values()))["timeline_s"]
-    assert tl.get("process_start", 0) <= 0 <= tl["backends_checked"] <= tl["ceilings_measured"] <= tl["first_row"]
+    assert tl.get("process_start", 0) <= 0 <= tl["worker_started"] <= tl["ceilings_measured"]
+    assert tl["worker_started"] <= tl["worker_ready"] <= tl["backends_checked"] <= tl["first_row"]
     assert tl["first_row"] <= tl["last_row"] <= tl["finished"]
     run_id = next(iter(meta))
     runner.note_timeline(tmp_path, run_id, figures_s=1.25)
