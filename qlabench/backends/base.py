@@ -110,10 +110,15 @@ class Backend:
                 return False, "no CUDA device (torch.cuda.is_available() is False)"
         if self.module is not None:
             try:
-                importlib.import_module(self.module)
+                self.import_library()
             except Exception as e:  # ImportError and friends at import time
                 return False, f"cannot import {self.module}: {type(e).__name__}: {str(e)[:200]}"
         return True, ""
+
+    def import_library(self) -> None:
+        """Import the library (``module``); a backend imports here whatever else its calls need,
+        so that a worker's warm-up (``available``) leaves nothing for its first row to import."""
+        importlib.import_module(self.module)
 
     def supports(self, point, direction: str) -> tuple[bool, str]:
         """(ok, reason) for a point × direction, from the library's documented constraints."""

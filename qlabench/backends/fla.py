@@ -11,15 +11,60 @@ indices from ``cu_seqlens`` with a host sync; ``prepare`` computes them once fro
 
 Low-level returns: fwd ``(g_cumsum (log2 units), o, A, final_state, h0, g_input)``;
 bwd ``(dq, dk [1,T,H_qk,K] group-summed, dv, dbeta, dg (raw g), dh0, dA_log, ddt_bias)``.
+
+Importing: the kernels are fla-core's (``fla.ops``). ``import fla`` also imports the
+flash-linear-attention distribution's ``fla.layers`` and ``fla.models`` when they are installed
+(every layer and model, and transformers: seconds of a run's start-up that these calls never
+use); fla's ``__init__`` treats their absence as "not installed", so :func:`import_fla_core`
+imports fla with the two hidden, falling back to a plain import should that ever fail.
+``available`` imports the module the calls come from, so that a worker's warm-up leaves nothing
+for the first row to import.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 
 from .base import Backend, Prepared
 
 CHUNK = 64
+#: the flash-linear-attention distribution's packages inside fla, not needed for the kernels
+EXTENSION = ("fla.layers", "fla.models")
+#: what ``prepare`` imports
+OPS = "fla.ops.gated_delta_rule.chunk"
+
+
+class _Hidden:
+    """A ``sys.meta_path`` finder for which the modules ``names`` do not exist."""
+
+    def __init__(self, names):
+        self.names = frozenset(names)
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+def import_fla_core():
+    """``fla`` imported without :data:`EXTENSION` (when it is not imported yet), then
+    :data:`OPS`; the module ``fla``. Where fla does not take the extension's absence, a plain
+    import."""
+    if "fla" not in sys.modules:
+        hide = _Hidden(EXTENSION)
+        sys.meta_path.insert(0, hide)
+        try:
+            importlib.import_module("fla")
+        except Exception:
+            for m in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+                del sys.modules[m]
+        finally:
+            sys.meta_path.remove(hide)
+    fla = importlib.import_module("fla")
+    importlib.import_module(OPS)
+    return fla
 
 
 class FLABackend(Backend):
@@ -32,6 +77,9 @@ class FLABackend(Backend):
     def available(self):
         os.environ["FLA_FLASH_QLA"] = "0"
         return super().available()
+
+    def import_library(self) -> None:
+        import_fla_core()
 
     def supports(self, point, direction):
         ok, why = super().supports(point, direction)
