@@ -118,6 +118,9 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
             y_sh = T.alloc_shared((C, C), "float16")
 
             # state warpgroups
+            if variant == "p_state":
+                pq_sh = T.alloc_shared((C, C), "bfloat16")
+                q_acc = T.alloc_fragment((C, C), "float32")  # P, columns split over WG0 and WG1
             s_acc = T.alloc_fragment((D, D), "float32")  # Sᵀ [V, K]
             s_bf = T.alloc_fragment((D, D), "bfloat16")
             x_acc = T.alloc_fragment((D, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
@@ -168,6 +171,15 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                     t0 = bos + ci * C
                     ln = T.min(eos - t0, C)
                     T.barrier_wait(full[js], pj)
+                    if variant == "p_state":
+                        # P = scale · Γ ⊙ Q Kᵀ (causal), its columns split over the two warpgroups
+                        T.gemm(q_sh[js, :, :], k_sh[js, :, :], q_acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                        for i, j in T.Parallel(C, C):
+                            q_acc[i, j] = T.if_then_else(
+                                i >= j, scale * T.exp(T.min(gt_sh[js, 0, i] - gt_sh[js, 0, j], T.float32(0))) * q_acc[i, j], T.float32(0)
+                            )
+                        T.copy(q_acc, pq_sh)
+                        T.fence_proxy_async()
                     T.barrier_wait(t_ready[jt], pt)
                     if variant != "aux_only":
                         T.copy(s_acc, s_bf)
@@ -180,7 +192,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                             vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
                             vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
                             o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
-                        T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
+                        if variant == "p_state":
+                            T.gemm(vd_bf, pq_sh, o_acc, transpose_B=True, policy=FR)
+                        else:
+                            T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
                         egl = gt_sh[js, 2, ln - 1]
                         for i, j in T.Parallel(D, D):
                             s_acc[i, j] = s_acc[i, j] * egl
@@ -223,12 +238,13 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                         T.copy(a_acc, lo_sh)
                     T.barrier_wait(t_free[jt], 1 - pt)
                     if variant != "state_only":
-                        T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(C, C):
-                            p_acc[i, j] = T.if_then_else(
-                                i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
-                            )
-                        T.copy(p_acc, pp_sh[jt, :, :])
+                        if variant != "p_state":
+                            T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
+                            for i, j in T.Parallel(C, C):
+                                p_acc[i, j] = T.if_then_else(
+                                    i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
+                                )
+                            T.copy(p_acc, pp_sh[jt, :, :])
                         # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
                         # Dβ outside the diagonal blocks stay zero from before the loop)
                         if li < C:

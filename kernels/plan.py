@@ -28,7 +28,7 @@ def sm_count(device) -> int:
 
 
 #: the fused kernel's chunk step (units of _SPLIT_COST; H200, 16/64 4x8192: 256 CTAs in two rounds)
-FUSED_STEP = 4.0
+FUSED_STEP = 5.5
 #: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30:
 #: 13-21 cases x 4-8 segment lengths in each of four sweeps over the fwd_o forms of that day; over
 #: those 68 rows the model's pick is within 0.3% of the measured best on average, worst 3.7%):
