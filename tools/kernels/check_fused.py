@@ -180,6 +180,11 @@ def main(argv=None):
                 var = "" if var == "base" else var
                 try:
                     row[var or "base"] = graph_time_ms(lambda var=var: _fused_call(pkg, x, 0, variant=var))
+                    T, hv_ = sum(lens), hv
+                    o = torch.full((1, T, hv_, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    _fused_call(pkg, x, 0, o=o, variant=var)
+                    ref = pkg.chunk_gdn_fwd_lowlevel(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], block_v=64)["o"]
+                    row[(var or "base") + "_vs_fwd_o"] = rel(o.float(), ref.float())
                 except Exception:  # noqa: BLE001
                     results["errors"].append({"case": f"{name} {var}", "error": traceback.format_exc()})
                     log(traceback.format_exc())
