@@ -124,9 +124,9 @@ def check_backend(name: str) -> tuple[bool, str, str]:
                 "unavailable")
     try:
         ok, why = be.available()
+        return ok, why, be.version() if ok else "unavailable"
     except Exception as e:
-        ok, why = False, f"{type(e).__name__}: {str(e)[:200]}"
-    return ok, why, be.version() if ok else "unavailable"
+        return False, f"{type(e).__name__}: {str(e)[:200]}", "unavailable"
 
 
 def warm_up(names) -> tuple[dict, dict]:

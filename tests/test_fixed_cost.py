@@ -1,5 +1,5 @@
-"""A run's fixed cost: the worker starts (and imports its backends) before the parent checks
-them, and the phases come out of the run's timeline."""
+"""A run's fixed cost: the worker starts first and checks (and imports) its backends while the
+parent reads the ceilings, and the phases come out of the run's timeline."""
 
 import json
 
@@ -17,9 +17,11 @@ def test_the_worker_starts_first_and_warms_its_backends(tmp_path):
     assert s.counts == {"ok": 2}
     meta = json.loads(next((tmp_path / "r" / "_runs").glob("*.json")).read_text())
     tl = meta["timeline_s"]
-    assert tl["worker_started"] <= tl["backends_checked"] <= tl["first_row"] <= tl["last_row"]
+    assert tl["worker_started"] <= tl["worker_ready"] <= tl["backends_checked"] <= tl["first_row"]
+    assert tl["first_row"] <= tl["last_row"] and tl["worker_started"] <= tl["ceilings_measured"]
     log = next((tmp_path / "r" / "_logs").glob("worker-*.log")).read_text()
-    assert log.index("--- warm reference") < log.index("--- task")
+    assert log.index("--- worker imports") < log.index("--- warm reference") < log.index("--- task")
+    assert meta["worker_warm_s"].keys() == {"reference"}
     fc = runner.fixed_cost(tl)
     assert set(fc) == {"start", "checks", "ceilings", "to_first_row", "first_row_compile", "total"}
     assert abs(fc["total"] - (fc["start"] + fc["checks"] + fc["ceilings"] + fc["to_first_row"])) < 0.05
@@ -32,6 +34,11 @@ def test_fixed_cost_phases_from_a_timeline():
     assert runner.fixed_cost(tl) == {"start": 4.0, "checks": 15.0, "ceilings": 0.5,
                                      "to_first_row": 8.5, "first_row_compile": 6.0, "total": 28.0}
     assert runner.fixed_cost({"process_start": -1.0}) == {}
+    # the ceilings read while the worker imported: no phase of their own
+    tl = {"process_start": -0.6, "worker_started": 0.01, "ceilings_measured": 1.5,
+          "worker_ready": 9.0, "backends_checked": 9.0, "first_row": 12.0, "first_row_compile_s": 0.5}
+    assert runner.fixed_cost(tl) == {"start": 0.6, "checks": 9.0, "ceilings": 0.0,
+                                     "to_first_row": 2.5, "first_row_compile": 0.5, "total": 12.1}
 
 
 def test_a_run_of_no_points_starts_no_worker(tmp_path):
