@@ -15,7 +15,18 @@ T0=$(date +%s)
 log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
 FC=/tmp/fc_out
 
-case "${STEP:?STEP=check|variants|wait}" in
+case "${STEP:?STEP=check|variants|sweep|wait}" in
+sweep)  # carry as for check: tilelang vs tilelang@prev over the forward sweep (configs/h200_fwd_kernels_prev.yaml)
+  STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+  tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
+  source /tmp/job/env.sh; cd /tmp/repo
+  nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+  timeout --signal=INT --kill-after=20 ${SWEEP_S:-480} qlabench run configs/h200_fwd_kernels_prev.yaml \
+    --out runs/h200_fwd_kernels_prev > "$OUT/sweep.log" 2>&1; log "sweep: exit $?"; tail -30 "$OUT/sweep.log"
+  qlabench compare runs/h200_fwd_kernels_prev --base-backend tilelang@prev --new-backend tilelang \
+    --out runs/h200_fwd_kernels_prev/compare_prev_vs_new.json > runs/h200_fwd_kernels_prev/compare_prev_vs_new.txt 2>&1
+  tail -30 runs/h200_fwd_kernels_prev/compare_prev_vs_new.txt
+  tar czf "$OUT/runs.tgz" --exclude=_logs runs/h200_fwd_kernels_prev; ls -la "$OUT"; log done;;
 variants)  # carry as for check: the variants' times and an ncu profile of the fused kernel per role
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
