@@ -7,12 +7,24 @@ reported). The phases are :func:`qlabench.runner.fixed_cost` over the run's ``ti
 (``_runs/<run_id>.json``), seconds from process start to the first row:
 
 - ``start``: interpreter, imports and config (process start to the run's start);
-- ``checks``: the backend checks (at the new commit the worker starts first and imports its
-  libraries meanwhile: ``warm_s``, from the worker log's ``--- warm NAME: X s`` lines);
-- ``ceilings``: the GPU's ceilings (measured, or read from the per-GPU cache: ``ceil_src``);
+- ``checks``: the backend checks. Where the metadata has ``worker_timeline_s`` (the worker checks
+  its backends and reports them; the run's own process reads the ceilings meanwhile) this is
+  the worker's start-up, split into ``w_spawn`` (the run's start to the worker's process start),
+  ``w_imp`` (its qlabench and torch imports, from its process start), ``cuda`` (its CUDA
+  context), ``warm_s`` (its backends checked and their libraries imported, per backend in
+  ``worker_warm_s`` or the worker log's ``--- warm NAME: X s`` lines) and the report's way back.
+  Earlier commits checked in the run's own process, the worker importing meanwhile (``warm_s``
+  from its log) or, older still, at its first row;
+- ``ceilings``: what the GPU's ceilings (measured, or read from the per-GPU cache: ``ceil_src``)
+  took after the checks (none when read during them);
 - ``to_first_row``: the rest up to the first row, that row's own first call excluded: at the old
   commit the worker's start and its library imports (lazy, at the first row) are in here;
 - ``compile``: the first row's own first call (its ``compile_s``), not counted in ``total``.
+
+Where a run's logs hold Python's ``-X importtime`` lines (a run with ``PYTHONPROFILEIMPORTTIME=1``
+in its environment, which its worker inherits), the report adds the seconds each top-level
+package took to import, in the worker (``_logs/worker-*.log``) and in the run's own process (the
+``<run>.log`` that ``scripts/h200_fixed_cost.sh`` keeps).
 
 Timelines written before ``first_row_compile_s`` was recorded (the old commit 7a7503c:
 ``process_start``, ``backends_checked``, ``ceilings_measured``, ``first_row``, ``last_row``,
@@ -40,8 +52,10 @@ from qlabench.runner import fixed_cost  # noqa: E402
 PHASES = ("start", "checks", "ceilings", "to_first_row", "first_row_compile", "total")
 COLUMNS = ("label", "commit", "run_dir", "run_id", "git_sha", "layout", "rows_ok", "rows",
            "first_row_backend", "ceilings_source", *PHASES, "compile_from", "warm_s",
-           "worker_started", "run_s", "figures_s", "process_s", "shell_wall_s", "rc", "within_limit")
+           "worker_started", "worker_spawn_s", "worker_imports_s", "worker_cuda_s", "worker_ready",
+           "run_s", "figures_s", "process_s", "shell_wall_s", "rc", "within_limit")
 WARM = re.compile(r"^--- warm (\S+): ([0-9.]+) s", re.M)
+IMPORTTIME = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", re.M)
 
 
 def first_row(run_dir: Path, run_id: str) -> dict | None:
@@ -86,6 +100,49 @@ def worker_warm(run_dir: Path) -> float | None:
     return round(sum(got), 2) if got else None
 
 
+def worker_phases(meta: dict) -> dict:
+    """The worker's start-up from ``worker_timeline_s`` (seconds from the run's start): spawn
+    (to its process start), imports (process start to qlabench and torch imported), cuda (its
+    context); empty for runs without it."""
+    wt = meta.get("worker_timeline_s") or {}
+    tl = meta.get("timeline_s") or {}
+    if not wt:
+        return {}
+    out = {}
+    if "process_start" in wt and "worker_started" in tl:
+        out["worker_spawn_s"] = round(wt["process_start"] - tl["worker_started"], 2)
+    if "imported" in wt:
+        out["worker_imports_s"] = round(wt["imported"] - wt.get("process_start", wt.get("started", 0.0)), 2)
+    if "cuda" in wt and "imported" in wt:
+        out["worker_cuda_s"] = round(wt["cuda"] - wt["imported"], 2)
+    return out
+
+
+def import_times(text: str, top: int = 12) -> list[tuple[str, float]]:
+    """Seconds per top-level package from ``-X importtime`` lines (each module's own time,
+    summed by its first name component), the ``top`` largest."""
+    by: dict = {}
+    for self_us, _, _, name in IMPORTTIME.findall(text):
+        k = name.split(".")[0]
+        by[k] = by.get(k, 0.0) + int(self_us) / 1e6
+    return sorted(((k, round(v, 2)) for k, v in by.items()), key=lambda kv: -kv[1])[:top]
+
+
+def run_import_times(run_dir: Path) -> dict:
+    """``{"worker": [...], "process": [...]}``: :func:`import_times` of the worker logs and of
+    the run's own log (``<run_dir name>.log``), those that hold such lines."""
+    out = {}
+    texts = {"worker": "".join(f.read_text(errors="replace")
+                               for f in sorted((run_dir / "_logs").glob("worker-*.log"))),
+             "process": (run_dir / f"{run_dir.name}.log").read_text(errors="replace")
+             if (run_dir / f"{run_dir.name}.log").is_file() else ""}
+    for k, t in texts.items():
+        got = import_times(t)
+        if got:
+            out[k] = got
+    return out
+
+
 def report_dir(run_dir: Path, limit_s: float) -> list[dict]:
     """One dict per run in ``run_dir`` (keys: :data:`COLUMNS`)."""
     run_dir = Path(run_dir)
@@ -109,8 +166,11 @@ def report_dir(run_dir: Path, limit_s: float) -> list[dict]:
             "first_row_backend": (row or {}).get("backend", ""),
             "ceilings_source": meta.get("ceilings_source") or ("measured" if meta.get("ceilings") else ""),
             **{k: fc.get(k) for k in PHASES}, "compile_from": source,
-            "warm_s": worker_warm(run_dir) if len(metas) == 1 else None,
-            "worker_started": tl.get("worker_started"),
+            "warm_s": (round(sum(meta["worker_warm_s"].values()), 2) if meta.get("worker_warm_s")
+                       else worker_warm(run_dir) if len(metas) == 1 else None),
+            "worker_started": tl.get("worker_started"), "worker_ready": tl.get("worker_ready"),
+            **dict.fromkeys(("worker_spawn_s", "worker_imports_s", "worker_cuda_s")),
+            **worker_phases(meta),
             "run_s": tl.get("finished"), "figures_s": tl.get("figures_s"),
             "process_s": round(ps + float(tl["finished"]) + float(tl.get("figures_s") or 0.0), 2)
             if "finished" in tl else None,
@@ -139,7 +199,8 @@ def print_table(recs: list[dict], limit_s: float) -> None:
     cols = [("label", "run"), ("commit", "commit"), ("layout", "tl"), ("rows_ok", "ok"),
             ("start", "start"), ("checks", "checks"), ("ceilings", "ceil"),
             ("ceilings_source", "ceil_src"), ("to_first_row", "to_1st"),
-            ("first_row_compile", "compile*"), ("total", "FIXED"), ("warm_s", "warm_s"),
+            ("first_row_compile", "compile*"), ("total", "FIXED"), ("worker_spawn_s", "w_spawn"),
+            ("worker_imports_s", "w_imp"), ("worker_cuda_s", "cuda"), ("warm_s", "warm_s"),
             ("process_s", "process"), ("shell_wall_s", "shell"), ("within_limit", f"<={limit_s:g}s")]
     cells = [[h for _, h in cols]] + [[_fmt(r.get(k)) for k, _ in cols] for r in recs]
     w = [max(len(c[i]) for c in cells) for i in range(len(cols))]
@@ -149,19 +210,26 @@ def print_table(recs: list[dict], limit_s: float) -> None:
             print("  ".join("-" * x for x in w))
     print("seconds. FIXED = start + checks + ceil + to_1st: process start -> first row, that row's "
           "own first call (compile*) not counted; start: interpreter, imports, config; checks: "
-          "backend checks (new: the worker imports its libraries meanwhile, warm_s); to_1st: "
-          "metadata, the worker's start and imports still due (old: all of them), the first "
-          "row's inputs, reference and timing; process: process start -> end of figures (the "
-          "run's own clock); shell: the wall time the shell measured around the process.")
+          "backend checks (with w_spawn: the worker's start-up and its report, = w_spawn + w_imp "
+          "+ cuda + warm_s + the report's way back, the ceilings read meanwhile; earlier: the "
+          "checks in the run's process, the worker importing meanwhile, warm_s); ceil: the "
+          "ceilings after the checks; to_1st: metadata, the worker's imports still due (old: all "
+          "of them), the first row's inputs, reference and timing; process: process start -> "
+          "end of figures (the run's own clock); shell: the wall time the shell measured around "
+          "the process.")
     for r in recs:
         if r.get("compile_from") == "rows":
             print(f"{r['label']}: first_row_compile_s not in its timeline (old layout): the "
                   f"compile_s of its first-started row ({r['first_row_backend']})")
         if r.get("total") is None:
             print(f"{r['label']}: no first row recorded (rc {r.get('rc')})")
+    for d in dict.fromkeys(Path(r["run_dir"]) for r in recs):
+        for where, got in run_import_times(d).items():
+            print(f"{d.name}: imports in the {where} (-X importtime, own time per top-level "
+                  f"package, s): " + ", ".join(f"{k} {v:.2f}" for k, v in got))
     by: dict = {}
     for r in recs:
-        if r.get("total") is not None and not str(r["label"]).endswith("warmup"):
+        if r.get("total") is not None and not str(r["label"]).endswith(("warmup", "importtime")):
             by.setdefault(r.get("commit") or r["label"], []).append(r["total"])
     for c, xs in by.items():
         print(f"commit {c}: fixed cost {', '.join(f'{x:.2f}' for x in xs)} s "

@@ -1,6 +1,8 @@
 """scripts/fixed_cost_report.py: a run's fixed cost by phase from its ``timeline_s``, in the
-layout the new commits write (``worker_started``, ``first_row_compile_s``) and in the old one
-(7a7503c: no first-row compile in the timeline; it comes from the row that started first)."""
+layout where the worker reports the checks (``worker_timeline_s``, ``worker_warm_s``), in the
+one before it (``worker_started``, ``first_row_compile_s``: checks in the run's process) and in
+the old one (7a7503c: no first-row compile in the timeline; it comes from the row that started
+first); ``-X importtime`` lines in a run's logs summed per package."""
 
 import csv
 import importlib.util
@@ -104,3 +106,39 @@ def test_the_report_writes_a_csv_row_per_run(rep, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "03_old: no first row recorded (rc 1)" in text
     assert "commit old: fixed cost 51.50 s" in text and "commit new: fixed cost 13.50 s" in text
+
+
+# the worker checks its backends (worker_timeline_s, worker_warm_s): the ceilings come during them
+WORKER_TL = {"process_start": -0.6, "worker_started": 0.02, "ceilings_measured": 2.0,
+             "worker_ready": 9.5, "backends_checked": 9.5, "first_row": 12.0,
+             "first_row_compile_s": 0.5, "last_row": 30.0, "finished": 30.5}
+WORKER_META = {"worker_timeline_s": {"process_start": 0.12, "started": 0.3, "imported": 2.6,
+                                     "cuda": 3.1, "warmed": 9.45},
+               "worker_warm_s": {"fla": 4.5, "flashqla": 1.75, "tilelang": 0.1}}
+
+
+def test_worker_layout_splits_the_checks_into_the_workers_start_up(rep, tmp_path):
+    d = _run_dir(tmp_path / "02_new", "20261203T100000-dddddd", WORKER_TL, NEW_ROWS,
+                 worker_log=WARM_LOG, **WORKER_META)
+    (r,) = rep.report_dir(d, 10.0)
+    assert (r["start"], r["checks"], r["ceilings"], r["to_first_row"]) == (0.6, 9.5, 0.0, 2.0)
+    assert r["total"] == 12.1 and r["worker_ready"] == 9.5
+    # the metadata's warm-up seconds win over the log's
+    assert r["warm_s"] == 6.35
+    assert (r["worker_spawn_s"], r["worker_imports_s"], r["worker_cuda_s"]) == (0.1, 2.48, 0.5)
+
+
+def test_importtime_lines_are_summed_per_top_level_package(rep, tmp_path, capsys):
+    log = ("--- worker 7: python\n"
+           "import time: self [us] | cumulative | imported package\n"
+           "import time:    250000 |     250000 |   torch._C\n"
+           "import time:    500000 |     900000 | torch\n"
+           "import time:   1250000 |    1300000 |     fla.ops.utils\n"
+           "import time:     50000 |    1350000 |   fla\n")
+    d = _run_dir(tmp_path / "05_new_importtime", "20261203T100000-eeeeee", WORKER_TL, NEW_ROWS,
+                 worker_log=log, **WORKER_META)
+    assert rep.run_import_times(d) == {"worker": [("fla", 1.3), ("torch", 0.75)]}
+    rep.print_table(rep.report_dir(d, 10.0), 10.0)
+    out = capsys.readouterr().out
+    assert "05_new_importtime: imports in the worker" in out and "fla 1.30, torch 0.75" in out
+    assert "fixed cost" not in out  # a diagnostic run is no sample of the fixed cost
