@@ -32,7 +32,10 @@
 # FlashQLA caches; its rows are not counted), then old, new, old, new, each into a fresh --out
 # and with QLABENCH_GIT_SHA set to its commit (the old commit does not read it: its rows say
 # git_sha "unknown", the label and commit are in each run's shell.json). The shell measures each
-# run's wall time around the process. Each run is capped (RUN_CAP_S, WARM_CAP_S) and the whole
+# run's wall time around the process. Last, where time is left, 05_new_importtime: the new commit
+# once more with PYTHONPROFILEIMPORTTIME=1 (its worker inherits it), not a sample of the fixed cost
+# (import profiling slows the imports) but the seconds each package takes to import, in the worker
+# and in the run's own process (fixed_cost_report.py prints them; the lines stay in that run's logs). Each run is capped (RUN_CAP_S, WARM_CAP_S) and the whole
 # by CALL_DEADLINE (epoch s; default now + BUDGET_S), leaving PACK_S to pack; a run cut by its cap
 # ends like Ctrl-C (rows and metadata kept).
 #
@@ -74,13 +77,22 @@ one_run() {  # one_run NAME TREE SHA CAP [EXTRA_PYTHONPATH]
   local left=$(( DEADLINE - $(date +%s) - PACK_S ))
   [ "$left" -lt "$cap" ] && cap=$left
   if [ "$cap" -lt "$MIN_RUN_S" ]; then log "skip $name: ${left}s left"; return 1; fi
-  rm -rf "$d"; log "start $name ($tree, $sha, cap ${cap}s)"
+  rm -rf "$d"; log "start $name ($tree, $sha, cap ${cap}s${PROFILE_IMPORTS:+, -X importtime})"
   local t0 t1 rc
   t0=$(date +%s%N)
-  (cd "$tree" && PYTHONPATH="$tree${extra:+:$extra}${PYTHONPATH:+:$PYTHONPATH}" QLABENCH_GIT_SHA="$sha" \
-     timeout --signal=INT --kill-after=20 "$cap" python3 -c "$CLI" run "$CONFIG" --out "$d") \
-    2>&1 | tee "$RES/$name.log"
-  rc=${PIPESTATUS[0]}; t1=$(date +%s%N)
+  if [ -z "${PROFILE_IMPORTS:-}" ]; then
+    (cd "$tree" && PYTHONPATH="$tree${extra:+:$extra}${PYTHONPATH:+:$PYTHONPATH}" QLABENCH_GIT_SHA="$sha" \
+       timeout --signal=INT --kill-after=20 "$cap" python3 -c "$CLI" run "$CONFIG" --out "$d") \
+      2>&1 | tee "$RES/$name.log"
+    rc=${PIPESTATUS[0]}
+  else  # the import-time lines stay in the run's own log (and its worker's), out of this one
+    (cd "$tree" && PYTHONPATH="$tree${extra:+:$extra}${PYTHONPATH:+:$PYTHONPATH}" QLABENCH_GIT_SHA="$sha" \
+       PYTHONPROFILEIMPORTTIME=1 timeout --signal=INT --kill-after=20 "$cap" python3 -c "$CLI" run \
+       "$CONFIG" --out "$d") > "$RES/$name.log" 2>&1
+    rc=$?
+    grep -v '^import time:' "$RES/$name.log"
+  fi
+  t1=$(date +%s%N)
   mkdir -p "$d"; mv "$RES/$name.log" "$d/$name.log"
   local wall; wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", (b - a) / 1e9 }')
   printf '{"label": "%s", "commit": "%s", "tree": "%s", "config": "%s", "wall_s": %s, "rc": %d}\n' \
@@ -146,6 +158,7 @@ main() {
   one_run 02_new "$NEW" "$new_sha" "$RUN_CAP_S"
   one_run 03_old "$OLD" "$old_sha" "$RUN_CAP_S" "$shim"
   one_run 04_new "$NEW" "$new_sha" "$RUN_CAP_S"
+  PROFILE_IMPORTS=1 one_run 05_new_importtime "$NEW" "$new_sha" "$RUN_CAP_S"
   pack
   log "done"
 }
