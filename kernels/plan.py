@@ -12,7 +12,7 @@ import torch
 
 from ._common import CHUNK, HEAD_DIM
 
-__all__ = ["sm_count", "split_cost", "plan_fwd", "plan_split", "bwd_split_cost", "plan_bwd_split"]
+__all__ = ["sm_count", "split_cost", "prep_cost", "plan_fwd", "plan_split", "bwd_split_cost", "plan_bwd_split"]
 
 _SM_COUNT = {}
 
@@ -62,20 +62,19 @@ def _lpt_makespan(groups, slots: int) -> float:
     return max(heap)
 
 
-def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) -> float:
-    """Estimated time (relative units) of the forward for sequences of ``lens`` tokens cut into
-    ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64 / 32: fwd_o, 128 /
-    32 columns per CTA; 128: the fused kernel, one CTA per segment and v-head) longest-first on the
-    SMs, prep (every chunk, every v-head; all but the unsplit fused path run it), and when split
+def prep_cost(lens, h_v: int, num_sms: int = 132) -> float:
+    """prep's estimated time (relative units): every chunk of every v-head, spread over the SMs."""
+    return sum(math.ceil(ln / CHUNK) for ln in lens) * h_v * _SPLIT_COST["prep"] / num_sms
+
+
+def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int) -> float:
+    """The forward less prep: the final kernel's CTAs longest-first on the SMs and, when split,
     seg_state's non-last segments, the serial fix-up and the split path's launches."""
     cpb = HEAD_DIM // block_v
     step = _SPLIT_COST["fused"] if block_v == HEAD_DIM else _SPLIT_COST["fwd_o"] * (_BV32_STEP if block_v == 32 else 1.0)
-    prep = 0.0
-    if seg or block_v != HEAD_DIM:
-        prep = sum(math.ceil(ln / CHUNK) for ln in lens) * h_v * _SPLIT_COST["prep"] / num_sms
     if not seg:
         fwd = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
-        return _lpt_makespan(fwd, num_sms) * step + prep
+        return _lpt_makespan(fwd, num_sms) * step
     fwd, seg_state, serial = {}, {}, 0
     for ln in lens:
         ns = max(1, math.ceil(ln / seg))
@@ -87,24 +86,37 @@ def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) 
         serial = max(serial, ns - 1)
     return (
         _lpt_makespan(list(fwd.items()), num_sms) * step
-        + prep
         + _lpt_makespan(list(seg_state.items()), 2 * num_sms) * _SPLIT_COST["seg_state"]
         + serial * _SPLIT_COST["fixup"]
         + _SPLIT_COST["launch"]
     )
 
 
+def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) -> float:
+    """Estimated time (relative units) of the forward for sequences of ``lens`` tokens cut into
+    ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64 / 32: fwd_o, 128 /
+    32 columns per CTA; 128: the fused kernel, one CTA per segment and v-head) longest-first on the
+    SMs, prep (:func:`prep_cost`; every path but the unsplit fused one runs it), and when split
+    seg_state's non-last segments, the serial fix-up and the split path's launches."""
+    needs_prep = bool(seg) or block_v != HEAD_DIM
+    return _final_cost(lens, h_v, seg, num_sms, block_v) + (prep_cost(lens, h_v, num_sms) if needs_prep else 0.0)
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple) -> tuple:
     longest = max(lens, default=0)
-    best, best_cost = (blocks[0], 0), None
+    prep = prep_cost(lens, h_v, num_sms)
+    best, best_cost, best_final = (blocks[0], 0), None, None
     for bv in blocks:
         for seg in (0, *_SPLIT_CANDIDATES):
             if seg and seg >= longest:
                 break
-            c = split_cost(lens, h_v, seg, num_sms, bv)
-            if best_cost is None or c < best_cost * 0.99:  # change only for a clear gain
-                best, best_cost = (bv, seg), c
+            final = _final_cost(lens, h_v, seg, num_sms, bv)
+            c = final + (prep if seg or bv != HEAD_DIM else 0.0)
+            # change only for a clear gain: 1% of the final kernels' part (prep, the same for every
+            # candidate that runs it, does not widen the margin)
+            if best_cost is None or c < best_cost - 0.01 * best_final:
+                best, best_cost, best_final = (bv, seg), c, final
     return best
 
 
