@@ -30,7 +30,7 @@ class ChunkGDNFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, seqlens=None):
         r = chunk_gdn_fwd_lowlevel(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, seqlens=seqlens,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, seqlens=seqlens, save_prep=True,
         )  # fmt: skip
         ctx.seqlens = seqlens
         ctx.save_for_backward(q, k, v, g, beta, r.get("gcs"), r.get("a_beta"), r.get("ctab"), initial_state, cu_seqlens)

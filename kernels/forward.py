@@ -67,7 +67,7 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens):
 
 def chunk_gdn_fwd_lowlevel(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, cu_seqlens=None,
-    split_tokens=None, block_v=None, target=None, o=None, final_state=None, seqlens=None,
+    split_tokens=None, block_v=None, target=None, o=None, final_state=None, seqlens=None, save_prep=False,
 ):  # fmt: skip
     """Forward with its intermediates.
 
@@ -81,6 +81,8 @@ def chunk_gdn_fwd_lowlevel(
             e.g. poisoned with NaN by a test to check every element is written.
         seqlens: optional host copy of the sequence lengths (ints; must match cu_seqlens), used
             only to plan the split exactly for unequal sequences.
+        save_prep: plan among the paths that run prep (fwd_o's), whose outputs (gcs, a_beta) the
+            backward reuses; the unsplit fused path leaves the backward to run prep itself.
 
     Returns a dict:
         o [1,T,Hv,128] bf16; final_state [N,Hv,128,128] fp32 or None;
@@ -106,7 +108,8 @@ def chunk_gdn_fwd_lowlevel(
     if block_v not in (None, 128, 64, 32):
         raise ValueError(f"block_v={block_v} must be 128 (fused), 64, 32 or None (planned)")
     if split_tokens is None and block_v is None:
-        block_v, split_tokens = plan_fwd(T, N, h_v, sm_count(dev), seqlens=seqlens)
+        blocks = (64, 32) if save_prep else (HEAD_DIM, 64, 32)
+        block_v, split_tokens = plan_fwd(T, N, h_v, sm_count(dev), seqlens=seqlens, blocks=blocks)
     block_v = block_v or HEAD_DIM
     if split_tokens is None:
         split_tokens = plan_split(T, N, h_v, sm_count(dev), block_v=block_v, seqlens=seqlens)

@@ -13,20 +13,21 @@ last valid value)
     Oᵀ   = scale · e^g ⊙ (Sᵀ Qᵀ) + Vdᵀ Pᵀ
     Sᵀ  ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
-The inverse on tensor cores, in fp16: D = blockdiag((I + L_bb)⁻¹) over 16x16 diagonal blocks (by
-substitution), N = D L_off (strictly block-lower, N⁴ = 0), so (I + L)⁻¹ = (I + N)⁻¹ D =
-(I − N)(I + N²) D: with Y = Dβ + N² Dβ (Dβ = D diag β), A_β = Y − N Y. Four 64x64x64 wgmmas;
-fp16 (not bf16) operands keep A_β's error (~5e-4 relative on correlated keys) below its own bf16
-rounding.
+The inverse on tensor cores, in fp16: L is stored once in fp16; D = blockdiag((I + L_bb)⁻¹) over
+its 16x16 diagonal blocks (substitution in fp32, 64 threads); N = D L with the diagonal blocks
+dropped (there D L_bb = I − D), strictly block-lower so N⁴ = 0 and (I + L)⁻¹ = (I + N)⁻¹ D =
+(I − N)(I + N²) D: Y = (I + N²) Dβ (Dβ = D diag β), A_β = Y − N Y. Four 64x64x64 wgmmas; fp16
+(not bf16) operands keep A_β's error (~5e-4 relative on correlated keys) below its own bf16
+rounding. Every aux step gates or masks in registers and stores its accumulator by stmatrix.
 
 Roles:
 
-    WG0-1 (tx   0..255, setmaxnreg 184)  the state Sᵀ [128 V, 128 K] fp32 in registers (64 V rows
+    WG0-1 (tx   0..255, setmaxnreg 192)  the state Sᵀ [128 V, 128 K] fp32 in registers (64 V rows
             per warpgroup); every GEMM takes its A operand from registers (the accumulator cast to
             bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = Wᵀ A_βᵀ, O += Vdᵀ Pᵀ, Sᵀ += Vd'ᵀ K; stores the valid o rows
-    WG2   (tx 256..383, setmaxnreg 104)  aux, up to two chunks ahead: K Kᵀ, Q Kᵀ, the gating, the
-            inverse → A_β and P (bf16) into the two-stage ring t (ta_sh, pp_sh)
-    WG3   (tx 384..511, setmaxnreg  40)  producer: warp 12's elected lane TMA-loads Q, K, V of chunk c
+    WG2   (tx 256..383, setmaxnreg 104)  aux, up to two chunks ahead: K Kᵀ and L, Q Kᵀ and P, the
+            inverse → P and A_β (bf16) into the two-stage ring t (pp_sh, ta_sh)
+    WG3   (tx 384..511, setmaxnreg  24)  producer: warp 12's elected lane TMA-loads Q, K, V of chunk c
             into stage c % 3; warp 13 loads g and β (zero past the sequence end), takes the
             chunk-local cumsum with warp shuffles and writes g, β, e^g and mask · e^{g_l − g} into
             the same stage; warps 14-15 exit
@@ -69,7 +70,7 @@ assert 2 * NREG[0] + NREG[1] + NREG[2] == 512 and all(r % 8 == 0 and 24 <= r <= 
 NST = 3
 
 
-def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant: str = ""):
+def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     """The prim_func ``gdn_fwd_fused`` for one head config and state flags."""
     import tilelang.language as T
 
@@ -118,9 +119,6 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
             y_sh = T.alloc_shared((C, C), "float16")
 
             # state warpgroups
-            if variant == "p_state":
-                pq_sh = T.alloc_shared((C, C), "bfloat16")
-                q_acc = T.alloc_fragment((C, C), "float32")  # P, columns split over WG0 and WG1
             s_acc = T.alloc_fragment((D, D), "float32")  # Sᵀ [V, K]
             s_bf = T.alloc_fragment((D, D), "bfloat16")
             x_acc = T.alloc_fragment((D, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
@@ -171,41 +169,27 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                     t0 = bos + ci * C
                     ln = T.min(eos - t0, C)
                     T.barrier_wait(full[js], pj)
-                    if variant == "p_state":
-                        # P = scale · Γ ⊙ Q Kᵀ (causal), its columns split over the two warpgroups
-                        T.gemm(q_sh[js, :, :], k_sh[js, :, :], q_acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                        for i, j in T.Parallel(C, C):
-                            q_acc[i, j] = T.if_then_else(
-                                i >= j, scale * T.exp(T.min(gt_sh[js, 0, i] - gt_sh[js, 0, j], T.float32(0))) * q_acc[i, j], T.float32(0)
-                            )
-                        T.copy(q_acc, pq_sh)
-                        T.fence_proxy_async()
                     T.barrier_wait(t_ready[jt], pt)
-                    if variant != "aux_only":
-                        T.copy(s_acc, s_bf)
-                        T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                        T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
-                        for i, j in T.Parallel(D, C):
-                            w_bf[i, j] = T.cast(T.cast(v_sh[js, j, i], "float32") - gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
-                        T.gemm(w_bf, ta_sh[jt, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                        for i, j in T.Parallel(D, C):
-                            vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
-                            vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
-                            o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
-                        if variant == "p_state":
-                            T.gemm(vd_bf, pq_sh, o_acc, transpose_B=True, policy=FR)
-                        else:
-                            T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
-                        egl = gt_sh[js, 2, ln - 1]
-                        for i, j in T.Parallel(D, D):
-                            s_acc[i, j] = s_acc[i, j] * egl
-                        T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                    T.copy(s_acc, s_bf)
+                    T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    for i, j in T.Parallel(D, C):
+                        w_bf[i, j] = T.cast(T.cast(v_sh[js, j, i], "float32") - gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
+                    T.gemm(w_bf, ta_sh[jt, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    for i, j in T.Parallel(D, C):
+                        vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
+                        vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
+                        o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
+                    T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
+                    egl = gt_sh[js, 2, ln - 1]
+                    for i, j in T.Parallel(D, D):
+                        s_acc[i, j] = s_acc[i, j] * egl
+                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
                     T.barrier_arrive(t_free[jt])
                     T.barrier_arrive(empty[js])
-                    if variant != "aux_only":
-                        for i, j in T.Parallel(D, C):
-                            if j < ln:
-                                o[0, t0 + j, hv, i] = T.cast(o_acc[i, j], "bfloat16")
+                    for i, j in T.Parallel(D, C):
+                        if j < ln:
+                            o[0, t0 + j, hv, i] = T.cast(o_acc[i, j], "bfloat16")
                 if has_ht:
                     if is_last == 1:
                         for i, j in T.Parallel(D, D):
@@ -223,62 +207,59 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
                     jt = ci % 2
                     pt = (ci // 2) % 2
                     T.barrier_wait(full[js], pj)
-                    if variant != "state_only":
-                        # L = StrictLower(diag β · Γ ⊙ K Kᵀ), then P = scale · Γ ⊙ Q Kᵀ (causal, into stage
-                        # jt once the state is done with it): gated in registers (Γ clamped to ≤ 1 where
-                        # the masks drop it), stored by stmatrix; one accumulator live at a time
-                        T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
-                        for i in T.Parallel(C):
-                            gi[i] = gt_sh[js, 0, i]
-                            bi[i] = gt_sh[js, 1, i]
-                        for i, j in T.Parallel(C, C):
-                            a_acc[i, j] = T.if_then_else(
-                                i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
-                            )
-                        T.copy(a_acc, lo_sh)
+                    # L = StrictLower(diag β · Γ ⊙ K Kᵀ), then P = scale · Γ ⊙ Q Kᵀ (causal, into stage
+                    # jt once the state is done with it): gated in registers (Γ clamped to ≤ 1 where
+                    # the masks drop it), stored by stmatrix; one accumulator live at a time
+                    T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
+                    for i in T.Parallel(C):
+                        gi[i] = gt_sh[js, 0, i]
+                        bi[i] = gt_sh[js, 1, i]
+                    for i, j in T.Parallel(C, C):
+                        a_acc[i, j] = T.if_then_else(
+                            i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
+                        )
+                    T.copy(a_acc, lo_sh)
                     T.barrier_wait(t_free[jt], 1 - pt)
-                    if variant != "state_only":
-                        if variant != "p_state":
-                            T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
-                            for i, j in T.Parallel(C, C):
-                                p_acc[i, j] = T.if_then_else(
-                                    i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
-                                )
-                            T.copy(p_acc, pp_sh[jt, :, :])
-                        # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
-                        # Dβ outside the diagonal blocks stay zero from before the loop)
-                        if li < C:
-                            for i in T.unroll(B):
-                                x16[i] = T.float32(0)
-                            for i in T.unroll(B):
-                                acc1 = T.if_then_else(li % B == i, T.float32(1), T.float32(0))
-                                for j in T.unroll(i):
-                                    acc1 = acc1 - T.cast(lo_sh[(li // B) * B + i, (li // B) * B + j], "float32") * x16[j]
-                                x16[i] = acc1
-                            for i in T.unroll(B):
-                                d_sh[(li // B) * B + i, li] = T.cast(x16[i], "float16")
-                                db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
-                        T.fence_proxy_async()
-                        # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
-                        T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
-                        for i, j in T.Parallel(C, C):
-                            a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
-                        T.copy(a_acc, n_sh)
-                        T.fence_proxy_async()
-                        # I + N² (into lo_sh: L is dead)
-                        T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
-                        for i, j in T.Parallel(C, C):
-                            a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
-                        T.copy(a_acc, lo_sh)
-                        T.fence_proxy_async()
-                        # Y = (I + N²) Dβ (in P's accumulator, free now), then A_β = Y − N Y
-                        T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)
-                        T.copy(p_acc, y_sh)
-                        T.fence_proxy_async()
-                        T.gemm(n_sh, y_sh, a_acc, clear_accum=True)
-                        for i, j in T.Parallel(C, C):
-                            a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
-                        T.copy(a_acc, ta_sh[jt, :, :])
+                    T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        p_acc[i, j] = T.if_then_else(
+                            i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
+                        )
+                    T.copy(p_acc, pp_sh[jt, :, :])
+                    # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
+                    # Dβ outside the diagonal blocks stay zero from before the loop)
+                    if li < C:
+                        for i in T.unroll(B):
+                            x16[i] = T.float32(0)
+                        for i in T.unroll(B):
+                            acc1 = T.if_then_else(li % B == i, T.float32(1), T.float32(0))
+                            for j in T.unroll(i):
+                                acc1 = acc1 - T.cast(lo_sh[(li // B) * B + i, (li // B) * B + j], "float32") * x16[j]
+                            x16[i] = acc1
+                        for i in T.unroll(B):
+                            d_sh[(li // B) * B + i, li] = T.cast(x16[i], "float16")
+                            db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
+                    T.fence_proxy_async()
+                    # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
+                    T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
+                    T.copy(a_acc, n_sh)
+                    T.fence_proxy_async()
+                    # I + N² (into lo_sh: L is dead)
+                    T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
+                    T.copy(a_acc, lo_sh)
+                    T.fence_proxy_async()
+                    # Y = (I + N²) Dβ (in P's accumulator, free now), then A_β = Y − N Y
+                    T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)
+                    T.copy(p_acc, y_sh)
+                    T.fence_proxy_async()
+                    T.gemm(n_sh, y_sh, a_acc, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
+                    T.copy(a_acc, ta_sh[jt, :, :])
                     T.fence_proxy_async()
                     T.barrier_arrive(t_ready[jt])
                     T.barrier_arrive(empty[js])
@@ -330,13 +311,13 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool, variant
 
 
 @functools.cache
-def get_fwd_fused_kernel(h_qk: int, h_v: int, has_init: bool, has_ht: bool, target_k=None, variant=""):
+def get_fwd_fused_kernel(h_qk: int, h_v: int, has_init: bool, has_ht: bool, target_k=None):
     return compile_program(
-        fwd_fused_program(h_qk, h_v, has_init, has_ht, variant), target=parse_target(target_k), pass_configs=FAST_MATH
+        fwd_fused_program(h_qk, h_v, has_init, has_ht), target=parse_target(target_k), pass_configs=FAST_MATH
     )
 
 
-def run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=None, variant=""):
+def run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=None):
     """Launch the fused forward; writes ``o`` (and ``ht`` if given) in place.
 
     q, k [1,T,Hqk,128] bf16; v [1,T,Hv,128] bf16; g, beta [1,T,Hv] fp32; stab int32 [NS,8];
@@ -345,7 +326,7 @@ def run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=None, var
     """
     h_qk, h_v = q.shape[2], v.shape[2]
     has_init, has_ht = h_init is not None, ht is not None
-    kern = get_fwd_fused_kernel(h_qk, h_v, has_init, has_ht, target_key(target), variant)
+    kern = get_fwd_fused_kernel(h_qk, h_v, has_init, has_ht, target_key(target))
     dummy = None
     if not (has_init and has_ht):
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)

@@ -1,13 +1,18 @@
 #!/bin/bash
-# Device calls back to back on one warm machine: the fused forward kernel's check and timing
-# (tools/kernels/check_fused.py), then the fixed-cost measurement (scripts/h200_fixed_cost.sh)
-# as a background job that the next call waits for.
-#   STEP=check  carry .devsite .tlcache/all.tar.xz .tlcache/fused.tar.xz .tlcache/fqla_fwd.tar.xz
-#               .run/prevkernels .run/repo.tar.gz .run/repo_old.tar.gz:
-#               the environment (STEP=setup JOB=none bash scripts/h200_campaign.sh), the fused
-#               kernels' cache, check_fused (small cases under a timeout: a barrier hang costs
-#               90 s, not the call), then the fixed-cost job started in its own session.
-#   STEP=wait   until the fixed-cost job ends or the call's deadline; its files into $OUT.
+# Device calls on one warm machine for the fused forward kernel (kernels/fwd_fused.py), one GPU.
+# Every step carries .devsite .tlcache/all.tar.xz .tlcache/fused.tar.xz .tlcache/fqla_fwd.tar.xz
+# .run/prevkernels .run/repo.tar.gz (`git archive HEAD -- . ':!results' | gzip`; its commit is what
+# rows record) and sets up with STEP=setup JOB=none bash scripts/h200_campaign.sh, plus the fused
+# kernels' TileLang cache (.tlcache/fused.tar.xz).
+#   STEP=check    tools/kernels/check_fused.py: the small cases under a timeout (a barrier hang
+#                 costs 90 s, not the call), then every case and the timing; with FIXED_COST=1 (and
+#                 .run/repo_old.tar.gz carried) the fixed-cost job (scripts/h200_fixed_cost.sh)
+#                 starts in its own session afterwards and STEP=wait, the next call, collects it.
+#   STEP=profile  an ncu profile of the fused kernel on 16/64 4x8192 and its stalls per role
+#                 (scripts/ncu_stalls.py).
+#   STEP=sweep    tilelang vs tilelang@prev over the forward sweep (configs/h200_fwd_kernels_prev.yaml)
+#                 and the comparison; the run packed into $OUT/runs.tgz.
+#   STEP=wait     until the fixed-cost job ends or the call's deadline; its files into $OUT.
 # DEVICE_LEFT_S: the session's device seconds left (the fixed-cost job's deadline).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,7 +20,7 @@ T0=$(date +%s)
 log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
 FC=/tmp/fc_out
 
-case "${STEP:?STEP=check|variants|sweep|wait}" in
+case "${STEP:?STEP=check|profile|sweep|wait}" in
 sweep)  # carry as for check: tilelang vs tilelang@prev over the forward sweep (configs/h200_fwd_kernels_prev.yaml)
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
@@ -27,21 +32,16 @@ sweep)  # carry as for check: tilelang vs tilelang@prev over the forward sweep (
     --out runs/h200_fwd_kernels_prev/compare_prev_vs_new.json > runs/h200_fwd_kernels_prev/compare_prev_vs_new.txt 2>&1
   tail -30 runs/h200_fwd_kernels_prev/compare_prev_vs_new.txt
   tar czf "$OUT/runs.tgz" --exclude=_logs runs/h200_fwd_kernels_prev; ls -la "$OUT"; log done;;
-variants)  # carry as for check: the variants' times and an ncu profile of the fused kernel per role
+profile)  # carry as for check: an ncu profile of the fused kernel (16/64 4x8192), its stalls per role
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
   source /tmp/job/env.sh; cd /tmp/repo
-  timeout 200 python3 tools/kernels/check_fused.py --cases small --no-time --variants ${VARIANTS:-base} > "$OUT/variants.log" 2>&1
-  log "variants: exit $?"; grep -A12 "=== variants" "$OUT/variants.log"; grep -c ok=True "$OUT/variants.log"
-  for v in ${NCU_VARIANTS:-base}; do
-    timeout 150 ncu --set full -k regex:gdn_fwd_fused --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu_$v" \
-      python3 tools/kernels/check_fused.py --once $v > "$OUT/ncu_$v.log" 2>&1; log "ncu $v: exit $?"
-    timeout 60 ncu --import "$OUT/ncu_$v.ncu-rep" --page source --csv --print-source sass > /tmp/src_$v.csv 2>/dev/null
-    python3 scripts/ncu_stalls.py /tmp/src_$v.csv --top 30 > "$OUT/stalls_$v.txt" 2>&1; head -70 "$OUT/stalls_$v.txt"
-    timeout 60 ncu --import "$OUT/ncu_$v.ncu-rep" --page details --csv > "$OUT/details_$v.csv" 2>/dev/null
-    xz -f /tmp/src_$v.csv && cp /tmp/src_$v.csv.xz "$OUT/"
-  done
-  log done;;
+  timeout 150 ncu --set full -k regex:gdn_fwd_fused --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu_fused" \
+    python3 tools/kernels/check_fused.py --once > "$OUT/ncu.log" 2>&1; log "ncu: exit $?"
+  timeout 60 ncu --import "$OUT/ncu_fused.ncu-rep" --page source --csv --print-source sass > /tmp/src.csv 2>/dev/null
+  python3 scripts/ncu_stalls.py /tmp/src.csv --top 30 > "$OUT/stalls.txt" 2>&1; head -70 "$OUT/stalls.txt"
+  timeout 60 ncu --import "$OUT/ncu_fused.ncu-rep" --page details --csv > "$OUT/details.csv" 2>/dev/null
+  xz -f /tmp/src.csv && cp /tmp/src.csv.xz "$OUT/"; log done;;
 check)
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tail -4 "$OUT/setup.log"

@@ -28,6 +28,7 @@ def sources():
         "prep": ("prep", "get_prep_kernel", (2, 8), {}),
         "fwd_o": ("fwd_o", "get_fwd_o_kernel", (2, 8, True, True, 64), {}),
         "fwd_o_bv32": ("fwd_o", "get_fwd_o_kernel", (2, 8, False, False, 32), {}),
+        "fwd_fused": ("fwd_fused", "get_fwd_fused_kernel", (2, 8, True, True), {}),
         "seg_state": ("seg_state", "get_seg_state_kernel", (2, 8), {}),
         "fixup": ("fixup", "get_fixup_kernel", (8, True, 32), {}),
         "rfixup": ("fixup", "get_rfixup_kernel", (8, True, 32), {}),
@@ -59,7 +60,7 @@ def test_gva_head_index_is_compiled_in(sources):
 
 @pytest.mark.parametrize(
     "name,mod,threads",
-    [("fwd_o", "fwd_o", 512), ("fwd_o_bv32", "fwd_o", 512), ("bwd_h", "bwd_h", 384), ("bwd_dhu", "bwd_dhu", 512),
+    [("fwd_o", "fwd_o", 512), ("fwd_o_bv32", "fwd_o", 512), ("fwd_fused", "fwd_fused", 512), ("bwd_h", "bwd_h", 384), ("bwd_dhu", "bwd_dhu", 512),
      ("bwd_dhu_seg", "bwd_dhu", 512), ("bwd_dhu_carry", "bwd_dhu", 512), ("bwd_dqkwg", "bwd_wy", 384),
      ("bwd_wy", "bwd_wy", 384)],
 )  # fmt: skip
@@ -79,6 +80,8 @@ def test_warp_specialised_kernels(sources, name, mod, threads):
 def test_register_budgets_fit_the_file():
     for mod in ("fwd_o", "bwd_h", "bwd_dhu"):
         assert sum(_mod(mod).NREG) * 128 <= 65536, mod
+    fused = _mod("fwd_fused").NREG  # two state warpgroups
+    assert (2 * fused[0] + fused[1] + fused[2]) * 128 <= 65536
     wy = _mod("bwd_wy")  # .inc is served by what .dec released
     assert 2 * wy.NREG[0] + wy.NREG[1] <= 3 * wy.NREG_LAUNCH
 
@@ -105,7 +108,8 @@ def test_compile_list_covers_every_program():
     comp = _mod("compile")
     names = {getter.__name__ for _, getter, _, _ in comp.default_kernels(2, 2)}
     assert names == {
-        "get_tables_kernel", "get_prep_kernel", "get_fwd_o_kernel", "get_seg_state_kernel", "get_fixup_kernel",
+        "get_tables_kernel", "get_prep_kernel", "get_fwd_o_kernel", "get_fwd_fused_kernel", "get_seg_state_kernel",
+        "get_fixup_kernel",
         "get_rfixup_kernel", "get_bwd_h_kernel", "get_bwd_pw_kernel", "get_bwd_dhu_kernel", "get_bwd_dqkwg_kernel",
         "get_bwd_wy_kernel",
     }  # fmt: skip

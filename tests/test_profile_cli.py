@@ -107,6 +107,8 @@ def test_kernel_names_become_a_stored_list_and_a_path_per_backend():
     assert B.get("fla").path(names) == "flashqla"
     assert B.get("tilelang").path(["gdn_fwd_o_ws_p_kernel", "gdn_seg_state_kernel"]) == "split"
     assert B.get("tilelang").path(["gdn_fwd_o_ws_p_kernel", "gdn_prep_p_kernel"]) == "direct"
+    assert B.get("tilelang").path(["gdn_tables_kernel", "gdn_fwd_fused_kernel"]) == "fused-direct"
+    assert B.get("tilelang").path(["gdn_prep_p_kernel", "gdn_seg_state_kernel", "gdn_fwd_fused_kernel"]) == "fused-split"
     flat = ("void cutlass::device_kernel<flat::kernel::FlatKernelTmaWarpSpecializedDeltaRule"
             "<flat::collective::X<int>, 3>>(Params)")
     assert short_name(flat) == "FlatKernelTmaWarpSpecializedDeltaRule"

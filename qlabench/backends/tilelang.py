@@ -99,10 +99,11 @@ class TileLangBackend(Backend):
             return Prepared(fn=fwd)
 
         def saved():
-            # the forward's prep outputs the backward reuses (g cumsum, A·diag(β), chunk table)
+            # the forward's prep outputs the backward reuses (g cumsum, A·diag(β), chunk table):
+            # planned among the paths that run prep
             r = qk.chunk_gdn_fwd_lowlevel(x.q, x.k, x.v, x.g, x.beta, scale=x.scale,
                                           initial_state=x.h0, output_final_state=x.output_final_state,
-                                          cu_seqlens=x.cu_seqlens, **fwd_kw)
+                                          cu_seqlens=x.cu_seqlens, save_prep=True, **fwd_kw)
             return {k: r[k] for k in ("gcs", "a_beta", "ctab") if k in r}
 
         bwd_kw = {}
@@ -130,5 +131,6 @@ class TileLangBackend(Backend):
 
     def path(self, names):
         """``split`` when the sequences were cut into segments (seg_state / fixup kernels ran),
-        ``direct`` otherwise."""
-        return "split" if any("seg_state" in n or "fixup" in n for n in names) else "direct"
+        ``direct`` otherwise; ``fused-`` in front when the fused kernel ran."""
+        route = "split" if any("seg_state" in n or "fixup" in n for n in names) else "direct"
+        return ("fused-" if any("fwd_fused" in n for n in names) else "") + route
