@@ -11,9 +11,9 @@ FLA's conventions; the kernels, their data flow and limits: docs/kernels.md. Not
 from .autograd import ChunkGDNFunction, chunk_gdn
 from .backward import chunk_gdn_bwd
 from .forward import chunk_gdn_fwd, chunk_gdn_fwd_lowlevel
-from .plan import bwd_split_cost, plan_bwd_split, plan_fwd, plan_split, split_cost
+from .plan import bwd_split_cost, plan_bwd_split, plan_fwd, plan_split, prep_cost, split_cost
 
 __all__ = [
     "chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel", "chunk_gdn_bwd", "chunk_gdn", "ChunkGDNFunction",
-    "plan_fwd", "plan_split", "split_cost", "plan_bwd_split", "bwd_split_cost",
+    "plan_fwd", "plan_split", "split_cost", "prep_cost", "plan_bwd_split", "bwd_split_cost",
 ]  # fmt: skip

@@ -48,3 +48,23 @@ def test_plan_bwd_split_cuts_only_few_long_chains():
     assert pkg.plan_bwd_split(32768, 1, 32) == 0  # 16/32 1x32768: 9.05 ms (1024: 9.25)
     eight = [3274, 1029, 2909, 5061, 2011, 3793, 9932, 4759]
     assert pkg.plan_bwd_split(32768, 8, 8, seqlens=eight) == 2048  # 4/8: 2.47 ms (1024: 2.45, unsplit 2.67)
+
+
+def test_plan_fwd_picks_the_faster_final_kernel():
+    """plan_fwd against the H200's timings of both final kernels (results/h200_fused, 2026-12-01):
+    the fused kernel (block_v 128) where it measured faster, fwd_o elsewhere."""
+    pkg = _pkg()
+    assert pkg.plan_fwd(4 * 8192, 4, 64)[0] == 128  # fused 1.524 ms, fwd_o 1.988
+    assert pkg.plan_fwd(8 * 1024, 8, 64)[0] == 128  # 0.413 vs 0.551
+    assert pkg.plan_fwd(4 * 8192, 4, 32)[0] == 128  # 32/32: 0.783 vs 1.028
+    assert pkg.plan_fwd(32768, 1, 64)[0] != 128  # fwd_o 1.973, fused 3.030 (64 CTAs)
+    assert pkg.plan_fwd(4 * 8192, 4, 16)[0] != 128  # 0.504 vs 0.775
+    assert pkg.plan_fwd(32768, 1, 8) == (64, 4096)  # 0.420 vs the fused split's best 0.491
+    assert pkg.plan_fwd(8 * 1024, 8, 8)[0] != 128  # 0.079 vs 0.105
+    # the unsplit fused path runs no prep; every other path pays it
+    lens = [8192] * 4
+    assert pkg.split_cost(lens, 64, 0, block_v=128) < pkg.split_cost(lens, 64, 0, block_v=64)
+    assert pkg.split_cost(lens, 64, 2048, block_v=128) > pkg.prep_cost(lens, 64)
+    # the 1% margin leaves fwd_o's picks where they were before the fused kernel (6 sweep layouts
+    # of h_v 32 moved to V block 64 split 4096 while prep widened it: 1.11x slower on the H200)
+    assert pkg.plan_fwd(32768, 2, 32, seqlens=[28672, 4096]) == (32, 0)
