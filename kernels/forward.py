@@ -75,14 +75,15 @@ def chunk_gdn_fwd_lowlevel(
         split_tokens: None = planned (:func:`plan.plan_fwd`), 0 = never split, or a segment length
             in tokens (a multiple of 64).
         block_v: 128 = the fused kernel (full V per CTA), 64 or 32 = fwd_o's V block; None = planned
-            with the split (128 when split_tokens is given).
+            with the split (64 when split_tokens is given).
         target: TileLang target (default sm_90a).
         o, final_state: optional preallocated outputs ([1,T,Hv,128] bf16, [N,Hv,128,128] fp32),
             e.g. poisoned with NaN by a test to check every element is written.
         seqlens: optional host copy of the sequence lengths (ints; must match cu_seqlens), used
             only to plan the split exactly for unequal sequences.
-        save_prep: plan among the paths that run prep (fwd_o's), whose outputs (gcs, a_beta) the
-            backward reuses; the unsplit fused path leaves the backward to run prep itself.
+        save_prep: return prep's outputs (gcs, a_beta), which the backward reuses: the planner
+            chooses among fwd_o's paths, and prep runs whatever block_v is (without it the
+            unsplit fused path runs no prep and they come back None).
 
     Returns a dict:
         o [1,T,Hv,128] bf16; final_state [N,Hv,128,128] fp32 or None;
@@ -110,7 +111,8 @@ def chunk_gdn_fwd_lowlevel(
     if split_tokens is None and block_v is None:
         blocks = (64, 32) if save_prep else (HEAD_DIM, 64, 32)
         block_v, split_tokens = plan_fwd(T, N, h_v, sm_count(dev), seqlens=seqlens, blocks=blocks)
-    block_v = block_v or HEAD_DIM
+    if block_v is None:  # a split given alone: fwd_o (the fused kernel's split path measured slower)
+        block_v = 64
     if split_tokens is None:
         split_tokens = plan_split(T, N, h_v, sm_count(dev), block_v=block_v, seqlens=seqlens)
     if split_tokens and split_tokens % CHUNK != 0:
@@ -120,7 +122,7 @@ def chunk_gdn_fwd_lowlevel(
     ctab, cu_chunks, stab, cu_segs = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target=target)
     fused = block_v == HEAD_DIM
     gcs = a_beta = p_all = None
-    if split_tokens or not fused:
+    if split_tokens or not fused or save_prep:
         gcs, a_beta, p_all = run_prep(q, k, g, beta, ctab, scale, target=target)
 
     if o is None:

@@ -94,8 +94,8 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int) -> float:
 
 def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) -> float:
     """Estimated time (relative units) of the forward for sequences of ``lens`` tokens cut into
-    ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64 / 32: fwd_o, 128 /
-    32 columns per CTA; 128: the fused kernel, one CTA per segment and v-head) longest-first on the
+    ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64 / 32: fwd_o, 128 / bv
+    CTAs of bv columns per segment and v-head; 128: the fused kernel, one) longest-first on the
     SMs, prep (:func:`prep_cost`; every path but the unsplit fused one runs it), and when split
     seg_state's non-last segments, the serial fix-up and the split path's launches."""
     needs_prep = bool(seg) or block_v != HEAD_DIM
@@ -192,16 +192,17 @@ def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=
     32 are fwd_o after prep, 32 doubling its CTAs at ~0.8x the chunk step where the heads alone do
     not fill the SMs."""
     lens = _lens_of(T, N, seqlens)
-    if not lens or max(lens) <= 256:
+    if not lens:
         return (blocks[0], 0)
-    return _plan_lens(lens, h_v, num_sms, tuple(blocks))
+    return _plan_lens(lens, h_v, num_sms, tuple(blocks))  # no split candidate for sequences <= 256
 
 
 def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, seqlens=None) -> int:
     """Segment length in tokens for sequence splitting, or 0 for no splitting.
 
     Chosen by a cost model of the split path (:func:`split_cost`: longest-first scheduling of the
-    fwd_o and seg_state CTAs over the SMs, plus the serial fix-up), over segment lengths of
+    final kernel's (``block_v``: fwd_o or the fused kernel) and seg_state's CTAs over the SMs, prep,
+    the serial fix-up), over segment lengths of
     256..16384 tokens. ``seqlens`` (host ints, e.g. from the layout the caller already knows)
     makes the plan exact for unequal sequences; without it the N sequences are taken as equal
     (T / N tokens each). Host values only: no device sync.

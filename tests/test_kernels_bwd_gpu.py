@@ -89,7 +89,8 @@ def test_chunk_gdn_bwd_matches_reference(h_qk, h_v, with_h0, with_dht):
     x, ref = _case(h_qk, h_v, with_h0, with_dht)
     h0 = x["h0"] if with_h0 else None
     r = pkg.chunk_gdn_fwd_lowlevel(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=True, cu_seqlens=x["cu"]
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=True, cu_seqlens=x["cu"],
+        save_prep=True,
     )
     dq, dk, dv, dg, db, dh0 = pkg.chunk_gdn_bwd(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"] if with_dht else None,

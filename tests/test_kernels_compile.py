@@ -80,8 +80,6 @@ def test_warp_specialised_kernels(sources, name, mod, threads):
 def test_register_budgets_fit_the_file():
     for mod in ("fwd_o", "bwd_h", "bwd_dhu"):
         assert sum(_mod(mod).NREG) * 128 <= 65536, mod
-    fused = _mod("fwd_fused").NREG  # two state warpgroups
-    assert (2 * fused[0] + fused[1] + fused[2]) * 128 <= 65536
     wy = _mod("bwd_wy")  # .inc is served by what .dec released
     assert 2 * wy.NREG[0] + wy.NREG[1] <= 3 * wy.NREG_LAUNCH
 

@@ -62,9 +62,15 @@ def test_plan_fwd_picks_the_faster_final_kernel():
     assert pkg.plan_fwd(32768, 1, 8) == (64, 4096)  # 0.420 vs the fused split's best 0.491
     assert pkg.plan_fwd(8 * 1024, 8, 8)[0] != 128  # 0.079 vs 0.105
     # the unsplit fused path runs no prep; every other path pays it
+    from qlabench_kernels.plan import _final_cost
+
     lens = [8192] * 4
-    assert pkg.split_cost(lens, 64, 0, block_v=128) < pkg.split_cost(lens, 64, 0, block_v=64)
-    assert pkg.split_cost(lens, 64, 2048, block_v=128) > pkg.prep_cost(lens, 64)
+    assert pkg.split_cost(lens, 64, 0, block_v=128) == _final_cost(lens, 64, 0, 132, 128)
+    for seg, bv in ((2048, 128), (0, 64), (2048, 32)):
+        assert pkg.split_cost(lens, 64, seg, block_v=bv) == _final_cost(lens, 64, seg, 132, bv) + pkg.prep_cost(lens, 64)
+    # sequences too short to split are rated too (one 200-token sequence of 8 heads: 8 fused CTAs
+    # of 4 chunks against fwd_o's 32 at V block 32)
+    assert pkg.plan_fwd(200, 1, 8) == (32, 0)
     # the 1% margin leaves fwd_o's picks where they were before the fused kernel (6 sweep layouts
     # of h_v 32 moved to V block 64 split 4096 while prep widened it: 1.11x slower on the H200)
     assert pkg.plan_fwd(32768, 2, 32, seqlens=[28672, 4096]) == (32, 0)

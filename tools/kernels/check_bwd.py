@@ -126,7 +126,7 @@ def run_bwd(pkg, x, r, inter=False, split=None):
 
 def run_fwd(pkg, x):
     return pkg.chunk_gdn_fwd_lowlevel(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"]
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], save_prep=True
     )  # fmt: skip
 
 

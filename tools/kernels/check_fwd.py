@@ -2,7 +2,8 @@
 
     python tools/kernels/check_fwd.py [--quick] [--no-time] [--cases NAME,...]
 
-For each case: runs chunk_gdn_fwd_lowlevel, compares o / final state with an fp32 token
+For each case: runs chunk_gdn_fwd_lowlevel on fwd_o's paths (``save_prep``; the fused kernel:
+check_fused.py), compares o / final state with an fp32 token
 recurrence (rel L2), and every stage with its torch emulation fed the kernel's own inputs
 (prep: gcs, a_beta; seg_state: e_end, m_tr; fixup: h_start; fwd_o: o, ht) so a mismatch
 points at one kernel. Then times the whole forward with CUDA-graph replay (median) for
@@ -134,7 +135,7 @@ def stage_times_ms(pkg, x, split_tokens, reps=10):
     from qlabench_kernels.tables import run_tables
 
     r = pkg.chunk_gdn_fwd_lowlevel(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens, save_prep=True
     )
     scale = 128**-0.5
     cu = x["cu"].long()
@@ -195,7 +196,8 @@ def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages
     x = make_inputs(seqlens, h_qk, h_v)
     t0 = time.perf_counter()
     r = pkg.chunk_gdn_fwd_lowlevel(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=split_tokens
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=split_tokens,
+        save_prep=True,
     )
     torch.cuda.synchronize()
     log(

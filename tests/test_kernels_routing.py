@@ -1,0 +1,107 @@
+"""CPU test of the forward driver's routing (kernels/forward.py): which kernels run, and which
+intermediates come back, for each block_v / split_tokens / save_prep combination. The kernel
+launchers are replaced by recorders (tables by the torch tables), so no GPU is needed."""
+
+import importlib
+
+import pytest
+import torch
+from kernel_helpers import kernels_pkg as _pkg
+
+D = 128
+
+
+@pytest.fixture
+def fwd(monkeypatch):
+    _pkg()
+    mod = importlib.import_module("qlabench_kernels.forward")
+    common = importlib.import_module("qlabench_kernels._common")
+    calls, plans = [], []
+
+    def tables(cu, T, N, seg, split, target=None):
+        calls.append("tables")
+        ctab, cu_chunks = common.chunk_table(cu, T, N)
+        stab, cu_segs = common.segment_table(cu, cu_chunks, T, N, seg, split)
+        return ctab, cu_chunks.int(), stab, cu_segs.int()
+
+    def prep(q, k, g, beta, ctab, scale, target=None):
+        calls.append("prep")
+        hv, ncs = g.shape[2], ctab.shape[0]
+        return torch.zeros(hv, ncs * 64), torch.zeros(hv, ncs * 64, 64), torch.zeros(hv, ncs * 64, 64)
+
+    def record(name):
+        def run(*args, **kw):
+            calls.append(name)
+            if name == "fwd_fused":  # (q, k, v, g, beta, stab, h_init, ...)
+                calls.append(("h_init", None if args[6] is None else tuple(args[6].shape)))
+            if name == "fwd_o":
+                calls.append(("block_v", kw["block_v"]))
+
+        return run
+
+    def plan(T, N, h_v, sms, seqlens=None, blocks=(128, 64, 32)):
+        plans.append(blocks)
+        return (blocks[0], 0)
+
+    monkeypatch.setattr(mod, "run_tables", tables)
+    monkeypatch.setattr(mod, "run_prep", prep)
+    for name in ("seg_state", "fixup", "fwd_fused", "fwd_o"):
+        monkeypatch.setattr(mod, f"run_{name}", record(name))
+    monkeypatch.setattr(mod, "plan_fwd", plan)
+    monkeypatch.setattr(mod, "sm_count", lambda dev: 132)
+
+    def call(**kw):
+        calls.clear()
+        plans.clear()
+        T, hqk, hv = 1000, 1, 2
+        q = torch.zeros(1, T, hqk, D, dtype=torch.bfloat16)
+        g, beta = torch.zeros(1, T, hv), torch.zeros(1, T, hv)
+        v = torch.zeros(1, T, hv, D, dtype=torch.bfloat16)
+        r = mod.chunk_gdn_fwd_lowlevel(q, q, v, g, beta, **kw)
+        return r, list(calls), list(plans)
+
+    return call
+
+
+def test_planned_fused_runs_no_prep(fwd):
+    r, calls, plans = fwd()
+    assert plans == [(128, 64, 32)]
+    assert calls == ["tables", "fwd_fused", ("h_init", None)]
+    assert r["block_v"] == 128 and r["gcs"] is None and r["a_beta"] is None and r["p_all"] is None
+
+
+def test_save_prep_plans_fwd_o_and_returns_prep(fwd):
+    r, calls, plans = fwd(save_prep=True)
+    assert plans == [(64, 32)]
+    assert calls == ["tables", "prep", "fwd_o", ("block_v", 64)]
+    assert r["gcs"] is not None and r["a_beta"] is not None
+
+
+def test_save_prep_with_the_fused_kernel_still_runs_prep(fwd):
+    r, calls, _ = fwd(block_v=128, split_tokens=0, save_prep=True)
+    assert calls == ["tables", "prep", "fwd_fused", ("h_init", None)]
+    assert r["gcs"] is not None
+
+
+def test_a_split_given_alone_runs_fwd_o(fwd):
+    r, calls, plans = fwd(split_tokens=256)
+    assert plans == []
+    assert calls == ["tables", "prep", "seg_state", "fixup", "fwd_o", ("block_v", 64)]
+    assert r["split_tokens"] == 256 and r["block_v"] == 64
+
+
+def test_fused_split_starts_from_the_segment_states(fwd):
+    r, calls, _ = fwd(block_v=128, split_tokens=256)
+    ns = 1000 // 256 + 1
+    assert calls == ["tables", "prep", "seg_state", "fixup", "fwd_fused", ("h_init", (ns, 2, D, D))]
+    assert r["h_start"].shape == (ns, 2, D, D)
+
+
+def test_fwd_o_unsplit(fwd):
+    _, calls, _ = fwd(block_v=32, split_tokens=0)
+    assert calls == ["tables", "prep", "fwd_o", ("block_v", 32)]
+
+
+def test_block_v_is_checked(fwd):
+    with pytest.raises(ValueError, match="block_v=96"):
+        fwd(block_v=96)
