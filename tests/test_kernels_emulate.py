@@ -142,19 +142,26 @@ def test_forward_refuses_more_chunk_slots_than_preps_grid_holds():
         pkg.chunk_gdn_fwd_lowlevel(q, q, q, g, g)
 
 
-@pytest.mark.parametrize("lens,h_qk,h_v", [([300], 2, 4), ([64, 130, 7, 200], 1, 3)])
-def test_fused_algebra_matches_reference(lens, h_qk, h_v):
+@pytest.mark.parametrize("split", [0, 128])
+@pytest.mark.parametrize("lens,h_qk,h_v,with_h0", [([300], 2, 4, True), ([64, 130, 7, 200], 1, 3, True), ([400, 90], 2, 2, False)])
+def test_fused_algebra_matches_reference(lens, h_qk, h_v, with_h0, split):
     """The fused kernel's algebra (state as Sᵀ, A_β by the fp16 (I − N)(I + N²)D inverse, its bf16
-    casts) against the fp64 token recurrence: o and the final state within bf16 error."""
+    casts) against the fp64 token recurrence: o and the final state within bf16 error, unsplit and
+    from the split path's segment start states (seg_state + fixup, emulated)."""
     from qlabench_kernels._common import chunk_table, segment_table
 
     emu = _tool("emulate")
-    inp = emu.make_inputs(lens, h_qk, h_v, seed=3)
+    inp = emu.make_inputs(lens, h_qk, h_v, seed=3, with_h0=with_h0)
     T, N = sum(lens), len(lens)
     cu = inp["cu"].long()
     ctab, cuc = chunk_table(cu, T, N)
-    stab, _ = segment_table(cu, cuc, T, N, (T + 63) // 64 * 64, split=False)
-    o, ht = emu.emu_fwd_fused(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], stab, inp["h0"], 128**-0.5, N)
+    h_init = inp["h0"]
+    if split:
+        stab = emu.emu_pipeline(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], h0=inp["h0"], cu=cu, split_tokens=split)
+        stab, h_init = stab["stab"], stab["h_start"]
+    else:
+        stab, _ = segment_table(cu, cuc, T, N, (T + 63) // 64 * 64, split=False)
+    o, ht = emu.emu_fwd_fused(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], stab, h_init, 128**-0.5, N)
     ro, rh = emu.reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 128**-0.5, inp["h0"], cu)
     assert not torch.isnan(o).any()
     assert emu.rel_l2(o, ro) < 6e-3 and emu.rel_l2(ht, rh) < 6e-3
