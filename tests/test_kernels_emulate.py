@@ -5,6 +5,7 @@
   unsplit case.
 - prep: the register-tiled block solve, lane by lane, equals (I + L)⁻¹ (fp64 reference).
 - fwd_o: its mbarrier protocol (tools/kernels/ws_protocol.py) and its U₀ − W₀ S algebra.
+- fwd_fused: its mbarrier protocol (tools/kernels/fused_protocol.py), its algebra and fp16 inverse.
 """
 
 import importlib
@@ -97,6 +98,28 @@ def test_bwd_wy_barrier_protocol():
     assert wyp.check(groups=(2, 3, 4), seeds=60, pair=False)
     with pytest.raises(AssertionError, match="deadlock|phases done"):
         wyp.check(groups=(1,), seeds=60, pair=False)
+
+
+def test_fwd_fused_barrier_protocol():
+    """The fused forward's protocol (modelled in tools/kernels/fused_protocol.py with the kernel's
+    stage count and barrier counts) never deadlocks, never passes a parity wait at the wrong phase and
+    never lets a read see another chunk's stage or ring slot, for 1..7 chunks; dropping any one wait of
+    any role is caught, except the state warpgroups' wait on full: the t_ready they wait on next is
+    arrived by aux only after its own wait on the same full phase, so it implies it (kept in the
+    kernel: one passing try_wait)."""
+    _pkg()
+    fused = importlib.import_module("qlabench_kernels.fwd_fused")
+    fp = _tool("fused_protocol")
+    src = open(fused.__file__).read()
+    assert fused.NST == fp.NST and all(f"{b} = T.alloc_barrier([{n}" in src for b, n in fp.COUNTS.items())
+    assert fp.check(seeds=100)
+    assert len(fp.waits()) == 9
+    for role, bar in fp.waits():
+        if role in ("wg0", "wg1") and bar == "full":
+            assert fp.check(seeds=30, mutate=fp.drop_wait(role, bar))
+        else:
+            with pytest.raises(AssertionError):
+                fp.check(seeds=100, mutate=fp.drop_wait(role, bar))
 
 
 @pytest.mark.parametrize("split_tokens", [0, 512])
