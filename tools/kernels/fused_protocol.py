@@ -15,7 +15,7 @@ barrier ends with its phase closed and no bytes in flight (the counts match the 
 
 import random
 
-from ws_protocol import Bar
+from ws_protocol import Bar, run_programs
 
 COUNTS = {"full": 64, "empty": 384, "t_ready": 128, "t_free": 256}
 NST = 3  # input stages; the aux -> state ring has 2
@@ -24,7 +24,7 @@ THREADS = {"wg0": 128, "wg1": 128, "aux": 128, "w12e": 1, "w12": 31, "w13": 32}
 
 def programs(nchunks):
     """Per actor: ("wait", bar, idx, parity, intended phases done) / ("arrive", bar, idx) /
-    ("read" | "write", buf, slot, chunk) / ("tma", slot, chunk, buf)."""
+    ("read" | "write", buf, slot, chunk) / ("tma", slot, chunk, (buf,))."""
     p = {r: [] for r in THREADS}
     for c in range(nchunks):
         js, pj, jt, pt = c % NST, (c // NST) % 2, c % 2, (c // 2) % 2
@@ -39,7 +39,7 @@ def programs(nchunks):
         p["aux"] += [full, ("read", "k", js, c), ("read", "gt", js, c), ("wait", "t_free", jt, 1 - pt, c // 2),
                      ("read", "q", js, c), ("read", "k", js, c), ("read", "gt", js, c), ("write", "pp", jt, c),
                      ("read", "gt", js, c), ("write", "ta", jt, c), ("arrive", "t_ready", jt), ("arrive", "empty", js)]  # fmt: skip
-        p["w12e"] += [empty] + [("tma", js, c, b) for b in ("q", "k", "v")] + [("arrive", "full", js)]
+        p["w12e"] += [empty] + [("tma", js, c, (b,)) for b in ("q", "k", "v")] + [("arrive", "full", js)]
         p["w12"] += [empty, ("arrive", "full", js)]
         p["w13"] += [empty, ("write", "gt", js, c), ("arrive", "full", js)]
     return p
@@ -49,43 +49,12 @@ def simulate(nchunks, seed, mutate=None):
     rng = random.Random(seed)
     speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in (*THREADS, "tma")}
     bars = {name: [Bar(n) for _ in range(NST if name in ("full", "empty") else 2)] for name, n in COUNTS.items()}
-    bufs, in_flight = {}, []  # (buf, slot) -> chunk it holds; TMA loads not landed: (slot, chunk, buf)
     progs = programs(nchunks)
     if mutate is not None:
         mutate(progs)
-    pc = {r: 0 for r in progs}
-    for _ in range(100000):
-        runnable = [r for r, ops in progs.items() if pc[r] < len(ops)
-                    and (ops[pc[r]][0] != "wait" or bars[ops[pc[r]][1]][ops[pc[r]][2]].passes(ops[pc[r]][3]))]  # fmt: skip
-        choices = runnable + (["tma"] if in_flight else [])
-        if not choices:
-            assert all(pc[r] == len(ops) for r, ops in progs.items()), f"deadlock at {pc}"
-            assert all(b.pending == b.count and b.tx == 0 for bs in bars.values() for b in bs), "phase left open"
-            return True
-        r = rng.choices(choices, weights=[speed[c] for c in choices])[0]
-        if r == "tma":  # one load lands: writes its buffer of the stage, completes its tx bytes
-            slot, c, b = in_flight.pop(rng.randrange(len(in_flight)))
-            bufs[(b, slot)] = c
-            bars["full"][slot].tx -= 1
-            bars["full"][slot]._maybe_complete()
-            continue
-        op = progs[r][pc[r]]
-        pc[r] += 1
-        if op[0] == "wait":
-            done = bars[op[1]][op[2]].done
-            assert done == op[4], f"{r}: {op} passed with {done} phases done (intended {op[4]})"
-        elif op[0] == "arrive":
-            for _ in range(THREADS[r]):
-                bars[op[1]][op[2]].arrive()
-        elif op[0] == "write":
-            bufs[(op[1], op[2])] = op[3]
-        elif op[0] == "read":
-            got = bufs.get((op[1], op[2]))
-            assert got == op[3], f"{r}: reads {op[1]}[{op[2]}] for chunk {op[3]} but it holds chunk {got}"
-        elif op[0] == "tma":  # expect_tx, then the load is issued
-            bars["full"][op[1]].tx += 1
-            in_flight.append(op[1:])
-    raise AssertionError("no progress bound reached")
+    run_programs(progs, bars, speed, rng, arrivals=THREADS)
+    assert all(b.pending == b.count and b.tx == 0 for bs in bars.values() for b in bs), "phase left open"
+    return True
 
 
 def check(seeds=200, chunk_counts=range(1, 8), mutate=None):

@@ -116,6 +116,50 @@ def simulate(nchunks, seed, mutate=None):
             in_flight.append((op[1], op[2]))
 
 
+def run_programs(progs, bars, speed, rng, arrivals=None, bound=100000, tag=""):
+    """Interleave per-actor op lists at random (weights ``speed``; "tma" = a load in flight lands)
+    until every actor is done: ("wait", bar, idx, parity, intended phases done) must pass exactly at
+    that phase; ("arrive", bar, idx) arrives ``arrivals[actor]`` times (1 by default);
+    ("write" | "read", buf, slot, value) sets / checks what a buffer slot holds; ("tma", slot, value,
+    bufs) adds expect_tx to full[slot], and the load, once landed, writes ``bufs`` of the slot and
+    completes its bytes. A deadlock, a lapped wait or a stale read fails an assert (``tag`` in its
+    message). The wy and fused protocol models run on it."""
+    bufs, in_flight = {}, []
+    pc = {r: 0 for r in progs}
+    for _ in range(bound):
+        runnable = [r for r, ops in progs.items() if pc[r] < len(ops)
+                    and (ops[pc[r]][0] != "wait" or bars[ops[pc[r]][1]][ops[pc[r]][2]].passes(ops[pc[r]][3]))]  # fmt: skip
+        choices = runnable + (["tma"] if in_flight else [])
+        if not choices:
+            assert all(pc[r] == len(ops) for r, ops in progs.items()), f"deadlock at {pc}{tag}"
+            return True
+        r = rng.choices(choices, weights=[speed[c] for c in choices])[0]
+        if r == "tma":
+            slot, value, names = in_flight.pop(rng.randrange(len(in_flight)))
+            for b in names:
+                bufs[(b, slot)] = value
+            bars["full"][slot].tx -= 1
+            bars["full"][slot]._maybe_complete()
+            continue
+        op = progs[r][pc[r]]
+        pc[r] += 1
+        if op[0] == "wait":
+            done = bars[op[1]][op[2]].done
+            assert done == op[4], f"{r}: {op} passed with {done} phases done (intended {op[4]}{tag})"
+        elif op[0] == "arrive":
+            for _ in range(1 if arrivals is None else arrivals[r]):
+                bars[op[1]][op[2]].arrive()
+        elif op[0] == "write":
+            bufs[(op[1], op[2])] = op[3]
+        elif op[0] == "read":
+            got = bufs.get((op[1], op[2]))
+            assert got == op[3], f"{r}: reads {op[1]}[{op[2]}] for {op[3]} but it holds {got}{tag}"
+        elif op[0] == "tma":
+            bars["full"][op[1]].tx += 1  # expect_tx, then the load is issued
+            in_flight.append((op[1], op[2], op[3]))
+    raise AssertionError("no progress bound reached")
+
+
 def check(seeds=200, chunk_counts=(0, 1, 2, 3, 4, 5, 8, 13), mutate=None):
     for nc in chunk_counts:
         for sd in range(seeds):

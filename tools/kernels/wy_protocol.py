@@ -13,7 +13,7 @@ lapped for G = 1, where every tile is an item.
 
 import random
 
-from ws_protocol import Bar
+from ws_protocol import Bar, run_programs
 
 LOADS = ("k", "v", "dw", "du", "a", "g", "dgp")
 
@@ -42,40 +42,7 @@ def simulate(ntiles, G, seed, pair=True):
     speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in ("cons", "prod", "store", "tma")}
     bars = {"full": [Bar(1), Bar(1)], "empty": [Bar(2), Bar(2)], "dv_ready": [Bar(1), Bar(1)],
             "dk_ready": [Bar(1), Bar(1)] if pair else [Bar(1)]}  # fmt: skip
-    bufs, in_flight = {}, []
-    progs = programs(ntiles, G, pair)
-    pc = {r: 0 for r in progs}
-    for _ in range(200000):
-        runnable = [r for r, ops in progs.items() if pc[r] < len(ops)
-                    and (ops[pc[r]][0] != "wait" or bars[ops[pc[r]][1]][ops[pc[r]][2]].passes(ops[pc[r]][3]))]  # fmt: skip
-        choices = runnable + (["tma"] if in_flight else [])
-        if not choices:
-            assert all(pc[r] == len(ops) for r, ops in progs.items()), f"deadlock at {pc} (G={G})"
-            return True
-        r = rng.choices(choices, weights=[speed[c] for c in choices])[0]
-        if r == "tma":
-            slot, t, names = in_flight.pop(rng.randrange(len(in_flight)))
-            for b in names:
-                bufs[(b, slot)] = t
-            bars["full"][slot].tx -= 1
-            bars["full"][slot]._maybe_complete()
-            continue
-        op = progs[r][pc[r]]
-        pc[r] += 1
-        if op[0] == "wait":
-            done = bars[op[1]][op[2]].done
-            assert done == op[4], f"{r}: {op} passed with {done} phases done (intended {op[4]}, G={G})"
-        elif op[0] == "arrive":
-            bars[op[1]][op[2]].arrive()
-        elif op[0] == "write":
-            bufs[(op[1], op[2])] = op[3]
-        elif op[0] == "read":
-            got = bufs.get((op[1], op[2]))
-            assert got == op[3], f"{r}: reads {op[1]}[{op[2]}] for {op[3]} but it holds {got} (G={G})"
-        elif op[0] == "tma":
-            bars["full"][op[1]].tx += 1
-            in_flight.append((op[1], op[2], op[3]))
-    raise AssertionError("no progress bound reached")
+    return run_programs(programs(ntiles, G, pair), bars, speed, rng, bound=200000, tag=f" (G={G})")
 
 
 def check(groups=(1, 2, 3, 4), items=(1, 2, 3, 5, 9), seeds=100, pair=True):
