@@ -290,14 +290,10 @@ class Supervisor:
         deadline = time.monotonic() + (READY_TIMEOUT_S if timeout_s is None else timeout_s)
         why = f"sent no report within {READY_TIMEOUT_S if timeout_s is None else timeout_s:g} s"
         while time.monotonic() < deadline:
-            try:
-                got = self.conn.poll(self.poll_s)
-            except (EOFError, OSError):
-                got = False
-            if got:
-                try:
-                    kind, payload = self.conn.recv()
-                except (EOFError, OSError):
+            msg = self._receive()
+            if msg is not None:
+                kind, payload = msg
+                if kind == "closed":
                     why = "died"
                     break
                 if kind == "ready":
@@ -314,6 +310,19 @@ class Supervisor:
         self.log(f"worker {why} while checking its backends ({', '.join(self.warm)}); exit "
                  f"{code} | log tail: {_tail(self.log_path, 300)}")
         return None
+
+    def _receive(self):
+        """The worker's next message ``(kind, payload)`` within ``poll_s``, ``("closed", None)`` when
+        its pipe broke while reading, None when nothing came."""
+        try:
+            if not self.conn.poll(self.poll_s):
+                return None
+        except (EOFError, OSError):
+            return None
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return ("closed", None)
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.is_alive():
@@ -336,14 +345,10 @@ class Supervisor:
             deadline = time.monotonic() + self.sweep.row_timeout_s
             failure = None
             while True:
-                try:
-                    ready = self.conn.poll(self.poll_s)
-                except (EOFError, OSError):
-                    ready = False
-                if ready:
-                    try:
-                        kind, payload = self.conn.recv()
-                    except (EOFError, OSError):
+                msg = self._receive()
+                if msg is not None:
+                    kind, payload = msg
+                    if kind == "closed":
                         failure = "crashed"
                         break
                     if kind == "ready":  # a fresh worker has imported its backends
