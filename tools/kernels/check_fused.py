@@ -2,12 +2,13 @@
 
     python tools/kernels/check_fused.py [--cases small|all] [--no-time]
 
-Correctness, per case: o and the final state of ``run_fwd_fused`` (outputs poisoned with NaN
-first) against the fp32 token recurrence (rel L2) and against the fwd_o path (block_v 64); unsplit
-(tables + the fused kernel) and split (the split path's segment start states, then the fused
-kernel over the segments). Timing, per shape: CUDA-graph replay medians of the fwd_o path as its
-planner picks it, of the planned forward, of tables + fused (unsplit), and of the split path with
-the fused kernel at a few segment lengths. Writes check_fused.json / .txt to $OUT when set.
+Correctness, per case: o and the final state of the fused kernel (outputs poisoned with NaN
+first) against the fp32 token recurrence (rel L2) and against the fwd_o path (block_v 64), both
+through ``chunk_gdn_fwd_lowlevel``: unsplit (tables + the fused kernel) and split (the split
+path's segment start states, then the fused kernel over the segments). Timing, per shape:
+CUDA-graph replay medians of the fwd_o path as its planner picks it, of the planned forward, of
+the fused kernel unsplit, and of its split path at a few segment lengths. Writes
+check_fused.json / .txt to $OUT when set.
 """
 
 import argparse
@@ -55,36 +56,12 @@ def rel(a, b):
 
 
 def _fused_call(pkg, x, split_tokens, o=None, ht=None):
-    """tables (+ the split path's start states) then the fused kernel; returns (o, ht)."""
-    from qlabench_kernels._common import HEAD_DIM, default_cu_seqlens
-    from qlabench_kernels.fixup import run_fixup
-    from qlabench_kernels.fwd_fused import run_fwd_fused
-    from qlabench_kernels.prep import run_prep
-    from qlabench_kernels.seg_state import run_seg_state
-    from qlabench_kernels.tables import run_tables
-
-    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "h0", "cu"))
-    T, h_v = q.shape[1], v.shape[2]
-    cu = default_cu_seqlens(T, q.device) if cu is None else cu.long()
-    N = cu.numel() - 1
-    seg = split_tokens or (max(T, 1) + 63) // 64 * 64
-    ctab, _, stab, cu_segs = run_tables(cu, T, N, seg, bool(split_tokens))
-    scale = HEAD_DIM**-0.5
-    h_init = h0
-    if split_tokens:
-        gcs, a_beta, _ = run_prep(q, k, g, beta, ctab, scale)
-        ns = stab.shape[0]
-        e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=q.device)
-        m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.bfloat16)
-        run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr)
-        h_init = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=q.device)
-        run_fixup(m_tr, e_end, cu_segs, h0, h_init)
-    if o is None:
-        o = torch.empty(1, T, h_v, HEAD_DIM, device=q.device, dtype=torch.bfloat16)
-    if ht is None:
-        ht = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=q.device)
-    run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht)
-    return o, ht
+    """The forward on the fused kernel (block_v 128), unsplit or split; returns (o, ht)."""
+    r = pkg.chunk_gdn_fwd_lowlevel(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"],
+        split_tokens=split_tokens, block_v=128, o=o, final_state=ht,
+    )  # fmt: skip
+    return r["o"], r["final_state"]
 
 
 def check(pkg, name, seqlens, h_qk, h_v, split_tokens, with_h0, results):
