@@ -67,6 +67,11 @@ def prep_cost(lens, h_v: int, num_sms: int = 132) -> float:
     return sum(math.ceil(ln / CHUNK) for ln in lens) * h_v * _SPLIT_COST["prep"] / num_sms
 
 
+def _runs_prep(seg: int, block_v: int) -> bool:
+    """Whether a path runs prep: every one but the unsplit fused kernel (forward.py)."""
+    return bool(seg) or block_v != HEAD_DIM
+
+
 def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int) -> float:
     """The forward less prep: the final kernel's CTAs longest-first on the SMs and, when split,
     seg_state's non-last segments, the serial fix-up and the split path's launches."""
@@ -98,8 +103,8 @@ def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) 
     CTAs of bv columns per segment and v-head; 128: the fused kernel, one) longest-first on the
     SMs, prep (:func:`prep_cost`; every path but the unsplit fused one runs it), and when split
     seg_state's non-last segments, the serial fix-up and the split path's launches."""
-    needs_prep = bool(seg) or block_v != HEAD_DIM
-    return _final_cost(lens, h_v, seg, num_sms, block_v) + (prep_cost(lens, h_v, num_sms) if needs_prep else 0.0)
+    prep = prep_cost(lens, h_v, num_sms) if _runs_prep(seg, block_v) else 0.0
+    return _final_cost(lens, h_v, seg, num_sms, block_v) + prep
 
 
 @functools.lru_cache(maxsize=4096)
@@ -112,7 +117,7 @@ def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple) -> tuple:
             if seg and seg >= longest:
                 break
             final = _final_cost(lens, h_v, seg, num_sms, bv)
-            c = final + (prep if seg or bv != HEAD_DIM else 0.0)
+            c = final + (prep if _runs_prep(seg, bv) else 0.0)
             # change only for a clear gain: 1% of the final kernels' part (prep, the same for every
             # candidate that runs it, does not widen the margin)
             if best_cost is None or c < best_cost - 0.01 * best_final:
