@@ -14,16 +14,20 @@ bwd ``(dq, dk [1,T,H_qk,K] group-summed, dv, dbeta, dg (raw g), dh0, dA_log, ddt
 
 Importing: the kernels are fla-core's (``fla.ops``). ``import fla`` also imports the
 flash-linear-attention distribution's ``fla.layers`` and ``fla.models`` when they are installed
-(every layer and model, and transformers: seconds of a run's start-up that these calls never
-use); fla's ``__init__`` treats their absence as "not installed", so :func:`import_fla_core`
-imports fla with the two hidden, falling back to a plain import should that ever fail.
-``available`` imports the module the calls come from, so that a worker's warm-up leaves nothing
-for the first row to import.
+(every layer and model, and transformers), and ``fla.ops`` / ``fla.modules`` import every op and
+module of the library in their ``__init__`` (on the H200 host 9–12 s, most of a worker's start).
+:func:`import_fla_core` imports fla with the first two hidden (fla's ``__init__`` treats their
+absence as "not installed") and ``fla.ops`` / ``fla.modules`` as bare packages (their
+``__init__`` not run, their submodules importable), then :data:`OPS` and what it imports; should
+that fail, fla is imported as it is. ``available`` imports the module the calls come from, so that
+a worker's warm-up leaves nothing for the first row to import.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import os
 import sys
 
@@ -32,6 +36,8 @@ from .base import Backend, Prepared
 CHUNK = 64
 #: the flash-linear-attention distribution's packages inside fla, not needed for the kernels
 EXTENSION = ("fla.layers", "fla.models")
+#: fla's packages whose ``__init__`` imports every op / module of the library
+BARE = ("fla.ops", "fla.modules")
 #: what ``prepare`` imports
 OPS = "fla.ops.gated_delta_rule.chunk"
 
@@ -48,20 +54,51 @@ class _Hidden:
         return None
 
 
+class _BareLoader(importlib.abc.Loader):
+    """Makes a package module (its ``__path__`` from the spec) without running its ``__init__``."""
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        pass
+
+
+class _Bare:
+    """A ``sys.meta_path`` finder that finds the packages ``names`` where the path finder does,
+    loaded bare (:class:`_BareLoader`)."""
+
+    def __init__(self, names):
+        self.names = frozenset(names)
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.names:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.submodule_search_locations is None:
+            return None
+        spec.loader = _BareLoader()
+        return spec
+
+
+def _forget_fla() -> None:
+    for m in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        del sys.modules[m]
+
+
 def import_fla_core():
-    """``fla`` imported without :data:`EXTENSION` (when it is not imported yet), then
-    :data:`OPS`; the module ``fla``. Where fla does not take the extension's absence, a plain
-    import."""
+    """:data:`OPS` imported with fla's :data:`EXTENSION` hidden and :data:`BARE` bare (when fla
+    is not imported yet); the module ``fla``. Where fla does not take that, fla as it is."""
     if "fla" not in sys.modules:
-        hide = _Hidden(EXTENSION)
-        sys.meta_path.insert(0, hide)
+        finders = [_Hidden(EXTENSION), _Bare(BARE)]
+        sys.meta_path[:0] = finders
         try:
-            importlib.import_module("fla")
+            importlib.import_module(OPS)
         except Exception:
-            for m in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-                del sys.modules[m]
+            _forget_fla()
         finally:
-            sys.meta_path.remove(hide)
+            for f in finders:
+                sys.meta_path.remove(f)
     fla = importlib.import_module("fla")
     importlib.import_module(OPS)
     return fla
