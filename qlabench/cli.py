@@ -267,7 +267,9 @@ def run(
         console.print(f"fixed cost {fc['total']:.1f} s to the first row (start {fc['start']:.1f}, "
                       f"backend checks {fc['checks']:.1f}, ceilings {fc['ceilings']:.1f}, then "
                       f"{fc['to_first_row']:.1f}; the first row's own first call "
-                      f"{fc['first_row_compile']:.1f} s not counted)", highlight=False)
+                      f"{fc['first_row_compile']:.1f} s not counted)"
+                      + (f"; every backend checked at {fc['all_checked']:.1f} s"
+                         if "all_checked" in fc else ""), highlight=False)
     from .summary import print_run_summary
     print_run_summary(df)
 

@@ -1,20 +1,23 @@
 """A run: a sweep's points into a results directory, each row durable before the next.
 
 :func:`run` selects the points (``--limit``, ``--shard``: :func:`qlabench.sweep.scheduled_points`)
-and starts the supervised worker first thing (:mod:`qlabench.supervisor`): it imports torch and the
-backends' libraries and reports each backend's availability and version, while this process —
-which never imports a backend's library when the points run in workers — reads the results
+and starts the workers first thing, one per backend label (:class:`qlabench.supervisor.Lanes`):
+each imports torch and its library and reports its availability and version, while this process
+— which never imports a backend's library when the points run in workers — reads the results
 directory (``--resume`` refused over rows of another input recipe), the GPU's ceilings (cached per
-GPU) and the environment. With that report (:func:`check_backends`; an entry with an environment
-of its own is asked in it) the run writes its metadata (versions, environment, campaign:
-:func:`campaign_for`, timeline) and hands the tasks — point x direction x the backends not yet
-done — to an :func:`executor`: that worker, this process (``isolate: false``), or one worker per
-GPU (heaviest tasks first from one queue). Each task is measured by
-:func:`qlabench.measure.measure_task`; every row it sends back is appended to the store at once,
-with SIGINT / SIGTERM held until the write is over.
+GPU) and the environment. Once the first label is available (every label, for a ``--resume``,
+which needs every version for its done rows and campaign, and for several GPUs) the run writes
+its metadata (versions, environment, campaign: :func:`campaign_for`, timeline; rewritten as later
+checks come in) and the rows start: on one GPU each point x direction x label in sweep order among
+the labels checked so far, a label checked later catching up from its first point
+(:func:`_dispatch`); on several GPUs whole tasks, heaviest first from one queue
+(:func:`_run_on_devices`); with ``isolate: false`` in this process, which then checks the backends
+itself. Each row is measured by :func:`qlabench.measure.measure_task`; every row is appended to
+the store at once, with SIGINT / SIGTERM held until the write is over. Only one row is measured
+at a time.
 
 This module imports neither torch nor the storage code at module level (the CLI imports it before
-the worker starts); :func:`run` imports them once the worker is on its way.
+the workers start); :func:`run` imports them once the workers are on their way.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -33,9 +37,7 @@ from . import metrics
 from .config import Sweep, label_version_problem
 from .paths import LOGS_DIR
 from .supervisor import (
-    InProcess,
-    PerEnvironment,
-    Supervisor,
+    Lanes,
     check_backend,
     deferred_signals,
     install_sigterm_as_interrupt,
@@ -46,7 +48,7 @@ from .supervisor import (
 from .sweep import Point, point_cost, scheduled_points
 
 __all__ = ["CAMPAIGN_HOURS", "NothingRunnable", "RecipeMismatch", "RunSummary", "campaign_for",
-           "check_backends", "check_isolated", "executor", "fixed_cost", "note_timeline",
+           "check_backends", "check_isolated", "fixed_cost", "note_timeline",
            "process_started_at", "run"]
 
 
@@ -114,9 +116,10 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         devices: list[str] | None = None, retry_failed: bool = False,
         refuse_unrunnable: bool = False) -> RunSummary:
     """Run a sweep into ``out_dir``. With ``isolate`` (default: the sweep's ``isolate``), points
-    run in a supervised worker process: a crash or a hang costs one row, not the sweep. With
-    ``refuse_unrunnable``, a run whose backends cannot run here while ``out_dir`` already holds
-    rows raises :class:`NothingRunnable` and writes nothing."""
+    run in supervised worker processes, one per backend label (:class:`supervisor.Lanes`): a
+    crash or a hang costs one row, not the sweep. With ``refuse_unrunnable``, a run whose
+    backends cannot run here while ``out_dir`` already holds rows raises :class:`NothingRunnable`
+    and writes nothing."""
     t_run = time.time()
     tl: dict = {}  # the run's timeline (seconds from the run's start), stored in the metadata
     t_proc = process_started_at()
@@ -131,26 +134,25 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     isolate = sweep.isolate if isolate is None else isolate
     one_device = not (devices and len(devices) > 1)
     first_device = devices[0] if devices else None  # the one a single-GPU run is pinned to
-    # what the worker of the entries without an environment of their own checks and imports
-    warm = list(dict.fromkeys(e.name for e in entries.values() if not e.own_environment))
     logs = Path(out_dir) / LOGS_DIR
     logs_existed = logs.exists()
     with contextlib.ExitStack() as started:  # every worker started is closed however the run ends
-        # first thing: the worker (one per GPU), which checks its backends and imports their
-        # libraries while this process goes on below
-        stop = None if one_device else threading.Event()
-        defaults: dict = {}  # device -> its worker
-        if pts and (isolate or not one_device):
-            for dev in ([first_device] if one_device else devices):
-                w = default_worker(sweep, logs, log, dev, warm, stop)
-                started.callback(w.close)
-                w.start()
-                defaults[dev] = w
-            tl["worker_started"] = round(time.time() - t_run, 3)
         own = {n: e for n, e in entries.items() if e.own_environment}
         pool = ThreadPoolExecutor(max_workers=max(1, len(own)))
         started.callback(pool.shutdown, wait=False, cancel_futures=True)
         probes = {n: pool.submit(worker_environment, e) for n, e in own.items()}
+        # first thing: one worker per backend label (per GPU), each importing its library while
+        # the others do and this process goes on below
+        stop = None if one_device else threading.Event()
+        lanes: dict = {}  # device -> its Lanes
+        if pts:
+            for dev in ([first_device] if one_device else devices):
+                ln = Lanes(sweep, logs, log, entries, probes, _pin(dev), stop,
+                           isolate=isolate or not one_device)
+                started.callback(ln.close)
+                ln.start()
+                lanes[dev] = ln
+            tl["worker_started"] = round(time.time() - t_run, 3)
 
         import torch
 
@@ -176,45 +178,61 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         tl["ceilings_measured"] = round(time.time() - t_run, 3)
         env = environment()
 
-        # the checks: the worker's report (of every GPU's worker, the first GPU's), in this
-        # process when the points run here, else each backend in an interpreter of its own
-        worker_meta = {}
-        if defaults:
-            first = next(iter(defaults.values()))
-            report = first.ready()
-            tl["worker_ready"] = round(time.time() - t_run, 3)
-            if report is not None:
-                found = report["backends"]
-                worker_meta = _worker_meta(report, t_run)
-            else:
-                found = probe_backends(warm, _pin(first_device))
-                for w in defaults.values():  # fresh workers import only what did not kill one
-                    w.warm = tuple(n for n in warm if found[n][0])
+        # the checks: each label's worker's (of the first GPU; this process's when the points run
+        # here), or, with no points to run, each backend in an interpreter of its own
+        avail, versions, worker_meta = {}, {}, {"worker_timeline_s": {}, "worker_warm_s": {}}
+        first = lanes.get(first_device if one_device else devices[0]) if lanes else None
+
+        def resolve(n: str) -> None:  # label n's check is in
+            lane = first.lanes[n]
+            why = label_version_problem(n, lane.version) if lane.avail[0] else ""
+            if why:
+                first.refuse(n, why)
+            avail[n], versions[n] = lane.avail, lane.version
+            if lane.report:
+                worker_meta["worker_timeline_s"][n] = {
+                    k: round(float(v) - t_run, 3)
+                    for k, v in (lane.report.get("timeline") or {}).items() if isinstance(v, (int, float))}
+                worker_meta["worker_warm_s"][n] = round(float(
+                    (lane.report.get("warm_s") or {}).get(lane.name, 0.0)), 3)
+            if len(avail) == len(names):
+                tl["backends_checked"] = round(time.time() - t_run, 3)
+
+        if first is not None:
+            # a run starts on its first available backend; a resume, a run over several GPUs and
+            # a run that may have to refuse wait for every check
+            wait_all = resume or not one_device
+            while True:
+                for n in sorted(first.resolved() - avail.keys()):
+                    resolve(n)
+                if len(avail) == len(names) or (not wait_all and any(a[0] for a in avail.values())):
+                    break
+                first.poll(0.2)
+            tl["first_ready"] = round(time.time() - t_run, 3)
         else:
-            found = None if not isolate else probe_backends(warm, _pin(first_device))
-        avail, versions, workers = check_backends(entries, found=found, probes=probes)
-        tl["backends_checked"] = round(time.time() - t_run, 3)
-        runnable = any(avail[n][0] for n in names)
-        if not runnable:
+            a_, v_, _ = check_backends(entries, found=None if not isolate else
+                                             probe_backends(list(dict.fromkeys(
+                                                 e.name for e in entries.values()
+                                                 if not e.own_environment)), _pin(first_device)),
+                                             probes=probes)
+            avail.update(a_)
+            versions.update(v_)
+            tl["backends_checked"] = tl["first_ready"] = round(time.time() - t_run, 3)
+        runnable = any(a[0] for a in avail.values())
+        if not runnable and len(avail) == len(names):
             ceilings, ceilings_source = {}, None
         elif ceilings_source:
             log(f"ceilings ({ceilings_source}): {ceilings}")
         if refuse and not runnable:
             started.close()
-            for w in defaults.values():
-                for f in w.log_paths:
-                    f.unlink(missing_ok=True)
+            for ln in lanes.values():
+                for lane in ln.lanes.values():
+                    for f in (lane.sup.log_paths if lane.sup else []):
+                        f.unlink(missing_ok=True)
             if not logs_existed:
                 with contextlib.suppress(OSError):
                     logs.rmdir()
             raise NothingRunnable(avail)
-        execu = None
-        if one_device and pts:
-            # every worker of its own environment starts now, before anything is timed
-            execu = executor(sweep, logs, log, isolate, workers, first_device,
-                             default=defaults.get(first_device), warm=warm)
-            started.callback(execu.close)
-            execu.start()
 
         run_id = new_run_id()
         uuids = _device_uuids(devices)
@@ -225,12 +243,20 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         meta = {"run_id": run_id, "git_sha": sha, "config": config_name,
                 "sweep": sweep.model_dump(mode="json"), "backends": names,
                 "backend_names": {n: e.name for n, e in entries.items()},
-                "environments": {n: {"python": w.python, **w.env} for n, w in workers.items()},
-                "backend_versions": versions, "availability": {n: list(a) for n, a in avail.items()},
+                "environments": {}, "backend_versions": versions,
+                "availability": {n: list(a) for n, a in avail.items()},
                 "env": env, "started_at": datetime.now().isoformat(timespec="milliseconds"),
                 "points": len(pts), "device": device(), "ceilings": ceilings,
                 "ceilings_source": ceilings_source,
                 "campaign_id": campaign_id, "gpu_uuids": uuids, **worker_meta}
+
+        def note_environments() -> None:
+            for n, f in probes.items():
+                if f.done() and f.result()[0] is not None:
+                    w = f.result()[0]
+                    meta["environments"][n] = {"python": w.python, **w.env}
+
+        note_environments()
         store.write_meta(run_id, meta)
         ctx = {"run_id": run_id, "sha": sha, "config": config_name, "versions": versions,
                "names": {n: e.name for n, e in entries.items()},
@@ -264,26 +290,29 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
                 + (f"  ({row['reason'][:90]})" if row.get("reason") else ""))
 
         from .measure import Task
-        tasks: list[Task] = []
-        for p in pts:
-            for direction in sweep.directions:
-                todo = []
-                for n in names:
-                    if (p.key, n, direction, versions[n], params_json[n]) in done:
-                        summary.skipped_done += 1
-                        continue
-                    todo.append(n)
-                if todo:
-                    tasks.append(Task(p, direction, todo, ctx))
+        order = [(p, d) for p in pts for d in sweep.directions]
+
+        def todo(n: str) -> list[int]:  # what label n still has to measure, in sweep order
+            keep = [i for i, (p, d) in enumerate(order)
+                    if (p.key, n, d, versions[n], params_json[n]) not in done]
+            summary.skipped_done += len(order) - len(keep)
+            return keep
+
+        def resolved_later(n: str) -> None:  # a check in after the metadata was first written
+            resolve(n)
+            note_environments()
+            meta.update(backend_versions=versions, availability={k: list(a) for k, a in avail.items()},
+                        **worker_meta)
+            store.write_meta(run_id, meta)
+
         try:
-            if devices and len(devices) > 1:
-                _run_on_devices(sweep, tasks, devices, logs, on_row, progress, log,
-                                workers, warm, defaults, stop)
-            elif execu is not None:
-                for t in tasks:
-                    if progress is not None:
-                        progress(f"{t.point.describe()} {t.direction}")
-                    execu.run_task(t, on_row)
+            if not one_device:
+                per = {n: set(todo(n)) for n in names}
+                tasks = [Task(p, d, [n for n in names if i in per[n]], ctx)
+                         for i, (p, d) in enumerate(order) if any(i in per[n] for n in names)]
+                _run_on_devices(tasks, lanes, on_row, progress, log, stop)
+            elif first is not None:
+                _dispatch(first, order, names, todo, resolved_later, ctx, on_row, progress)
         finally:
             meta["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             tl["finished"] = round(time.time() - t_run, 3)
@@ -296,15 +325,30 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         return summary
 
 
-def _worker_meta(report: dict, t_run: float) -> dict:
-    """The worker's start-up in the run's metadata: ``worker_timeline_s`` (seconds from the
-    run's start: its ``process_start``, ``started`` (its log open), ``imported`` (qlabench and
-    torch), ``cuda`` (its CUDA context), ``warmed`` (the backends checked and imported)) and
-    ``worker_warm_s`` (each backend's seconds)."""
-    wt = {k: round(float(v) - t_run, 3) for k, v in (report.get("timeline") or {}).items()
-          if isinstance(v, (int, float))}
-    return {"worker_timeline_s": wt,
-            "worker_warm_s": {k: round(float(v), 3) for k, v in (report.get("warm_s") or {}).items()}}
+def _dispatch(lanes: Lanes, order: list, names: list, todo, on_resolved, ctx: dict, on_row,
+              progress) -> None:
+    """One GPU: each (point, direction) x label of ``order`` in its label's worker, in sweep order
+    among the labels resolved so far; a label resolved later (a slower import) catches up from its
+    first point. ``todo(label)``: the indices of ``order`` the label still measures."""
+    from .measure import Task
+    rank = {n: i for i, n in enumerate(names)}
+    pending = {n: deque(todo(n)) for n in names if n in lanes.resolved() and n in ctx["avail"]}
+    while True:
+        for n in sorted(lanes.resolved() - pending.keys()):
+            on_resolved(n)
+            pending[n] = deque(todo(n))
+        heads = [(q[0], rank[n], n) for n, q in pending.items() if q]
+        if not heads:
+            if len(pending) == len(names):
+                return
+            lanes.poll(0.2)
+            continue
+        i, _, n = min(heads)
+        pending[n].popleft()
+        p, d = order[i]
+        if progress is not None:
+            progress(f"{p.describe()} {d} {n}")
+        lanes.run(n, Task(p, d, [n], ctx), on_row)
 
 
 def check_backends(entries: dict, found: dict | None = None,
@@ -356,55 +400,32 @@ def check_isolated(entries: dict, device: str | None = None) -> tuple[dict, dict
 def fixed_cost(tl: dict) -> dict:
     """A run's fixed cost from its ``timeline_s`` (seconds): ``total`` from process start to the
     first row, less that row's own first call (``compile_s``, its compile), split into
-    ``start`` (interpreter, imports, config: process start to the run's start), ``checks``
-    (the run's start to ``backends_checked``: the worker started, imported torch and the
-    backends' libraries and reported them, or older commits' checks in this process; the
-    ceilings are read meanwhile), ``ceilings`` (what the ceilings took after the checks: older
-    commits read them after) and ``to_first_row`` (metadata, the workers of their own
-    environment, the first row's inputs, reference and timing; at older commits the worker's
-    imports still running). Empty without a first row."""
+    ``start`` (interpreter, imports, config: process start to the run's start), ``checks`` (the
+    run's start to ``first_ready``: the first backend's worker started, imported torch and its
+    library and reported; at older commits ``backends_checked``, every check), ``ceilings``
+    (what the ceilings took after the checks: older commits read them after) and
+    ``to_first_row`` (the metadata, the first row's inputs, reference and timing; at older
+    commits the worker's imports still running). ``all_checked``, not part of ``total``: the run's
+    start to its last backend's check (``backends_checked``), which may come after the first row.
+    Empty without a first row."""
     if "first_row" not in tl:
         return {}
     start = -float(tl.get("process_start") or 0.0)
-    checks = float(tl.get("backends_checked", 0.0))
+    checks = float(tl.get("first_ready", tl.get("backends_checked", 0.0)))
     ceil_end = max(checks, float(tl.get("ceilings_measured", checks)))
     first = float(tl["first_row"]) - ceil_end
     compile_s = float(tl.get("first_row_compile_s") or 0.0)
     out = {"start": start, "checks": checks, "ceilings": ceil_end - checks,
            "to_first_row": max(0.0, first - compile_s), "first_row_compile": compile_s}
     out["total"] = start + checks + out["ceilings"] + out["to_first_row"]
+    if "backends_checked" in tl:
+        out["all_checked"] = float(tl["backends_checked"])
     return {k: round(v, 2) for k, v in out.items()}
 
 
 def _pin(device: str | None) -> dict | None:
     """The environment that pins a worker to CUDA device ``device``."""
     return {"CUDA_VISIBLE_DEVICES": device, "QLABENCH_GPU_INDEX": device} if device else None
-
-
-def default_worker(sweep: Sweep, log_dir: Path, log, device: str | None, warm,
-                   stop: threading.Event | None = None) -> Supervisor:
-    """The supervised worker of the entries without an environment of their own: pinned to
-    CUDA device ``device``, importing the backends ``warm`` as it starts."""
-    return Supervisor(sweep, log_dir, log=log, env=_pin(device), stop=stop, warm=warm)
-
-
-def executor(sweep: Sweep, log_dir: Path, log, isolate: bool, workers: dict,
-             device: str | None = None, stop: threading.Event | None = None, default=None,
-             warm=()):
-    """What runs tasks: a supervised worker (``isolate``; ``default`` when one was started
-    already, else :func:`default_worker` importing ``warm``) or this process, and a worker of
-    its own for each entry in ``workers`` (label -> :class:`supervisor.WorkerEnv`), each
-    importing its backend as it starts; ``device``: a CUDA index every worker is pinned to."""
-    env = _pin(device)
-    if default is None:
-        default = default_worker(sweep, log_dir, log, device, warm, stop) if isolate \
-            else InProcess(sweep)
-    if not workers:
-        return default
-    return PerEnvironment(default, {n: (lambda w=w, n=n: Supervisor(sweep, log_dir, log=log, env=env,
-                                                                 stop=stop, worker=w,
-                                                                 warm=(sweep.entries([n])[n].name,)))
-                                    for n, w in workers.items()}, stop)
 
 
 def _device_uuids(devices: list[str] | None) -> list[str]:
@@ -443,22 +464,20 @@ def _counts_on_disk(store, run_id: str) -> dict:
     return counts
 
 
-def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log, workers=None,
-                    warm=(), defaults=None, stop: threading.Event | None = None) -> None:
-    """One supervised worker per GPU (``defaults``: device -> the one started already, with
-    ``stop``) and per entry with an environment of its own, each pinned with
-    ``CUDA_VISIBLE_DEVICES``; tasks are taken heaviest first from one queue, so the GPUs finish
-    close together."""
+def _run_on_devices(tasks, lanes: dict, on_row, progress, log,
+                    stop: threading.Event) -> None:
+    """Several GPUs: each GPU's :class:`supervisor.Lanes` (``lanes``: device -> its lanes, one
+    worker per label pinned with ``CUDA_VISIBLE_DEVICES``) takes tasks heaviest first from one
+    queue, so the GPUs finish close together; a task's labels run in its order, each once that
+    GPU's worker for it is resolved."""
+    from .measure import Task
     q: queue.Queue = queue.Queue()
     for t in sorted(tasks, key=lambda t: -point_cost(t.point, len(t.backends))):
         q.put(t)
     errors: list[BaseException] = []
-    stop = threading.Event() if stop is None else stop
-    defaults = defaults or {}
 
     def serve(dev: str) -> None:
-        sup = executor(sweep, log_dir, log, True, workers or {}, dev, stop,
-                       default=defaults.get(dev), warm=warm)
+        ln = lanes[dev]
         try:
             while not stop.is_set():
                 try:
@@ -467,13 +486,20 @@ def _run_on_devices(sweep, tasks, devices, log_dir, on_row, progress, log, worke
                     return
                 if progress is not None:
                     progress(f"[gpu {dev}] {t.point.describe()} {t.direction}")
-                sup.run_task(t, on_row)
+                for n in t.backends:
+                    while n not in ln.resolved():
+                        ln.poll(0.2)
+                    if stop.is_set():
+                        return
+                    if not t.ctx["avail"][n][0] and ln.lanes[n].avail[0]:  # the run's check said no
+                        ln.refuse(n, t.ctx["avail"][n][1])
+                    ln.run(n, Task(t.point, t.direction, [n], t.ctx), on_row)
         except BaseException as e:  # surfaced to the caller after the others stop
             errors.append(e)
         finally:
-            sup.close()
+            ln.close()
 
-    threads = [threading.Thread(target=serve, args=(d,), daemon=True) for d in devices]
+    threads = [threading.Thread(target=serve, args=(d,), daemon=True) for d in lanes]
     for th in threads:
         th.start()
     try:

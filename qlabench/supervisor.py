@@ -1,28 +1,30 @@
-"""Crash isolation: points run in a worker process that the main process supervises.
+"""Crash isolation: points run in worker processes that the main process supervises.
 
-The worker (``multiprocessing`` spawn context, so CUDA is never forked) is started first thing in
-a run. It imports torch, creates its CUDA context and checks the backends it will run
-(:func:`warm_up`: each one's availability and version, its library imported by
-``Backend.available``), and sends that report (``("ready", report)``) to the main process, which
-never imports a backend's library itself (:meth:`Supervisor.ready`). It then receives one
-:class:`~qlabench.measure.Task` at a time and sends back ``("start", backend)`` before each
+A worker (``multiprocessing`` spawn context, so CUDA is never forked) imports torch, creates its
+CUDA context and checks the backends it will run (:func:`warm_up`: each one's availability and
+version, its library imported by ``Backend.available``), and sends that report (``("ready",
+report)``) to the main process, which never imports a backend's library itself. It then receives
+one :class:`~qlabench.measure.Task` at a time and sends back ``("start", backend)`` before each
 backend and ``("row", row)`` after it; the main process writes each row durably. If the worker
 dies (illegal address, abort, segfault), the backend in flight gets a ``crashed`` row with the tail
 of the worker's stderr log; if a backend runs past ``row_timeout_s`` the worker is killed and the
-row says ``timeout``. A fresh worker then goes on with the remaining backends. A worker that dies
-before its report leaves the checks to :func:`probe_backends` (each backend in an interpreter of
-its own). Compile caches that live on disk (TileLang, Triton, FlashInfer JIT) survive worker
-restarts.
+row says ``timeout``. A fresh worker then goes on with the remaining backends. Compile caches that
+live on disk (TileLang, Triton, FlashInfer JIT) survive worker restarts.
 
-A backend entry with an environment of its own (``python:`` / ``pythonpath:`` in the YAML) runs
-in a worker of its own (:class:`PerEnvironment`): that interpreter, ``PYTHONPATH`` = the entry's
-directories before the inherited ``PYTHONPATH``, and the ``sys.path`` that interpreter has with
-it (:func:`worker_environment` asks it, in a subprocess, which also checks the backend there).
+:class:`Lanes`: a run has one worker per backend label (per GPU), all started first thing, so the
+libraries import side by side and the slowest import is not every backend's wait. A label is
+*resolved* once its check is in: its worker's report, or, where the worker died first,
+:func:`probe_backends` in an interpreter of its own (a library whose import kills the interpreter
+is then unavailable alone). A backend entry with an environment of its own (``python:`` /
+``pythonpath:`` in the YAML) is first asked in that environment (:func:`worker_environment`: that
+interpreter, ``PYTHONPATH`` = the entry's directories before the inherited ``PYTHONPATH``, and
+the ``sys.path`` that interpreter has with it), then its worker starts there. Only one worker
+measures at a time: the others wait on their pipes.
 
 SIGINT/SIGTERM in the main process never interrupt a row write (:func:`deferred_signals`).
 
 The worker imports this module before its environment is set (``sys.path``, the pinned GPU), and
-the main process imports it before it starts the worker, so nothing here imports torch or a
+the main process imports it before it starts the workers, so nothing here imports torch or a
 backend at module level: :mod:`qlabench.measure` is imported where it is used.
 """
 
@@ -187,6 +189,11 @@ def _worker_main(conn, sweep_json: dict, log_path: str, env: dict | None = None,
         conn.send(("done", None))
 
 
+def _safe(label: str) -> str:
+    """A label as part of a file name (``tilelang@prev`` stays, ``/`` and spaces do not)."""
+    return "".join(c if c.isalnum() or c in "@._+-" else "_" for c in label)
+
+
 def _tail(path: Path, n: int = 1200) -> str:
     """The useful end of a worker log: the fatal-error dump (without its module list) when
     there is one, else the last ``n`` characters."""
@@ -224,8 +231,9 @@ _EXECUTABLE_LOCK = threading.Lock()
 class Supervisor:
     def __init__(self, sweep, log_dir: Path, log=print, poll_s: float = 0.2,
                  env: dict | None = None, stop: threading.Event | None = None,
-                 worker: WorkerEnv | None = None, warm: tuple = ()):
+                 worker: WorkerEnv | None = None, warm: tuple = (), label: str | None = None):
         self.sweep = sweep
+        self.label = label or (worker.label if worker else None)  # in its log's name
         self.warm = tuple(warm)  # backends the worker imports as soon as it starts
         self.stop = stop  # set: return after the row in flight (the worker is then ended)
         self.worker = worker  # a backend entry's own environment (None: this process's)
@@ -237,6 +245,7 @@ class Supervisor:
         self.ctx = mp.get_context("spawn")
         self.proc = None
         self.conn = None
+        self.started_at = 0.0
         self.n_started = 0
         self.log_paths: list[Path] = []  # every log a worker of this supervisor wrote
         self.report: dict | None = None  # the first worker's checks (:meth:`ready`)
@@ -246,7 +255,7 @@ class Supervisor:
     def _start(self) -> None:
         self.n_started += 1
         tag = self.env.get("QLABENCH_GPU_INDEX", "")
-        tag = ("-gpu" + tag if tag else "") + (f"-{self.worker.label}" if self.worker else "")
+        tag = ("-gpu" + tag if tag else "") + (f"-{_safe(self.label)}" if self.label else "")
         self.log_path = self.log_dir / f"worker-{os.getpid()}{tag}-{self.n_started}.log"
         self.log_paths.append(self.log_path)
         parent, child = self.ctx.Pipe()
@@ -271,51 +280,61 @@ class Supervisor:
                         os.environ[k] = v
         child.close()
         self.conn = parent
+        self.started_at = time.monotonic()
 
     def start(self) -> None:
         """Start the worker now (it checks and imports ``warm``), not at the first task."""
         if self.proc is None or not self.proc.is_alive():
             self._start()
 
-    def ready(self, timeout_s: float | None = None) -> dict | None:
-        """The started worker's report, once it has checked and imported ``warm``:
+    def poll_ready(self, wait_s: float = 0.0):
+        """The started worker's report once it has checked and imported ``warm``:
         ``{"backends": {name: [available, reason, version]}, "warm_s": {name: seconds},
         "timeline": {...}}`` (epoch seconds: ``process_start``, ``started``, ``imported``,
-        ``cuda``, ``warmed``). None when the
-        worker died first, or sent nothing within ``timeout_s`` (default
-        :data:`READY_TIMEOUT_S`; it is then ended): the next task starts a fresh one."""
+        ``cuda``, ``warmed``); None while it has not come within ``wait_s``; False when the worker
+        died first or sent nothing within :data:`READY_TIMEOUT_S` of its start (it is then
+        ended, and the next task starts a fresh one)."""
         if self.report is not None:
             return self.report
-        self.start()
-        deadline = time.monotonic() + (READY_TIMEOUT_S if timeout_s is None else timeout_s)
-        why = f"sent no report within {READY_TIMEOUT_S if timeout_s is None else timeout_s:g} s"
-        while time.monotonic() < deadline:
-            msg = self._receive()
+        if self.proc is None:
+            self.start()
+        end = time.monotonic() + wait_s
+        while True:
+            msg = self._receive(max(0.0, min(self.poll_s, end - time.monotonic())))
+            why = None
             if msg is not None:
                 kind, payload = msg
-                if kind == "closed":
-                    why = "died"
-                    break
                 if kind == "ready":
                     self.report = payload
                     return payload
-                continue
-            if not self.proc.is_alive():
+                if kind == "closed":
+                    why = "died"
+            elif not self.proc.is_alive():
                 why = "died"
-                break
-        if self.proc is not None:
-            self.proc.join(timeout=1)
-        code = self.proc.exitcode if self.proc is not None else None
-        self._kill()
-        self.log(f"worker {why} while checking its backends ({', '.join(self.warm)}); exit "
-                 f"{code} | log tail: {_tail(self.log_path, 300)}")
-        return None
+            elif time.monotonic() > self.started_at + READY_TIMEOUT_S:
+                why = f"sent no report within {READY_TIMEOUT_S:g} s"
+            if why is not None:
+                self.proc.join(timeout=1)
+                code = self.proc.exitcode
+                self._kill()
+                self.log(f"worker {why} while checking its backends ({', '.join(self.warm)}); "
+                         f"exit {code} | log tail: {_tail(self.log_path, 300)}")
+                return False
+            if time.monotonic() >= end:
+                return None
 
-    def _receive(self):
-        """The worker's next message ``(kind, payload)`` within ``poll_s``, ``("closed", None)`` when
-        its pipe broke while reading, None when nothing came."""
+    def ready(self) -> dict | None:
+        """:meth:`poll_ready` waited for: the report, or None when the worker died first."""
+        while True:
+            got = self.poll_ready(self.poll_s)
+            if got is not None:
+                return got or None
+
+    def _receive(self, wait_s: float | None = None):
+        """The worker's next message ``(kind, payload)`` within ``wait_s`` (default ``poll_s``),
+        ``("closed", None)`` when its pipe broke while reading, None when nothing came."""
         try:
-            if not self.conn.poll(self.poll_s):
+            if not self.conn.poll(self.poll_s if wait_s is None else wait_s):
                 return None
         except (EOFError, OSError):
             return None
@@ -520,37 +539,124 @@ def worker_environment(entry, environ=None) -> tuple[WorkerEnv | None, tuple[boo
             got["version"])
 
 
-class PerEnvironment:
-    """Runs each backend of a task where it belongs: an entry with an environment of its own in
-    a :class:`Supervisor` of its own (started on first use, kept for the next points), the
-    others in ``default``; the task's backends go in their order, grouped by executor."""
+@dataclass
+class Lane:
+    """One backend label of a run on one GPU: its worker and what its check found."""
 
-    def __init__(self, default, make: dict, stop: threading.Event | None = None):
-        self.default = default
-        self.make = make  # label -> () -> Supervisor
-        self.own: dict = {}
-        self.stop = stop
+    label: str
+    name: str  # registry name
+    probe: object = None  # an entry with an environment of its own: worker_environment's future
+    sup: Supervisor | None = None
+    avail: tuple | None = None  # (available, reason), once resolved
+    version: str | None = None
+    report: dict | None = None  # the worker's
+    resolved_at: float | None = None  # epoch seconds
+
+
+class Lanes:
+    """One supervised worker per backend label, all pinned to one GPU (``env``) and started
+    together (:meth:`start`), each importing its own library; see the module docstring.
+    ``entries``: label -> :class:`~qlabench.config.BackendEntry`; ``probes``: label -> the future
+    of :func:`worker_environment` for the entries with an environment of their own. With
+    ``isolate`` False the labels without an environment of their own are checked and measured
+    in this process (:class:`InProcess`)."""
+
+    def __init__(self, sweep, log_dir: Path, log, entries: dict, probes: dict,
+                 env: dict | None = None, stop: threading.Event | None = None,
+                 isolate: bool = True):
+        self.sweep, self.log_dir, self.log, self.env, self.stop = sweep, log_dir, log, env, stop
+        self.lanes = {n: Lane(n, e.name, probe=probes[n] if e.own_environment else None)
+                      for n, e in entries.items()}
+        self.here = None if isolate else InProcess(sweep)
+
+    def _supervisor(self, lane: Lane, worker: WorkerEnv | None = None) -> Supervisor:
+        return Supervisor(self.sweep, self.log_dir, log=self.log, env=self.env, stop=self.stop,
+                          worker=worker, warm=(lane.name,), label=lane.label)
 
     def start(self) -> None:
-        """Start every worker now (each imports its backends while the others do)."""
-        self.default.start()
-        for label, make in self.make.items():
-            self.own.setdefault(label, make()).start()
-
-    def run_task(self, task, on_row) -> None:
-        from .measure import Task
-        groups: dict = {}
-        for b in task.backends:
-            groups.setdefault(b if b in self.make else None, []).append(b)
-        for label, bs in groups.items():
-            if self.stop is not None and self.stop.is_set():
-                return
-            if label is None:
-                ex = self.default
+        """Every worker of this process's environment starts now (not isolated: those labels
+        are checked here, which imports their libraries)."""
+        for lane in self.lanes.values():
+            if lane.probe is not None or lane.sup is not None or lane.resolved_at is not None:
+                continue
+            if self.here is not None:
+                ok, why, version = check_backend(lane.name)
+                self._resolve(lane, (ok, why), version)
             else:
-                ex = self.own.get(label) or self.own.setdefault(label, self.make[label]())
-            ex.run_task(Task(task.point, task.direction, bs, task.ctx), on_row)
+                lane.sup = self._supervisor(lane)
+                lane.sup.start()
+
+    def _resolve(self, lane: Lane, avail: tuple, version: str) -> None:
+        lane.avail, lane.version, lane.resolved_at = (bool(avail[0]), avail[1]), version, time.time()
+        if not lane.avail[0] and lane.sup is not None:
+            lane.sup.close()  # its rows are made here (:meth:`run`)
+
+    def refuse(self, label: str, why: str) -> None:
+        """Make a resolved label unavailable (e.g. its version does not match its label)."""
+        self._resolve(self.lanes[label], (False, why), "unavailable")
+
+    def _advance(self, lane: Lane) -> None:
+        if lane.probe is not None and lane.sup is None:  # asked in its environment first
+            if not lane.probe.done():
+                return
+            worker, avail, version = lane.probe.result()
+            if worker is None or not avail[0]:
+                self._resolve(lane, avail, version)
+                return
+            lane.avail, lane.version = avail, version  # its worker's report resolves it
+            lane.sup = self._supervisor(lane, worker)
+        if lane.sup is None:
+            lane.sup = self._supervisor(lane)
+        got = lane.sup.poll_ready(0.0)
+        if got is None:
+            return
+        if got:
+            lane.report = got
+            ok, why, version = got["backends"].get(lane.name, [False, "not in its worker's report",
+                                                                "unavailable"])
+            if lane.probe is not None and ok:
+                version = lane.version  # asked in its environment
+            self._resolve(lane, (ok, why), version)
+        elif lane.probe is not None:  # its environment said yes: its rows go through fresh workers
+            self._resolve(lane, lane.avail, lane.version)
+        else:
+            found = probe_backends([lane.name], self.env)[lane.name]
+            self._resolve(lane, (found[0], found[1]), found[2])
+
+    def poll(self, wait_s: float = 0.0) -> list[str]:
+        """Labels resolved by this call (waiting up to ``wait_s`` for one)."""
+        end = time.monotonic() + wait_s
+        while True:
+            new = []
+            for lane in self.lanes.values():
+                if lane.avail is None or lane.resolved_at is None:
+                    self._advance(lane)
+                    if lane.resolved_at is not None:
+                        new.append(lane.label)
+            if new or time.monotonic() >= end or self.resolved() == set(self.lanes):
+                return new
+            time.sleep(0.05)
+
+    def resolved(self) -> set:
+        return {n for n, lane in self.lanes.items() if lane.resolved_at is not None}
+
+    def run(self, label: str, task, on_row) -> None:
+        """``task`` (of ``label`` alone) in the label's worker; an unavailable label's rows are
+        made here, with the reason its check gave."""
+        lane = self.lanes[label]
+        if lane.avail[0]:
+            (lane.sup or self.here).run_task(task, on_row)
+            return
+        from .measure import row_for, uuid_of
+        for n in task.backends:
+            row = row_for(task, n)
+            pinned = (self.env or {}).get("QLABENCH_GPU_INDEX")
+            if pinned is not None:
+                row.update(gpu_index=int(pinned), gpu_uuid=uuid_of(int(pinned)))
+            row.update(status="unavailable", reason=lane.avail[1])
+            on_row(row)
 
     def close(self) -> None:
-        for ex in (self.default, *self.own.values()):
-            ex.close()
+        for lane in self.lanes.values():
+            if lane.sup is not None:
+                lane.sup.close()

@@ -7,14 +7,17 @@ reported). The phases are :func:`qlabench.runner.fixed_cost` over the run's ``ti
 (``_runs/<run_id>.json``), seconds from process start to the first row:
 
 - ``start``: interpreter, imports and config (process start to the run's start);
-- ``checks``: the backend checks. Where the metadata has ``worker_timeline_s`` (the worker checks
-  its backends and reports them; the run's own process reads the ceilings meanwhile) this is
-  the worker's start-up, split into ``w_spawn`` (the run's start to the worker's process start),
-  ``w_imp`` (its qlabench and torch imports, from its process start), ``cuda`` (its CUDA
-  context), ``warm_s`` (its backends checked and their libraries imported, per backend in
-  ``worker_warm_s`` or the worker log's ``--- warm NAME: X s`` lines) and the report's way back.
-  Earlier commits checked in the run's own process, the worker importing meanwhile (``warm_s``
-  from its log) or, older still, at its first row;
+- ``checks``: the backend checks up to the first available backend's. With one worker per
+  backend label (``worker_timeline_s`` per label; the workers import side by side, the run's own
+  process reads the ceilings meanwhile) this is that label's worker's start-up, split into
+  ``w_spawn`` (the run's start to the worker's process start), ``w_imp`` (its qlabench and torch
+  imports, from its process start), ``cuda`` (its CUDA context), ``warm_s`` (its backend checked
+  and its library imported) and the report's way back; ``all_chk`` is when the last label's
+  check came in (after the first row where a library imports slower). With one worker for every
+  backend (``worker_timeline_s`` flat) the same for that worker, ``warm_s`` the sum over its
+  backends (``worker_warm_s`` or the worker log's ``--- warm NAME: X s`` lines). Earlier commits
+  checked in the run's own process, the worker importing meanwhile (``warm_s`` from its log) or,
+  older still, at its first row;
 - ``ceilings``: what the GPU's ceilings (measured, or read from the per-GPU cache: ``ceil_src``)
   took after the checks (none when read during them);
 - ``to_first_row``: the rest up to the first row, that row's own first call excluded: at the old
@@ -33,6 +36,11 @@ started first (``started_at``; rows of one worker are measured and sent one at a
 layouts go through the same definition. ``shell.json`` in a RUN_DIR (written by
 ``scripts/h200_fixed_cost.sh``) adds the run's label, commit, exit status and the wall time the
 shell measured around the process.
+
+Last, where the runs are of two commits or more, the per-point agreement of their ``ok`` rows
+(:func:`agreement`): for each backend, the ratio of each point's median latency at the last
+commit to that at the first, so a change in how a run starts (rows measured while other
+workers still import) shows up if it moves what the rows measure.
 """
 from __future__ import annotations
 
@@ -51,7 +59,7 @@ from qlabench.runner import fixed_cost  # noqa: E402
 
 PHASES = ("start", "checks", "ceilings", "to_first_row", "first_row_compile", "total")
 COLUMNS = ("label", "commit", "run_dir", "run_id", "git_sha", "layout", "rows_ok", "rows",
-           "first_row_backend", "ceilings_source", *PHASES, "compile_from", "warm_s",
+           "first_row_backend", "ceilings_source", *PHASES, "all_checked", "compile_from", "warm_s",
            "worker_started", "worker_spawn_s", "worker_imports_s", "worker_cuda_s", "worker_ready",
            "run_s", "figures_s", "process_s", "shell_wall_s", "rc", "within_limit")
 WARM = re.compile(r"^--- warm (\S+): ([0-9.]+) s", re.M)
@@ -100,11 +108,20 @@ def worker_warm(run_dir: Path) -> float | None:
     return round(sum(got), 2) if got else None
 
 
-def worker_phases(meta: dict) -> dict:
-    """The worker's start-up from ``worker_timeline_s`` (seconds from the run's start): spawn
-    (to its process start), imports (process start to qlabench and torch imported), cuda (its
-    context); empty for runs without it."""
+def worker_timeline(meta: dict, label: str) -> dict:
+    """The ``worker_timeline_s`` of the worker that measured ``label`` (one per label), or the
+    run's one worker's."""
     wt = meta.get("worker_timeline_s") or {}
+    if wt and all(isinstance(v, dict) for v in wt.values()):
+        return wt.get(label) or {}
+    return wt
+
+
+def worker_phases(meta: dict, label: str = "") -> dict:
+    """That worker's start-up (:func:`worker_timeline`, seconds from the run's start): spawn (to
+    its process start), imports (process start to qlabench and torch imported), cuda (its
+    context); empty for runs without it."""
+    wt = worker_timeline(meta, label)
     tl = meta.get("timeline_s") or {}
     if not wt:
         return {}
@@ -116,6 +133,18 @@ def worker_phases(meta: dict) -> dict:
     if "cuda" in wt and "imported" in wt:
         out["worker_cuda_s"] = round(wt["cuda"] - wt["imported"], 2)
     return out
+
+
+def warm_seconds(meta: dict, label: str) -> float | None:
+    """The first row's worker's warm-up: its label's (one worker per label) or the sum over the
+    run's one worker's backends."""
+    ws = meta.get("worker_warm_s") or {}
+    if not ws:
+        return None
+    wt = meta.get("worker_timeline_s") or {}
+    if wt and all(isinstance(v, dict) for v in wt.values()):
+        return round(float(ws.get(label, 0.0)), 2) if label in ws else None
+    return round(sum(ws.values()), 2)
 
 
 def import_times(text: str, top: int = 12) -> list[tuple[str, float]]:
@@ -166,11 +195,13 @@ def report_dir(run_dir: Path, limit_s: float) -> list[dict]:
             "first_row_backend": (row or {}).get("backend", ""),
             "ceilings_source": meta.get("ceilings_source") or ("measured" if meta.get("ceilings") else ""),
             **{k: fc.get(k) for k in PHASES}, "compile_from": source,
-            "warm_s": (round(sum(meta["worker_warm_s"].values()), 2) if meta.get("worker_warm_s")
+            "all_checked": fc.get("all_checked"),
+            "warm_s": (warm_seconds(meta, (row or {}).get("backend", "")) if meta.get("worker_warm_s")
                        else worker_warm(run_dir) if len(metas) == 1 else None),
-            "worker_started": tl.get("worker_started"), "worker_ready": tl.get("worker_ready"),
+            "worker_started": tl.get("worker_started"),
+            "worker_ready": tl.get("first_ready", tl.get("worker_ready")),
             **dict.fromkeys(("worker_spawn_s", "worker_imports_s", "worker_cuda_s")),
-            **worker_phases(meta),
+            **worker_phases(meta, (row or {}).get("backend", "")),
             "run_s": tl.get("finished"), "figures_s": tl.get("figures_s"),
             "process_s": round(ps + float(tl["finished"]) + float(tl.get("figures_s") or 0.0), 2)
             if "finished" in tl else None,
@@ -199,7 +230,8 @@ def print_table(recs: list[dict], limit_s: float) -> None:
     cols = [("label", "run"), ("commit", "commit"), ("layout", "tl"), ("rows_ok", "ok"),
             ("start", "start"), ("checks", "checks"), ("ceilings", "ceil"),
             ("ceilings_source", "ceil_src"), ("to_first_row", "to_1st"),
-            ("first_row_compile", "compile*"), ("total", "FIXED"), ("worker_spawn_s", "w_spawn"),
+            ("first_row_compile", "compile*"), ("total", "FIXED"), ("first_row_backend", "1st_by"),
+            ("all_checked", "all_chk"), ("worker_spawn_s", "w_spawn"),
             ("worker_imports_s", "w_imp"), ("worker_cuda_s", "cuda"), ("warm_s", "warm_s"),
             ("process_s", "process"), ("shell_wall_s", "shell"), ("within_limit", f"<={limit_s:g}s")]
     cells = [[h for _, h in cols]] + [[_fmt(r.get(k)) for k, _ in cols] for r in recs]
@@ -210,9 +242,11 @@ def print_table(recs: list[dict], limit_s: float) -> None:
             print("  ".join("-" * x for x in w))
     print("seconds. FIXED = start + checks + ceil + to_1st: process start -> first row, that row's "
           "own first call (compile*) not counted; start: interpreter, imports, config; checks: "
-          "backend checks (with w_spawn: the worker's start-up and its report, = w_spawn + w_imp "
-          "+ cuda + warm_s + the report's way back, the ceilings read meanwhile; earlier: the "
-          "checks in the run's process, the worker importing meanwhile, warm_s); ceil: the "
+          "backend checks up to the first available one (with w_spawn: the start-up and report of "
+          "the worker that measured the first row, 1st_by, = w_spawn + w_imp + cuda + warm_s + the "
+          "report's way back, the ceilings read meanwhile; all_chk: the last backend's check, "
+          "from the run's start; earlier: the checks in the run's process, the worker importing "
+          "meanwhile, warm_s); ceil: the "
           "ceilings after the checks; to_1st: metadata, the worker's imports still due (old: all "
           "of them), the first row's inputs, reference and timing; process: process start -> "
           "end of figures (the run's own clock); shell: the wall time the shell measured around "
@@ -235,6 +269,44 @@ def print_table(recs: list[dict], limit_s: float) -> None:
         print(f"commit {c}: fixed cost {', '.join(f'{x:.2f}' for x in xs)} s "
               f"(median {statistics.median(xs):.2f}; every run <= {limit_s:g} s: "
               f"{'yes' if max(xs) <= limit_s else 'NO'})")
+    for line in agreement(recs):
+        print(line)
+
+
+def agreement(recs: list[dict]) -> list[str]:
+    """Per backend, each point's median ``ok`` latency at the last commit over that at the first
+    (runs labelled ``*warmup`` / ``*importtime`` left out): how many points, the median ratio,
+    the range and the largest |ratio - 1|."""
+    import pandas as pd
+
+    from qlabench import results as R
+    frames = []
+    for r in recs:
+        if str(r["label"]).endswith(("warmup", "importtime")) or not r.get("run_id"):
+            continue
+        try:
+            df = R.load(r["run_dir"])
+        except Exception:
+            continue
+        if not {"latency_ms", "point_key"} <= set(df.columns):
+            continue
+        df = df[(df["run_id"] == r["run_id"]) & (df["status"] == "ok") & df["latency_ms"].notna()]
+        if len(df):
+            frames.append(df.assign(commit=r.get("commit") or r["label"]))
+    if not frames:
+        return []
+    df = pd.concat(frames)
+    commits = list(dict.fromkeys(df["commit"]))
+    if len(commits) < 2:
+        return []
+    key = ["point_key", "direction", "backend"]
+    med = df.groupby(["commit", *key])["latency_ms"].median().unstack("commit")
+    ratio = (med[commits[-1]] / med[commits[0]]).dropna()
+    out = [f"per-point agreement, median latency at {commits[-1]} / at {commits[0]} (ok rows):"]
+    for b, x in ratio.groupby(level="backend"):
+        out.append(f"  {b}: {len(x)} points, median {x.median():.4f}, range {x.min():.4f}-"
+                   f"{x.max():.4f}, largest |ratio - 1| {(x - 1).abs().max():.2%}")
+    return out
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,6 @@
-"""A run's fixed cost: the worker starts first and checks (and imports) its backends while the
-parent reads the ceilings, and the phases come out of the run's timeline."""
+"""A run's fixed cost: the workers (one per backend label) start first and check (and import)
+their backends while the parent reads the ceilings, and the phases come out of the run's
+timeline."""
 
 import json
 
@@ -17,13 +18,17 @@ def test_the_worker_starts_first_and_warms_its_backends(tmp_path):
     assert s.counts == {"ok": 2}
     meta = json.loads(next((tmp_path / "r" / "_runs").glob("*.json")).read_text())
     tl = meta["timeline_s"]
-    assert tl["worker_started"] <= tl["worker_ready"] <= tl["backends_checked"] <= tl["first_row"]
+    assert tl["worker_started"] <= tl["first_ready"] <= tl["first_row"]
+    assert tl["first_ready"] <= tl["backends_checked"]
     assert tl["first_row"] <= tl["last_row"] and tl["worker_started"] <= tl["ceilings_measured"]
     log = next((tmp_path / "r" / "_logs").glob("worker-*.log")).read_text()
     assert log.index("--- worker imports") < log.index("--- warm reference") < log.index("--- task")
     assert meta["worker_warm_s"].keys() == {"reference"}
+    wt = meta["worker_timeline_s"]["reference"]
+    assert wt["started"] <= wt["imported"] <= wt["cuda"] <= wt["warmed"] <= tl["first_ready"] + 0.05
     fc = runner.fixed_cost(tl)
-    assert set(fc) == {"start", "checks", "ceilings", "to_first_row", "first_row_compile", "total"}
+    assert set(fc) == {"start", "checks", "ceilings", "to_first_row", "first_row_compile", "total",
+                       "all_checked"}
     assert abs(fc["total"] - (fc["start"] + fc["checks"] + fc["ceilings"] + fc["to_first_row"])) < 0.05
     assert fc["first_row_compile"] == round(tl["first_row_compile_s"], 2)
 
@@ -32,13 +37,16 @@ def test_fixed_cost_phases_from_a_timeline():
     tl = {"process_start": -4.0, "worker_started": 0.01, "backends_checked": 15.0,
           "ceilings_measured": 15.5, "first_row": 30.0, "first_row_compile_s": 6.0}
     assert runner.fixed_cost(tl) == {"start": 4.0, "checks": 15.0, "ceilings": 0.5,
-                                     "to_first_row": 8.5, "first_row_compile": 6.0, "total": 28.0}
+                                     "to_first_row": 8.5, "first_row_compile": 6.0, "total": 28.0,
+                                     "all_checked": 15.0}
     assert runner.fixed_cost({"process_start": -1.0}) == {}
-    # the ceilings read while the worker imported: no phase of their own
+    # the ceilings read while the workers imported: no phase of their own; the first backend's
+    # check starts the rows, the last one's comes after the first row
     tl = {"process_start": -0.6, "worker_started": 0.01, "ceilings_measured": 1.5,
-          "worker_ready": 9.0, "backends_checked": 9.0, "first_row": 12.0, "first_row_compile_s": 0.5}
-    assert runner.fixed_cost(tl) == {"start": 0.6, "checks": 9.0, "ceilings": 0.0,
-                                     "to_first_row": 2.5, "first_row_compile": 0.5, "total": 12.1}
+          "first_ready": 6.0, "backends_checked": 14.0, "first_row": 9.0, "first_row_compile_s": 0.5}
+    assert runner.fixed_cost(tl) == {"start": 0.6, "checks": 6.0, "ceilings": 0.0,
+                                     "to_first_row": 2.5, "first_row_compile": 0.5, "total": 9.1,
+                                     "all_checked": 14.0}
 
 
 def test_a_run_of_no_points_starts_no_worker(tmp_path):

@@ -1,5 +1,6 @@
 """scripts/fixed_cost_report.py: a run's fixed cost by phase from its ``timeline_s``, in the
-layout where the worker reports the checks (``worker_timeline_s``, ``worker_warm_s``), in the
+layout with one worker per backend label (``worker_timeline_s`` per label, ``first_ready``), in
+the one where one worker reports the checks (``worker_timeline_s``, ``worker_warm_s``), in the
 one before it (``worker_started``, ``first_row_compile_s``: checks in the run's process) and in
 the old one (7a7503c: no first-row compile in the timeline; it comes from the row that started
 first); ``-X importtime`` lines in a run's logs summed per package."""
@@ -142,3 +143,44 @@ def test_importtime_lines_are_summed_per_top_level_package(rep, tmp_path, capsys
     out = capsys.readouterr().out
     assert "05_new_importtime: imports in the worker" in out and "fla 1.30, torch 0.75" in out
     assert "fixed cost" not in out  # a diagnostic run is no sample of the fixed cost
+
+
+def test_agreement_pairs_each_points_median_across_commits(rep, tmp_path):
+    def runs(d, run_id, commit, lat):
+        store = R.ResultStore(d)
+        store.write_meta(run_id, {"run_id": run_id, "timeline_s": {}})
+        for i, ms in enumerate(lat):
+            for b, f in (("fla", 1.0), ("tilelang", 0.5)):
+                store.append({"run_id": run_id, "point_key": f"p{i}", "point_index": i, "direction": "fwd",
+                              "backend": b, "status": "ok", "latency_ms": ms * f, "model": "m"})
+        store.append({"run_id": run_id, "point_key": "p9", "point_index": 9, "direction": "fwd", "backend": "fla",
+                      "status": "crashed", "latency_ms": None, "model": "m"})
+        return {"label": d.name, "commit": commit, "run_dir": str(d), "run_id": run_id}
+
+    recs = [runs(tmp_path / "01_old", "20261201T000000-aaaaaa", "old", [1.0, 2.0]),
+            runs(tmp_path / "02_new", "20261201T000001-bbbbbb", "new", [1.01, 1.96]),
+            runs(tmp_path / "00_old_warmup", "20261201T000002-cccccc", "old", [9.0, 9.0])]
+    lines = rep.agreement(recs)
+    assert lines[0].startswith("per-point agreement, median latency at new / at old")
+    assert "fla: 2 points, median 0.9950, range 0.9800-1.0100, largest |ratio - 1| 2.00%" in lines[1]
+    assert lines[2].startswith("  tilelang: 2 points")
+    assert rep.agreement(recs[:1]) == []
+
+
+def test_per_label_workers_report_the_first_rows_worker(rep, tmp_path):
+    tl = {"process_start": -0.5, "worker_started": 0.02, "ceilings_measured": 1.0,
+          "first_ready": 5.5, "backends_checked": 13.0, "first_row": 8.0,
+          "first_row_compile_s": 0.5, "last_row": 30.0, "finished": 30.5}
+    meta = {"worker_timeline_s": {
+                "fla": {"process_start": 0.1, "started": 0.2, "imported": 3.5, "cuda": 3.9, "warmed": 8.0},
+                "tilelang": {"process_start": 0.12, "started": 0.3, "imported": 3.0, "cuda": 3.4,
+                             "warmed": 5.45}},
+            "worker_warm_s": {"fla": 4.1, "tilelang": 2.05}}
+    rows = [("tilelang", "2026-12-02T10:00:05.000", 0.5), ("fla", "2026-12-02T10:00:06.000", 0.1)]
+    d = _run_dir(tmp_path / "02_new", "20261204T100000-ffffff", tl, rows, **meta)
+    (r,) = rep.report_dir(d, 10.0)
+    assert r["first_row_backend"] == "tilelang" and r["worker_ready"] == 5.5
+    assert (r["start"], r["checks"], r["ceilings"], r["to_first_row"]) == (0.5, 5.5, 0.0, 2.0)
+    assert r["total"] == 8.0 and r["within_limit"] is True and r["all_checked"] == 13.0
+    assert r["warm_s"] == 2.05
+    assert (r["worker_spawn_s"], r["worker_imports_s"], r["worker_cuda_s"]) == (0.1, 2.88, 0.4)

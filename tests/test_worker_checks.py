@@ -72,10 +72,27 @@ def test_the_run_process_imports_no_backend_library(tmp_path):
     assert meta["backend_versions"] == {"reference": meta["backend_versions"]["reference"],
                                         "heavy": "7.1"}
     tl = meta["timeline_s"]
-    assert tl["worker_started"] <= tl["worker_ready"] <= tl["backends_checked"] <= tl["first_row"]
+    assert tl["worker_started"] <= tl["first_ready"] <= tl["first_row"]
+    assert tl["first_ready"] <= tl["backends_checked"]
     assert set(meta["worker_warm_s"]) == {"reference", "heavy"}
-    wt = meta["worker_timeline_s"]
-    assert wt["started"] <= wt["imported"] <= wt["cuda"] <= wt["warmed"] <= tl["worker_ready"] + 0.05
+    for wt in meta["worker_timeline_s"].values():  # one worker per label
+        assert wt["started"] <= wt["imported"] <= wt["cuda"] <= wt["warmed"] <= tl["backends_checked"] + 0.05
+    logs = sorted(p.name for p in (tmp_path / "r" / "_logs").glob("worker-*.log"))
+    assert len(logs) == 2, logs
+
+
+def test_a_slow_import_does_not_hold_the_other_backends(tmp_path):
+    """heavy_lib takes 6 s to import: the reference's rows start before heavy is checked, and
+    heavy's rows follow once it is, from the first point on."""
+    out, imported = _cli(tmp_path, "--out", str(tmp_path / "r"), HEAVY_LIB="slow")
+    assert out.returncode == 0, out.stdout + out.stderr
+    from qlabench import results
+    df = results.load(tmp_path / "r").sort_values("started_at")
+    assert list(df["status"]) == ["ok"] * 4
+    assert list(df["backend"]) == ["reference", "reference", "heavy", "heavy"]
+    assert list(df["point_index"]) == [0, 1, 0, 1]
+    tl = json.loads(next((tmp_path / "r" / "_runs").glob("*.json")).read_text())["timeline_s"]
+    assert tl["first_row"] < tl["backends_checked"]
 
 
 def test_dry_run_asks_the_libraries_elsewhere(tmp_path):
