@@ -18,7 +18,18 @@ its 16x16 diagonal blocks (substitution in fp32, 64 threads); N = D L with the d
 dropped (there D L_bb = I − D), strictly block-lower so N⁴ = 0 and (I + L)⁻¹ = (I + N)⁻¹ D =
 (I − N)(I + N²) D: Y = (I + N²) Dβ (Dβ = D diag β), A_β = Y − N Y. Four 64x64x64 wgmmas; fp16
 (not bf16) operands keep A_β's error (~5e-4 relative on correlated keys) below its own bf16
-rounding. Every aux step gates or masks in registers and stores its accumulator by stmatrix.
+rounding. Every aux step gates or masks in registers; L, N, I + N² and Y go to shared memory by
+stmatrix, P and A_β (into ring slot c % 2) by 4-byte stores.
+
+Gating by factors. With m = (g_0 + g_l) / 2, Γ_ij = e^{g_i − m} · e^{m − g_j}: the producer writes
+per chunk the row factors β e^{g − m} (for L) and scale · e^{g − m} (for P) and the column factors
+e^{m − g}, and a flag set when no gate of the chunk is positive (the cumsum does not increase) and
+its range g_0 − g_l is below ``FACTOR_RANGE`` (160 nats): every factor then lies within e^{±80},
+finite in fp32, and a kept element's product (≤ 1) underflows to 0 at worst. Under the flag (read
+once per chunk, the same for the whole warpgroup) aux gates each element by two multiplies,
+(row_i · col_j) · acc, the column factors loaded as float2 vectors and used for both L and P; the
+masked elements, whose products may overflow, are removed by a select. Otherwise (strong decay,
+out-of-contract gates) it gates per element by e^{min(g_i − g_j, 0)}.
 
 Roles:
 
@@ -29,8 +40,9 @@ Roles:
             inverse → P and A_β (bf16) into the two-stage ring t (pp_sh, ta_sh)
     WG3   (tx 384..511, setmaxnreg  24)  producer: warp 12's elected lane TMA-loads Q, K, V of chunk c
             into stage c % 3; warp 13 loads g and β (zero past the sequence end), takes the
-            chunk-local cumsum with warp shuffles and writes g, β, e^g and mask · e^{g_l − g} into
-            the same stage; warps 14-15 exit
+            chunk-local cumsum with warp shuffles and writes g, β, e^g, mask · e^{g_l − g}, the
+            gating factors and the factored-gating flag (a warp vote) into the same stage;
+            warps 14-15 exit
 
 mbarriers (c = chunk, js = c % 3, pj = (c // 3) % 2, jt = c % 2, pt = (c // 2) % 2; a "free" wait
 uses the other parity, which passes at once on a fresh barrier):
@@ -68,6 +80,11 @@ NREG = (192, 104, 24)
 assert 2 * NREG[0] + NREG[1] + NREG[2] == 512 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 #: input ring depth (Q, K, V, the gate tables); aux runs up to two chunks ahead of the state
 NST = 3
+#: rows of the per-token gate table of a stage (gt_sh)
+GT_ROWS = 8
+#: a chunk's Γ is gated by row and column factors when g_0 − g_l (its range, in nats) is below this
+#: and no gate is positive: every factor then lies within e^{±80}, finite in fp32
+FACTOR_RANGE = 160.0
 
 
 def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
@@ -103,11 +120,12 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             hk = hv // G
 
             # input ring (producer -> aux and state): Q, K, V and per-token tables
-            # gt_sh[js, 0..3, i] = g cumsum, β, e^g, mask · e^{g_l − g}
+            # gt_sh[js, 0..7, i] = g cumsum, β, e^g, mask · e^{g_l − g}, β e^{g − m}, scale e^{g − m},
+            # e^{m − g}, the chunk's factored-gating flag (1 / 0, in every column)
             q_sh = T.alloc_shared((NST, C, D), "bfloat16")
             k_sh = T.alloc_shared((NST, C, D), "bfloat16")
             v_sh = T.alloc_shared((NST, C, D), "bfloat16")
-            gt_sh = T.alloc_shared((NST, 4, C), "float32", scope="shared")
+            gt_sh = T.alloc_shared((NST, GT_ROWS, C), "float32", scope="shared")
             # aux -> state ring: A_β and P
             ta_sh = T.alloc_shared((2, C, C), "bfloat16")
             pp_sh = T.alloc_shared((2, C, C), "bfloat16")
@@ -129,8 +147,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             # aux
             a_acc = T.alloc_fragment((C, C), "float32")
             p_acc = T.alloc_fragment((C, C), "float32")
-            gi = T.alloc_fragment((C,), "float32")  # g cumsum per row of a_acc
-            bi = T.alloc_fragment((C,), "float32")  # β per row
+            gi = T.alloc_fragment((C,), "float32")  # g cumsum (or scale e^{g − m}) per row of a_acc
+            bi = T.alloc_fragment((C,), "float32")  # β (or β e^{g − m}) per row
+            cj = T.alloc_fragment((C,), "float32")  # e^{m − g} per column of a_acc
+            fac = T.alloc_var("float32")
             x16 = T.alloc_local((B,), "float32")
             acc1 = T.alloc_var("float32")
             # producer warp 13
@@ -138,6 +158,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             bv2 = T.alloc_local((2,), "float32")
             run = T.alloc_var("float32")
             egl = T.alloc_var("float32")
+            gmid = T.alloc_var("float32")
+            mono = T.alloc_var("int32")
 
             full = T.alloc_barrier([64] * NST)
             empty = T.alloc_barrier([384] * NST)
@@ -207,24 +229,45 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     jt = ci % 2
                     pt = (ci // 2) % 2
                     T.barrier_wait(full[js], pj)
+                    fac = gt_sh[js, 7, 0]
                     # L = StrictLower(diag β · Γ ⊙ K Kᵀ), then P = scale · Γ ⊙ Q Kᵀ (causal, into stage
-                    # jt once the state is done with it): gated in registers (Γ clamped to ≤ 1 where
-                    # the masks drop it), stored by stmatrix; one accumulator live at a time
+                    # jt once the state is done with it), gated in registers, one accumulator live at
+                    # a time. Γ_ij = e^{g_i − m} · e^{m − g_j} from the
+                    # producer's row and column tables where the flag allows it (the discarded products
+                    # may be inf: removed by the select), else per element e^{min(g_i − g_j, 0)}
                     T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
-                    for i in T.Parallel(C):
-                        gi[i] = gt_sh[js, 0, i]
-                        bi[i] = gt_sh[js, 1, i]
-                    for i, j in T.Parallel(C, C):
-                        a_acc[i, j] = T.if_then_else(
-                            i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
-                        )
+                    if fac != T.float32(0):
+                        for i in T.Parallel(C):
+                            bi[i] = gt_sh[js, 4, i]
+                        for j in T.Parallel(C):
+                            cj[j] = gt_sh[js, 6, j]
+                        for i, j in T.Parallel(C, C):
+                            a_acc[i, j] = T.if_then_else(i > j, bi[i] * cj[j] * a_acc[i, j], T.float32(0))
+                    else:
+                        for i in T.Parallel(C):
+                            gi[i] = gt_sh[js, 0, i]
+                            bi[i] = gt_sh[js, 1, i]
+                        for i, j in T.Parallel(C, C):
+                            a_acc[i, j] = T.if_then_else(
+                                i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
+                            )
                     T.copy(a_acc, lo_sh)
                     T.barrier_wait(t_free[jt], 1 - pt)
                     T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        p_acc[i, j] = T.if_then_else(
-                            i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
-                        )
+                    if fac != T.float32(0):
+                        for i in T.Parallel(C):
+                            gi[i] = gt_sh[js, 5, i]
+                        for j in T.Parallel(C):
+                            cj[j] = gt_sh[js, 6, j]
+                        for i, j in T.Parallel(C, C):
+                            p_acc[i, j] = T.if_then_else(i >= j, gi[i] * cj[j] * p_acc[i, j], T.float32(0))
+                    else:
+                        for i in T.Parallel(C):
+                            gi[i] = gt_sh[js, 0, i]
+                        for i, j in T.Parallel(C, C):
+                            p_acc[i, j] = T.if_then_else(
+                                i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
+                            )
                     T.copy(p_acc, pp_sh[jt, :, :])
                     # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
                     # Dβ outside the diagonal blocks stay zero from before the loop)
@@ -289,6 +332,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         for r in T.unroll(2):
                             gv[r] = T.if_then_else(2 * lane + r < ln, g[0, t0 + 2 * lane + r, hv], T.float32(0))
                             bv2[r] = T.if_then_else(2 * lane + r < ln, beta[0, t0 + 2 * lane + r, hv], T.float32(0))
+                        # no gate above 0 (NaN fails too): the cumsum does not increase
+                        mono = T.all_sync(T.And(gv[0] <= T.float32(0), gv[1] <= T.float32(0)))
                         # inclusive scan of the lane pairs' sums over the warp
                         run = gv[0] + gv[1]
                         for d in T.unroll(5):
@@ -298,13 +343,22 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         acc1 = gv[1]
                         gv[1] = run
                         gv[0] = run - acc1
-                        # g_l: the cumsum at row ln − 1, from the lane that holds it
+                        # g_l: the cumsum at row ln − 1, from the lane that holds it (rows past it repeat it)
                         egl = T.shfl_sync(T.if_then_else((ln - 1) % 2 == 0, gv[0], gv[1]), (ln - 1) // 2)
+                        # factored gating: m = (g_0 + g_l) / 2, each factor within e^{±FACTOR_RANGE / 2}
+                        run = T.shfl_sync(gv[0], 0)
+                        gmid = (run + egl) * T.float32(0.5)
+                        mono = T.if_then_else(run - egl < T.float32(FACTOR_RANGE), mono, 0)  # NaN: 0
                         for r in T.unroll(2):
                             gt_sh[js, 0, 2 * lane + r] = gv[r]
                             gt_sh[js, 1, 2 * lane + r] = bv2[r]
                             gt_sh[js, 2, 2 * lane + r] = T.exp(gv[r])
                             gt_sh[js, 3, 2 * lane + r] = T.if_then_else(2 * lane + r < ln, T.exp(egl - gv[r]), T.float32(0))
+                            acc1 = T.exp(gv[r] - gmid)
+                            gt_sh[js, 4, 2 * lane + r] = bv2[r] * acc1
+                            gt_sh[js, 5, 2 * lane + r] = scale * acc1
+                            gt_sh[js, 6, 2 * lane + r] = T.exp(gmid - gv[r])
+                            gt_sh[js, 7, 2 * lane + r] = T.if_then_else(mono != 0, T.float32(1), T.float32(0))
                         T.barrier_arrive(full[js])
 
     return gdn_fwd_fused
