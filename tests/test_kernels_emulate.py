@@ -207,3 +207,127 @@ def test_fused_inverse_beats_bf16_rounding_on_correlated_keys():
     got = emu.fused_a_beta(kc, gch, bch)
     own_rounding = emu.rel_l2(exact.to(torch.bfloat16), exact)
     assert emu.rel_l2(got, exact) < 1.5 * own_rounding
+
+
+def _gates(kind, lens, h_v, seed=0):
+    """Per-token log-gates [1, T, h_v] of one kind: "ordinary" (the canonical mild decay, a quarter
+    of the heads g = 0), or every whole chunk of every head with g_0 − g_l exactly "under" (159) or
+    "over" (161) the factored-gating bound, random positive weights spread over rows 1..63."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    if kind == "ordinary":
+        g = torch.nn.functional.logsigmoid(torch.randn(1, T, h_v, generator=gen) + 3.0) * 0.5
+        g[..., h_v - max(1, h_v // 4) :] = 0.0
+        return g
+    rng = {"under": 159.0, "over": 161.0}[kind]
+    assert all(n % 64 == 0 for n in lens)
+    w = torch.rand(T // 64, 64, h_v, generator=gen) + 0.5
+    w[:, 0] = 0.25  # row 0's gate is outside the range g_0 − g_l
+    return (-w / w[:, 1:].sum(1, keepdim=True) * rng).reshape(1, T, h_v)
+
+
+def _exact_chunk(kc, qc, bch, gr, scale):
+    """fp64 L = StrictLower(diag β Γ⊙KKᵀ), A_β = (I + L)⁻¹ diag β and P = scale Γ⊙QKᵀ (i ≥ j), from
+    the fp64 cumsum of the gates gr [H, 64]."""
+    i = torch.arange(64)
+    g = torch.cumsum(gr.double(), dim=1)
+    gam = torch.exp(torch.where(i[:, None] >= i[None], g[..., :, None] - g[..., None, :], torch.zeros((), dtype=torch.float64)))
+    lo = torch.where(i[:, None] > i[None], bch.double()[..., :, None] * gam * (kc.double() @ kc.double().transpose(-1, -2)), 0.0)
+    eye = torch.eye(64, dtype=torch.float64)
+    ab = torch.linalg.solve_triangular(eye + lo, eye.expand_as(lo).contiguous(), upper=False) * bch.double()[..., None, :]
+    p = torch.where(i[:, None] >= i[None], scale * gam * (qc.double() @ kc.double().transpose(-1, -2)), 0.0)
+    return lo, ab, p
+
+
+def _chunk_inputs(kind, H=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kc = torch.nn.functional.normalize(torch.randn(H, 64, 128, generator=gen), dim=-1).to(torch.bfloat16).float()
+    qc = torch.nn.functional.normalize(torch.randn(H, 64, 128, generator=gen), dim=-1).to(torch.bfloat16).float()
+    bch = torch.sigmoid(torch.randn(H, 64, generator=gen))
+    gr = _gates(kind, [64], H, seed)[0].T.contiguous()  # [H, 64]
+    return kc, qc, bch, gr, torch.cumsum(gr, dim=1)
+
+
+@pytest.mark.parametrize("kind", ["ordinary", "under", "over"])
+def test_fused_factored_gating_matches_per_element(kind):
+    """The fused kernel's factored gating (Γ_ij = e^{g_i − m} e^{m − g_j}, the producer's per-row and
+    per-column tables, masked elements removed by a select): taken for ordinary gates and for a chunk
+    whose range g_0 − g_l is just under the bound (factors near e^{±80}), not just over it (the
+    per-element fallback). Where taken, L and P (fp32) are within fp32 error of the fp64 values,
+    and A_β (fp16 inverse) and P (bf16), what the kernel stores, as close to them as the
+    per-element path's."""
+    emu = _tool("emulate")
+    fused = importlib.import_module("qlabench_kernels.fwd_fused")
+    assert emu.FACTOR_RANGE == fused.FACTOR_RANGE
+    scale = 128**-0.5
+    kc, qc, bch, gr, gch = _chunk_inputs(kind)
+    lo64, ab64, p64 = _exact_chunk(kc, qc, bch, gr, scale)
+    kk, qk = kc @ kc.transpose(-1, -2), qc @ kc.transpose(-1, -2)
+    err = {}
+    for factored in (True, False):
+        lg, pg, flag = emu.fused_gate(kk, qk, gr, gch, bch, scale, factored)
+        assert torch.isfinite(lg).all() and torch.isfinite(pg).all()
+        ab = emu.fused_a_beta_from_l(lg, bch)
+        err[factored] = (emu.rel_l2(lg, lo64), emu.rel_l2(pg, p64), emu.rel_l2(ab, ab64), emu.rel_l2(emu._r(pg), p64))
+        if factored:
+            assert flag.all() if kind != "over" else not flag.any(), (kind, flag)
+    f, e = err[True], err[False]
+    # fp32 gating: the factors' exponents g_i − m, m − g_j round to ulp(|g − m|) (≤ ulp(80) near the
+    # bound), far below L's fp16 rounding (2.4e-4 relative)
+    assert f[0] < 1e-5 and f[1] < 1e-5 and e[0] < 1e-5 and e[1] < 1e-5, err
+    assert f[2] < 3e-3 and f[2] < 1.01 * e[2] + 1e-5, err  # A_β: its bf16 rounding (~1.7e-3) dominates
+    assert f[3] < 1.01 * e[3] + 1e-5, err
+
+
+def test_fused_factored_gating_bound_and_fallback():
+    """Where the flag is off the per-element path is what keeps the result finite: a 250-nat chunk
+    gated by factors anyway (bound removed) gives inf / NaN (factors e^{±125} overflow fp32); a
+    positive gate or a NaN gate clears the flag too (the cumsum then is not monotone)."""
+    emu = _tool("emulate")
+    scale = 128**-0.5
+    kc, qc, bch, gr, gch = _chunk_inputs("over")
+    gr, gch = gr * (250 / 161), gch * (250 / 161)
+    kk, qk = kc @ kc.transpose(-1, -2), qc @ kc.transpose(-1, -2)
+    lg, pg, flag = emu.fused_gate(kk, qk, gr, gch, bch, scale)
+    assert not flag.any() and torch.isfinite(lg).all() and torch.isfinite(pg).all()
+    lg, pg, flag = emu.fused_gate(kk, qk, gr, gch, bch, scale, bound=float("inf"))
+    assert flag.all()
+    assert not (torch.isfinite(emu.fused_a_beta_from_l(lg, bch)).all() and torch.isfinite(pg).all())
+    kc, qc, bch, gr, gch = _chunk_inputs("ordinary")
+    gr[0, 5], gr[1, 7] = 0.01, float("nan")
+    flag = emu.fused_gate_tables(gr, torch.cumsum(gr, 1), bch, scale)[0]
+    assert not flag[0] and not flag[1] and flag[2:].all()
+
+
+@pytest.mark.parametrize("kind", ["ordinary", "under", "over"])
+def test_fused_factored_forward_matches_reference(kind):
+    """The fused kernel's emulated forward with factored gating (where the flag allows it) against
+    the fp64 token recurrence: o and the final state as close as with per-element gating
+    everywhere, for ordinary gates, chunks just under the bound (factored) and just over it (the
+    fallback: both runs then identical)."""
+    from qlabench_kernels._common import chunk_table, segment_table
+
+    emu = _tool("emulate")
+    lens = [1, 63, 64, 65, 300] if kind == "ordinary" else [256, 64, 128]
+    inp = emu.make_inputs(lens, 2, 4, seed=5)
+    inp["g"] = _gates(kind, lens, 4, seed=5)
+    T, N = sum(lens), len(lens)
+    cu = inp["cu"].long()
+    ctab, cuc = chunk_table(cu, T, N)
+    stab, _ = segment_table(cu, cuc, T, N, (T + 63) // 64 * 64, split=False)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], stab, inp["h0"], 128**-0.5, N)
+    ro, rh = emu.reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 128**-0.5, inp["h0"], cu)
+    runs = {}
+    for factored in (True, False):
+        stats = {}
+        o, ht = emu.emu_fwd_fused(*args, factored=factored, stats=stats)
+        assert not torch.isnan(o).any() and not torch.isnan(ht).any()
+        runs[factored] = (o, ht, stats, emu.rel_l2(o, ro), emu.rel_l2(ht, rh))
+    stats = runs[True][2]
+    pairs = sum((n + 63) // 64 for n in lens) * 4
+    assert stats == ({"factored": 0, "per_element": pairs} if kind == "over" else {"factored": pairs, "per_element": 0})
+    (_, _, _, fo, fh), (_, _, _, eo, eh) = runs[True], runs[False]
+    assert fo < 6e-3 and fh < 6e-3, (fo, fh)
+    assert fo < 1.02 * eo + 1e-5 and fh < 1.02 * eh + 1e-5, (fo, eo, fh, eh)
+    if kind == "over":
+        assert torch.equal(runs[True][0], runs[False][0])

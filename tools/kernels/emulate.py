@@ -157,34 +157,83 @@ def _r16(x):
     return x.to(torch.float16).float()
 
 
-def fused_a_beta(kc, gch, bch):
-    """The fused kernel's A_β on tensor cores, per head: kc [H,64,K] (rows past the end: any
-    finite values), gch [H,64] cumsum, bch [H,64] β (zero past the end). L in fp16; D =
-    blockdiag((I+L_bb)⁻¹) by substitution from it; N = D L with its diagonal blocks dropped;
-    Y = (I + N²) Dβ; A_β = Y − N Y, fp16 operands. Returns [H,64,64] bf16 values."""
-    kk = kc @ kc.transpose(-1, -2)
-    i = torch.arange(C, device=kc.device)
-    z = torch.zeros((), device=kc.device)
-    gam = torch.exp(torch.where(i[:, None] > i[None], gch[..., :, None] - gch[..., None, :], z))
-    l16 = _r16(torch.where(i[:, None] > i[None], bch[..., :, None] * gam * kk, z))
+#: the fused kernel's bound on a chunk's gate range for factored gating (fwd_fused.FACTOR_RANGE)
+FACTOR_RANGE = 160.0
+
+
+def _ftz(x):
+    """Flush fp32 subnormals to zero (the kernel runs with fast math: ex2.approx.ftz, mul.ftz)."""
+    return torch.where(x.abs() < 2.0**-126, torch.zeros((), device=x.device), x)
+
+
+def fused_gate_tables(gr, gch, bch, scale, bound=FACTOR_RANGE):
+    """The producer warp's factored-gating tables per chunk: gr [H,64] the gates (zero past the end),
+    gch their cumsum, bch β. Returns (flag [H] bool, β e^{g − m}, scale e^{g − m}, e^{m − g}) with
+    m = (g_0 + g_l) / 2; the flag is set where no gate is positive and g_0 − g_l < bound."""
+    g0, gl = gch[:, :1], gch[:, -1:]
+    flag = (gr <= 0).all(dim=1) & ((g0 - gl)[:, 0] < bound)
+    m = (g0 + gl) * 0.5
+    e = _ftz(torch.exp(gch - m))
+    return flag, _ftz(bch * e), _ftz(scale * e), _ftz(torch.exp(m - gch))
+
+
+def fused_gate(kk, qk, gr, gch, bch, scale, factored=True, bound=FACTOR_RANGE):
+    """The aux warpgroup's gating of K Kᵀ and Q Kᵀ (fp32, before the fp16 / bf16 stores):
+    L = StrictLower(diag β · Γ ⊙ K Kᵀ), P = scale · Γ ⊙ Q Kᵀ (i ≥ j). Per chunk (head) with the
+    factored flag: Γ_ij = (row_i · e^{m − g_j}) by the producer's tables, the masked part removed by a
+    select; otherwise (or ``factored=False``) per element e^{min(g_i − g_j, 0)}.
+    Returns (L, P, flag [H])."""
+    i = torch.arange(C, device=kk.device)
+    z = torch.zeros((), device=kk.device)
+    low, causal = i[:, None] > i[None], i[:, None] >= i[None]
+    flag, rl, rp, cj = fused_gate_tables(gr, gch, bch, scale, bound)
+    if not factored:
+        flag = torch.zeros_like(flag)
+    gam = torch.exp(torch.clamp(gch[..., :, None] - gch[..., None, :], max=0.0))
+    le = torch.where(low, bch[..., :, None] * gam * kk, z)
+    pe = torch.where(causal, scale * gam * qk, z)
+    lf = torch.where(low, _ftz(rl[..., :, None] * cj[..., None, :]) * kk, z)
+    pf = torch.where(causal, _ftz(rp[..., :, None] * cj[..., None, :]) * qk, z)
+    f = flag[:, None, None]
+    return torch.where(f, lf, le), torch.where(f, pf, pe), flag
+
+
+def fused_a_beta_from_l(lg, bch):
+    """The fused kernel's A_β on tensor cores from the gated L (fp32, [H,64,64]) and β (zero past the
+    end): L in fp16; D = blockdiag((I+L_bb)⁻¹) by substitution from it; N = D L with its diagonal
+    blocks dropped; Y = (I + N²) Dβ; A_β = Y − N Y, fp16 operands. Returns [H,64,64] bf16 values."""
+    i = torch.arange(C, device=lg.device)
+    z = torch.zeros((), device=lg.device)
+    l16 = _r16(lg)
     blk = i[:, None] // 16 == i[None] // 16
     Dm = solve_blocked_diag(torch.where(blk, l16, z))
     d16, db16 = _r16(Dm), _r16(Dm * bch[..., None, :])
     n16 = _r16(torch.where(i[:, None] // 16 > i[None] // 16, d16 @ l16, z))
-    y = _r16(n16 @ n16 + torch.eye(C, device=kc.device)) @ db16
+    y = _r16(n16 @ n16 + torch.eye(C, device=lg.device)) @ db16
     return _r(torch.where(i[:, None] >= i[None], y - n16 @ _r16(y), z))
 
 
-def emu_fwd_fused(q, k, v, g, beta, stab, h_init, scale, N, want_ht=True):
+def fused_a_beta(kc, gch, bch):
+    """:func:`fused_a_beta_from_l` with L gated per element: kc [H,64,K] (rows past the end: any
+    finite values), gch [H,64] cumsum, bch [H,64] β (zero past the end)."""
+    kk = kc @ kc.transpose(-1, -2)
+    i = torch.arange(C, device=kc.device)
+    z = torch.zeros((), device=kc.device)
+    gam = torch.exp(torch.where(i[:, None] > i[None], gch[..., :, None] - gch[..., None, :], z))
+    return fused_a_beta_from_l(torch.where(i[:, None] > i[None], bch[..., :, None] * gam * kk, z), bch)
+
+
+def emu_fwd_fused(q, k, v, g, beta, stab, h_init, scale, N, want_ht=True, factored=True, stats=None):
     """Mirror of fwd_fused.py: the state as Sᵀ, bf16 where the kernel casts an accumulator into a
-    wgmma operand. Returns o [1,T,Hv,128] fp32 (unwritten rows NaN) and ht [N,Hv,128,128] fp32 (K x V)."""
+    wgmma operand; L and P gated as :func:`fused_gate` (``factored=False``: per element everywhere).
+    Returns o [1,T,Hv,128] fp32 (unwritten rows NaN) and ht [N,Hv,128,128] fp32 (K x V); ``stats``
+    (a dict) counts the (chunk, head) pairs gated by factors and per element."""
     T, h_qk, h_v = q.shape[1], q.shape[2], v.shape[2]
     G = h_v // h_qk
     dev = q.device
     o = torch.full((1, T, h_v, D), float("nan"), device=dev)
     ht = torch.full((N, h_v, D, D), float("nan"), device=dev) if want_ht else None
     i = torch.arange(C, device=dev)
-    causal = i[:, None] >= i[None]
     for row in stab.tolist():
         bos, eos, seq, _, irow, is_last = row[:6]
         if seq < 0:
@@ -205,9 +254,12 @@ def emu_fwd_fused(q, k, v, g, beta, stab, h_init, scale, N, want_ht=True):
             gch = torch.cumsum(gr, dim=1)
             eg = torch.exp(gch)
             el = torch.where(valid, torch.exp(gch[:, ln - 1 : ln] - gch), torch.zeros((), device=dev))
-            ab = fused_a_beta(kc, gch, br)
-            pp = _r(torch.where(causal, scale * torch.exp(gch[..., :, None] - gch[..., None, :]) * (qc @ kc.transpose(-1, -2)),
-                                torch.zeros((), device=dev)))  # fmt: skip
+            lg, pg, flag = fused_gate(kc @ kc.transpose(-1, -2), qc @ kc.transpose(-1, -2), gr, gch, br, scale, factored)
+            if stats is not None:
+                stats["factored"] = stats.get("factored", 0) + int(flag.sum())
+                stats["per_element"] = stats.get("per_element", 0) + int((~flag).sum())
+            ab = fused_a_beta_from_l(lg, br)
+            pp = _r(pg)
             sb = _r(St)
             x = sb @ kc.transpose(-1, -2)  # [Hv, V, 64]
             oc = sb @ qc.transpose(-1, -2)
