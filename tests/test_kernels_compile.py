@@ -77,6 +77,20 @@ def test_warp_specialised_kernels(sources, name, mod, threads):
     assert src.count("__syncthreads()") == 1
 
 
+def test_fused_aux_gates_by_factors_with_a_per_element_fallback(sources):
+    """fwd_fused's aux warpgroup gates L and P by the producer's row / column factor tables behind a
+    per-chunk flag (the column factors loaded as float2 vectors, no exp), with the per-element path
+    (one exp per element) as the fallback; warp 13 votes on the gates' sign for the flag."""
+    src = sources["fwd_fused"]
+    nreg = _mod("fwd_fused").NREG
+    aux = src[src.index(f"warpgroup_reg_dealloc<{nreg[1]}>") : src.index(f"warpgroup_reg_dealloc<{nreg[2]}>")]
+    producer = src[src.index(f"warpgroup_reg_dealloc<{nreg[2]}>") :]
+    assert aux.count("if (fac != ") == 2 and aux.count("expf(") == 2
+    assert aux.count("*(float2*)(cj + ") == 2
+    assert aux.count("ptx_stmatrix") == 4  # L, N, I + N², Y by stmatrix
+    assert "__all_sync" in producer
+
+
 def test_register_budgets_fit_the_file():
     for mod in ("fwd_o", "bwd_h", "bwd_dhu"):
         assert sum(_mod(mod).NREG) * 128 <= 65536, mod
