@@ -4,7 +4,8 @@
 
 Correctness, per case: o and the final state of the fused kernel (outputs poisoned with NaN
 first) against the fp32 token recurrence (rel L2) and against the fwd_o path (block_v 64), both
-through ``chunk_gdn_fwd_lowlevel``: unsplit (tables + the fused kernel) and split (the split
+through ``chunk_gdn_fwd_lowlevel`` (the "decay-bound" cases with strong-decay heads, whose chunks
+fall just under and just over the factored-gating bound): unsplit (tables + the fused kernel) and split (the split
 path's segment start states, then the fused kernel over the segments). Timing, per shape:
 CUDA-graph replay medians of the fwd_o path as its planner picks it, of the planned forward, of
 the fused kernel unsplit, and of its split path at a few segment lengths. Writes
@@ -34,8 +35,22 @@ CORRECT = [
     ("split", [5000, 300, 2048], 2, 8, 1024, True),
     ("split-noh0", [4096], 2, 8, 512, False),
     ("many-heads", [2048, 1024], 16, 64, 0, True),
+    ("decay-bound", [1000, 64, 300], 2, 8, 0, True),
+    ("decay-bound-split", [3000, 1100], 2, 8, 1024, True),
 ]
-SMALL = {"one-chunk", "partial", "varlen", "split"}
+SMALL = {"one-chunk", "partial", "varlen", "split", "decay-bound"}
+
+
+def strong_gates(g):
+    """The "decay-bound" cases' gates: per v-head a constant decay of 2.5 nats per token (whole
+    chunks' range 157.5, just under the fused kernel's factored-gating bound of 160: factors near
+    e^{±79}), 2.6 (163.8: the per-element fallback), uniform in [-5, 0] (chunks on both sides) and
+    the canonical gates (mild, and g = 0) on the rest."""
+    g = g.clone()
+    g[..., 0] = -2.5
+    g[..., 1] = -2.6
+    g[..., 2] = -5.0 * torch.rand(g[..., 2].shape, generator=torch.Generator(device=g.device).manual_seed(1), device=g.device)
+    return g
 
 TIMING = [
     # (name, seqlens, h_qk, h_v)
@@ -67,6 +82,8 @@ def _fused_call(pkg, x, split_tokens, o=None, ht=None):
 def check(pkg, name, seqlens, h_qk, h_v, split_tokens, with_h0, results):
     log(f"\n=== {name}: {h_qk}/{h_v} lens={seqlens if len(seqlens) <= 8 else len(seqlens)} split={split_tokens} h0={with_h0}")
     x = make_inputs(seqlens, h_qk, h_v, with_h0=with_h0)
+    if name.startswith("decay-bound"):
+        x["g"] = strong_gates(x["g"])
     T, N = sum(seqlens), len(seqlens)
     o = torch.full((1, T, h_v, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
     ht = torch.full((N, h_v, 128, 128), float("nan"), device="cuda")
