@@ -184,10 +184,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         first = lanes.get(first_device if one_device else devices[0]) if lanes else None
 
         def resolve(n: str) -> None:  # label n's check is in
-            lane = first.lanes[n]
-            why = label_version_problem(n, lane.version) if lane.avail[0] else ""
-            if why:
-                first.refuse(n, why)
+            lane = first.lanes[n]  # its label's version asked for already (Lanes)
             avail[n], versions[n] = lane.avail, lane.version
             if lane.report:
                 worker_meta["worker_timeline_s"][n] = {

@@ -587,12 +587,16 @@ class Lanes:
                 lane.sup.start()
 
     def _resolve(self, lane: Lane, avail: tuple, version: str) -> None:
+        from .config import label_version_problem
+        why = label_version_problem(lane.label, version) if avail[0] else ""
+        if why:  # the label asks for another version than the one found
+            avail, version = (False, why), "unavailable"
         lane.avail, lane.version, lane.resolved_at = (bool(avail[0]), avail[1]), version, time.time()
         if not lane.avail[0] and lane.sup is not None:
             lane.sup.close()  # its rows are made here (:meth:`run`)
 
     def refuse(self, label: str, why: str) -> None:
-        """Make a resolved label unavailable (e.g. its version does not match its label)."""
+        """Make a resolved label unavailable (the run's check, on another GPU, said no)."""
         self._resolve(self.lanes[label], (False, why), "unavailable")
 
     def _advance(self, lane: Lane) -> None:
@@ -600,7 +604,8 @@ class Lanes:
             if not lane.probe.done():
                 return
             worker, avail, version = lane.probe.result()
-            if worker is None or not avail[0]:
+            from .config import label_version_problem
+            if worker is None or not avail[0] or label_version_problem(lane.label, version):
                 self._resolve(lane, avail, version)
                 return
             lane.avail, lane.version = avail, version  # its worker's report resolves it

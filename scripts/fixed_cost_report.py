@@ -35,7 +35,8 @@ Timelines written before ``first_row_compile_s`` was recorded (the old commit 7a
 started first (``started_at``; rows of one worker are measured and sent one at a time), so both
 layouts go through the same definition. ``shell.json`` in a RUN_DIR (written by
 ``scripts/h200_fixed_cost.sh``) adds the run's label, commit, exit status and the wall time the
-shell measured around the process.
+shell measured around the process (``shell.json`` and ``<run>.log`` may also sit in the run
+directory's ``_notes/``, as in a committed copy).
 
 Last, where the runs are of two commits or more, the per-point agreement of their ``ok`` rows
 (:func:`agreement`): for each backend, the ratio of each point's median latency at the last
@@ -163,8 +164,8 @@ def run_import_times(run_dir: Path) -> dict:
     out = {}
     texts = {"worker": "".join(f.read_text(errors="replace")
                                for f in sorted((run_dir / "_logs").glob("worker-*.log"))),
-             "process": (run_dir / f"{run_dir.name}.log").read_text(errors="replace")
-             if (run_dir / f"{run_dir.name}.log").is_file() else ""}
+             "process": _extra(run_dir, f"{run_dir.name}.log").read_text(errors="replace")
+             if _extra(run_dir, f"{run_dir.name}.log").is_file() else ""}
     for k, t in texts.items():
         got = import_times(t)
         if got:
@@ -172,11 +173,18 @@ def run_import_times(run_dir: Path) -> dict:
     return out
 
 
+def _extra(run_dir: Path, name: str) -> Path:
+    """A file the device job keeps beside a run's results (``shell.json``, ``<run>.log``): in the
+    run directory, or in its ``_notes/`` where a committed copy keeps it."""
+    p = run_dir / name
+    return p if p.exists() else run_dir / "_notes" / name
+
+
 def report_dir(run_dir: Path, limit_s: float) -> list[dict]:
     """One dict per run in ``run_dir`` (keys: :data:`COLUMNS`)."""
     run_dir = Path(run_dir)
     try:
-        shell = json.loads((run_dir / "shell.json").read_text())
+        shell = json.loads(_extra(run_dir, "shell.json").read_text())
     except (OSError, ValueError):
         shell = {}
     metas = load_meta(run_dir)
@@ -302,10 +310,22 @@ def agreement(recs: list[dict]) -> list[str]:
     key = ["point_key", "direction", "backend"]
     med = df.groupby(["commit", *key])["latency_ms"].median().unstack("commit")
     ratio = (med[commits[-1]] / med[commits[0]]).dropna()
+    if "path" in df:  # the route a backend took: a kernel change between the commits shows here
+        paths = df.groupby(["commit", *key])["path"].agg(
+            lambda x: "/".join(sorted({str(v) for v in x}))).unstack("commit")
+        moved = (paths[commits[-1]] != paths[commits[0]]).reindex(ratio.index, fill_value=False)
+    else:
+        moved = pd.Series(False, index=ratio.index)
     out = [f"per-point agreement, median latency at {commits[-1]} / at {commits[0]} (ok rows):"]
     for b, x in ratio.groupby(level="backend"):
-        out.append(f"  {b}: {len(x)} points, median {x.median():.4f}, range {x.min():.4f}-"
-                   f"{x.max():.4f}, largest |ratio - 1| {(x - 1).abs().max():.2%}")
+        same = x[~moved.loc[x.index]]
+        line = (f"  {b}: {len(x)} points, median {x.median():.4f}, range {x.min():.4f}-"
+                f"{x.max():.4f}, largest |ratio - 1| {(x - 1).abs().max():.2%}")
+        if len(same) < len(x):
+            line += (f"; {len(x) - len(same)} took another path at {commits[-1]}, the other "
+                     f"{len(same)}: largest |ratio - 1| "
+                     + (f"{(same - 1).abs().max():.2%}" if len(same) else "-"))
+        out.append(line)
     return out
 
 

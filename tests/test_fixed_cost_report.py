@@ -151,8 +151,11 @@ def test_agreement_pairs_each_points_median_across_commits(rep, tmp_path):
         store.write_meta(run_id, {"run_id": run_id, "timeline_s": {}})
         for i, ms in enumerate(lat):
             for b, f in (("fla", 1.0), ("tilelang", 0.5)):
-                store.append({"run_id": run_id, "point_key": f"p{i}", "point_index": i, "direction": "fwd",
-                              "backend": b, "status": "ok", "latency_ms": ms * f, "model": "m"})
+                path = "fused" if (b, i, commit) == ("tilelang", 1, "new") else "direct"
+                store.append({"run_id": run_id, "point_key": f"p{i}", "point_index": i,
+                              "direction": "fwd", "backend": b, "status": "ok",
+                              "latency_ms": ms * f * (0.8 if path == "fused" else 1.0),
+                              "model": "m", "path": path})
         store.append({"run_id": run_id, "point_key": "p9", "point_index": 9, "direction": "fwd", "backend": "fla",
                       "status": "crashed", "latency_ms": None, "model": "m"})
         return {"label": d.name, "commit": commit, "run_dir": str(d), "run_id": run_id}
@@ -163,7 +166,9 @@ def test_agreement_pairs_each_points_median_across_commits(rep, tmp_path):
     lines = rep.agreement(recs)
     assert lines[0].startswith("per-point agreement, median latency at new / at old")
     assert "fla: 2 points, median 0.9950, range 0.9800-1.0100, largest |ratio - 1| 2.00%" in lines[1]
-    assert lines[2].startswith("  tilelang: 2 points")
+    # tilelang's second point took another route at the new commit: a kernel change, set apart
+    assert lines[2].startswith("  tilelang: 2 points") and "largest |ratio - 1| 21.60%" in lines[2]
+    assert lines[2].endswith("1 took another path at new, the other 1: largest |ratio - 1| 1.00%")
     assert rep.agreement(recs[:1]) == []
 
 

@@ -31,7 +31,8 @@ def test_parquet_round_trip(tmp_path):
     # this process reads the ceilings, rows), in order
     tl = next(iter(meta.values()))["timeline_s"]
     assert tl.get("process_start", 0) <= 0 <= tl["worker_started"] <= tl["ceilings_measured"]
-    assert tl["worker_started"] <= tl["worker_ready"] <= tl["backends_checked"] <= tl["first_row"]
+    assert tl["worker_started"] <= tl["first_ready"] <= tl["first_row"]
+    assert tl["first_ready"] <= tl["backends_checked"]
     assert tl["first_row"] <= tl["last_row"] <= tl["finished"]
     run_id = next(iter(meta))
     runner.note_timeline(tmp_path, run_id, figures_s=1.25)
