@@ -24,8 +24,11 @@ stmatrix, P and A_β (into ring slot c % 2) by 4-byte stores.
 Gating by factors. With m = (g_0 + g_l) / 2, Γ_ij = e^{g_i − m} · e^{m − g_j}: the producer writes
 per chunk the row factors β e^{g − m} (for L) and scale · e^{g − m} (for P) and the column factors
 e^{m − g}, and a flag set when no gate of the chunk is positive (the cumsum does not increase) and
-its range g_0 − g_l is below ``FACTOR_RANGE`` (160 nats): every factor then lies within e^{±80},
-finite in fp32, and a kept element's product (≤ 1) underflows to 0 at worst. Under the flag (read
+its range g_0 − g_l is below ``FACTOR_RANGE`` (140 nats): every factor then lies within e^{±70},
+finite and normal in fp32. A kept element's product (≤ β_i) underflows to 0 at worst, and a row
+factor β_i e^{g_i − m} is flushed (fast math) only for β_i < 2^-126 e^{70} ≈ 2.9e-8, when every
+element of its row of L (|β_i Γ_ij k_iᵀk_j| ≤ β_i, keys L2-normalised) is one that L's fp16 store
+rounds to 0 anyway. Under the flag (read
 once per chunk, the same for the whole warpgroup) aux gates each element by two multiplies,
 (row_i · col_j) · acc, the column factors loaded as float2 vectors and used for both L and P; the
 masked elements, whose products may overflow, are removed by a select. Otherwise (strong decay,
@@ -83,8 +86,9 @@ NST = 3
 #: rows of the per-token gate table of a stage (gt_sh)
 GT_ROWS = 8
 #: a chunk's Γ is gated by row and column factors when g_0 − g_l (its range, in nats) is below this
-#: and no gate is positive: every factor then lies within e^{±80}, finite in fp32
-FACTOR_RANGE = 160.0
+#: and no gate is positive: every factor then lies within e^{±70}, finite and normal in fp32 (a row
+#: factor β e^{g − m} is flushed only where β < 2.9e-8: its row of L is then 0 in fp16 anyway)
+FACTOR_RANGE = 140.0
 
 
 def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):

@@ -158,7 +158,7 @@ def _r16(x):
 
 
 #: the fused kernel's bound on a chunk's gate range for factored gating (fwd_fused.FACTOR_RANGE)
-FACTOR_RANGE = 160.0
+FACTOR_RANGE = 140.0
 
 
 def _ftz(x):
