@@ -211,15 +211,15 @@ def test_fused_inverse_beats_bf16_rounding_on_correlated_keys():
 
 def _gates(kind, lens, h_v, seed=0):
     """Per-token log-gates [1, T, h_v] of one kind: "ordinary" (the canonical mild decay, a quarter
-    of the heads g = 0), or every whole chunk of every head with g_0 − g_l exactly "under" (159) or
-    "over" (161) the factored-gating bound, random positive weights spread over rows 1..63."""
+    of the heads g = 0), or every whole chunk of every head with g_0 − g_l exactly "under" (139) or
+    "over" (141) the factored-gating bound (140), random positive weights spread over rows 1..63."""
     gen = torch.Generator().manual_seed(seed)
     T = sum(lens)
     if kind == "ordinary":
         g = torch.nn.functional.logsigmoid(torch.randn(1, T, h_v, generator=gen) + 3.0) * 0.5
         g[..., h_v - max(1, h_v // 4) :] = 0.0
         return g
-    rng = {"under": 159.0, "over": 161.0}[kind]
+    rng = {"under": 139.0, "over": 141.0}[kind]
     assert all(n % 64 == 0 for n in lens)
     w = torch.rand(T // 64, 64, h_v, generator=gen) + 0.5
     w[:, 0] = 0.25  # row 0's gate is outside the range g_0 − g_l
@@ -252,7 +252,7 @@ def _chunk_inputs(kind, H=8, seed=0):
 def test_fused_factored_gating_matches_per_element(kind):
     """The fused kernel's factored gating (Γ_ij = e^{g_i − m} e^{m − g_j}, the producer's per-row and
     per-column tables, masked elements removed by a select): taken for ordinary gates and for a chunk
-    whose range g_0 − g_l is just under the bound (factors near e^{±80}), not just over it (the
+    whose range g_0 − g_l is just under the bound (factors near e^{±70}), not just over it (the
     per-element fallback). Where taken, L and P (fp32) are within fp32 error of the fp64 values,
     and A_β (fp16 inverse) and P (bf16), what the kernel stores, as close to them as the
     per-element path's."""
@@ -272,7 +272,7 @@ def test_fused_factored_gating_matches_per_element(kind):
         if factored:
             assert flag.all() if kind != "over" else not flag.any(), (kind, flag)
     f, e = err[True], err[False]
-    # fp32 gating: the factors' exponents g_i − m, m − g_j round to ulp(|g − m|) (≤ ulp(80) near the
+    # fp32 gating: the factors' exponents g_i − m, m − g_j round to ulp(|g − m|) (≤ ulp(70) near the
     # bound), far below L's fp16 rounding (2.4e-4 relative)
     assert f[0] < 1e-5 and f[1] < 1e-5 and e[0] < 1e-5 and e[1] < 1e-5, err
     assert f[2] < 3e-3 and f[2] < 1.01 * e[2] + 1e-5, err  # A_β: its bf16 rounding (~1.7e-3) dominates
@@ -286,7 +286,7 @@ def test_fused_factored_gating_bound_and_fallback():
     emu = _tool("emulate")
     scale = 128**-0.5
     kc, qc, bch, gr, gch = _chunk_inputs("over")
-    gr, gch = gr * (250 / 161), gch * (250 / 161)
+    gr, gch = gr * (250 / 141), gch * (250 / 141)
     kk, qk = kc @ kc.transpose(-1, -2), qc @ kc.transpose(-1, -2)
     lg, pg, flag = emu.fused_gate(kk, qk, gr, gch, bch, scale)
     assert not flag.any() and torch.isfinite(lg).all() and torch.isfinite(pg).all()
@@ -331,3 +331,28 @@ def test_fused_factored_forward_matches_reference(kind):
     assert fo < 1.02 * eo + 1e-5 and fh < 1.02 * eh + 1e-5, (fo, eo, fh, eh)
     if kind == "over":
         assert torch.equal(runs[True][0], runs[False][0])
+
+
+def test_fused_factored_gating_flushes_only_what_fp16_drops():
+    """A row factor β_i e^{g_i − m} below 2^-126 is flushed to 0 (fast math). Under the bound (140
+    nats: factors within e^{±70}) that needs β_i < 2.9e-8, and every element of the row is then one
+    that L's fp16 store rounds to 0 anyway: L in fp16 matches the per-element path's to its last
+    bit on the chunk's last row (g_63 − m = −69.5) for β_63 from 1e-3 down to 1e-12 (one head
+    each). With a 160-nat bound the same holds only for β above 6.6e-4: a last row of β = 1e-4
+    loses its elements."""
+    emu = _tool("emulate")
+    scale = 128**-0.5
+    small = torch.tensor([1e-3, 1e-4, 1e-5, 1e-7, 3e-8, 1e-8, 1e-10, 1e-12])
+    for rng, bound, ok in ((139.0, 140.0, True), (159.0, 160.0, False)):
+        kc, qc, bch, gr, gch = _chunk_inputs("under")
+        gr, gch = gr * (rng / 139), gch * (rng / 139)
+        bch[:, 63] = small
+        kk, qk = kc @ kc.transpose(-1, -2), qc @ kc.transpose(-1, -2)
+        lf, _, flag = emu.fused_gate(kk, qk, gr, gch, bch, scale, bound=bound)
+        le, _, _ = emu.fused_gate(kk, qk, gr, gch, bch, scale, factored=False)
+        assert flag.all()
+        l16f, l16e = emu._r16(lf)[:, 63], emu._r16(le)[:, 63]
+        # one fp16 ulp of the per-element value (the factored fp32 value differs by ~1e-6 relative)
+        ulp = torch.where(l16e.abs() < 2**-14, torch.full_like(l16e, 2**-24), l16e.abs() * 2**-10)
+        close = bool(((l16f - l16e).abs() <= ulp).all())
+        assert close == ok, (rng, bound, float((l16f - l16e).abs().max()))
