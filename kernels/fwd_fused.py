@@ -236,9 +236,9 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     fac = gt_sh[js, 7, 0]
                     # L = StrictLower(diag β · Γ ⊙ K Kᵀ), then P = scale · Γ ⊙ Q Kᵀ (causal, into stage
                     # jt once the state is done with it), gated in registers, one accumulator live at
-                    # a time. Γ_ij = e^{g_i − m} · e^{m − g_j} from the
-                    # producer's row and column tables where the flag allows it (the discarded products
-                    # may be inf: removed by the select), else per element e^{min(g_i − g_j, 0)}
+                    # a time: Γ_ij = e^{g_i − m} · e^{m − g_j} from the producer's row and column
+                    # tables where its flag allows it (the masked products may be inf: dropped by the
+                    # select), else per element e^{min(g_i − g_j, 0)}
                     T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
                     if fac != T.float32(0):
                         for i in T.Parallel(C):
