@@ -68,18 +68,22 @@ IMPORTTIME = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", re.M)
 
 
 def first_row(run_dir: Path, run_id: str) -> dict | None:
-    """The row of ``run_id`` that started first (``started_at``, then point index)."""
+    """The row of ``run_id`` that started first (``started_at``, then point index), from one-row
+    part files or compacted ones (``qlabench.results.compact``)."""
     import pyarrow.parquet as pq
     best = None
-    for f in sorted((run_dir / PARTS_DIR).glob(f"{run_id}-*.parquet")):
+    for f in sorted((run_dir / PARTS_DIR).glob("*.parquet")):
         try:
-            r = pq.read_table(f, columns=["started_at", "compile_s", "backend", "point_index",
-                                          "status"]).to_pylist()[0]
+            rows = pq.read_table(f, columns=["run_id", "started_at", "compile_s", "backend",
+                                              "point_index", "status"]).to_pylist()
         except Exception:
             continue
-        k = (str(r.get("started_at") or "~"), int(r.get("point_index") or 0))
-        if best is None or k < best[0]:
-            best = (k, r)
+        for r in rows:
+            if r.get("run_id") != run_id:
+                continue
+            k = (str(r.get("started_at") or "~"), int(r.get("point_index") or 0))
+            if best is None or k < best[0]:
+                best = (k, r)
     return best[1] if best else None
 
 
