@@ -196,9 +196,10 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
                 tl["backends_checked"] = round(time.time() - t_run, 3)
 
         if first is not None:
-            # a run starts on its first available backend; a resume, a run over several GPUs and
-            # a run that may have to refuse wait for every check
-            wait_all = resume or not one_device
+            # a run starts on its first available backend (where the host has a core for every
+            # worker: :func:`early_rows`); a resume and a run over several GPUs wait for every
+            # check, and a run with none available waits for them all anyway
+            wait_all = resume or not one_device or not early_rows(len(first.lanes))
             while True:
                 for n in sorted(first.resolved() - avail.keys()):
                     resolve(n)
@@ -215,6 +216,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
             avail.update(a_)
             versions.update(v_)
             tl["backends_checked"] = tl["first_ready"] = round(time.time() - t_run, 3)
+        avail = {n: avail[n] for n in names if n in avail}  # in the config's order
         runnable = any(a[0] for a in avail.values())
         if not runnable and len(avail) == len(names):
             ceilings, ceilings_source = {}, None
@@ -270,7 +272,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
 
         def on_row(row: dict) -> None:
             now = round(time.time() - t_run, 3)
-            if "first_row" not in tl:
+            if "first_row" not in tl and row["status"] not in NOT_MEASURED:
                 tl["first_row"] = now
                 tl["first_row_compile_s"] = round(float(row.get("compile_s") or 0.0), 3)
             tl["last_row"] = now
@@ -298,7 +300,8 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         def resolved_later(n: str) -> None:  # a check in after the metadata was first written
             resolve(n)
             note_environments()
-            meta.update(backend_versions=versions, availability={k: list(a) for k, a in avail.items()},
+            meta.update(backend_versions={k: versions[k] for k in names if k in versions},
+                        availability={k: list(avail[k]) for k in names if k in avail},
                         **worker_meta)
             store.write_meta(run_id, meta)
 
@@ -325,13 +328,17 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
 def _dispatch(lanes: Lanes, order: list, names: list, todo, on_resolved, ctx: dict, on_row,
               progress) -> None:
     """One GPU: each (point, direction) x label of ``order`` in its label's worker, in sweep order
-    among the labels resolved so far; a label resolved later (a slower import) catches up from its
-    first point. ``todo(label)``: the indices of ``order`` the label still measures."""
+    among the labels resolved so far (asked again before every row); a label resolved later (a
+    slower import) catches up from its first point. ``todo(label)``: the indices of ``order``
+    the label still measures. A row measured while other labels' workers were still starting
+    says so in its ``reason``. ``progress`` is called once per (point, direction)."""
     from .measure import Task
     rank = {n: i for i, n in enumerate(names)}
     pending = {n: deque(todo(n)) for n in names if n in lanes.resolved() and n in ctx["avail"]}
+    begun: set = set()
     while True:
-        for n in sorted(lanes.resolved() - pending.keys()):
+        lanes.poll(0.0)
+        for n in sorted(lanes.resolved() - pending.keys(), key=rank.get):
             on_resolved(n)
             pending[n] = deque(todo(n))
         heads = [(q[0], rank[n], n) for n, q in pending.items() if q]
@@ -343,9 +350,34 @@ def _dispatch(lanes: Lanes, order: list, names: list, todo, on_resolved, ctx: di
         i, _, n = min(heads)
         pending[n].popleft()
         p, d = order[i]
-        if progress is not None:
-            progress(f"{p.describe()} {d} {n}")
-        lanes.run(n, Task(p, d, [n], ctx), on_row)
+        if progress is not None and i not in begun:
+            progress(f"{p.describe()} {d}")
+        begun.add(i)
+        others = [m for m in lanes.starting() if m != n]
+
+        def noted(row: dict, others=others) -> None:
+            if others:
+                note = f"measured while the workers of {', '.join(others)} were starting"
+                row["reason"] = f"{row['reason']}; {note}" if row.get("reason") else note
+            on_row(row)
+
+        lanes.run(n, Task(p, d, [n], ctx), noted)
+
+
+#: statuses of rows that measured nothing (not a run's first row)
+NOT_MEASURED = ("unavailable", "unsupported", "skipped")
+
+
+def early_rows(n_workers: int) -> bool:
+    """Whether a run's rows may start while other backends' workers still import their
+    libraries: ``$QLABENCH_EARLY_ROWS`` 1 / 0, else where this host has a core for every worker
+    and one more (a row measured meanwhile then shares the host with none of them)."""
+    import os
+    forced = os.environ.get("QLABENCH_EARLY_ROWS", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores > n_workers
 
 
 def check_backends(entries: dict, found: dict | None = None,
@@ -484,7 +516,7 @@ def _run_on_devices(tasks, lanes: dict, on_row, progress, log,
                 if progress is not None:
                     progress(f"[gpu {dev}] {t.point.describe()} {t.direction}")
                 for n in t.backends:
-                    while n not in ln.resolved():
+                    while n not in ln.resolved() and not stop.is_set():
                         ln.poll(0.2)
                     if stop.is_set():
                         return

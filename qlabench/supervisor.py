@@ -220,7 +220,7 @@ def _stack(path: Path, n: int = 900) -> str:
     return " ".join(data[i:].split())[:n] if i >= 0 else " ".join(data.split())[-n:]
 
 
-#: how long a started worker may take to check and import its backends (:meth:`Supervisor.ready`)
+#: how long a started worker may take to check and import its backends (:meth:`Supervisor.poll_ready`)
 READY_TIMEOUT_S = 600.0
 
 #: the interpreter a spawned worker runs (``multiprocessing.spawn``) and the environment it
@@ -259,7 +259,7 @@ class Supervisor:
         self.log_path = self.log_dir / f"worker-{os.getpid()}{tag}-{self.n_started}.log"
         self.log_paths.append(self.log_path)
         parent, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(
+        proc = self.ctx.Process(
             target=_worker_main, args=(child, self.sweep.model_dump(mode="json"),
                                        str(self.log_path), self.env,
                                        self.worker.sys_path if self.worker else None, self.warm),
@@ -270,7 +270,7 @@ class Supervisor:
                 self.ctx.set_executable(self.worker.python)
                 os.environ.update(self.worker.env)
             try:
-                self.proc.start()
+                proc.start()  # self.proc only once started: an interrupt here leaves none to join
             finally:
                 self.ctx.set_executable(exe)
                 for k, v in saved.items():
@@ -278,6 +278,7 @@ class Supervisor:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
+        self.proc = proc
         child.close()
         self.conn = parent
         self.started_at = time.monotonic()
@@ -322,13 +323,6 @@ class Supervisor:
                 return False
             if time.monotonic() >= end:
                 return None
-
-    def ready(self) -> dict | None:
-        """:meth:`poll_ready` waited for: the report, or None when the worker died first."""
-        while True:
-            got = self.poll_ready(self.poll_s)
-            if got is not None:
-                return got or None
 
     def _receive(self, wait_s: float | None = None):
         """The worker's next message ``(kind, payload)`` within ``wait_s`` (default ``poll_s``),
@@ -554,10 +548,13 @@ class Lane:
 
 
 class Lanes:
-    """One supervised worker per backend label, all pinned to one GPU (``env``) and started
-    together (:meth:`start`), each importing its own library; see the module docstring.
-    ``entries``: label -> :class:`~qlabench.config.BackendEntry`; ``probes``: label -> the future
-    of :func:`worker_environment` for the entries with an environment of their own. With
+    """One supervised worker per backend library, all pinned to one GPU (``env``) and started
+    together (:meth:`start`; at most one per core of this host at a time, the rest as the first
+    report), each importing its own library; labels of one library in this process's
+    environment (parameter variants) share its worker, a label with an environment of its own
+    has one there. See the module docstring. ``entries``: label ->
+    :class:`~qlabench.config.BackendEntry`; ``probes``: label -> the future of
+    :func:`worker_environment` for the entries with an environment of their own. With
     ``isolate`` False the labels without an environment of their own are checked and measured
     in this process (:class:`InProcess`)."""
 
@@ -568,21 +565,39 @@ class Lanes:
         self.lanes = {n: Lane(n, e.name, probe=probes[n] if e.own_environment else None)
                       for n, e in entries.items()}
         self.here = None if isolate else InProcess(sweep)
+        self.shared: dict = {}  # registry name -> the worker its labels share
+        self.max_starting = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                else (os.cpu_count() or 1))
 
     def _supervisor(self, lane: Lane, worker: WorkerEnv | None = None) -> Supervisor:
-        return Supervisor(self.sweep, self.log_dir, log=self.log, env=self.env, stop=self.stop,
-                          worker=worker, warm=(lane.name,), label=lane.label)
+        if worker is None and lane.name in self.shared:
+            return self.shared[lane.name]
+        sup = Supervisor(self.sweep, self.log_dir, log=self.log, env=self.env, stop=self.stop,
+                         worker=worker, warm=(lane.name,),
+                         label=lane.label if worker is not None else lane.name)
+        if worker is None:
+            self.shared[lane.name] = sup
+        return sup
+
+    def starting(self) -> list[str]:
+        """Labels whose worker is importing (started, not resolved), and those still to start."""
+        return [n for n, lane in self.lanes.items() if lane.resolved_at is None]
+
+    def _busy(self) -> int:
+        return len({id(lane.sup) for lane in self.lanes.values()
+                    if lane.sup is not None and lane.resolved_at is None
+                    and lane.sup.proc is not None and lane.sup.report is None})
 
     def start(self) -> None:
-        """Every worker of this process's environment starts now (not isolated: those labels
-        are checked here, which imports their libraries)."""
+        """Every worker of this process's environment starts now, up to one per core (not
+        isolated: those labels are checked here, which imports their libraries)."""
         for lane in self.lanes.values():
             if lane.probe is not None or lane.sup is not None or lane.resolved_at is not None:
                 continue
             if self.here is not None:
                 ok, why, version = check_backend(lane.name)
                 self._resolve(lane, (ok, why), version)
-            else:
+            elif lane.name in self.shared or self._busy() < self.max_starting:
                 lane.sup = self._supervisor(lane)
                 lane.sup.start()
 
@@ -592,8 +607,9 @@ class Lanes:
         if why:  # the label asks for another version than the one found
             avail, version = (False, why), "unavailable"
         lane.avail, lane.version, lane.resolved_at = (bool(avail[0]), avail[1]), version, time.time()
-        if not lane.avail[0] and lane.sup is not None:
-            lane.sup.close()  # its rows are made here (:meth:`run`)
+        sharing = [o for o in self.lanes.values() if lane.sup is not None and o.sup is lane.sup]
+        if sharing and all(o.resolved_at is not None and not o.avail[0] for o in sharing):
+            lane.sup.close()  # its labels' rows are made here (:meth:`run`)
 
     def refuse(self, label: str, why: str) -> None:
         """Make a resolved label unavailable (the run's check, on another GPU, said no)."""
@@ -611,6 +627,8 @@ class Lanes:
             lane.avail, lane.version = avail, version  # its worker's report resolves it
             lane.sup = self._supervisor(lane, worker)
         if lane.sup is None:
+            if lane.name not in self.shared and self._busy() >= self.max_starting:
+                return  # its turn comes when a starting worker has reported
             lane.sup = self._supervisor(lane)
         got = lane.sup.poll_ready(0.0)
         if got is None:
@@ -662,6 +680,12 @@ class Lanes:
             on_row(row)
 
     def close(self) -> None:
-        for lane in self.lanes.values():
-            if lane.sup is not None:
-                lane.sup.close()
+        """End every worker (each one, whatever the others raise)."""
+        err = None
+        for sup in {id(lane.sup): lane.sup for lane in self.lanes.values() if lane.sup}.values():
+            try:
+                sup.close()
+            except BaseException as e:  # noqa: BLE001 - the others still close
+                err = err or e
+        if err is not None:
+            raise err

@@ -19,7 +19,7 @@ def test_the_worker_starts_first_and_warms_its_backends(tmp_path):
     meta = json.loads(next((tmp_path / "r" / "_runs").glob("*.json")).read_text())
     tl = meta["timeline_s"]
     assert tl["worker_started"] <= tl["first_ready"] <= tl["first_row"]
-    assert tl["first_ready"] <= tl["backends_checked"]
+    assert abs(tl["first_ready"] - tl["backends_checked"]) < 0.05  # one backend: its check is all
     assert tl["first_row"] <= tl["last_row"] and tl["worker_started"] <= tl["ceilings_measured"]
     log = next((tmp_path / "r" / "_logs").glob("worker-*.log")).read_text()
     assert log.index("--- worker imports") < log.index("--- warm reference") < log.index("--- task")

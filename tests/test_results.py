@@ -32,7 +32,7 @@ def test_parquet_round_trip(tmp_path):
     tl = next(iter(meta.values()))["timeline_s"]
     assert tl.get("process_start", 0) <= 0 <= tl["worker_started"] <= tl["ceilings_measured"]
     assert tl["worker_started"] <= tl["first_ready"] <= tl["first_row"]
-    assert tl["first_ready"] <= tl["backends_checked"]
+    assert abs(tl["first_ready"] - tl["backends_checked"]) < 0.05  # one backend: its check is all
     assert tl["first_row"] <= tl["last_row"] <= tl["finished"]
     run_id = next(iter(meta))
     runner.note_timeline(tmp_path, run_id, figures_s=1.25)
