@@ -145,10 +145,14 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         # the others do and this process goes on below
         stop = None if one_device else threading.Event()
         lanes: dict = {}  # device -> its Lanes
+        # one worker per library where the host has a core for each (and rows may start before
+        # every check: early_rows), else one for every library of this environment
+        n_workers = len({e.name for e in entries.values() if not e.own_environment}) + len(own)
+        early = early_rows(n_workers)
         if pts:
             for dev in ([first_device] if one_device else devices):
                 ln = Lanes(sweep, logs, log, entries, probes, _pin(dev), stop,
-                           isolate=isolate or not one_device)
+                           isolate=isolate or not one_device, per_library=early)
                 started.callback(ln.close)
                 ln.start()
                 lanes[dev] = ln
@@ -199,7 +203,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
             # a run starts on its first available backend (where the host has a core for every
             # worker: :func:`early_rows`); a resume and a run over several GPUs wait for every
             # check, and a run with none available waits for them all anyway
-            wait_all = resume or not one_device or not early_rows(len(first.lanes))
+            wait_all = resume or not one_device or not early
             while True:
                 for n in sorted(first.resolved() - avail.keys()):
                     resolve(n)

@@ -11,15 +11,18 @@ of the worker's stderr log; if a backend runs past ``row_timeout_s`` the worker 
 row says ``timeout``. A fresh worker then goes on with the remaining backends. Compile caches that
 live on disk (TileLang, Triton, FlashInfer JIT) survive worker restarts.
 
-:class:`Lanes`: a run has one worker per backend label (per GPU), all started first thing, so the
-libraries import side by side and the slowest import is not every backend's wait. A label is
-*resolved* once its check is in: its worker's report, or, where the worker died first,
-:func:`probe_backends` in an interpreter of its own (a library whose import kills the interpreter
-is then unavailable alone). A backend entry with an environment of its own (``python:`` /
-``pythonpath:`` in the YAML) is first asked in that environment (:func:`worker_environment`: that
-interpreter, ``PYTHONPATH`` = the entry's directories before the inherited ``PYTHONPATH``, and
-the ``sys.path`` that interpreter has with it), then its worker starts there. Only one worker
-measures at a time: the others wait on their pipes.
+:class:`Lanes`: on a host with a core for every worker, a run has one worker per backend library
+(per GPU; parameter variants of one library share it), all started first thing, so the libraries
+import side by side and the slowest import is not every backend's wait; on a host with fewer
+cores one worker imports every library of the run's environment. A label is *resolved* once its
+check is in: its worker's report, or, where the worker died first, :func:`probe_backends` in an
+interpreter of its own per backend (a library whose import kills the interpreter is then
+unavailable alone, and fresh workers leave it out). A backend entry with an environment of its
+own (``python:`` / ``pythonpath:`` in the YAML) is first asked in that environment
+(:func:`worker_environment`: that interpreter, ``PYTHONPATH`` = the entry's directories before
+the inherited ``PYTHONPATH``, and the ``sys.path`` that interpreter has with it), then its worker
+starts there. Only one worker measures at a time; the others wait on their pipes or are still
+importing.
 
 SIGINT/SIGTERM in the main process never interrupt a row write (:func:`deferred_signals`).
 
@@ -560,23 +563,31 @@ class Lanes:
 
     def __init__(self, sweep, log_dir: Path, log, entries: dict, probes: dict,
                  env: dict | None = None, stop: threading.Event | None = None,
-                 isolate: bool = True):
+                 isolate: bool = True, per_library: bool = True):
         self.sweep, self.log_dir, self.log, self.env, self.stop = sweep, log_dir, log, env, stop
         self.lanes = {n: Lane(n, e.name, probe=probes[n] if e.own_environment else None)
                       for n, e in entries.items()}
         self.here = None if isolate else InProcess(sweep)
-        self.shared: dict = {}  # registry name -> the worker its labels share
+        #: per_library False (a host with few cores): every label of this process's environment
+        #: in one worker that imports all their libraries, one after another
+        self.per_library = per_library
+        self.shared: dict = {}  # registry name (or "" for all) -> the worker its labels share
         self.max_starting = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                 else (os.cpu_count() or 1))
 
+    def _key(self, lane: Lane) -> str:
+        return lane.name if self.per_library else ""
+
     def _supervisor(self, lane: Lane, worker: WorkerEnv | None = None) -> Supervisor:
-        if worker is None and lane.name in self.shared:
-            return self.shared[lane.name]
+        if worker is None and self._key(lane) in self.shared:
+            return self.shared[self._key(lane)]
+        warm = (lane.name,) if worker is not None or self.per_library else tuple(dict.fromkeys(
+            o.name for o in self.lanes.values() if o.probe is None))
         sup = Supervisor(self.sweep, self.log_dir, log=self.log, env=self.env, stop=self.stop,
-                         worker=worker, warm=(lane.name,),
-                         label=lane.label if worker is not None else lane.name)
+                         worker=worker, warm=warm,
+                         label=lane.label if worker is not None else self._key(lane) or None)
         if worker is None:
-            self.shared[lane.name] = sup
+            self.shared[self._key(lane)] = sup
         return sup
 
     def starting(self) -> list[str]:
@@ -597,7 +608,7 @@ class Lanes:
             if self.here is not None:
                 ok, why, version = check_backend(lane.name)
                 self._resolve(lane, (ok, why), version)
-            elif lane.name in self.shared or self._busy() < self.max_starting:
+            elif self._key(lane) in self.shared or self._busy() < self.max_starting:
                 lane.sup = self._supervisor(lane)
                 lane.sup.start()
 
@@ -627,7 +638,7 @@ class Lanes:
             lane.avail, lane.version = avail, version  # its worker's report resolves it
             lane.sup = self._supervisor(lane, worker)
         if lane.sup is None:
-            if lane.name not in self.shared and self._busy() >= self.max_starting:
+            if self._key(lane) not in self.shared and self._busy() >= self.max_starting:
                 return  # its turn comes when a starting worker has reported
             lane.sup = self._supervisor(lane)
         got = lane.sup.poll_ready(0.0)
@@ -642,9 +653,14 @@ class Lanes:
             self._resolve(lane, (ok, why), version)
         elif lane.probe is not None:  # its environment said yes: its rows go through fresh workers
             self._resolve(lane, lane.avail, lane.version)
-        else:
-            found = probe_backends([lane.name], self.env)[lane.name]
-            self._resolve(lane, (found[0], found[1]), found[2])
+        else:  # each backend of the worker asked in an interpreter of its own, all at once
+            sup = lane.sup
+            sharing = [o for o in self.lanes.values()
+                       if o.sup is sup and o.resolved_at is None and o.probe is None]
+            found = probe_backends([o.name for o in sharing], self.env)
+            for o in sharing:
+                self._resolve(o, (found[o.name][0], found[o.name][1]), found[o.name][2])
+            sup.warm = tuple(n for n in sup.warm if found.get(n, [True])[0])  # fresh workers
 
     def poll(self, wait_s: float = 0.0) -> list[str]:
         """Labels resolved by this call (waiting up to ``wait_s`` for one)."""

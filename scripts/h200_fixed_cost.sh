@@ -27,6 +27,7 @@
 # otherwise the old runs get a shim directory whose qlabench_kernels links to $OLD/kernels.
 # Both trees are byte-compiled first, so no run pays for writing .pyc files.
 #
+# ONLY_NEW=1: only the new commit, twice (01_new, 02_new), e.g. to re-measure it after a change.
 # Order: the ceilings cache of the new commit filled (metrics.cached_ceilings; the old commit
 # measures them every run), one warm-up run at the old commit (Triton/FLA autotune, TileLang and
 # FlashQLA caches; its rows are not counted), then old, new, old, new, each into a fresh --out
@@ -153,12 +154,17 @@ main() {
   (cd "$NEW" && PYTHONPATH="$NEW${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
     "from qlabench import metrics; c, s = metrics.cached_ceilings(0); print('new commit ceilings:', s, c)") \
     || log "new commit's ceilings cache not filled"
-  one_run 00_old_warmup "$OLD" "$old_sha" "$WARM_CAP_S" "$shim"
-  one_run 01_old "$OLD" "$old_sha" "$RUN_CAP_S" "$shim"
-  one_run 02_new "$NEW" "$new_sha" "$RUN_CAP_S"
-  one_run 03_old "$OLD" "$old_sha" "$RUN_CAP_S" "$shim"
-  one_run 04_new "$NEW" "$new_sha" "$RUN_CAP_S"
-  PROFILE_IMPORTS=1 one_run 05_new_importtime "$NEW" "$new_sha" "$RUN_CAP_S"
+  if [ "${ONLY_NEW:-0}" = 1 ]; then  # the new commit alone, twice (its first run pays FLA's autotune)
+    one_run 01_new "$NEW" "$new_sha" "$RUN_CAP_S"
+    one_run 02_new "$NEW" "$new_sha" "$RUN_CAP_S"
+  else
+    one_run 00_old_warmup "$OLD" "$old_sha" "$WARM_CAP_S" "$shim"
+    one_run 01_old "$OLD" "$old_sha" "$RUN_CAP_S" "$shim"
+    one_run 02_new "$NEW" "$new_sha" "$RUN_CAP_S"
+    one_run 03_old "$OLD" "$old_sha" "$RUN_CAP_S" "$shim"
+    one_run 04_new "$NEW" "$new_sha" "$RUN_CAP_S"
+    PROFILE_IMPORTS=1 one_run 05_new_importtime "$NEW" "$new_sha" "$RUN_CAP_S"
+  fi
   pack
   log "done"
 }

@@ -61,7 +61,8 @@ def _rows(out_dir: Path):
 
 
 def test_the_run_process_imports_no_backend_library(tmp_path):
-    out, imported = _cli(tmp_path, "--out", str(tmp_path / "r"))
+    """One worker per library (forced: this host may have too few cores for that by default)."""
+    out, imported = _cli(tmp_path, "--out", str(tmp_path / "r"), QLABENCH_EARLY_ROWS="1")
     assert out.returncode == 0, out.stdout + out.stderr
     assert imported == [], f"the run's own process imported {imported}"
     df = _rows(tmp_path / "r")
@@ -111,6 +112,8 @@ def test_with_too_few_cores_the_rows_wait_for_every_check(tmp_path):
     assert list(df["status"]) == ["ok"] * 4 and not df["reason"].str.len().any()
     tl = json.loads(next((tmp_path / "r" / "_runs").glob("*.json")).read_text())["timeline_s"]
     assert tl["backends_checked"] <= tl["first_row"]
+    # one worker imports both libraries
+    assert len(list((tmp_path / "r" / "_logs").glob("worker-*.log"))) == 1
 
 
 def test_dry_run_asks_the_libraries_elsewhere(tmp_path):
