@@ -198,6 +198,12 @@ def run(
 ):
     """Run a sweep: every backend checked against the reference, then timed; one Parquet row each."""
     s = _load(config)
+    from . import runner
+    try:
+        runner.early_rows(1)
+    except ValueError as e:
+        err.print(f"error: {e}", highlight=False)
+        raise typer.Exit(2) from None
     names = _backend_list(backends, s)
     shard_t = _parse_shard(shard)
     devices = _parse_gpus(gpus)

@@ -378,7 +378,10 @@ def early_rows(n_workers: int) -> bool:
     and one more (a row measured meanwhile then shares the host with none of them)."""
     import os
     forced = os.environ.get("QLABENCH_EARLY_ROWS", "").strip()
-    if forced in ("0", "1"):
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"QLABENCH_EARLY_ROWS={forced!r}: expected 1 (rows start at the first "
+                         "backend's check), 0 (after every check) or unset (by this host's cores)")
+    if forced:
         return forced == "1"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores > n_workers

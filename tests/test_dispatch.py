@@ -87,3 +87,16 @@ def test_early_rows_by_cores_or_environment(monkeypatch):
     assert runner.early_rows(5) is True
     monkeypatch.setenv("QLABENCH_EARLY_ROWS", "0")
     assert runner.early_rows(1) is False
+
+
+def test_a_bad_early_rows_value_is_refused(monkeypatch, tmp_path):
+    import pytest
+    from typer.testing import CliRunner
+
+    from qlabench.cli import app
+    monkeypatch.setenv("QLABENCH_EARLY_ROWS", "yes")
+    with pytest.raises(ValueError, match="QLABENCH_EARLY_ROWS='yes'"):
+        runner.early_rows(2)
+    res = CliRunner().invoke(app, ["run", "configs/smoke.yaml", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "QLABENCH_EARLY_ROWS='yes'" in res.output
+    assert not (tmp_path / "r").exists()
