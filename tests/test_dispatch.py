@@ -1,102 +1,143 @@
-"""One GPU, one worker per backend label: rows go out in sweep order among the labels checked so
-far, asked again before every row, so a label whose library imports slower joins as soon as it
-is checked and catches up from its first point; rows measured while other workers were starting
-say so; the progress callback advances once per (point, direction); rows may start before every
-check only where the host has a core per worker (or ``$QLABENCH_EARLY_ROWS`` says)."""
+"""qlabench.dispatch: buckets where the winner changes, choose(), fallback, leave-one-out figures."""
 
-import os
-from types import SimpleNamespace
+from __future__ import annotations
 
-from qlabench import runner
+import json
+import math
 
+import pytest
+from test_summary import row, write
+from typer.testing import CliRunner
 
-class FakeLanes:
-    """Labels resolved after a number of polls each (0: at once); ``run`` records the order."""
+from qlabench import dispatch, results
+from qlabench.cli import app
 
-    def __init__(self, after: dict):
-        self.after = dict(after)
-        self.polls = 0
-        self.ran: list = []
-        self.lanes = {n: SimpleNamespace(avail=(True, "")) for n in after}
-
-    def poll(self, wait_s=0.0):
-        self.polls += 1
-        return []
-
-    def resolved(self):
-        return {n for n, k in self.after.items() if self.polls >= k}
-
-    def starting(self):
-        return [n for n in self.after if n not in self.resolved()]
-
-    def run(self, label, task, on_row):
-        self.ran.append((label, task.point))
-        on_row({"backend": label, "point": task.point, "reason": ""})
+LAYOUTS = [(1024,), (2048,), (1024, 1024), (2048, 512), (4096,), (8192,), (16384,), (4096, 4096)]
 
 
-def _go(lanes, n_points=6):
-    names = list(lanes.after)
-    ctx = {"avail": {n: (True, "") for n in names if n in lanes.resolved()}}
-    rows, seen, progress = [], [], []
-
-    def on_resolved(n):
-        ctx["avail"][n] = (True, "")
-        seen.append(n)
-
-    class P(int):
-        def describe(self):
-            return f"p{int(self)}"
-
-    order = [(P(i), "fwd") for i in range(n_points)]
-    runner._dispatch(lanes, order, names, lambda n: list(range(n_points)), on_resolved, ctx,
-                     rows.append, progress.append)
-    return rows, seen, progress
+def rows_short_long(hq=4, hv=16, model="m 4/16", odd=None, base_index=0):
+    """``short`` wins by 20% where max_len < 4096, ``long`` by 25% elsewhere; ``odd``: a layout
+    where ``odd`` wins by 10% over ``long`` (no neighbour shares it)."""
+    out = []
+    for i, lay in enumerate(LAYOUTS + ([odd] if odd else [])):
+        t = 1e-4 * sum(lay) + 0.01 * len(lay)
+        short, long_ = (t, 1.2 * t) if max(lay) < 4096 else (1.25 * t, t)
+        kw = dict(seqlens=lay, model=model, hq=hq, hv=hv, point_index=base_index + i, noise=0.001)
+        out += [row("short", short, seed=3 * i, **kw), row("long", long_, seed=3 * i + 1, **kw)]
+        if odd is not None and lay == odd:
+            out.append(row("odd", long_ / 1.1, seed=3 * i + 2, **kw))
+    return out
 
 
-def test_a_label_checked_later_joins_at_once_and_catches_up_from_its_first_point():
-    lanes = FakeLanes({"fast": 0, "slow": 4})  # slow is checked at the 4th poll
-    rows, seen, progress = _go(lanes)
-    ran = [(n, int(p)) for n, p in lanes.ran]
-    first_slow = ran.index(("slow", 0))
-    assert first_slow < ran.index(("fast", 5)), ran  # it did not wait for fast's last point
-    assert [p for n, p in ran if n == "slow"] == list(range(6))  # from its first point, in order
-    assert seen == ["slow"]
-    # after slow joins, the earliest pending point goes first whoever it belongs to
-    assert ran[first_slow:first_slow + 2] == [("slow", 0), ("slow", 1)]
-    # rows measured while slow's worker was starting say so; later ones do not
-    assert all("slow were starting" in r["reason"] for r in rows[:first_slow])
-    assert not any(r["reason"] for r in rows[first_slow:])
-    assert progress == [f"p{i} fwd" for i in range(6)]  # once per (point, direction)
+def table_of(tmp_path, rows, **kw):
+    d = write(tmp_path / "r", rows)
+    return dispatch.recommend(results.latest(results.load(d)), d, **kw), d
 
 
-def test_labels_checked_at_once_go_point_by_point_in_config_order():
-    lanes = FakeLanes({"a": 0, "b": 0})
-    rows, seen, _ = _go(lanes, 3)
-    assert [(n, int(p)) for n, p in lanes.ran] == [("a", 0), ("b", 0), ("a", 1), ("b", 1),
-                                                    ("a", 2), ("b", 2)]
-    assert not any(r["reason"] for r in rows)
+def test_bucket_sits_where_the_winner_changes(tmp_path):
+    t, _ = table_of(tmp_path, rows_short_long())
+    (h,) = t["head_configs"]
+    assert (h["h_qk"], h["h_v"], h["points"]) == (4, 16, len(LAYOUTS))
+    assert [b["choice"] for b in h["buckets"]] == ["short", "long"]
+    assert h["buckets"][0]["bounds"]["max_len"] == [None, 2897]  # ceil(sqrt(2048 * 4096))
+    assert h["buckets"][1]["bounds"]["max_len"] == [2897, None]
+    b0 = h["buckets"][0]
+    assert b0["margin"] == pytest.approx(1.2) and b0["runner_up"] == "long"
+    assert b0["points"] == 4 and b0["winner_or_tie"] == 4
+    ev = b0["evidence"][0]
+    assert ev["winner"] == "short" and set(ev["latency_ms"]) == {"short", "long"}
+    assert ev["point_key"].startswith("4/16/d128|")
+    d = dispatch.Dispatch(t)
+    assert d.choose(4, 16, [1000, 1500]).backend == "short"
+    assert d.choose(4, 16, [3000]).backend == "long"
+    c = d.choose(4, 16, [100])
+    assert c.exact and c.bucket == 0 and "max_len < 2897" in c.reason and str(c) == "short"
+    with pytest.raises(ValueError):
+        d.choose(4, 16, [])
 
 
-def test_early_rows_by_cores_or_environment(monkeypatch):
-    monkeypatch.delenv("QLABENCH_EARLY_ROWS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert runner.early_rows(3) is True
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert runner.early_rows(2) is False and runner.early_rows(1) is True
-    monkeypatch.setenv("QLABENCH_EARLY_ROWS", "1")
-    assert runner.early_rows(5) is True
-    monkeypatch.setenv("QLABENCH_EARLY_ROWS", "0")
-    assert runner.early_rows(1) is False
+def test_held_out_all_right_when_the_rule_is_clean(tmp_path):
+    t, _ = table_of(tmp_path, rows_short_long())
+    ho = t["held_out"]
+    assert ho["points"] == len(LAYOUTS) and ho["right"] == len(LAYOUTS)
+    assert ho["accuracy"] == 1.0 and ho["geomean_regret"] == pytest.approx(1.0)
+    assert ho["meets_goal"] and ho["misses"] == []
 
 
-def test_a_bad_early_rows_value_is_refused(monkeypatch, tmp_path):
-    import pytest
-    from typer.testing import CliRunner
+def test_held_out_counts_the_lone_odd_point_wrong(tmp_path):
+    odd = (32768,)
+    t, _ = table_of(tmp_path, rows_short_long(odd=odd))
+    ho = t["held_out"]
+    n = len(LAYOUTS) + 1
+    assert ho["points"] == n and ho["right"] == n - 1
+    assert ho["accuracy"] == pytest.approx((n - 1) / n)
+    # held out, the odd layout gets `long` (its neighbours' winner): 10% slower than `odd`
+    (m,) = ho["misses"]
+    assert m["chosen"] == "long" and m["winner"] == "odd" and m["regret"] == pytest.approx(1.1)
+    assert ho["geomean_regret"] == pytest.approx(math.exp(math.log(1.1) / n))
+    assert ho["per_model"][0]["model"] == "m 4/16" and ho["per_model"][0]["right"] == n - 1
 
-    from qlabench.cli import app
-    monkeypatch.setenv("QLABENCH_EARLY_ROWS", "yes")
-    with pytest.raises(ValueError, match="QLABENCH_EARLY_ROWS='yes'"):
-        runner.early_rows(2)
-    res = CliRunner().invoke(app, ["run", "configs/smoke.yaml", "--out", str(tmp_path / "r")])
-    assert res.exit_code == 2 and "QLABENCH_EARLY_ROWS='yes'" in res.output
-    assert not (tmp_path / "r").exists()
+
+def test_tie_counts_as_right_in_held_out(tmp_path):
+    rows = rows_short_long()
+    # on one short-side point `long` wins, but only by 0.3%: held out, that point gets `short`
+    # (its neighbours' choice), not the winner, yet within the noise of it -> right
+    for r in rows:
+        if r["seqlens"] == [1024, 1024] and r["backend"] == "long":
+            s = [x / 1.2 * 0.997 for x in r["samples_ms"]]
+            r.update(samples_ms=s, latency_ms=sorted(s)[len(s) // 2])
+    t, _ = table_of(tmp_path, rows)
+    ev = {tuple(e["seqlens"]): e for b in t["buckets"] for e in b["evidence"]}
+    assert ev[(1024, 1024)]["winner"] == "long"
+    assert t["held_out"]["right"] == len(LAYOUTS) and t["held_out"]["misses"] == []
+
+
+def test_unseen_head_config_falls_back_with_a_reason(tmp_path):
+    rows = rows_short_long() + rows_short_long(hq=16, hv=16, model="m 16/16", base_index=50)
+    t, _ = table_of(tmp_path, rows)
+    d = dispatch.Dispatch(t)
+    assert d.nearest(8, 32) == (4, 16) and d.nearest(16, 24) == (16, 16)
+    c = d.choose(8, 32, [1024])
+    assert c.backend == "short" and not c.exact and "8/32 was not measured" in c.reason
+    assert "nearest measured: 4/16" in c.reason
+    c = d.choose(8, 32, [1024], fallback=False)
+    assert c.backend is None and "fallback off" in c.reason
+
+
+def test_cli_recommend_writes_a_loadable_table(tmp_path):
+    d = write(tmp_path / "r", rows_short_long())
+    out = tmp_path / "o" / "dispatch.json"
+    r = CliRunner().invoke(app, ["recommend", str(d), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "8/8 = 100.0% winner or tie" in r.output and "geomean regret 1.0000" in r.output
+    data = json.loads(out.read_text())
+    assert data["format"] == "qlabench-dispatch" and data["version"] == 1
+    assert data["direction"] == "fwd" and data["source"]["dir"] == str(d)
+    assert data["source"]["run_ids"] == ["20260101T000000-aaaaaa"]
+    assert data["source"]["gpus"] == ["NVIDIA H200"]
+    assert data["held_out"]["accuracy"] == 1.0
+    tab = dispatch.load(out)
+    assert tab.choose(4, 16, [512, 512]).backend == "short"
+    assert tab.choose(4, 16, [8192, 8192]).backend == "long"
+    r = CliRunner().invoke(app, ["recommend", str(d), "--out", str(out), "--backends", "long"])
+    assert r.exit_code == 0 and dispatch.load(out).choose(4, 16, [512]).backend == "long"
+    r = CliRunner().invoke(app, ["recommend", str(d), "--out", str(out), "--backends", "nope"])
+    assert r.exit_code == 2 and "not in" in r.output
+
+
+def test_cli_recommend_bad_input(tmp_path):
+    bad = write(tmp_path / "bad", [row("fla", None, status="incorrect"),
+                                   row("tilelang", None, status="crashed")])
+    r = CliRunner().invoke(app, ["recommend", str(bad), "--out", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and "no ok fwd rows" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "x.json").exists()
+    (tmp_path / "empty" / "parts").mkdir(parents=True)
+    r = CliRunner().invoke(app, ["recommend", str(tmp_path / "empty"), "--out", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and "no result rows" in r.output
+
+
+def test_load_refuses_other_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"format": "something", "version": 1}))
+    with pytest.raises(ValueError, match="not a qlabench-dispatch version 1 table"):
+        dispatch.load(p)
