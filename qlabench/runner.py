@@ -40,6 +40,7 @@ from .supervisor import (
     Lanes,
     check_backend,
     deferred_signals,
+    host_cores,
     install_sigterm_as_interrupt,
     probe_backends,
     process_started_at,
@@ -383,8 +384,7 @@ def early_rows(n_workers: int) -> bool:
                          "backend's check), 0 (after every check) or unset (by this host's cores)")
     if forced:
         return forced == "1"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores > n_workers
+    return host_cores() > n_workers
 
 
 def check_backends(entries: dict, found: dict | None = None,

@@ -223,6 +223,22 @@ def _stack(path: Path, n: int = 900) -> str:
     return " ".join(data[i:].split())[:n] if i >= 0 else " ".join(data.split())[-n:]
 
 
+def pinned_row(task, backend: str, env: dict | None) -> dict:
+    """A row of ``backend`` on ``task`` made in this process for a worker pinned by ``env``
+    (its GPU, not this process's)."""
+    from .measure import row_for, uuid_of
+    row = row_for(task, backend)
+    pinned = (env or {}).get("QLABENCH_GPU_INDEX")
+    if pinned is not None:
+        row.update(gpu_index=int(pinned), gpu_uuid=uuid_of(int(pinned)))
+    return row
+
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 #: how long a started worker may take to check and import its backends (:meth:`Supervisor.poll_ready`)
 READY_TIMEOUT_S = 600.0
 
@@ -349,7 +365,7 @@ class Supervisor:
         self.conn = None
 
     def run_task(self, task, on_row) -> None:
-        from .measure import Task, row_for, uuid_of
+        from .measure import Task
         remaining = list(task.backends)
         idle_deaths = 0
         while remaining:
@@ -406,10 +422,7 @@ class Supervisor:
                 if idle_deaths < 2:
                     continue
                 current = remaining[0]  # it keeps dying before this backend starts: blame it
-            row = row_for(task, current)
-            pinned = self.env.get("QLABENCH_GPU_INDEX")
-            if pinned is not None:  # the worker's GPU, not this process's
-                row.update(gpu_index=int(pinned), gpu_uuid=uuid_of(int(pinned)))
+            row = pinned_row(task, current, self.env)
             if failure == "timeout":
                 reason = (f"no result within row_timeout_s={self.sweep.row_timeout_s:g}; worker "
                           f"killed | stack: {_stack(self.log_path)}")
@@ -572,8 +585,7 @@ class Lanes:
         #: in one worker that imports all their libraries, one after another
         self.per_library = per_library
         self.shared: dict = {}  # registry name (or "" for all) -> the worker its labels share
-        self.max_starting = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                else (os.cpu_count() or 1))
+        self.max_starting = max(1, host_cores())
 
     def _key(self, lane: Lane) -> str:
         return lane.name if self.per_library else ""
@@ -662,18 +674,18 @@ class Lanes:
                 self._resolve(o, (found[o.name][0], found[o.name][1]), found[o.name][2])
             sup.warm = tuple(n for n in sup.warm if found.get(n, [True])[0])  # fresh workers
 
-    def poll(self, wait_s: float = 0.0) -> list[str]:
-        """Labels resolved by this call (waiting up to ``wait_s`` for one)."""
+    def poll(self, wait_s: float = 0.0) -> None:
+        """Advance every unresolved label, waiting up to ``wait_s`` for one to resolve
+        (:meth:`resolved` says which are)."""
         end = time.monotonic() + wait_s
+        before = self.resolved()
         while True:
-            new = []
             for lane in self.lanes.values():
-                if lane.avail is None or lane.resolved_at is None:
+                if lane.resolved_at is None:
                     self._advance(lane)
-                    if lane.resolved_at is not None:
-                        new.append(lane.label)
-            if new or time.monotonic() >= end or self.resolved() == set(self.lanes):
-                return new
+            now = self.resolved()
+            if now != before or time.monotonic() >= end or now == set(self.lanes):
+                return
             time.sleep(0.05)
 
     def resolved(self) -> set:
@@ -686,12 +698,8 @@ class Lanes:
         if lane.avail[0]:
             (lane.sup or self.here).run_task(task, on_row)
             return
-        from .measure import row_for, uuid_of
         for n in task.backends:
-            row = row_for(task, n)
-            pinned = (self.env or {}).get("QLABENCH_GPU_INDEX")
-            if pinned is not None:
-                row.update(gpu_index=int(pinned), gpu_uuid=uuid_of(int(pinned)))
+            row = pinned_row(task, n, self.env)
             row.update(status="unavailable", reason=lane.avail[1])
             on_row(row)
 

@@ -22,7 +22,6 @@ class FakeLanes:
 
     def poll(self, wait_s=0.0):
         self.polls += 1
-        return []
 
     def resolved(self):
         return {n for n, k in self.after.items() if self.polls >= k}
