@@ -14,12 +14,11 @@ last valid value)
     Sᵀ  ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
 The inverse on tensor cores, in fp16: L is stored once in fp16; D = blockdiag((I + L_bb)⁻¹) over
-its 16x16 diagonal blocks (substitution in fp32 registers, warp b of aux on block b, from L's fp32
-accumulator: shuffles, no shared memory); N = D L with the diagonal blocks
+its 16x16 diagonal blocks (substitution in fp32, 64 threads); N = D L with the diagonal blocks
 dropped (there D L_bb = I − D), strictly block-lower so N⁴ = 0 and (I + L)⁻¹ = (I + N)⁻¹ D =
 (I − N)(I + N²) D: Y = (I + N²) Dβ (Dβ = D diag β), A_β = Y − N Y. Four 64x64x64 wgmmas; fp16
 (not bf16) operands keep A_β's error (~5e-4 relative on correlated keys) below its own bf16
-rounding. Every aux step gates or masks in registers; L, D, Dβ, N, I + N² and Y go to shared memory by
+rounding. Every aux step gates or masks in registers; L, N, I + N² and Y go to shared memory by
 stmatrix, P and A_β (into ring slot c % 2) by 4-byte stores.
 
 Gating by factors. With m = (g_0 + g_l) / 2, Γ_ij = e^{g_i − m} · e^{m − g_j}: the producer writes
@@ -156,10 +155,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             bi = T.alloc_fragment((C,), "float32")  # β (or β e^{g − m}) per row
             cj = T.alloc_fragment((C,), "float32")  # e^{m − g} per column of a_acc
             fac = T.alloc_var("float32")
-            ll = T.alloc_local((8,), "float32")  # L's diagonal block, this lane's 8 elements
-            xl = T.alloc_local((8,), "float32")  # its inverse, the same elements
-            xr = T.alloc_local((4,), "float32")  # row st of the inverse at this lane's columns
-            lr = T.alloc_local((2,), "float32")  # L's column st at this lane's rows
+            x16 = T.alloc_local((B,), "float32")
             acc1 = T.alloc_var("float32")
             # producer warp 13
             gv = T.alloc_local((2,), "float32")
@@ -227,8 +223,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             elif tx < 384:
                 # ---------------- WG2: aux, A_β and P ----------------
                 T.set_max_nreg(RA, 0)
-                lane = (tx - 256) % 32
-                wq = (tx - 256) // 32
+                li = tx - 256
+                for i, j in T.Parallel(C, C):
+                    d_sh[i, j] = T.float16(0)
+                    db_sh[i, j] = T.float16(0)
                 for ci in T.serial(nchunks):
                     js = ci % NST
                     pj = (ci // NST) % 2
@@ -258,46 +256,6 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                                 i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
                             )
                     T.copy(a_acc, lo_sh)
-                    # D = blockdiag((I + L_bb)⁻¹) in fp32 registers: warp w of aux holds the 16x16
-                    # diagonal block w of a_acc (the wgmma accumulator layout: lane l, rows
-                    # 8r + l // 4, columns 8h + 2 (l % 4) + c of the block, slot 4h + 2r + c of ll / xl);
-                    # column-oriented substitution of all 16 columns at once, row s of X final at
-                    # step s, its values and L's column s broadcast by shuffles
-                    for b in range(C // B):  # the block index a constant: a_acc stays in registers
-                        if wq == b:
-                            for h in T.unroll(2):
-                                for r in T.unroll(2):
-                                    for c in T.unroll(2):
-                                        ll[h * 4 + r * 2 + c] = a_acc[b * B + 8 * r + lane // 4, b * B + 8 * h + 2 * (lane % 4) + c]
-                    for h in T.unroll(2):
-                        for r in T.unroll(2):
-                            for c in T.unroll(2):
-                                xl[h * 4 + r * 2 + c] = T.if_then_else(
-                                    8 * r + lane // 4 == 8 * h + 2 * (lane % 4) + c, T.float32(1), T.float32(0)
-                                )
-                    for st in T.unroll(B - 1):
-                        for h in T.unroll(2):
-                            for c in T.unroll(2):
-                                xr[h * 2 + c] = T.shfl_sync(xl[h * 4 + (st // 8) * 2 + c], (st % 8) * 4 + lane % 4)
-                        for r in T.unroll(2):
-                            lr[r] = T.shfl_sync(ll[(st // 8) * 4 + r * 2 + st % 2], (lane // 4) * 4 + (st % 8) // 2)
-                        for h in T.unroll(2):
-                            for r in T.unroll(2):
-                                for c in T.unroll(2):
-                                    xl[h * 4 + r * 2 + c] = xl[h * 4 + r * 2 + c] - lr[r] * xr[h * 2 + c]
-                    T.clear(a_acc)
-                    for b in range(C // B):
-                        if wq == b:
-                            for h in T.unroll(2):
-                                for r in T.unroll(2):
-                                    for c in T.unroll(2):
-                                        a_acc[b * B + 8 * r + lane // 4, b * B + 8 * h + 2 * (lane % 4) + c] = xl[h * 4 + r * 2 + c]
-                    T.copy(a_acc, d_sh)
-                    for j in T.Parallel(C):
-                        cj[j] = gt_sh[js, 1, j]
-                    for i, j in T.Parallel(C, C):
-                        a_acc[i, j] = a_acc[i, j] * cj[j]
-                    T.copy(a_acc, db_sh)
                     T.barrier_wait(t_free[jt], 1 - pt)
                     T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
                     if fac != T.float32(0):
@@ -315,6 +273,19 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                                 i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
                             )
                     T.copy(p_acc, pp_sh[jt, :, :])
+                    # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
+                    # Dβ outside the diagonal blocks stay zero from before the loop)
+                    if li < C:
+                        for i in T.unroll(B):
+                            x16[i] = T.float32(0)
+                        for i in T.unroll(B):
+                            acc1 = T.if_then_else(li % B == i, T.float32(1), T.float32(0))
+                            for j in T.unroll(i):
+                                acc1 = acc1 - T.cast(lo_sh[(li // B) * B + i, (li // B) * B + j], "float32") * x16[j]
+                            x16[i] = acc1
+                        for i in T.unroll(B):
+                            d_sh[(li // B) * B + i, li] = T.cast(x16[i], "float16")
+                            db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
                     T.fence_proxy_async()
                     # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
                     T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
