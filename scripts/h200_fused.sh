@@ -10,8 +10,10 @@
 #                 starts in its own session afterwards and STEP=wait, the next call, collects it.
 #   STEP=profile  an ncu profile of the fused kernel on 16/64 4x8192 and its stalls per role
 #                 (scripts/ncu_stalls.py).
-#   STEP=sweep    tilelang vs tilelang@prev over the forward sweep (configs/h200_fwd_kernels_prev.yaml)
-#                 and the comparison; the run packed into $OUT/runs.tgz.
+#   STEP=sweep    CONFIG (default configs/h200_fwd_kernels_prev.yaml: tilelang vs tilelang@prev over
+#                 the forward sweep, and their comparison; configs/h200_fwd_paths.yaml and
+#                 configs/h200_bwd_splits.yaml: the planners' candidates, for scripts/plan_refit.py)
+#                 into runs/<config name>, packed into $OUT/runs.tgz; SWEEP_S caps the run.
 #   STEP=wait     until the fixed-cost job ends or the call's deadline; its files into $OUT.
 # DEVICE_LEFT_S: the session's device seconds left (the fixed-cost job's deadline).
 set -uo pipefail
@@ -21,17 +23,22 @@ log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
 FC=/tmp/fc_out
 
 case "${STEP:?STEP=check|profile|sweep|wait}" in
-sweep)  # carry as for check: tilelang vs tilelang@prev over the forward sweep (configs/h200_fwd_kernels_prev.yaml)
+sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml: tilelang vs tilelang@prev
+  # over the forward sweep, then their comparison) into runs/<its name>, packed into $OUT/runs.tgz
+  CONFIG=${CONFIG:-configs/h200_fwd_kernels_prev.yaml}; RUN=runs/$(basename "$CONFIG" .yaml)
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
   source /tmp/job/env.sh; cd /tmp/repo
+  log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
   nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
-  timeout --signal=INT --kill-after=20 ${SWEEP_S:-480} qlabench run configs/h200_fwd_kernels_prev.yaml \
-    --out runs/h200_fwd_kernels_prev > "$OUT/sweep.log" 2>&1; log "sweep: exit $?"; tail -30 "$OUT/sweep.log"
-  qlabench compare runs/h200_fwd_kernels_prev --base-backend tilelang@prev --new-backend tilelang \
-    --out runs/h200_fwd_kernels_prev/compare_prev_vs_new.json > runs/h200_fwd_kernels_prev/compare_prev_vs_new.txt 2>&1
-  tail -30 runs/h200_fwd_kernels_prev/compare_prev_vs_new.txt
-  tar czf "$OUT/runs.tgz" --exclude=_logs runs/h200_fwd_kernels_prev; ls -la "$OUT"; log done;;
+  timeout --signal=INT --kill-after=20 ${SWEEP_S:-480} qlabench run "$CONFIG" --out "$RUN" > "$OUT/sweep.log" 2>&1
+  log "sweep: exit $?"; tail -30 "$OUT/sweep.log"
+  if grep -q "tilelang@prev" "$CONFIG"; then
+    qlabench compare "$RUN" --base-backend tilelang@prev --new-backend tilelang \
+      --out "$RUN/compare_prev_vs_new.json" > "$RUN/compare_prev_vs_new.txt" 2>&1
+    tail -30 "$RUN/compare_prev_vs_new.txt"
+  fi
+  tar czf "$OUT/runs.tgz" --exclude=_logs "$RUN"; ls -la "$OUT"; log done;;
 profile)  # carry as for check: an ncu profile of the fused kernel (16/64 4x8192), its stalls per role
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/

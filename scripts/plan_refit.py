@@ -1,0 +1,247 @@
+"""Refit the planners' cost models (kernels/plan.py) to a run of their candidates side by side.
+
+    python scripts/plan_refit.py fwd DIR [--json OUT]   # a run of configs/h200_fwd_paths.yaml
+    python scripts/plan_refit.py bwd DIR [--json OUT]   # a run of configs/h200_bwd_splits.yaml
+
+fwd: per point the latency of the fused kernel unsplit (``tl-fused``) and of fwd_o at V block 64
+and 32 (``tl-bv64``, ``tl-bv32``: each with the segment length plan_split picks for that block).
+Fits, by least squares on log latency over those rows, the ms per model unit and the two constants
+that decide between the fused kernel and fwd_o (the fused chunk step, prep's cost); fwd_o's own
+constants, which pick its split, stay as they are, so every choice of the refit planner is one of
+the measured rows.
+bwd: per point the latency at every segment length (``tl-split<S>``, 0 = unsplit). The latency
+is a per-point base (the stages the split does not change) plus the split chains' model
+(``bwd_split_cost``), linear in its constants: fitted by non-negative least squares.
+
+Both report, as geomeans over the points and per point: the planned label (``tilelang``), the
+best candidate measured, and the choice of the planner with the refit constants, each a measured
+row of the same run; the ratios pair rows of that run only.
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+
+SMS = 132  # the H200's
+
+
+def _plan():
+    from qlabench_kernels import plan
+
+    return plan
+
+
+def load(run_dir: pathlib.Path):
+    import pandas as pd
+
+    from qlabench.results import load as load_rows
+
+    df = load_rows(run_dir, latest=True)
+    df = df[df.status == "ok"].copy()
+    if df.empty:
+        raise SystemExit(f"error: no ok rows under {run_dir}")
+    df["lens"] = df.seqlens.apply(lambda s: tuple(int(x) for x in s))
+    df["key"] = df.apply(lambda r: (int(r.h_qk), int(r.h_v), r.lens), axis=1)
+    lat = df.pivot_table(index="key", columns="backend", values="latency_ms", aggfunc="median")
+    return df, pd.DataFrame(lat)
+
+
+def _geo(xs):
+    xs = [x for x in xs if x == x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def _with_costs(plan, **kw):
+    old = dict(plan._SPLIT_COST)
+    plan._SPLIT_COST.update(kw)
+    plan._plan_lens.cache_clear()
+    return old
+
+
+def fwd(run_dir, out_json=None):
+    plan = _plan()
+    _, lat = load(run_dir)
+    need = ["tl-fused", "tl-bv64", "tl-bv32"]
+    missing = [c for c in need if c not in lat.columns]
+    if missing:
+        raise SystemExit(f"error: {run_dir} has no ok rows of {missing} (a run of configs/h200_fwd_paths.yaml)")
+    lat = lat.dropna(subset=need)
+    base = dict(plan._SPLIT_COST)
+
+    def seg_of(key, bv):
+        _, h_v, lens = key
+        return plan.plan_split(sum(lens), len(lens), h_v, SMS, block_v=bv, seqlens=list(lens))
+
+    segs = {k: {64: seg_of(k, 64), 32: seg_of(k, 32)} for k in lat.index}
+
+    def model_units(key, label):
+        _, h_v, lens = key
+        if label == "tl-fused":
+            return plan.split_cost(lens, h_v, 0, SMS, 128)
+        bv = 64 if label == "tl-bv64" else 32
+        return plan.split_cost(lens, h_v, segs[key][bv], SMS, bv)
+
+    from scipy.optimize import least_squares
+
+    rows = [(k, lab, float(lat.at[k, lab])) for k in lat.index for lab in need]
+
+    def resid(theta):
+        u, f, p = np.exp(theta)
+        _with_costs(plan, fused=f, prep=p)
+        r = [math.log(u * model_units(k, lab)) - math.log(ms) for k, lab, ms in rows]
+        _with_costs(plan, **{k: base[k] for k in ("fused", "prep")})
+        return np.array(r)
+
+    x0 = np.log([1.08e-3, base["fused"], base["prep"]])
+    fit = least_squares(resid, x0)
+    u, f, p = (float(v) for v in np.exp(fit.x))
+
+    def choice(key):
+        _, h_v, lens = key
+        bv, seg = plan.plan_fwd(sum(lens), len(lens), h_v, SMS, seqlens=list(lens))
+        if bv == 128:
+            return "tl-fused" if seg == 0 else None  # the fused split path: not a candidate here
+        return "tl-bv64" if bv == 64 else "tl-bv32"
+
+    now = {k: choice(k) for k in lat.index}
+    _with_costs(plan, fused=f, prep=p)
+    new = {k: choice(k) for k in lat.index}
+    _with_costs(plan, **{k: base[k] for k in ("fused", "prep")})
+
+    per_point = []
+    for k in lat.index:
+        best = min(need, key=lambda c: lat.at[k, c])
+        per_point.append(dict(
+            heads=f"{k[0]}/{k[1]}", seqlens=list(k[2]), planned_ms=float(lat.at[k, "tilelang"]) if "tilelang" in lat else None,
+            now=now[k], new=new[k], best=best, **{c: float(lat.at[k, c]) for c in need},
+        ))  # fmt: skip
+    res = _report(
+        "fwd", per_point, need, dict(ms_per_unit=u, fused=f, prep=p), dict(fused=base["fused"], prep=base["prep"])
+    )
+    res["rms_log_error"] = float(np.sqrt(np.mean(fit.fun**2)))
+    return _finish(res, out_json)
+
+
+def bwd(run_dir, out_json=None):
+    plan = _plan()
+    _, lat = load(run_dir)
+    labels = sorted((c for c in lat.columns if c.startswith("tl-split")), key=lambda c: int(c[len("tl-split") :]))
+    if not labels:
+        raise SystemExit(f"error: {run_dir} has no ok tl-split<S> rows (a run of configs/h200_bwd_splits.yaml)")
+    split_of = {c: int(c[len("tl-split") :]) for c in labels}
+    names = list(plan._BWD_SPLIT_COST)
+    base = dict(plan._BWD_SPLIT_COST)
+    keys = list(lat.index)
+
+    def terms(key, seg):
+        """bwd_split_cost's makespan factor of each constant (it is linear in them)."""
+        _, h_v, lens = key
+        out = []
+        for n in names:
+            plan._BWD_SPLIT_COST.update({m: float(m == n) for m in names})
+            out.append(plan.bwd_split_cost(lens, h_v, seg, SMS))
+        plan._BWD_SPLIT_COST.update(base)
+        return out
+
+    # unknowns: one base per point (µs), then the constants (µs per unit of each term)
+    A, b, cells = [], [], []
+    for i, k in enumerate(keys):
+        for c in labels:
+            ms = lat.at[k, c]
+            if ms != ms:
+                continue
+            row = [0.0] * len(keys)
+            row[i] = 1.0
+            A.append(row + terms(k, split_of[c]))
+            b.append(ms * 1000.0)
+            cells.append((k, c))
+    from scipy.optimize import nnls
+
+    A, b = np.array(A), np.array(b)
+    w = 1.0 / b  # relative error: every point counts alike
+    x, _ = nnls(A * w[:, None], b * w)
+    fitted = {n: float(v) for n, v in zip(names, x[len(keys) :])}
+    rel = (A @ x - b) / b
+
+    def choice(key):
+        _, h_v, lens = key
+        seg = plan.plan_bwd_split(sum(lens), len(lens), h_v, SMS, seqlens=list(lens))
+        lab = f"tl-split{seg}"
+        return lab if lab in labels else None
+
+    now = {k: choice(k) for k in keys}
+    plan._BWD_SPLIT_COST.update(fitted)
+    plan._plan_bwd_lens.cache_clear()
+    new = {k: choice(k) for k in keys}
+    plan._BWD_SPLIT_COST.update(base)
+    plan._plan_bwd_lens.cache_clear()
+
+    per_point = []
+    for k in keys:
+        have = [c for c in labels if lat.at[k, c] == lat.at[k, c]]
+        best = min(have, key=lambda c: lat.at[k, c])
+        per_point.append(dict(
+            heads=f"{k[0]}/{k[1]}", seqlens=list(k[2]), planned_ms=float(lat.at[k, "tilelang"]) if "tilelang" in lat else None,
+            now=now[k], new=new[k], best=best, **{c: float(lat.at[k, c]) for c in have},
+        ))  # fmt: skip
+    res = _report("bwd", per_point, labels, fitted, base)
+    res["rms_rel_error"] = float(np.sqrt(np.mean(rel**2)))
+    return _finish(res, out_json)
+
+
+def _report(kind, per_point, labels, fitted, before):
+    def lat_of(p, lab):
+        return p.get(lab) if lab else float("nan")
+
+    best = _geo([p[p["best"]] for p in per_point])
+    now = _geo([lat_of(p, p["now"]) for p in per_point])
+    new = _geo([lat_of(p, p["new"]) for p in per_point])
+    res = dict(
+        kind=kind, points=len(per_point), constants_before=before, constants_fitted=fitted,
+        geomean_ms=dict(best=best, now=now, new=new),
+        now_over_best=now / best, new_over_best=new / best, now_over_new=now / new,
+        changed=sum(p["now"] != p["new"] for p in per_point),
+        unmeasured_choices=dict(now=sum(p["now"] is None for p in per_point), new=sum(p["new"] is None for p in per_point)),
+        per_point=per_point,
+    )  # fmt: skip
+    if all(p["planned_ms"] for p in per_point):
+        res["planned_label_geomean_ms"] = _geo([p["planned_ms"] for p in per_point])
+    return res
+
+
+def _finish(res, out_json):
+    print(f"{res['kind']}: {res['points']} points; constants before {res['constants_before']}")
+    print(f"  fitted {json.dumps({k: round(v, 5) for k, v in res['constants_fitted'].items()})}")
+    g = res["geomean_ms"]
+    print(f"  geomean ms: best candidate {g['best']:.4f}, planner now {g['now']:.4f} ({res['now_over_best']:.4f}x best), "
+          f"refit {g['new']:.4f} ({res['new_over_best']:.4f}x best); choices changed on {res['changed']} points; "
+          f"unmeasured choices now/new {res['unmeasured_choices']}")  # fmt: skip
+    for p in res["per_point"]:
+        if p["now"] != p["new"] or p["now"] != p["best"]:
+            print(f"  {p['heads']:6s} {str(p['seqlens'])[:40]:40s} now {p['now']} {p.get(p['now'], float('nan')):.4f}  "
+                  f"new {p['new']} {p.get(p['new'], float('nan')):.4f}  best {p['best']} {p[p['best']]:.4f}")  # fmt: skip
+    if out_json:
+        pathlib.Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(out_json).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=("fwd", "bwd"))
+    ap.add_argument("run_dir", type=pathlib.Path)
+    ap.add_argument("--json", type=pathlib.Path, default=None, help="write the fit and the per-point choices here")
+    args = ap.parse_args(argv)
+    if not args.run_dir.is_dir():
+        print(f"error: run_dir {args.run_dir}: not a directory", file=sys.stderr)
+        return 2
+    (fwd if args.kind == "fwd" else bwd)(args.run_dir, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""scripts/plan_refit.py: on latencies made from the planners' own cost models with known constants,
+the refit recovers them, and the choices it reports are measured rows of the run."""
+
+import importlib.util
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from qlabench_kernels import plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture()
+def refit():
+    spec = importlib.util.spec_from_file_location("plan_refit", ROOT / "scripts" / "plan_refit.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+FWD_KEYS = [(16, 64, (8192,) * 4), (16, 64, (32768,)), (2, 8, (32768,)), (2, 8, (1024,) * 8), (8, 24, (1024,) * 8),
+            (16, 48, (2048,) * 4), (32, 32, (4096,) * 8), (4, 16, (28672, 4096)), (16, 16, (4096, 4096))]  # fmt: skip
+BWD_KEYS = [(16, 32, (32768,)), (8, 16, (7212, 25556)), (4, 8, (8192,)), (2, 4, (32768,)), (2, 4, (1024,) * 8),
+            (16, 32, (161, 1928, 3157, 563)), (4, 8, (16384, 16384)), (8, 16, (4096,) * 8)]  # fmt: skip
+
+
+def _fwd_table(u, fused, prep):
+    old = dict(plan._SPLIT_COST)
+    plan._SPLIT_COST.update(fused=fused, prep=prep)
+    plan._plan_lens.cache_clear()
+    try:
+        rows = {}
+        for hq, hv, lens in FWD_KEYS:
+            T, N = sum(lens), len(lens)
+            r = {"tl-fused": u * plan.split_cost(lens, hv, 0, 132, 128)}
+            for bv in (64, 32):
+                seg = plan.plan_split(T, N, hv, 132, block_v=bv, seqlens=list(lens))
+                r[f"tl-bv{bv}"] = u * plan.split_cost(lens, hv, seg, 132, bv)
+            r["tilelang"] = min(r.values())
+            rows[(hq, hv, lens)] = r
+        return pd.DataFrame.from_dict(rows, orient="index")
+    finally:
+        plan._SPLIT_COST.update(old)
+        plan._plan_lens.cache_clear()
+
+
+def test_fwd_refit_recovers_the_constants_that_made_the_latencies(refit, monkeypatch, tmp_path):
+    lat = _fwd_table(1.1e-3, 3.9, 2.6)
+    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    res = refit.fwd(tmp_path, tmp_path / "fit.json")
+    got = res["constants_fitted"]
+    assert got["ms_per_unit"] == pytest.approx(1.1e-3, rel=1e-3)
+    assert got["fused"] == pytest.approx(3.9, rel=1e-3)
+    assert got["prep"] == pytest.approx(2.6, rel=1e-3)
+    assert res["rms_log_error"] < 1e-6
+    # the planner's constants are back as they were
+    assert plan._SPLIT_COST["fused"] == plan.FUSED_STEP
+    # every reported choice is a measured candidate (or None for an unmeasured path)
+    for p in res["per_point"]:
+        assert p["new"] in (None, "tl-fused", "tl-bv64", "tl-bv32")
+        assert p["best"] == min(("tl-fused", "tl-bv64", "tl-bv32"), key=lambda c: p[c])
+    assert (tmp_path / "fit.json").is_file()
+
+
+def _bwd_table(consts, splits=(0, 512, 1024, 2048, 4096, 8192, 16384)):
+    old = dict(plan._BWD_SPLIT_COST)
+    plan._BWD_SPLIT_COST.update(consts)
+    try:
+        rows = {}
+        for i, (hq, hv, lens) in enumerate(BWD_KEYS):
+            base = 500.0 + 300.0 * i  # µs of the stages the split does not change
+            rows[(hq, hv, lens)] = {
+                f"tl-split{s}": (base + plan.bwd_split_cost(lens, hv, s, 132)) / 1000.0 for s in splits
+            }
+        return pd.DataFrame.from_dict(rows, orient="index")
+    finally:
+        plan._BWD_SPLIT_COST.update(old)
+
+
+def test_bwd_refit_fits_the_measured_latencies_and_keeps_the_planner_as_it_was(refit, monkeypatch, tmp_path):
+    consts = {"dhu": 2.1, "bwd_h": 1.7, "seg_state": 1.4, "fixup": 2.5, "launch": 30.0}
+    lat = _bwd_table(consts)
+    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    before = dict(plan._BWD_SPLIT_COST)
+    res = refit.bwd(tmp_path)
+    assert res["rms_rel_error"] < 1e-6
+    for k, v in consts.items():
+        assert res["constants_fitted"][k] == pytest.approx(v, rel=1e-3, abs=1e-3), k
+    assert plan._BWD_SPLIT_COST == before
+    # with the constants that made the data the planner's choice is within its 5% margin of the best
+    for p in res["per_point"]:
+        assert p["new"] is not None and p[p["new"]] <= p[p["best"]] / 0.95 + 1e-12
+
+
+def test_a_run_without_the_candidate_labels_is_an_error(refit, monkeypatch, tmp_path):
+    lat = pd.DataFrame({"tilelang": [1.0]}, index=[(2, 8, (1024,))])
+    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    with pytest.raises(SystemExit, match="tl-fused"):
+        refit.fwd(tmp_path)
+    with pytest.raises(SystemExit, match="tl-split"):
+        refit.bwd(tmp_path)
+
+
+def test_cli_names_a_missing_run_dir(refit, tmp_path, capsys):
+    assert refit.main(["fwd", str(tmp_path / "nope")]) == 2
+    assert "run_dir" in capsys.readouterr().err
