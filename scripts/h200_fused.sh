@@ -13,7 +13,8 @@
 #   STEP=sweep    CONFIG (default configs/h200_fwd_kernels_prev.yaml: tilelang vs tilelang@prev over
 #                 the forward sweep, and their comparison; configs/h200_fwd_paths.yaml and
 #                 configs/h200_bwd_splits.yaml: the planners' candidates, for scripts/plan_refit.py)
-#                 into runs/<config name>, packed into $OUT/runs.tgz; SWEEP_S caps the run.
+#                 into runs/<config name>, packed into $OUT/runs.tgz; SWEEP_S caps the run; PRECOMPILE=TARGET
+#                 first compiles scripts/precompile_cache.py's TARGET there (bwd_sweep: ~60 kernels).
 #   STEP=wait     until the fixed-cost job ends or the call's deadline; its files into $OUT.
 # DEVICE_LEFT_S: the session's device seconds left (the fixed-cost job's deadline).
 set -uo pipefail
@@ -31,6 +32,9 @@ sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml
   source /tmp/job/env.sh; cd /tmp/repo
   log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
   nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+  if [ -n "${PRECOMPILE:-}" ]; then  # kernels not in the carried cache, compiled here (8 head configs at a time)
+    python3 scripts/precompile_cache.py "$PRECOMPILE" --jobs 8 > "$OUT/precompile.log" 2>&1; log "precompile $PRECOMPILE: exit $?"
+  fi
   timeout --signal=INT --kill-after=20 ${SWEEP_S:-480} qlabench run "$CONFIG" --out "$RUN" > "$OUT/sweep.log" 2>&1
   log "sweep: exit $?"; tail -30 "$OUT/sweep.log"
   if grep -q "tilelang@prev" "$CONFIG"; then
