@@ -14,7 +14,8 @@
 #                 the forward sweep, and their comparison; configs/h200_fwd_paths.yaml and
 #                 configs/h200_bwd_splits.yaml: the planners' candidates, for scripts/plan_refit.py)
 #                 into runs/<config name>, packed into $OUT/runs.tgz; SWEEP_S caps the run; PRECOMPILE=TARGET
-#                 first compiles scripts/precompile_cache.py's TARGET there (bwd_sweep: ~60 kernels).
+#                 first compiles scripts/precompile_cache.py's TARGET there (bwd_sweep: ~60 kernels);
+#                 RESUME_TGZ=FILE (a carried runs.tgz of an earlier call) goes on from its rows (--resume).
 #   STEP=wait     until the fixed-cost job ends or the call's deadline; its files into $OUT.
 # DEVICE_LEFT_S: the session's device seconds left (the fixed-cost job's deadline).
 set -uo pipefail
@@ -29,13 +30,14 @@ sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml
   CONFIG=${CONFIG:-configs/h200_fwd_kernels_prev.yaml}; RUN=runs/$(basename "$CONFIG" .yaml)
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
-  source /tmp/job/env.sh; cd /tmp/repo
+  SRC=$PWD; source /tmp/job/env.sh; cd /tmp/repo
   log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
   nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
   if [ -n "${PRECOMPILE:-}" ]; then  # kernels not in the carried cache, compiled here (8 head configs at a time)
     python3 scripts/precompile_cache.py "$PRECOMPILE" --jobs 8 > "$OUT/precompile.log" 2>&1; log "precompile $PRECOMPILE: exit $?"
   fi
-  timeout --signal=INT --kill-after=20 ${SWEEP_S:-480} qlabench run "$CONFIG" --out "$RUN" > "$OUT/sweep.log" 2>&1
+  resume=(); if [ -n "${RESUME_TGZ:-}" ]; then tar -xzf "$SRC/$RESUME_TGZ" -C /tmp/repo && resume=(--resume); fi
+  timeout --signal=INT --kill-after=20 ${SWEEP_S:-480} qlabench run "$CONFIG" --out "$RUN" "${resume[@]}" > "$OUT/sweep.log" 2>&1
   log "sweep: exit $?"; tail -30 "$OUT/sweep.log"
   if grep -q "tilelang@prev" "$CONFIG"; then
     qlabench compare "$RUN" --base-backend tilelang@prev --new-backend tilelang \
