@@ -37,8 +37,11 @@ sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml
     python3 scripts/precompile_cache.py "$PRECOMPILE" --jobs 8 > "$OUT/precompile.log" 2>&1; log "precompile $PRECOMPILE: exit $?"
   fi
   resume=(); if [ -n "${RESUME_TGZ:-}" ]; then tar -xzf "$SRC/$RESUME_TGZ" -C /tmp/repo && resume=(--resume); fi
+  # the rows so far into $OUT/runs.tgz every minute: a call cut at the device's limit keeps them
+  (while sleep 60; do tar czf "$OUT/runs.tmp.tgz" --exclude=_logs "$RUN" 2>/dev/null && mv "$OUT/runs.tmp.tgz" "$OUT/runs.tgz"; done) &
+  snap=$!
   timeout --signal=INT --kill-after=20 ${SWEEP_S:-480} qlabench run "$CONFIG" --out "$RUN" "${resume[@]}" > "$OUT/sweep.log" 2>&1
-  log "sweep: exit $?"; tail -30 "$OUT/sweep.log"
+  log "sweep: exit $?"; kill $snap 2>/dev/null; wait $snap 2>/dev/null; tail -30 "$OUT/sweep.log"
   if grep -q "tilelang@prev" "$CONFIG"; then
     qlabench compare "$RUN" --base-backend tilelang@prev --new-backend tilelang \
       --out "$RUN/compare_prev_vs_new.json" > "$RUN/compare_prev_vs_new.txt" 2>&1
