@@ -36,18 +36,25 @@ sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml
   if [ -n "${PRECOMPILE:-}" ]; then  # kernels not in the carried cache, compiled here (8 head configs at a time)
     python3 scripts/precompile_cache.py "$PRECOMPILE" --jobs 8 > "$OUT/precompile.log" 2>&1; log "precompile $PRECOMPILE: exit $?"
   fi
-  resume=(); if [ -n "${RESUME_TGZ:-}" ]; then tar -xzf "$SRC/$RESUME_TGZ" -C /tmp/repo && resume=(--resume); fi
-  # the rows so far into $OUT/runs.tgz every minute: a call cut at the device's limit keeps them
-  (while sleep 60; do tar czf "$OUT/runs.tmp.tgz" --exclude=_logs "$RUN" 2>/dev/null && mv "$OUT/runs.tmp.tgz" "$OUT/runs.tgz"; done) &
+  resume=()
+  if [ -n "${RESUME_TGZ:-}" ]; then
+    case $RESUME_TGZ in /*) tgz=$RESUME_TGZ;; *) tgz=$SRC/$RESUME_TGZ;; esac
+    tar -xzf "$tgz" -C /tmp/repo || { log "cannot unpack RESUME_TGZ=$RESUME_TGZ"; exit 1; }
+    resume=(--resume)
+  fi
+  # the rows so far into $OUT/runs.tgz every minute (a file being written may change under tar:
+  # its exit status 1), so a call cut at the device's limit keeps them
+  pack() { tar czf "$OUT/.runs.tgz" --warning=no-file-changed --exclude=_logs "$RUN" 2>/dev/null; [ $? -le 1 ] && mv "$OUT/.runs.tgz" "$OUT/runs.tgz"; }
+  (while sleep 60; do pack; done) > /dev/null 2>&1 &
   snap=$!
-  timeout --signal=INT --kill-after=20 ${SWEEP_S:-480} qlabench run "$CONFIG" --out "$RUN" "${resume[@]}" > "$OUT/sweep.log" 2>&1
-  log "sweep: exit $?"; kill $snap 2>/dev/null; wait $snap 2>/dev/null; tail -30 "$OUT/sweep.log"
+  timeout --signal=INT --kill-after=20 ${SWEEP_S:-480} qlabench run "$CONFIG" --out "$RUN" ${resume[@]+"${resume[@]}"} > "$OUT/sweep.log" 2>&1
+  log "sweep: exit $?"; pkill -P $snap 2>/dev/null; kill $snap 2>/dev/null; wait $snap 2>/dev/null; tail -30 "$OUT/sweep.log"
   if grep -q "tilelang@prev" "$CONFIG"; then
     qlabench compare "$RUN" --base-backend tilelang@prev --new-backend tilelang \
       --out "$RUN/compare_prev_vs_new.json" > "$RUN/compare_prev_vs_new.txt" 2>&1
     tail -30 "$RUN/compare_prev_vs_new.txt"
   fi
-  tar czf "$OUT/runs.tgz" --exclude=_logs "$RUN"; ls -la "$OUT"; log done;;
+  pack; ls -la "$OUT"; log done;;
 profile)  # carry as for check: an ncu profile of the fused kernel (16/64 4x8192), its stalls per role
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/

@@ -19,6 +19,7 @@ row of the same run; the ratios pair rows of that run only.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import pathlib
@@ -35,6 +36,10 @@ def _plan():
     return plan
 
 
+class RefitError(ValueError):
+    """A run that cannot be refit (no ok rows, not the candidate labels, too few points)."""
+
+
 def load(run_dir: pathlib.Path):
     import pandas as pd
 
@@ -43,7 +48,7 @@ def load(run_dir: pathlib.Path):
     df = load_rows(run_dir, latest=True)
     df = df[df.status == "ok"].copy()
     if df.empty:
-        raise SystemExit(f"error: no ok rows under {run_dir}")
+        raise RefitError(f"no ok rows under {run_dir}")
     df["lens"] = df.seqlens.apply(lambda s: tuple(int(x) for x in s))
     df["key"] = df.apply(lambda r: (int(r.h_qk), int(r.h_v), r.lens), axis=1)
     lat = df.pivot_table(index="key", columns="backend", values="latency_ms", aggfunc="median")
@@ -51,15 +56,30 @@ def load(run_dir: pathlib.Path):
 
 
 def _geo(xs):
-    xs = [x for x in xs if x == x]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def _with_costs(plan, **kw):
-    old = dict(plan._SPLIT_COST)
-    plan._SPLIT_COST.update(kw)
-    plan._plan_lens.cache_clear()
-    return old
+def _ms(lat, key, label):
+    """The measured latency of ``label`` at ``key``, or None (no such label, or no ok row there)."""
+    if label is None or label not in lat.columns:
+        return None
+    v = lat.at[key, label]
+    return None if v != v else float(v)
+
+
+@contextlib.contextmanager
+def _constants(table, cache, **kw):
+    """``table`` (a cost dict of kernels/plan.py) updated by ``kw`` inside the block, ``cache`` (the
+    planner's lru cache) cleared on the way in and out; the constants come back whatever happens."""
+    old = dict(table)
+    table.update(kw)
+    cache.cache_clear()
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(old)
+        cache.cache_clear()
 
 
 def fwd(run_dir, out_json=None):
@@ -68,8 +88,10 @@ def fwd(run_dir, out_json=None):
     need = ["tl-fused", "tl-bv64", "tl-bv32"]
     missing = [c for c in need if c not in lat.columns]
     if missing:
-        raise SystemExit(f"error: {run_dir} has no ok rows of {missing} (a run of configs/h200_fwd_paths.yaml)")
+        raise RefitError(f"{run_dir} has no ok rows of {missing} (a run of configs/h200_fwd_paths.yaml)")
     lat = lat.dropna(subset=need)
+    if len(lat) < 3:
+        raise RefitError(f"{run_dir}: {len(lat)} points have ok rows of all of {need}; the fit needs 3")
     base = dict(plan._SPLIT_COST)
 
     def seg_of(key, bv):
@@ -91,10 +113,8 @@ def fwd(run_dir, out_json=None):
 
     def resid(theta):
         u, f, p = np.exp(theta)
-        _with_costs(plan, fused=f, prep=p)
-        r = [math.log(u * model_units(k, lab)) - math.log(ms) for k, lab, ms in rows]
-        _with_costs(plan, **{k: base[k] for k in ("fused", "prep")})
-        return np.array(r)
+        with _constants(plan._SPLIT_COST, plan._plan_lens, fused=f, prep=p):
+            return np.array([math.log(u * model_units(k, lab)) - math.log(ms) for k, lab, ms in rows])
 
     x0 = np.log([1.08e-3, base["fused"], base["prep"]])
     fit = least_squares(resid, x0)
@@ -107,21 +127,19 @@ def fwd(run_dir, out_json=None):
             return "tl-fused" if seg == 0 else None  # the fused split path: not a candidate here
         return "tl-bv64" if bv == 64 else "tl-bv32"
 
-    now = {k: choice(k) for k in lat.index}
-    _with_costs(plan, fused=f, prep=p)
-    new = {k: choice(k) for k in lat.index}
-    _with_costs(plan, **{k: base[k] for k in ("fused", "prep")})
+    with _constants(plan._SPLIT_COST, plan._plan_lens):
+        now = {k: choice(k) for k in lat.index}
+    with _constants(plan._SPLIT_COST, plan._plan_lens, fused=f, prep=p):
+        new = {k: choice(k) for k in lat.index}
 
     per_point = []
     for k in lat.index:
         best = min(need, key=lambda c: lat.at[k, c])
         per_point.append(dict(
-            heads=f"{k[0]}/{k[1]}", seqlens=list(k[2]), planned_ms=float(lat.at[k, "tilelang"]) if "tilelang" in lat else None,
+            heads=f"{k[0]}/{k[1]}", seqlens=list(k[2]), planned_ms=_ms(lat, k, "tilelang"),
             now=now[k], new=new[k], best=best, **{c: float(lat.at[k, c]) for c in need},
         ))  # fmt: skip
-    res = _report(
-        "fwd", per_point, need, dict(ms_per_unit=u, fused=f, prep=p), dict(fused=base["fused"], prep=base["prep"])
-    )
+    res = _report("fwd", per_point, dict(ms_per_unit=u, fused=f, prep=p), dict(fused=base["fused"], prep=base["prep"]))
     res["rms_log_error"] = float(np.sqrt(np.mean(fit.fun**2)))
     return _finish(res, out_json)
 
@@ -131,34 +149,33 @@ def bwd(run_dir, out_json=None):
     _, lat = load(run_dir)
     labels = sorted((c for c in lat.columns if c.startswith("tl-split")), key=lambda c: int(c[len("tl-split") :]))
     if not labels:
-        raise SystemExit(f"error: {run_dir} has no ok tl-split<S> rows (a run of configs/h200_bwd_splits.yaml)")
+        raise RefitError(f"{run_dir} has no ok tl-split<S> rows (a run of configs/h200_bwd_splits.yaml)")
     split_of = {c: int(c[len("tl-split") :]) for c in labels}
     names = list(plan._BWD_SPLIT_COST)
-    base = dict(plan._BWD_SPLIT_COST)
-    keys = list(lat.index)
+    keys = [k for k in lat.index if any(_ms(lat, k, c) is not None for c in labels)]
 
     def terms(key, seg):
         """bwd_split_cost's makespan factor of each constant (it is linear in them)."""
         _, h_v, lens = key
         out = []
         for n in names:
-            plan._BWD_SPLIT_COST.update({m: float(m == n) for m in names})
-            out.append(plan.bwd_split_cost(lens, h_v, seg, SMS))
-        plan._BWD_SPLIT_COST.update(base)
+            with _constants(plan._BWD_SPLIT_COST, plan._plan_bwd_lens, **{m: float(m == n) for m in names}):
+                out.append(plan.bwd_split_cost(lens, h_v, seg, SMS))
         return out
 
     # unknowns: one base per point (µs), then the constants (µs per unit of each term)
-    A, b, cells = [], [], []
+    A, b = [], []
     for i, k in enumerate(keys):
         for c in labels:
-            ms = lat.at[k, c]
-            if ms != ms:
+            ms = _ms(lat, k, c)
+            if ms is None:
                 continue
             row = [0.0] * len(keys)
             row[i] = 1.0
             A.append(row + terms(k, split_of[c]))
             b.append(ms * 1000.0)
-            cells.append((k, c))
+    if len(b) < len(keys) + len(names):
+        raise RefitError(f"{run_dir}: {len(b)} rows for {len(keys) + len(names)} unknowns; the fit needs more")
     from scipy.optimize import nnls
 
     A, b = np.array(A), np.array(b)
@@ -169,52 +186,54 @@ def bwd(run_dir, out_json=None):
 
     def choice(key):
         _, h_v, lens = key
-        seg = plan.plan_bwd_split(sum(lens), len(lens), h_v, SMS, seqlens=list(lens))
-        lab = f"tl-split{seg}"
-        return lab if lab in labels else None
+        lab = f"tl-split{plan.plan_bwd_split(sum(lens), len(lens), h_v, SMS, seqlens=list(lens))}"
+        return lab if _ms(lat, key, lab) is not None else None  # None: a segment length not measured there
 
-    now = {k: choice(k) for k in keys}
-    plan._BWD_SPLIT_COST.update(fitted)
-    plan._plan_bwd_lens.cache_clear()
-    new = {k: choice(k) for k in keys}
-    plan._BWD_SPLIT_COST.update(base)
-    plan._plan_bwd_lens.cache_clear()
+    with _constants(plan._BWD_SPLIT_COST, plan._plan_bwd_lens):
+        now = {k: choice(k) for k in keys}
+    with _constants(plan._BWD_SPLIT_COST, plan._plan_bwd_lens, **fitted):
+        new = {k: choice(k) for k in keys}
 
     per_point = []
     for k in keys:
-        have = [c for c in labels if lat.at[k, c] == lat.at[k, c]]
-        best = min(have, key=lambda c: lat.at[k, c])
+        have = {c: _ms(lat, k, c) for c in labels if _ms(lat, k, c) is not None}
         per_point.append(dict(
-            heads=f"{k[0]}/{k[1]}", seqlens=list(k[2]), planned_ms=float(lat.at[k, "tilelang"]) if "tilelang" in lat else None,
-            now=now[k], new=new[k], best=best, **{c: float(lat.at[k, c]) for c in have},
+            heads=f"{k[0]}/{k[1]}", seqlens=list(k[2]), planned_ms=_ms(lat, k, "tilelang"),
+            now=now[k], new=new[k], best=min(have, key=have.get), measured=len(have), **have,
         ))  # fmt: skip
-    res = _report("bwd", per_point, labels, fitted, base)
+    res = _report("bwd", per_point, fitted, {n: plan._BWD_SPLIT_COST[n] for n in names})
     res["rms_rel_error"] = float(np.sqrt(np.mean(rel**2)))
+    res["points_missing_candidates"] = sum(p["measured"] < len(labels) for p in per_point)
     return _finish(res, out_json)
 
 
-def _report(kind, per_point, labels, fitted, before):
-    def lat_of(p, lab):
-        return p.get(lab) if lab else float("nan")
-
-    best = _geo([p[p["best"]] for p in per_point])
-    now = _geo([lat_of(p, p["now"]) for p in per_point])
-    new = _geo([lat_of(p, p["new"]) for p in per_point])
+def _report(kind, per_point, fitted, before):
+    """Geomeans over the points where both choices (now and refit) are measured rows, so the three
+    figures pair the same points; the rest are counted."""
+    both = [p for p in per_point if p["now"] is not None and p["new"] is not None]
     res = dict(
-        kind=kind, points=len(per_point), constants_before=before, constants_fitted=fitted,
-        geomean_ms=dict(best=best, now=now, new=new),
-        now_over_best=now / best, new_over_best=new / best, now_over_new=now / new,
+        kind=kind, points=len(per_point), points_compared=len(both), constants_before=before,
+        constants_fitted=fitted,
+        geomean_ms=dict(best=_geo([p[p["best"]] for p in both]), now=_geo([p[p["now"]] for p in both]),
+                        new=_geo([p[p["new"]] for p in both])),
         changed=sum(p["now"] != p["new"] for p in per_point),
         unmeasured_choices=dict(now=sum(p["now"] is None for p in per_point), new=sum(p["new"] is None for p in per_point)),
         per_point=per_point,
     )  # fmt: skip
-    if all(p["planned_ms"] for p in per_point):
-        res["planned_label_geomean_ms"] = _geo([p["planned_ms"] for p in per_point])
+    g = res["geomean_ms"]
+    res.update(now_over_best=g["now"] / g["best"], new_over_best=g["new"] / g["best"], now_over_new=g["now"] / g["new"])
+    planned = [p for p in both if p["planned_ms"] is not None]
+    if planned:
+        res["planned_over_now"] = _geo([p["planned_ms"] / p[p["now"]] for p in planned])
     return res
 
 
 def _finish(res, out_json):
-    print(f"{res['kind']}: {res['points']} points; constants before {res['constants_before']}")
+    def ms(p, lab):
+        return f"{p[lab]:.4f}" if lab is not None else "-"
+
+    print(f"{res['kind']}: {res['points']} points ({res['points_compared']} with both choices measured); "
+          f"constants before {res['constants_before']}")  # fmt: skip
     print(f"  fitted {json.dumps({k: round(v, 5) for k, v in res['constants_fitted'].items()})}")
     g = res["geomean_ms"]
     print(f"  geomean ms: best candidate {g['best']:.4f}, planner now {g['now']:.4f} ({res['now_over_best']:.4f}x best), "
@@ -222,8 +241,8 @@ def _finish(res, out_json):
           f"unmeasured choices now/new {res['unmeasured_choices']}")  # fmt: skip
     for p in res["per_point"]:
         if p["now"] != p["new"] or p["now"] != p["best"]:
-            print(f"  {p['heads']:6s} {str(p['seqlens'])[:40]:40s} now {p['now']} {p.get(p['now'], float('nan')):.4f}  "
-                  f"new {p['new']} {p.get(p['new'], float('nan')):.4f}  best {p['best']} {p[p['best']]:.4f}")  # fmt: skip
+            print(f"  {p['heads']:6s} {str(p['seqlens'])[:40]:40s} now {p['now']} {ms(p, p['now'])}  "
+                  f"new {p['new']} {ms(p, p['new'])}  best {p['best']} {ms(p, p['best'])}")  # fmt: skip
     if out_json:
         pathlib.Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(out_json).write_text(json.dumps(res, indent=1))
@@ -239,7 +258,11 @@ def main(argv=None):
     if not args.run_dir.is_dir():
         print(f"error: run_dir {args.run_dir}: not a directory", file=sys.stderr)
         return 2
-    (fwd if args.kind == "fwd" else bwd)(args.run_dir, args.json)
+    try:
+        (fwd if args.kind == "fwd" else bwd)(args.run_dir, args.json)
+    except RefitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -45,22 +45,56 @@ def _fwd_table(u, fused, prep):
         plan._plan_lens.cache_clear()
 
 
+def _fwd_choice(lens, hv):
+    bv, seg = plan.plan_fwd(sum(lens), len(lens), hv, 132, seqlens=list(lens))
+    return {128: "tl-fused" if seg == 0 else None, 64: "tl-bv64", 32: "tl-bv32"}[bv]
+
+
+def _fwd_choices_with(**costs):
+    old = dict(plan._SPLIT_COST)
+    plan._SPLIT_COST.update(costs)
+    plan._plan_lens.cache_clear()
+    try:
+        return {(hq, hv, lens): _fwd_choice(lens, hv) for hq, hv, lens in FWD_KEYS}
+    finally:
+        plan._SPLIT_COST.update(old)
+        plan._plan_lens.cache_clear()
+
+
 def test_fwd_refit_recovers_the_constants_that_made_the_latencies(refit, monkeypatch, tmp_path):
     lat = _fwd_table(1.1e-3, 3.9, 2.6)
     monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    before = dict(plan._SPLIT_COST)
     res = refit.fwd(tmp_path, tmp_path / "fit.json")
     got = res["constants_fitted"]
     assert got["ms_per_unit"] == pytest.approx(1.1e-3, rel=1e-3)
     assert got["fused"] == pytest.approx(3.9, rel=1e-3)
     assert got["prep"] == pytest.approx(2.6, rel=1e-3)
     assert res["rms_log_error"] < 1e-6
-    # the planner's constants are back as they were
-    assert plan._SPLIT_COST["fused"] == plan.FUSED_STEP
-    # every reported choice is a measured candidate (or None for an unmeasured path)
-    for p in res["per_point"]:
-        assert p["new"] in (None, "tl-fused", "tl-bv64", "tl-bv32")
+    assert plan._SPLIT_COST == before  # the planner's constants are back as they were
+    # "now" is the planner with its own constants, "new" with the fitted ones, and they differ here
+    now, new = _fwd_choices_with(), _fwd_choices_with(fused=3.9, prep=2.6)
+    assert now != new and res["changed"] == sum(now[k] != new[k] for k in now) > 0
+    for (hq, hv, lens), p in zip(FWD_KEYS, res["per_point"]):
+        assert (p["now"], p["new"]) == (now[(hq, hv, lens)], new[(hq, hv, lens)]), p["seqlens"]
         assert p["best"] == min(("tl-fused", "tl-bv64", "tl-bv32"), key=lambda c: p[c])
     assert (tmp_path / "fit.json").is_file()
+
+
+def test_fwd_refit_keeps_the_constants_when_the_fit_fails(refit, monkeypatch, tmp_path):
+    lat = _fwd_table(1.1e-3, 3.9, 2.6)
+    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    before = dict(plan._SPLIT_COST)
+
+    def boom(*a, **k):
+        raise RuntimeError("fit failed")
+
+    import scipy.optimize
+
+    monkeypatch.setattr(scipy.optimize, "least_squares", boom)
+    with pytest.raises(RuntimeError):
+        refit.fwd(tmp_path)
+    assert plan._SPLIT_COST == before
 
 
 def _bwd_table(consts, splits=(0, 512, 1024, 2048, 4096, 8192, 16384)):
@@ -78,6 +112,17 @@ def _bwd_table(consts, splits=(0, 512, 1024, 2048, 4096, 8192, 16384)):
         plan._BWD_SPLIT_COST.update(old)
 
 
+def _bwd_choices_with(consts):
+    old = dict(plan._BWD_SPLIT_COST)
+    plan._BWD_SPLIT_COST.update(consts)
+    plan._plan_bwd_lens.cache_clear()
+    try:
+        return [f"tl-split{plan.plan_bwd_split(sum(l), len(l), hv, 132, seqlens=list(l))}" for _, hv, l in BWD_KEYS]
+    finally:
+        plan._BWD_SPLIT_COST.update(old)
+        plan._plan_bwd_lens.cache_clear()
+
+
 def test_bwd_refit_fits_the_measured_latencies_and_keeps_the_planner_as_it_was(refit, monkeypatch, tmp_path):
     consts = {"dhu": 2.1, "bwd_h": 1.7, "seg_state": 1.4, "fixup": 2.5, "launch": 30.0}
     lat = _bwd_table(consts)
@@ -88,20 +133,45 @@ def test_bwd_refit_fits_the_measured_latencies_and_keeps_the_planner_as_it_was(r
     for k, v in consts.items():
         assert res["constants_fitted"][k] == pytest.approx(v, rel=1e-3, abs=1e-3), k
     assert plan._BWD_SPLIT_COST == before
+    now, new = _bwd_choices_with({}), _bwd_choices_with(consts)
+    assert now != new
+    assert [p["now"] for p in res["per_point"]] == now
+    assert [p["new"] for p in res["per_point"]] == new
     # with the constants that made the data the planner's choice is within its 5% margin of the best
     for p in res["per_point"]:
-        assert p["new"] is not None and p[p["new"]] <= p[p["best"]] / 0.95 + 1e-12
+        assert p[p["new"]] <= p[p["best"]] / 0.95 + 1e-12
+
+
+def test_bwd_refit_takes_points_with_missing_rows(refit, monkeypatch, tmp_path):
+    lat = _bwd_table({"dhu": 2.1, "bwd_h": 1.7, "seg_state": 1.4, "fixup": 2.5, "launch": 30.0})
+    now = _bwd_choices_with({})
+    lat.iloc[0, lat.columns.get_loc(now[0])] = float("nan")  # the planner's pick not measured there
+    lat.iloc[1, :] = float("nan")  # a point without any row
+    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    res = refit.bwd(tmp_path)
+    assert res["points"] == len(BWD_KEYS) - 1
+    assert res["per_point"][0]["now"] is None and res["unmeasured_choices"]["now"] >= 1
+    assert res["points_compared"] < res["points"]  # the geomeans pair only points with both choices
 
 
 def test_a_run_without_the_candidate_labels_is_an_error(refit, monkeypatch, tmp_path):
     lat = pd.DataFrame({"tilelang": [1.0]}, index=[(2, 8, (1024,))])
     monkeypatch.setattr(refit, "load", lambda d: (None, lat))
-    with pytest.raises(SystemExit, match="tl-fused"):
+    with pytest.raises(refit.RefitError, match="tl-fused"):
         refit.fwd(tmp_path)
-    with pytest.raises(SystemExit, match="tl-split"):
+    with pytest.raises(refit.RefitError, match="tl-split"):
         refit.bwd(tmp_path)
 
 
 def test_cli_names_a_missing_run_dir(refit, tmp_path, capsys):
     assert refit.main(["fwd", str(tmp_path / "nope")]) == 2
     assert "run_dir" in capsys.readouterr().err
+
+
+def test_cli_exits_2_with_the_reason_on_a_run_it_cannot_refit(refit, monkeypatch, tmp_path, capsys):
+    lat = pd.DataFrame({"tilelang": [1.0]}, index=[(2, 8, (1024,))])
+    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    assert refit.main(["fwd", str(tmp_path)]) == 2
+    assert "tl-fused" in capsys.readouterr().err
+    assert refit.main(["bwd", str(tmp_path)]) == 2
+    assert "tl-split" in capsys.readouterr().err
