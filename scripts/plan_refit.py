@@ -13,9 +13,10 @@ bwd: per point the latency at every segment length (``tl-split<S>``, 0 = unsplit
 is a per-point base (the stages the split does not change) plus the split chains' model
 (``bwd_split_cost``), linear in its constants: fitted by non-negative least squares.
 
-Both report, as geomeans over the points and per point: the planned label (``tilelang``), the
-best candidate measured, and the choice of the planner with the refit constants, each a measured
-row of the same run; the ratios pair rows of that run only.
+Both report, per point and as geomeans over the points where both choices are measured rows: the
+planner's choice with its constants ("now"), with the refit ones ("new") and the best candidate,
+each a row of the same run (the ratios pair rows of that run only), and the planned label
+(``tilelang``) against the "now" row. A choice not measured at a point is None there and counted.
 """
 
 import argparse
