@@ -53,7 +53,7 @@ def load(run_dir: pathlib.Path):
     df["lens"] = df.seqlens.apply(lambda s: tuple(int(x) for x in s))
     df["key"] = df.apply(lambda r: (int(r.h_qk), int(r.h_v), r.lens), axis=1)
     lat = df.pivot_table(index="key", columns="backend", values="latency_ms", aggfunc="median")
-    return df, pd.DataFrame(lat)
+    return pd.DataFrame(lat)
 
 
 def _geo(xs):
@@ -85,7 +85,7 @@ def _constants(table, cache, **kw):
 
 def fwd(run_dir, out_json=None):
     plan = _plan()
-    _, lat = load(run_dir)
+    lat = load(run_dir)
     need = ["tl-fused", "tl-bv64", "tl-bv32"]
     missing = [c for c in need if c not in lat.columns]
     if missing:
@@ -147,7 +147,7 @@ def fwd(run_dir, out_json=None):
 
 def bwd(run_dir, out_json=None):
     plan = _plan()
-    _, lat = load(run_dir)
+    lat = load(run_dir)
     labels = sorted((c for c in lat.columns if c.startswith("tl-split")), key=lambda c: int(c[len("tl-split") :]))
     if not labels:
         raise RefitError(f"{run_dir} has no ok tl-split<S> rows (a run of configs/h200_bwd_splits.yaml)")
@@ -197,7 +197,7 @@ def bwd(run_dir, out_json=None):
 
     per_point = []
     for k in keys:
-        have = {c: _ms(lat, k, c) for c in labels if _ms(lat, k, c) is not None}
+        have = {c: ms for c in labels if (ms := _ms(lat, k, c)) is not None}
         per_point.append(dict(
             heads=f"{k[0]}/{k[1]}", seqlens=list(k[2]), planned_ms=_ms(lat, k, "tilelang"),
             now=now[k], new=new[k], best=min(have, key=have.get), measured=len(have), **have,

@@ -11,12 +11,28 @@ from qlabench_kernels import plan
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture()
-def refit():
+def _load_script():
     spec = importlib.util.spec_from_file_location("plan_refit", ROOT / "scripts" / "plan_refit.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+REFIT = _load_script()
+
+
+@pytest.fixture()
+def refit():
+    return REFIT
+
+
+def _fwd_costs(**kw):
+    """The forward planner with ``kw`` in its cost table (the script's own patch-and-restore)."""
+    return REFIT._constants(plan._SPLIT_COST, plan._plan_lens, **kw)
+
+
+def _bwd_costs(**kw):
+    return REFIT._constants(plan._BWD_SPLIT_COST, plan._plan_bwd_lens, **kw)
 
 
 FWD_KEYS = [(16, 64, (8192,) * 4), (16, 64, (32768,)), (2, 8, (32768,)), (2, 8, (1024,) * 8), (8, 24, (1024,) * 8),
@@ -26,10 +42,7 @@ BWD_KEYS = [(16, 32, (32768,)), (8, 16, (7212, 25556)), (4, 8, (8192,)), (2, 4, 
 
 
 def _fwd_table(u, fused, prep):
-    old = dict(plan._SPLIT_COST)
-    plan._SPLIT_COST.update(fused=fused, prep=prep)
-    plan._plan_lens.cache_clear()
-    try:
+    with _fwd_costs(fused=fused, prep=prep):
         rows = {}
         for hq, hv, lens in FWD_KEYS:
             T, N = sum(lens), len(lens)
@@ -40,9 +53,6 @@ def _fwd_table(u, fused, prep):
             r["tilelang"] = min(r.values())
             rows[(hq, hv, lens)] = r
         return pd.DataFrame.from_dict(rows, orient="index")
-    finally:
-        plan._SPLIT_COST.update(old)
-        plan._plan_lens.cache_clear()
 
 
 def _fwd_choice(lens, hv):
@@ -51,19 +61,13 @@ def _fwd_choice(lens, hv):
 
 
 def _fwd_choices_with(**costs):
-    old = dict(plan._SPLIT_COST)
-    plan._SPLIT_COST.update(costs)
-    plan._plan_lens.cache_clear()
-    try:
+    with _fwd_costs(**costs):
         return {(hq, hv, lens): _fwd_choice(lens, hv) for hq, hv, lens in FWD_KEYS}
-    finally:
-        plan._SPLIT_COST.update(old)
-        plan._plan_lens.cache_clear()
 
 
 def test_fwd_refit_recovers_the_constants_that_made_the_latencies(refit, monkeypatch, tmp_path):
     lat = _fwd_table(1.1e-3, 3.9, 2.6)
-    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    monkeypatch.setattr(refit, "load", lambda d: lat)
     before = dict(plan._SPLIT_COST)
     res = refit.fwd(tmp_path, tmp_path / "fit.json")
     got = res["constants_fitted"]
@@ -83,7 +87,7 @@ def test_fwd_refit_recovers_the_constants_that_made_the_latencies(refit, monkeyp
 
 def test_fwd_refit_keeps_the_constants_when_the_fit_fails(refit, monkeypatch, tmp_path):
     lat = _fwd_table(1.1e-3, 3.9, 2.6)
-    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    monkeypatch.setattr(refit, "load", lambda d: lat)
     before = dict(plan._SPLIT_COST)
 
     def boom(*a, **k):
@@ -98,9 +102,7 @@ def test_fwd_refit_keeps_the_constants_when_the_fit_fails(refit, monkeypatch, tm
 
 
 def _bwd_table(consts, splits=(0, 512, 1024, 2048, 4096, 8192, 16384)):
-    old = dict(plan._BWD_SPLIT_COST)
-    plan._BWD_SPLIT_COST.update(consts)
-    try:
+    with _bwd_costs(**consts):
         rows = {}
         for i, (hq, hv, lens) in enumerate(BWD_KEYS):
             base = 500.0 + 300.0 * i  # µs of the stages the split does not change
@@ -108,25 +110,17 @@ def _bwd_table(consts, splits=(0, 512, 1024, 2048, 4096, 8192, 16384)):
                 f"tl-split{s}": (base + plan.bwd_split_cost(lens, hv, s, 132)) / 1000.0 for s in splits
             }
         return pd.DataFrame.from_dict(rows, orient="index")
-    finally:
-        plan._BWD_SPLIT_COST.update(old)
 
 
 def _bwd_choices_with(consts):
-    old = dict(plan._BWD_SPLIT_COST)
-    plan._BWD_SPLIT_COST.update(consts)
-    plan._plan_bwd_lens.cache_clear()
-    try:
+    with _bwd_costs(**consts):
         return [f"tl-split{plan.plan_bwd_split(sum(l), len(l), hv, 132, seqlens=list(l))}" for _, hv, l in BWD_KEYS]
-    finally:
-        plan._BWD_SPLIT_COST.update(old)
-        plan._plan_bwd_lens.cache_clear()
 
 
 def test_bwd_refit_fits_the_measured_latencies_and_keeps_the_planner_as_it_was(refit, monkeypatch, tmp_path):
     consts = {"dhu": 2.1, "bwd_h": 1.7, "seg_state": 1.4, "fixup": 2.5, "launch": 30.0}
     lat = _bwd_table(consts)
-    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    monkeypatch.setattr(refit, "load", lambda d: lat)
     before = dict(plan._BWD_SPLIT_COST)
     res = refit.bwd(tmp_path)
     assert res["rms_rel_error"] < 1e-6
@@ -147,7 +141,7 @@ def test_bwd_refit_takes_points_with_missing_rows(refit, monkeypatch, tmp_path):
     now = _bwd_choices_with({})
     lat.iloc[0, lat.columns.get_loc(now[0])] = float("nan")  # the planner's pick not measured there
     lat.iloc[1, :] = float("nan")  # a point without any row
-    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    monkeypatch.setattr(refit, "load", lambda d: lat)
     res = refit.bwd(tmp_path)
     assert res["points"] == len(BWD_KEYS) - 1
     assert res["per_point"][0]["now"] is None and res["unmeasured_choices"]["now"] >= 1
@@ -156,7 +150,7 @@ def test_bwd_refit_takes_points_with_missing_rows(refit, monkeypatch, tmp_path):
 
 def test_a_run_without_the_candidate_labels_is_an_error(refit, monkeypatch, tmp_path):
     lat = pd.DataFrame({"tilelang": [1.0]}, index=[(2, 8, (1024,))])
-    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    monkeypatch.setattr(refit, "load", lambda d: lat)
     with pytest.raises(refit.RefitError, match="tl-fused"):
         refit.fwd(tmp_path)
     with pytest.raises(refit.RefitError, match="tl-split"):
@@ -170,7 +164,7 @@ def test_cli_names_a_missing_run_dir(refit, tmp_path, capsys):
 
 def test_cli_exits_2_with_the_reason_on_a_run_it_cannot_refit(refit, monkeypatch, tmp_path, capsys):
     lat = pd.DataFrame({"tilelang": [1.0]}, index=[(2, 8, (1024,))])
-    monkeypatch.setattr(refit, "load", lambda d: (None, lat))
+    monkeypatch.setattr(refit, "load", lambda d: lat)
     assert refit.main(["fwd", str(tmp_path)]) == 2
     assert "tl-fused" in capsys.readouterr().err
     assert refit.main(["bwd", str(tmp_path)]) == 2
