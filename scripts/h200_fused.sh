@@ -23,13 +23,16 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s)
 log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
 FC=/tmp/fc_out
+setup_fused() {  # the environment and the commit to run (scripts/h200_campaign.sh), plus the fused kernels' cache
+  STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+  tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
+}
 
 case "${STEP:?STEP=check|profile|sweep|wait}" in
 sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml: tilelang vs tilelang@prev
   # over the forward sweep, then their comparison) into runs/<its name>, packed into $OUT/runs.tgz
   CONFIG=${CONFIG:-configs/h200_fwd_kernels_prev.yaml}; RUN=runs/$(basename "$CONFIG" .yaml)
-  STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-  tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
+  setup_fused
   SRC=$PWD; source /tmp/job/env.sh; cd /tmp/repo
   log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
   nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
@@ -56,8 +59,7 @@ sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml
   fi
   pack; ls -la "$OUT"; log done;;
 profile)  # carry as for check: an ncu profile of the fused kernel (16/64 4x8192), its stalls per role
-  STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-  tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
+  setup_fused
   source /tmp/job/env.sh; cd /tmp/repo
   timeout 150 ncu --set full -k regex:gdn_fwd_fused --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu_fused" \
     python3 tools/kernels/check_fused.py --once > "$OUT/ncu.log" 2>&1; log "ncu: exit $?"
@@ -66,9 +68,7 @@ profile)  # carry as for check: an ncu profile of the fused kernel (16/64 4x8192
   timeout 60 ncu --import "$OUT/ncu_fused.ncu-rep" --page details --csv > "$OUT/details.csv" 2>/dev/null
   xz -f /tmp/src.csv && cp /tmp/src.csv.xz "$OUT/"; log done;;
 check)
-  STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-  tail -4 "$OUT/setup.log"
-  tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
+  setup_fused; tail -4 "$OUT/setup.log"
   source /tmp/job/env.sh
   log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
   nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
