@@ -125,11 +125,13 @@ def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple) -> tuple:
     return best
 
 
-#: Backward split cost model (µs per chunk step per CTA, H200), fitted when bwd_dhu was a
-#: one-warpgroup kernel (two to three CTAs per SM, counted as two slots; today's warp-specialised
-#: chain is ~2.1 µs per step at one CTA per SM: a refit is due), bwd_h (one per SM), seg_state (two
-#: per SM), each fix-up segment (forward and reverse), the split path's extra launches.
-_BWD_SPLIT_COST = {"dhu": 6.0, "bwd_h": 1.7, "seg_state": 1.5, "fixup": 3.0, "launch": 20.0}
+#: Backward split cost model (µs per chunk step per CTA, H200), fitted by ``scripts/plan_refit.py
+#: bwd`` (non-negative least squares) to ``results/h200_planner/bwd_splits``: the backward sweep's
+#: four head configs at every segment length, where its picks are 1.016x the best candidate (geomean
+#: over 32 points). dhu's term fits to 0: on those layouts bwd_dhu's makespan moves with bwd_h's,
+#: whose term carries both chains. seg_state, the fix-ups and the launches price the split path's
+#: extra work, which measures well above its chains' share (two segments never pay).
+_BWD_SPLIT_COST = {"dhu": 0.0, "bwd_h": 1.65, "seg_state": 2.3, "fixup": 4.7, "launch": 15.0}
 
 
 def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 32) -> float:
