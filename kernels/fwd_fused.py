@@ -64,6 +64,9 @@ A_β's rows and columns, are zero past the end; Vd is zero there, e^{g_l − g} 
 past the end are not stored. TMA loads of q/k/v may read the next sequence's rows (zero-filled
 past T), which only meet those zeros.
 
+Lines marked ``# @trace NAME`` are where ``tools/kernels/trace_fused.py`` stamps the SM clock, per
+role, chunk and CTA, in a copy of this program (the program here carries only the comments).
+
 Inputs:  q, k [1,T,Hqk,128] bf16; v [1,T,Hv,128] bf16; g, beta [1,T,Hv] fp32; stab int32 [NS,8];
          h_init [R,Hv,128,128] fp32 (row stab[s,4], read when ``has_init``); scale fp32.
 Outputs: o [1,T,Hv,128] bf16; ht [N,Hv,128,128] fp32 (last segment of each sequence, ``has_ht``).
@@ -194,24 +197,24 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     pt = (ci // 2) % 2
                     t0 = bos + ci * C
                     ln = T.min(eos - t0, C)
-                    T.barrier_wait(full[js], pj)
-                    T.barrier_wait(t_ready[jt], pt)
-                    T.copy(s_acc, s_bf)
+                    T.barrier_wait(full[js], pj)  # @trace s_wait_full
+                    T.barrier_wait(t_ready[jt], pt)  # @trace s_wait_ready
+                    T.copy(s_acc, s_bf)  # @trace s_xo
                     T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
                     T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    for i, j in T.Parallel(D, C):
+                    for i, j in T.Parallel(D, C):  # @trace s_w
                         w_bf[i, j] = T.cast(T.cast(v_sh[js, j, i], "float32") - gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
-                    T.gemm(w_bf, ta_sh[jt, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    for i, j in T.Parallel(D, C):
+                    T.gemm(w_bf, ta_sh[jt, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)  # @trace s_vd
+                    for i, j in T.Parallel(D, C):  # @trace s_vdpass
                         vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
                         vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
                         o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
-                    T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)
-                    egl = gt_sh[js, 2, ln - 1]
+                    T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)  # @trace s_o
+                    egl = gt_sh[js, 2, ln - 1]  # @trace s_decay
                     for i, j in T.Parallel(D, D):
                         s_acc[i, j] = s_acc[i, j] * egl
-                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
-                    T.barrier_arrive(t_free[jt])
+                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)  # @trace s_s
+                    T.barrier_arrive(t_free[jt])  # @trace s_store
                     T.barrier_arrive(empty[js])
                     for i, j in T.Parallel(D, C):
                         if j < ln:
@@ -232,15 +235,15 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     pj = (ci // NST) % 2
                     jt = ci % 2
                     pt = (ci // 2) % 2
-                    T.barrier_wait(full[js], pj)
+                    T.barrier_wait(full[js], pj)  # @trace a_wait_full
                     fac = gt_sh[js, 7, 0]
                     # L = StrictLower(diag β · Γ ⊙ K Kᵀ), then P = scale · Γ ⊙ Q Kᵀ (causal, into stage
                     # jt once the state is done with it), gated in registers, one accumulator live at
                     # a time: Γ_ij = e^{g_i − m} · e^{m − g_j} from the producer's row and column
                     # tables where its flag allows it (the masked products may be inf: dropped by the
                     # select), else per element e^{min(g_i − g_j, 0)}
-                    T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)
-                    if fac != T.float32(0):
+                    T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)  # @trace a_kk
+                    if fac != T.float32(0):  # @trace a_lgate
                         for i in T.Parallel(C):
                             bi[i] = gt_sh[js, 4, i]
                         for j in T.Parallel(C):
@@ -255,10 +258,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                             a_acc[i, j] = T.if_then_else(
                                 i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
                             )
-                    T.copy(a_acc, lo_sh)
-                    T.barrier_wait(t_free[jt], 1 - pt)
-                    T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)
-                    if fac != T.float32(0):
+                    T.copy(a_acc, lo_sh)  # @trace a_lstore
+                    T.barrier_wait(t_free[jt], 1 - pt)  # @trace a_wait_free
+                    T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)  # @trace a_qk
+                    if fac != T.float32(0):  # @trace a_pgate
                         for i in T.Parallel(C):
                             gi[i] = gt_sh[js, 5, i]
                         for j in T.Parallel(C):
@@ -272,10 +275,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                             p_acc[i, j] = T.if_then_else(
                                 i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
                             )
-                    T.copy(p_acc, pp_sh[jt, :, :])
+                    T.copy(p_acc, pp_sh[jt, :, :])  # @trace a_pstore
                     # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
                     # Dβ outside the diagonal blocks stay zero from before the loop)
-                    if li < C:
+                    if li < C:  # @trace a_subst
                         for i in T.unroll(B):
                             x16[i] = T.float32(0)
                         for i in T.unroll(B):
@@ -288,27 +291,27 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                             db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
                     T.fence_proxy_async()
                     # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
-                    T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
+                    T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)  # @trace a_n
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
                     T.copy(a_acc, n_sh)
                     T.fence_proxy_async()
                     # I + N² (into lo_sh: L is dead)
-                    T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
+                    T.gemm(n_sh, n_sh, a_acc, clear_accum=True)  # @trace a_n2
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
                     T.copy(a_acc, lo_sh)
                     T.fence_proxy_async()
                     # Y = (I + N²) Dβ (in P's accumulator, free now), then A_β = Y − N Y
-                    T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)
+                    T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)  # @trace a_y
                     T.copy(p_acc, y_sh)
                     T.fence_proxy_async()
-                    T.gemm(n_sh, y_sh, a_acc, clear_accum=True)
+                    T.gemm(n_sh, y_sh, a_acc, clear_accum=True)  # @trace a_ny
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
-                    T.copy(a_acc, ta_sh[jt, :, :])
+                    T.copy(a_acc, ta_sh[jt, :, :])  # @trace a_store
                     T.fence_proxy_async()
-                    T.barrier_arrive(t_ready[jt])
+                    T.barrier_arrive(t_ready[jt])  # @trace a_arrive
                     T.barrier_arrive(empty[js])
             else:
                 # ---------------- WG3: producer ----------------
@@ -319,8 +322,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         js = ci % NST
                         pj = (ci // NST) % 2
                         t0 = bos + ci * C
-                        T.barrier_wait(empty[js], 1 - pj)
-                        T.tma_copy(q[0, t0 : t0 + C, hk, 0:D], q_sh[js, :, :], barrier=full[js])
+                        T.barrier_wait(empty[js], 1 - pj)  # @trace p_wait_empty
+                        T.tma_copy(q[0, t0 : t0 + C, hk, 0:D], q_sh[js, :, :], barrier=full[js])  # @trace p_tma
                         T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
                         T.tma_copy(v[0, t0 : t0 + C, hv, 0:D], v_sh[js, :, :], barrier=full[js])
                         T.barrier_arrive(full[js])

@@ -16,6 +16,9 @@
 #                 into runs/<config name>, packed into $OUT/runs.tgz; SWEEP_S caps the run; PRECOMPILE=TARGET
 #                 first compiles scripts/precompile_cache.py's TARGET there (bwd_sweep: ~60 kernels);
 #                 RESUME_TGZ=FILE (a carried runs.tgz of an earlier call) goes on from its rows (--resume).
+#   STEP=trace    tools/kernels/trace_fused.py: the fused kernel's per-role timeline (SM clock stamps)
+#                 on its shapes, the traced kernels from the carried .tlcache/trace.tar.xz (built
+#                 offline with --compile-only; directory trace).
 #   STEP=wait     until the fixed-cost job ends or the call's deadline; its files into $OUT.
 # DEVICE_LEFT_S: the session's device seconds left (the fixed-cost job's deadline).
 set -uo pipefail
@@ -28,7 +31,7 @@ setup_fused() {  # the environment and the commit to run (scripts/h200_campaign.
   tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
 }
 
-case "${STEP:?STEP=check|profile|sweep|wait}" in
+case "${STEP:?STEP=check|profile|trace|sweep|wait}" in
 sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml: tilelang vs tilelang@prev
   # over the forward sweep, then their comparison) into runs/<its name>, packed into $OUT/runs.tgz
   CONFIG=${CONFIG:-configs/h200_fwd_kernels_prev.yaml}; RUN=runs/$(basename "$CONFIG" .yaml)
@@ -58,6 +61,14 @@ sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml
     tail -30 "$RUN/compare_prev_vs_new.txt"
   fi
   pack; ls -la "$OUT"; log done;;
+trace)  # carry as for check, plus .tlcache/trace.tar.xz
+  setup_fused
+  tar -xJf .tlcache/trace.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/trace/. /tmp/tlc/all/
+  source /tmp/job/env.sh; cd /tmp/repo
+  log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
+  nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+  timeout --kill-after=10 ${TRACE_S:-240} python3 tools/kernels/trace_fused.py ${SHAPES:+--shapes "$SHAPES"} > "$OUT/trace.log" 2>&1
+  log "trace: exit $?"; grep -v WARNING "$OUT/trace.log" | tail -40; log done;;
 profile)  # carry as for check: an ncu profile of the fused kernel (16/64 4x8192), its stalls per role
   setup_fused
   source /tmp/job/env.sh; cd /tmp/repo

@@ -1,0 +1,43 @@
+"""tools/kernels/trace_fused.py: the traced copy of the fused kernel's program (no GPU)."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools" / "kernels"))
+
+
+def test_traced_source_stamps_every_marked_line_per_role():
+    import qlabench_kernels as pkg
+    import trace_fused as tf
+
+    src = pathlib.Path(pkg.fwd_fused.__file__).read_text()
+    text, names = tf.traced_source(src)
+    assert len(names) == len(set(names)) == src.count("  # @trace ") > 20
+    assert {n.split("_", 1)[0] for n in names} == {"s", "a", "p"}
+    for i, n in enumerate(names):  # the stamp right before its marked line, by its role's thread
+        lines = text.split("\n")
+        at = next(j for j, ln in enumerate(lines) if ln.endswith(f"# @trace {n}"))
+        assert lines[at - 1].strip() == f'tr[sh, ci, {i}] = T.call_extern("int64", "clock64")'
+        assert f"tx == {tf.ROLE_TX[n[0]]}," in lines[at - 2]
+    assert 'tr: T.Tensor((NT, TC, 32), "int64"),' in text
+    with pytest.raises(ValueError, match="s_, a_ or p_"):
+        tf.traced_source(src.replace("# @trace s_xo", "# @trace x_xo"))
+    with pytest.raises(ValueError, match="no longer has the lines"):
+        tf.traced_source(src.replace('N = T.dynamic("N")', 'N = T.dynamic("N")  # n'))
+
+
+def test_traced_program_builds_and_the_package_program_has_no_stamps():
+    pytest.importorskip("tilelang")
+    import qlabench_kernels as pkg
+    import trace_fused as tf
+
+    mod, names = tf.traced_module(pkg)
+    traced = mod.fwd_fused_program(2, 8, True, True).script()
+    plain = pkg.fwd_fused.fwd_fused_program(2, 8, True, True).script()
+    assert traced.count("clock64") == len(names) and "clock64" not in plain
+    assert (
+        len(mod.fwd_fused_program(2, 8, True, True).params)
+        == len(pkg.fwd_fused.fwd_fused_program(2, 8, True, True).params) + 1
+    )
