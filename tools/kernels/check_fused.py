@@ -1,6 +1,6 @@
 """Correctness and timing of the fused forward kernel (fwd_fused.py) on a Hopper GPU.
 
-    python tools/kernels/check_fused.py [--cases small|all] [--no-time]
+    python tools/kernels/check_fused.py [--cases small|all] [--no-time] [--timing SHAPE,...]
 
 Correctness, per case: o and the final state of the fused kernel (outputs poisoned with NaN
 first) against the fp32 token recurrence (rel L2) and against the fwd_o path (block_v 64), both
@@ -132,6 +132,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="all", choices=["small", "all"])
     ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--timing", default=None, help="comma-separated timing shapes (default: all): " + ", ".join(t[0] for t in TIMING))
     ap.add_argument("--once", action="store_true", help="only call the fused kernel twice on 16/64 4x8192 (for ncu)")
     args = ap.parse_args(argv)
     pkg, _ = _import_pkg()
@@ -154,7 +155,10 @@ def main(argv=None):
             log(traceback.format_exc())
     if all_ok and not args.no_time:
         log("\n=== timing (CUDA-graph replay medians, ms)")
+        want = None if args.timing is None else {t.strip() for t in args.timing.split(",")}
         for name, lens, hq, hv in TIMING:
+            if want is not None and name not in want:
+                continue
             try:
                 time_shape(pkg, name, lens, hq, hv, results)
             except Exception:  # noqa: BLE001
