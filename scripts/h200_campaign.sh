@@ -8,7 +8,9 @@
 #               record as git_sha, from the archive's header), then the job below started
 #               in its own process session (it outlives the call); returns at once.
 #               JOB=none: the environment only (/tmp/job/env.sh, /tmp/repo), no job, e.g. for
-#               scripts/h200_fixed_cost.sh run in the same or the next call.
+#               scripts/h200_fixed_cost.sh run in the same or the next call. JOB=bwd: the backward
+#               campaign alone (configs/h200_bwd.yaml, --resume from RESUME_TGZ, a carried runs.tgz; FLA's
+#               autotuning and FlashQLA's compiles take most of a call), collected by STEP=wait.
 #   STEP=fi07a  carry .fi07a: the CuTe-DSL MLIR library into /tmp.
 #   STEP=fi07b  carry .fi07b: /tmp/fisite (FlashInfer 0.7.4); the job starts the campaign once it is there.
 #   STEP=wait   until the job ends or the call's deadline: its logs and runs so far into $OUT.
@@ -58,6 +60,12 @@ EOF
   log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels"
   nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$J/nvidia-smi.csv"
   if [ "${JOB:-campaign}" = none ]; then log "set up; no job started (JOB=none)"; exit 0; fi
+  if [ "$JOB" = bwd ]; then  # the backward campaign alone (configs/h200_bwd.yaml), for STEP=wait to collect
+    if [ -n "${RESUME_TGZ:-}" ]; then tar -xzf "$RESUME_TGZ" -C /tmp/repo || exit 1; fi  # a carried runs.tgz of a cut call
+    cd /tmp/repo && setsid nohup bash -c "qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume > $J/bwd.log 2>&1; touch $J/done" \
+      < /dev/null > /dev/null 2>&1 &
+    sleep 15; tail -3 "$J/bwd.log"; log "backward campaign started"; exit 0
+  fi
   cd /tmp/repo && setsid nohup env STEP=job bash scripts/h200_campaign.sh > "$J/job.log" 2>&1 < /dev/null &
   sleep 20; cat "$J/job.log"; log "job started";;
 fi07a)
