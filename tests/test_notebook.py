@@ -1,5 +1,5 @@
 """notebooks/analysis.ipynb executes headless (nbclient, kernel python3) on a synthetic run and on
-the committed results/ (whatever is there, possibly nothing)."""
+the committed backward sweep results/h200_bwd (or an empty folder when it is not there)."""
 
 import shutil
 from pathlib import Path
