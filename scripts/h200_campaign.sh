@@ -60,9 +60,10 @@ EOF
   log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels"
   nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$J/nvidia-smi.csv"
   if [ "${JOB:-campaign}" = none ]; then log "set up; no job started (JOB=none)"; exit 0; fi
-  if [ "$JOB" = bwd ]; then  # the backward campaign alone (configs/h200_bwd.yaml), for STEP=wait to collect
+  if [ "${JOB:-campaign}" = bwd ]; then  # the backward campaign alone (configs/h200_bwd.yaml), for STEP=wait to collect
     if [ -n "${RESUME_TGZ:-}" ]; then tar -xzf "$RESUME_TGZ" -C /tmp/repo || exit 1; fi  # a carried runs.tgz of a cut call
-    cd /tmp/repo && setsid nohup bash -c "qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume > $J/bwd.log 2>&1; touch $J/done" \
+    cd /tmp/repo && setsid nohup bash -c "timeout --signal=INT --kill-after=20 $(( JOB_DEADLINE - $(date +%s) - 60 )) \
+      qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume > $J/bwd.log 2>&1; touch $J/done" \
       < /dev/null > /dev/null 2>&1 &
     sleep 15; tail -3 "$J/bwd.log"; log "backward campaign started"; exit 0
   fi
@@ -81,7 +82,7 @@ wait)
   while [ ! -f "$J/done" ] && [ $(( $(date +%s) - T0 )) -lt "$left" ]; do  # a snapshot a minute:
     sleep 5; [ $(( ($(date +%s) - T0) % 60 )) -lt 5 ] && snapshot > /dev/null  # the call may be cut
   done
-  tail -30 "$J/job.log"; snapshot; log "$( [ -f "$J/done" ] && echo 'job done' || echo 'job still running')";;
+  tail -30 "$J/job.log" "$J/bwd.log" 2>/dev/null; snapshot; log "$( [ -f "$J/done" ] && echo 'job done' || echo 'job still running')";;
 job)
   source "$ENVF"
   left() { echo $(( JOB_DEADLINE - $(date +%s) )); }

@@ -15,7 +15,8 @@ is a per-point base (the stages the split does not change) plus the split chains
 
 Both report, per point and as geomeans over the points where both choices are measured rows: the
 planner's choice with its constants ("now"), with the refit ones ("new") and the best candidate,
-each a row of the same run (the ratios pair rows of that run only), and the planned label
+each a row of the same run directory (the ratios pair rows of that directory only: one run, or a
+run and its ``--resume``, which may be on another GPU), and the planned label
 (``tilelang``) against the "now" row. A choice not measured at a point is None there and counted.
 """
 

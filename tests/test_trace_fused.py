@@ -41,3 +41,27 @@ def test_traced_program_builds_and_the_package_program_has_no_stamps():
         len(mod.fwd_fused_program(2, 8, True, True).params)
         == len(pkg.fwd_fused.fwd_fused_program(2, 8, True, True).params) + 1
     )
+
+
+def test_summary_medians_per_phase_and_unwritten_stamps():
+    torch = pytest.importorskip("torch")
+    import trace_fused as tf
+
+    names = ["s_a", "s_b", "a_x", "a_y", "p_q"]
+    tr = torch.zeros(2, 7, tf.NSLOT, dtype=torch.int64)
+    for c in range(7):  # state: phases 10 + 30, aux 5 + 15, producer 7 cycles per chunk
+        tr[:, c, 0], tr[:, c, 1], tr[:, c, 2], tr[:, c, 3], tr[:, c, 4] = (
+            40 * c + 1,
+            40 * c + 11,
+            20 * c + 1,
+            20 * c + 6,
+            7 * c + 1,
+        )
+    nch = torch.tensor([6, 6])
+    summ = tf.summarize(tr, names, nch)
+    assert summ["s"] == {"phases": {"s_a": 10.0, "s_b": 30.0}, "period": 40.0}
+    assert summ["a"] == {"phases": {"a_x": 5.0, "a_y": 15.0}, "period": 20.0}
+    assert summ["p"]["period"] == 7.0
+    assert tf.unwritten_stamps(tr, names, nch) == []
+    tr[1, 3, 2] = 0  # aux's first stamp missing on one chunk of one walk
+    assert tf.unwritten_stamps(tr, names, nch) == ["a_x"]

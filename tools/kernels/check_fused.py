@@ -135,6 +135,11 @@ def main(argv=None):
     ap.add_argument("--timing", default=None, help="comma-separated timing shapes (default: all): " + ", ".join(t[0] for t in TIMING))
     ap.add_argument("--once", action="store_true", help="only call the fused kernel twice on 16/64 4x8192 (for ncu)")
     args = ap.parse_args(argv)
+    if args.timing is not None:
+        bad = sorted({t.strip() for t in args.timing.split(",")} - {t[0] for t in TIMING})
+        if bad:
+            print(f"error: --timing: unknown {bad}; known: {[t[0] for t in TIMING]}", file=sys.stderr)
+            return 2
     pkg, _ = _import_pkg()
     if args.once:
         x = make_inputs([8192] * 4, 16, 64)

@@ -8,8 +8,9 @@ producer: thread 384) into ``tr[cta, chunk, slot]``; the kernel in the package i
 its cache entries stay valid. Per shape: the traced kernel's outputs against the untraced one's
 (the stamps must not change them), both timed by CUDA-graph replay (what the stamps cost), then per
 role the median cycles of each phase (from its stamp to the role's next one) over the chunks of
-every CTA but each walk's first two, and each role's chunk period (its first stamp to the next
-chunk's). ``--compile-only`` builds the traced kernels for the shapes' head configs (no GPU; into
+every CTA but each walk's first two and its last, and each role's chunk period (its first stamp to
+the next chunk's). Exit 1 when the traced kernel's outputs differ from the untraced one's or a stamp
+was never written (a mark whose role prefix is not the role whose branch holds it). ``--compile-only`` builds the traced kernels for the shapes' head configs (no GPU; into
 $TILELANG_CACHE_DIR). Writes trace_fused.json / .txt to $OUT when set.
 """
 
@@ -100,6 +101,12 @@ def summarize(tr, names, nchunks_per_cta, skip=2):
     return res
 
 
+def unwritten_stamps(tr, names, nchunks_per_cta):
+    """The stamps left 0 on some chunk of a walk (its last chunk aside): a mark no thread reaches."""
+    valid = _valid(nchunks_per_cta, tr.shape[1], 0)
+    return [n for i, n in enumerate(names) if bool((tr[:, :, i][valid] == 0).any())]
+
+
 def _valid(nch, tc, skip):
     import torch
 
@@ -119,12 +126,13 @@ def run_shape(pkg, mod, names, name, seqlens, h_qk, h_v, results):
 
     def traced(q, k, v, g, beta, stab, h_init, scale, o, ht, target=None):
         kern = mod.get_fwd_fused_kernel(q.shape[2], v.shape[2], h_init is not None, ht is not None)
-        nt = stab.shape[0] * v.shape[2]
-        hold["tr"] = tr = torch.zeros(nt, tc, NSLOT, device=q.device, dtype=torch.int64)
-        hold["stab"] = stab
-        dummy = torch.empty(1, v.shape[2], 128, 128, device=q.device)
+        if "tr" not in hold:  # the first (uncaptured) call allocates; replays write the same buffer
+            hold["tr"] = torch.zeros(stab.shape[0] * v.shape[2], tc, NSLOT, device=q.device, dtype=torch.int64)
+            hold["dummy"] = torch.empty(1, v.shape[2], 128, 128, device=q.device)
+            hold["stab"] = stab
+        dummy = hold["dummy"]
         kern(q, k, v, g, beta, stab, h_init if h_init is not None else dummy, float(scale), o,
-             ht if ht is not None else dummy, tr)  # fmt: skip
+             ht if ht is not None else dummy, hold["tr"])  # fmt: skip
         return o, ht
 
     o_ref, ht_ref = _fused_call(pkg, x, 0)
@@ -142,11 +150,16 @@ def run_shape(pkg, mod, names, name, seqlens, h_qk, h_v, results):
     nch = ((stab[:, 1] - stab[:, 0] + 63) // 64).clamp(min=0).where(stab[:, 2] >= 0, torch.zeros_like(stab[:, 0]))
     nch = nch.repeat_interleave(h_v).to(torch.int64)  # CTA sh = segment * h_v + v-head
     assert tr.shape[0] == nseg * h_v
+    unwritten = unwritten_stamps(tr, names, nch)
     summ = summarize(tr, names, nch)
     row = dict(shape=name, plain_ms=plain_ms, traced_ms=traced_ms, o_vs_plain=rel(o_t.float(), o_ref.float()),
-               ht_vs_plain=rel(ht_t, ht_ref), roles=summ)  # fmt: skip
+               ht_vs_plain=rel(ht_t, ht_ref), unwritten_stamps=unwritten, roles=summ)  # fmt: skip
+    row["ok"] = row["o_vs_plain"] == 0 and row["ht_vs_plain"] == 0 and not unwritten
     results["shapes"].append(row)
-    log(f"\n=== {name}: plain {plain_ms:.4f} ms, traced {traced_ms:.4f} ms; traced o vs plain {row['o_vs_plain']:.2e}")
+    log(
+        f"\n=== {name}: plain {plain_ms:.4f} ms, traced {traced_ms:.4f} ms; traced vs plain: o {row['o_vs_plain']:.2e}, "
+        f"final state {row['ht_vs_plain']:.2e}" + (f"; stamps never written: {unwritten}" if unwritten else "")
+    )
     for role, r in summ.items():
         log(f"  {role}: period {r['period']:.0f} cycles; " + ", ".join(f"{k} {v:.0f}" for k, v in r["phases"].items()))
 
@@ -179,7 +192,7 @@ def main(argv=None):
     if out:
         pathlib.Path(out, "trace_fused.json").write_text(json.dumps(results, indent=1))
         pathlib.Path(out, "trace_fused.txt").write_text("\n".join(LINES) + "\n")
-    return 0
+    return 0 if all(r["ok"] for r in results["shapes"]) else 1
 
 
 if __name__ == "__main__":
