@@ -30,6 +30,10 @@ setup_fused() {  # the environment and the commit to run (scripts/h200_campaign.
   STEP=setup JOB=none bash scripts/h200_campaign.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/fused/. /tmp/tlc/all/
 }
+log_machine() {  # the kernels in the TileLang cache, the commit and the GPU (into $OUT/gpu.csv); after env.sh
+  log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
+  nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+}
 
 case "${STEP:?STEP=check|profile|trace|sweep|wait}" in
 sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml: tilelang vs tilelang@prev
@@ -37,8 +41,7 @@ sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml
   CONFIG=${CONFIG:-configs/h200_fwd_kernels_prev.yaml}; RUN=runs/$(basename "$CONFIG" .yaml)
   setup_fused
   SRC=$PWD; source /tmp/job/env.sh; cd /tmp/repo
-  log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
-  nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+  log_machine
   if [ -n "${PRECOMPILE:-}" ]; then  # kernels not in the carried cache, compiled here (8 head configs at a time)
     python3 scripts/precompile_cache.py "$PRECOMPILE" --jobs 8 > "$OUT/precompile.log" 2>&1; log "precompile $PRECOMPILE: exit $?"
   fi
@@ -65,8 +68,7 @@ trace)  # carry as for check, plus .tlcache/trace.tar.xz
   setup_fused
   tar -xJf .tlcache/trace.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/trace/. /tmp/tlc/all/
   source /tmp/job/env.sh; cd /tmp/repo
-  log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
-  nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+  log_machine
   timeout --kill-after=10 ${TRACE_S:-240} python3 tools/kernels/trace_fused.py ${SHAPES:+--shapes "$SHAPES"} > "$OUT/trace.log" 2>&1
   log "trace: exit $?"; grep -v WARNING "$OUT/trace.log" | tail -40; log done;;
 profile)  # carry as for check: an ncu profile of the fused kernel (16/64 4x8192), its stalls per role
@@ -81,8 +83,7 @@ profile)  # carry as for check: an ncu profile of the fused kernel (16/64 4x8192
 check)
   setup_fused; tail -4 "$OUT/setup.log"
   source /tmp/job/env.sh
-  log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit $QLABENCH_GIT_SHA"
-  nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+  log_machine
   mkdir -p $FC && cp .run/repo_old.tar.gz $FC/
   cd /tmp/repo
   timeout --kill-after=10 90 python3 tools/kernels/check_fused.py --cases small --no-time > "$OUT/fused_small.log" 2>&1
