@@ -146,10 +146,8 @@ def run_shape(pkg, mod, names, name, seqlens, h_qk, h_v, results):
     finally:
         pkg.forward.run_fwd_fused = plain
     tr, stab = hold["tr"], hold["stab"]
-    nseg = stab.shape[0]
     nch = ((stab[:, 1] - stab[:, 0] + 63) // 64).clamp(min=0).where(stab[:, 2] >= 0, torch.zeros_like(stab[:, 0]))
     nch = nch.repeat_interleave(h_v).to(torch.int64)  # CTA sh = segment * h_v + v-head
-    assert tr.shape[0] == nseg * h_v
     unwritten = unwritten_stamps(tr, names, nch)
     summ = summarize(tr, names, nch)
     row = dict(shape=name, plain_ms=plain_ms, traced_ms=traced_ms, o_vs_plain=rel(o_t.float(), o_ref.float()),
