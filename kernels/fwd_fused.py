@@ -8,8 +8,8 @@ last valid value)
     L    = StrictLower(diag β · Γ ⊙ K Kᵀ),  Γ_ij = e^{g_i − g_j}
     A_β  = (I + L)⁻¹ diag β
     P    = scale · Γ ⊙ Q Kᵀ (causal incl. the diagonal)
-    Wᵀ   = Vᵀ − e^g ⊙ (Sᵀ Kᵀ)          (columns are tokens)
-    Vdᵀ  = Wᵀ A_βᵀ                       (= FLA's v_newᵀ)
+    Vdᵀ  = (Vᵀ − e^g ⊙ (Sᵀ Kᵀ)) A_βᵀ    (columns are tokens; = FLA's v_newᵀ), as two GEMMs:
+           (−e^g ⊙ Sᵀ Kᵀ) A_βᵀ with A from registers, + Vᵀ A_βᵀ with A read transposed from shared
     Oᵀ   = scale · e^g ⊙ (Sᵀ Qᵀ) + Vdᵀ Pᵀ
     Sᵀ  ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
@@ -19,7 +19,8 @@ dropped (there D L_bb = I − D), strictly block-lower so N⁴ = 0 and (I + L)�
 (I − N)(I + N²) D: Y = (I + N²) Dβ (Dβ = D diag β), A_β = Y − N Y. Four 64x64x64 wgmmas; fp16
 (not bf16) operands keep A_β's error (~5e-4 relative on correlated keys) below its own bf16
 rounding. Every aux step gates or masks in registers; L, N, I + N² and Y go to shared memory by
-stmatrix, P and A_β (into ring slot c % 2) by 4-byte stores.
+stmatrix, P and A_β too (each ring slot is a buffer of its own: ``T.copy`` emits stmatrix only
+into a buffer's offset 0, so slot c % 2 is picked by a branch, not an index).
 
 Gating by factors. With m = (g_0 + g_l) / 2, Γ_ij = e^{g_i − m} · e^{m − g_j}: the producer writes
 per chunk the row factors β e^{g − m} (for L) and scale · e^{g − m} (for P) and the column factors
@@ -38,9 +39,11 @@ Roles:
 
     WG0-1 (tx   0..255, setmaxnreg 192)  the state Sᵀ [128 V, 128 K] fp32 in registers (64 V rows
             per warpgroup); every GEMM takes its A operand from registers (the accumulator cast to
-            bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = Wᵀ A_βᵀ, O += Vdᵀ Pᵀ, Sᵀ += Vd'ᵀ K; stores the valid o rows
+            bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vdᵀ Pᵀ,
+            Sᵀ += Vd'ᵀ K; o (bf16) into q_sh[c % 3] (Q is dead once both warpgroups' O GEMMs
+            are done), then its valid rows to HBM as 16-byte row stores
     WG2   (tx 256..383, setmaxnreg 104)  aux, up to two chunks ahead: K Kᵀ and L, Q Kᵀ and P, the
-            inverse → P and A_β (bf16) into the two-stage ring t (pp_sh, ta_sh)
+            inverse → P and A_β (bf16) into the two-stage ring t (pp0/pp1_sh, ta0/ta1_sh)
     WG3   (tx 384..511, setmaxnreg  24)  producer: warp 12's elected lane TMA-loads Q, K, V of chunk c
             into stage c % 3; warp 13 loads g and β (zero past the sequence end), takes the
             chunk-local cumsum with warp shuffles and writes g, β, e^g, mask · e^{g_l − g}, the
@@ -134,8 +137,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             v_sh = T.alloc_shared((NST, C, D), "bfloat16")
             gt_sh = T.alloc_shared((NST, GT_ROWS, C), "float32", scope="shared")
             # aux -> state ring: A_β and P
-            ta_sh = T.alloc_shared((2, C, C), "bfloat16")
-            pp_sh = T.alloc_shared((2, C, C), "bfloat16")
+            ta0_sh = T.alloc_shared((C, C), "bfloat16")
+            ta1_sh = T.alloc_shared((C, C), "bfloat16")
+            pp0_sh = T.alloc_shared((C, C), "bfloat16")
+            pp1_sh = T.alloc_shared((C, C), "bfloat16")
             # aux scratch (fp16): L, then I + N²; D, Dβ, N, Y
             lo_sh = T.alloc_shared((C, C), "float16")
             d_sh = T.alloc_shared((C, C), "float16")
@@ -203,22 +208,32 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
                     T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
                     for i, j in T.Parallel(D, C):  # @trace s_w
-                        w_bf[i, j] = T.cast(T.cast(v_sh[js, j, i], "float32") - gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
-                    T.gemm(w_bf, ta_sh[jt, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)  # @trace s_vd
+                        w_bf[i, j] = T.cast(-gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
+                    if jt == 0:  # @trace s_vd
+                        T.gemm(w_bf, ta0_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                        T.gemm(v_sh[js, :, :], ta0_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
+                    else:
+                        T.gemm(w_bf, ta1_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                        T.gemm(v_sh[js, :, :], ta1_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
                     for i, j in T.Parallel(D, C):  # @trace s_vdpass
                         vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
                         vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
                         o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
-                    T.gemm(vd_bf, pp_sh[jt, :, :], o_acc, transpose_B=True, policy=FR)  # @trace s_o
+                    if jt == 0:  # @trace s_o
+                        T.gemm(vd_bf, pp0_sh, o_acc, transpose_B=True, policy=FR)
+                    else:
+                        T.gemm(vd_bf, pp1_sh, o_acc, transpose_B=True, policy=FR)
                     egl = gt_sh[js, 2, ln - 1]  # @trace s_decay
                     for i, j in T.Parallel(D, D):
                         s_acc[i, j] = s_acc[i, j] * egl
                     T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)  # @trace s_s
                     T.barrier_arrive(t_free[jt])  # @trace s_store
-                    T.barrier_arrive(empty[js])
                     for i, j in T.Parallel(D, C):
+                        q_sh[js, j, i] = T.cast(o_acc[i, j], "bfloat16")
+                    for j, i in T.Parallel(C, D):
                         if j < ln:
-                            o[0, t0 + j, hv, i] = T.cast(o_acc[i, j], "bfloat16")
+                            o[0, t0 + j, hv, i] = q_sh[js, j, i]
+                    T.barrier_arrive(empty[js])
                 if has_ht:
                     if is_last == 1:
                         for i, j in T.Parallel(D, D):
@@ -275,7 +290,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                             p_acc[i, j] = T.if_then_else(
                                 i >= j, scale * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
                             )
-                    T.copy(p_acc, pp_sh[jt, :, :])  # @trace a_pstore
+                    if jt == 0:  # @trace a_pstore
+                        T.copy(p_acc, pp0_sh)
+                    else:
+                        T.copy(p_acc, pp1_sh)
                     # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
                     # Dβ outside the diagonal blocks stay zero from before the loop)
                     if li < C:  # @trace a_subst
@@ -286,15 +304,15 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                             for j in T.unroll(i):
                                 acc1 = acc1 - T.cast(lo_sh[(li // B) * B + i, (li // B) * B + j], "float32") * x16[j]
                             x16[i] = acc1
-                        for i in T.unroll(B):
+                        for i in T.unroll(B):  # @trace a_sstore
                             d_sh[(li // B) * B + i, li] = T.cast(x16[i], "float16")
                             db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
-                    T.fence_proxy_async()
+                    T.fence_proxy_async()  # @trace a_sfence
                     # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
                     T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)  # @trace a_n
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
-                    T.copy(a_acc, n_sh)
+                    T.copy(a_acc, n_sh)  # @trace a_nstore
                     T.fence_proxy_async()
                     # I + N² (into lo_sh: L is dead)
                     T.gemm(n_sh, n_sh, a_acc, clear_accum=True)  # @trace a_n2
@@ -309,7 +327,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.gemm(n_sh, y_sh, a_acc, clear_accum=True)  # @trace a_ny
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
-                    T.copy(a_acc, ta_sh[jt, :, :])  # @trace a_store
+                    if jt == 0:  # @trace a_store
+                        T.copy(a_acc, ta0_sh)
+                    else:
+                        T.copy(a_acc, ta1_sh)
                     T.fence_proxy_async()
                     T.barrier_arrive(t_ready[jt])  # @trace a_arrive
                     T.barrier_arrive(empty[js])

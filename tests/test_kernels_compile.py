@@ -87,8 +87,18 @@ def test_fused_aux_gates_by_factors_with_a_per_element_fallback(sources):
     producer = src[src.index(f"warpgroup_reg_dealloc<{nreg[2]}>") :]
     assert aux.count("if (fac != ") == 2 and aux.count("expf(") == 2
     assert aux.count("*(float2*)(cj + ") == 2
-    assert aux.count("ptx_stmatrix") == 4  # L, N, I + N², Y by stmatrix
+    # L, N, I + N², Y by stmatrix, and P and A_β into each of their two ring buffers
+    assert aux.count("ptx_stmatrix") == 8
     assert "__all_sync" in producer
+
+
+def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
+    """The state warpgroups take W's V term as a wgmma with A = Vᵀ by descriptor (one per ring
+    slot's branch), no element loads of V."""
+    src = sources["fwd_fused"]
+    nreg = _mod("fwd_fused").NREG
+    state = src[src.index(f"warpgroup_reg_alloc<{nreg[0]}>") : src.index(f"warpgroup_reg_dealloc<{nreg[1]}>")]
+    assert state.count("v_sh)[") == state.count("(bfloat16_t*)v_sh)[0]") == 2
 
 
 def test_register_budgets_fit_the_file():

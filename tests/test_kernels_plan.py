@@ -53,16 +53,16 @@ def test_plan_bwd_split_cuts_only_few_long_chains():
 
 
 def test_plan_fwd_picks_the_faster_final_kernel():
-    """plan_fwd against the H200's timings of both final kernels (results/h200_fused, 2026-12-01):
-    the fused kernel (block_v 128) where it measured faster, fwd_o elsewhere."""
+    """plan_fwd against the H200's timings of both final kernels (check_fused, 2026-12-02,
+    results/h200_fused/_notes/ab_20261202/call3/timefull_base): the fused kernel (block_v 128)
+    where it measured faster, fwd_o elsewhere."""
     pkg = _pkg()
-    assert pkg.plan_fwd(4 * 8192, 4, 64)[0] == 128  # fused 1.524 ms, fwd_o 1.988
-    assert pkg.plan_fwd(8 * 1024, 8, 64)[0] == 128  # 0.413 vs 0.551
-    assert pkg.plan_fwd(4 * 8192, 4, 32)[0] == 128  # 32/32: 0.783 vs 1.028
-    assert pkg.plan_fwd(32768, 1, 64)[0] != 128  # fwd_o 1.973, fused 3.030 (64 CTAs)
-    assert pkg.plan_fwd(4 * 8192, 4, 16)[0] != 128  # 0.504 vs 0.775
-    assert pkg.plan_fwd(32768, 1, 8) == (64, 4096)  # 0.420 vs the fused split's best 0.491
-    assert pkg.plan_fwd(8 * 1024, 8, 8)[0] != 128  # 0.079 vs 0.105
+    assert pkg.plan_fwd(4 * 8192, 4, 64)[0] == 128  # fused 1.063 ms, fwd_o 1.974
+    assert pkg.plan_fwd(8 * 1024, 8, 64)[0] == 128  # 0.302 vs 0.547
+    assert pkg.plan_fwd(4 * 8192, 4, 32)[0] == 128  # 32/32: 0.556 vs 1.033
+    assert pkg.plan_fwd(32768, 1, 64)[0] != 128  # fwd_o 1.971, fused 2.097 (64 CTAs)
+    assert pkg.plan_fwd(4 * 8192, 4, 16)[0] != 128  # 0.505 vs 0.537
+    assert pkg.plan_fwd(32768, 1, 8) == (64, 4096)  # 0.418 vs the fused split's best 0.433
     # the unsplit fused path runs no prep; every other path pays it
     from qlabench_kernels.plan import _final_cost
 

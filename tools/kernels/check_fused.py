@@ -1,6 +1,6 @@
 """Correctness and timing of the fused forward kernel (fwd_fused.py) on a Hopper GPU.
 
-    python tools/kernels/check_fused.py [--cases small|all] [--no-time] [--timing SHAPE,...]
+    python tools/kernels/check_fused.py [--cases small|all] [--no-time] [--timing SHAPE,...] [--fused-only]
 
 Correctness, per case: o and the final state of the fused kernel (outputs poisoned with NaN
 first) against the fp32 token recurrence (rel L2) and against the fwd_o path (block_v 64), both
@@ -8,7 +8,8 @@ through ``chunk_gdn_fwd_lowlevel`` (the "decay-bound" cases with strong-decay he
 fall just under and just over the factored-gating bound): unsplit (tables + the fused kernel) and split (the split
 path's segment start states, then the fused kernel over the segments). Timing, per shape:
 CUDA-graph replay medians of the fwd_o path as its planner picks it, of the planned forward, of
-the fused kernel unsplit, and of its split path at a few segment lengths. Writes
+the fused kernel unsplit, and of its split path at a few segment lengths (``--fused-only``: the
+fused kernel unsplit alone, for comparing versions of it run one after the other). Writes
 check_fused.json / .txt to $OUT when set.
 """
 
@@ -105,10 +106,15 @@ def check(pkg, name, seqlens, h_qk, h_v, split_tokens, with_h0, results):
     return r["ok"]
 
 
-def time_shape(pkg, name, seqlens, h_qk, h_v, results):
+def time_shape(pkg, name, seqlens, h_qk, h_v, results, fused_only=False):
     from qlabench_kernels.plan import plan_fwd, sm_count
 
     x = make_inputs(seqlens, h_qk, h_v)
+    if fused_only:
+        row = dict(shape=name, fused_ms=graph_time_ms(lambda: _fused_call(pkg, x, 0)))
+        log(f"  shape={name} fused_ms={row['fused_ms']:.4g}")
+        results["timing"].append(row)
+        return
     T, N = sum(seqlens), len(seqlens)
     sms = sm_count(torch.device("cuda"))
     bv, sp = plan_fwd(T, N, h_v, sms, seqlens=seqlens, blocks=(64, 32))
@@ -133,6 +139,7 @@ def main(argv=None):
     ap.add_argument("--cases", default="all", choices=["small", "all"])
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--timing", default=None, help="comma-separated timing shapes (default: all): " + ", ".join(t[0] for t in TIMING))
+    ap.add_argument("--fused-only", action="store_true", help="time only the fused kernel unsplit")
     ap.add_argument("--once", action="store_true", help="only call the fused kernel twice on 16/64 4x8192 (for ncu)")
     args = ap.parse_args(argv)
     if args.timing is not None:
@@ -165,7 +172,7 @@ def main(argv=None):
             if want is not None and name not in want:
                 continue
             try:
-                time_shape(pkg, name, lens, hq, hv, results)
+                time_shape(pkg, name, lens, hq, hv, results, fused_only=args.fused_only)
             except Exception:  # noqa: BLE001
                 results["errors"].append({"case": name, "error": traceback.format_exc()})
                 log(traceback.format_exc())
