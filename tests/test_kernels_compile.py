@@ -94,11 +94,14 @@ def test_fused_aux_gates_by_factors_with_a_per_element_fallback(sources):
 
 def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     """The state warpgroups take W's V term as a wgmma with A = Vᵀ by descriptor (one per ring
-    slot's branch), no element loads of V."""
+    slot's branch), no element loads of V; o is staged in q_sh between two syncs of their 256
+    threads (the named barriers tools/kernels/fused_protocol.py models as o_sync) and leaves it by
+    16-byte row stores."""
     src = sources["fwd_fused"]
     nreg = _mod("fwd_fused").NREG
     state = src[src.index(f"warpgroup_reg_alloc<{nreg[0]}>") : src.index(f"warpgroup_reg_dealloc<{nreg[1]}>")]
     assert state.count("v_sh)[") == state.count("(bfloat16_t*)v_sh)[0]") == 2
+    assert state.count(", 256);") == 2 and "*(uint4*)(o + " in state
 
 
 def test_register_budgets_fit_the_file():

@@ -104,7 +104,8 @@ def test_fwd_fused_barrier_protocol():
     """The fused forward's protocol (modelled in tools/kernels/fused_protocol.py with the kernel's
     stage count and barrier counts) never deadlocks, never passes a parity wait at the wrong phase and
     never lets a read see another chunk's stage or ring slot, for 1..7 chunks; dropping any one wait of
-    any role is caught, except the state warpgroups' wait on full: the t_ready they wait on next is
+    any role is caught (the state warpgroups' syncs around o's staging in q_sh included), except the
+    state warpgroups' wait on full: the t_ready they wait on next is
     arrived by aux only after its own wait on the same full phase, so it implies it (kept in the
     kernel: one passing try_wait)."""
     _pkg()
@@ -113,7 +114,7 @@ def test_fwd_fused_barrier_protocol():
     src = open(fused.__file__).read()
     assert fused.NST == fp.NST and all(f"{b} = T.alloc_barrier([{n}" in src for b, n in fp.COUNTS.items())
     assert fp.check(seeds=100)
-    assert len(fp.waits()) == 9
+    assert len(fp.waits()) == 11
     for role, bar in fp.waits():
         if role in ("wg0", "wg1") and bar == "full":
             assert fp.check(seeds=30, mutate=fp.drop_wait(role, bar))

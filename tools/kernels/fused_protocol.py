@@ -4,12 +4,16 @@ Actors, with the threads each one arrives with: the state warpgroups wg0 and wg1
 (WG2, 128), and the producer warps of WG3: warp 12 split into its elected lane w12e (1: expect_tx
 and the TMA loads of Q, K, V) and its other lanes w12 (31), and warp 13 (32: the gate tables gt).
 Each actor runs the kernel's sequence of waits / arrives / buffer reads and writes; the barriers
-have the kernel's counts, in threads (``COUNTS``), and ``ws_protocol.Bar``'s PTX parity semantics.
+have the kernel's counts, in threads (``COUNTS``), and ``ws_protocol.Bar``'s PTX parity semantics;
+the state warpgroups' two named-barrier syncs around o's staging in q_sh (inserted by TileLang:
+before the writes, which overwrite the Q both warpgroups' O GEMMs read, and before the row stores
+read both halves back) are a barrier of 256 threads with a phase each (``NAMED``).
 Each TMA load (three per chunk) lands at a random later time; role speeds are skewed up to 250x.
 
 Checked on every interleaving: no deadlock; every parity wait passes exactly at its intended phase
 (no barrier lapped); every read of stage js = c % 3 (q, k, v, gt) or ring slot jt = c % 2 (ta, pp)
-sees chunk c's data (no read before the write, no overwrite before the last reader is done); every
+sees chunk c's data (no read before the write, no overwrite before the last reader is done; o's
+halves o0 / o1 live in q's slot, so a Q read after either is written fails); every
 barrier ends with its phase closed and no bytes in flight (the counts match the arrivals).
 """
 
@@ -18,6 +22,7 @@ import random
 from ws_protocol import Bar, run_programs
 
 COUNTS = {"full": 64, "empty": 384, "t_ready": 128, "t_free": 256}
+NAMED = {"o_sync": 256}
 NST = 3  # input stages; the aux -> state ring has 2
 THREADS = {"wg0": 128, "wg1": 128, "aux": 128, "w12e": 1, "w12": 31, "w13": 32}
 
@@ -33,9 +38,12 @@ def programs(nchunks):
         # state: X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, W from v and e^g, Vd = W A_β, O += Vd P, the mask / e^{g_l} gates, S += Vd' K
         state = [full, ("wait", "t_ready", jt, pt, c // 2 + 1)]
         state += [("read", b, slot.get(b, js), c) for b in ("k", "q", "v", "gt", "ta", "gt", "pp", "gt", "k")]
-        state += [("arrive", "t_free", jt), ("arrive", "empty", js)]
-        p["wg0"] += state
-        p["wg1"] += state
+        state += [("arrive", "t_free", jt), ("arrive", "o_sync", 0), ("wait", "o_sync", 0, 0, 2 * c + 1)]
+        for h, wg in enumerate(("wg0", "wg1")):
+            # its half of o into q's slot js (q no longer holds chunk c's Q), then both halves read back
+            o = [("write", "q", js, ("o", c)), ("write", f"o{h}", js, ("o", c)), ("arrive", "o_sync", 0),
+                 ("wait", "o_sync", 0, 1, 2 * c + 2), ("read", "o0", js, ("o", c)), ("read", "o1", js, ("o", c))]
+            p[wg] += state + o + [("arrive", "empty", js)]
         p["aux"] += [full, ("read", "k", js, c), ("read", "gt", js, c), ("wait", "t_free", jt, 1 - pt, c // 2),
                      ("read", "q", js, c), ("read", "k", js, c), ("read", "gt", js, c), ("write", "pp", jt, c),
                      ("read", "gt", js, c), ("write", "ta", jt, c), ("arrive", "t_ready", jt), ("arrive", "empty", js)]  # fmt: skip
@@ -49,6 +57,7 @@ def simulate(nchunks, seed, mutate=None):
     rng = random.Random(seed)
     speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in (*THREADS, "tma")}
     bars = {name: [Bar(n) for _ in range(NST if name in ("full", "empty") else 2)] for name, n in COUNTS.items()}
+    bars.update({name: [Bar(n)] for name, n in NAMED.items()})
     progs = programs(nchunks)
     if mutate is not None:
         mutate(progs)
