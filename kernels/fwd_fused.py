@@ -38,10 +38,11 @@ out-of-contract gates) it gates per element by e^{min(g_i − g_j, 0)}.
 Roles:
 
     WG0-1 (tx   0..255, setmaxnreg 192)  the state Sᵀ [128 V, 128 K] fp32 in registers (64 V rows
-            per warpgroup); every GEMM takes its A operand from registers (the accumulator cast to
-            bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vdᵀ Pᵀ,
+            per warpgroup); every GEMM but the V term takes its A operand from registers (the
+            accumulator cast to bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vdᵀ Pᵀ,
             Sᵀ += Vd'ᵀ K; o (bf16) into q_sh[c % 3] (Q is dead once both warpgroups' O GEMMs
-            are done), then its valid rows to HBM as 16-byte row stores
+            are done), then its valid rows to HBM as 16-byte row stores, a proxy fence (the
+            stage's next TMA load overwrites it) and the arrive on empty
     WG2   (tx 256..383, setmaxnreg 104)  aux, up to two chunks ahead: K Kᵀ and L, Q Kᵀ and P, the
             inverse → P and A_β (bf16) into the two-stage ring t (pp0/pp1_sh, ta0/ta1_sh)
     WG3   (tx 384..511, setmaxnreg  24)  producer: warp 12's elected lane TMA-loads Q, K, V of chunk c
@@ -57,6 +58,10 @@ uses the other parity, which passes at once on a fresh barrier):
     empty[js]   count 384 aux and state, done with stage js   producer warps wait 1 − pj
     t_ready[jt] count 128 aux after writing ta/pp[jt] (+fence) state waits pt
     t_free[jt]  count 256 state after its last GEMM of chunk c aux waits 1 − pt
+
+and two syncs of the state's 256 threads per chunk (named barriers TileLang inserts around o's
+staging: before the writes into q_sh[js], whose Q the other warpgroup's O GEMM reads, and before the
+row stores read both halves back).
 
 No barrier gets two phases ahead of its waiter: aux's arrive on t_ready[jt] for chunk c + 2 sits
 behind its wait on t_free[jt] for chunk c; the producers' arrive on full[js] for c + 3 behind their
@@ -233,6 +238,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     for j, i in T.Parallel(C, D):
                         if j < ln:
                             o[0, t0 + j, hv, i] = q_sh[js, j, i]
+                    # the stage's next TMA load (async proxy) overwrites what these generic accesses touched
+                    T.fence_proxy_async()
                     T.barrier_arrive(empty[js])
                 if has_ht:
                     if is_last == 1:

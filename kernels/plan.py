@@ -27,10 +27,9 @@ def sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
-#: the fused kernel's chunk step (units of _SPLIT_COST; H200, 16/64 4x8192: 256 CTAs in two rounds):
-#: 5.5 fitted to nine layouts for the kernel before its V term became a GEMM, P and A_β went out by
-#: stmatrix and o through shared memory, scaled by that change's measured 0.78x (geomean of the
-#: fused-to-fwd_o ratio over the same nine layouts, results/h200_fused/_notes/ab_20261202)
+#: the fused kernel's chunk step (units of _SPLIT_COST; H200, 16/64 4x8192: 256 CTAs in two rounds),
+#: from nine timed layouts (results/h200_fused/_notes/ab_20261202: 0.78x the step fitted to those
+#: layouts for the kernel before its shared-memory cuts, 5.5; the picks there are the same at 4.1-5.5)
 FUSED_STEP = 4.3
 #: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30:
 #: 13-21 cases x 4-8 segment lengths in each of four sweeps over the fwd_o forms of that day; over

@@ -96,12 +96,15 @@ def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     """The state warpgroups take W's V term as a wgmma with A = Vᵀ by descriptor (one per ring
     slot's branch), no element loads of V; o is staged in q_sh between two syncs of their 256
     threads (the named barriers tools/kernels/fused_protocol.py models as o_sync) and leaves it by
-    16-byte row stores."""
+    16-byte row stores, then a proxy fence before the arrive that frees the stage for TMA."""
     src = sources["fwd_fused"]
     nreg = _mod("fwd_fused").NREG
     state = src[src.index(f"warpgroup_reg_alloc<{nreg[0]}>") : src.index(f"warpgroup_reg_dealloc<{nreg[1]}>")]
     assert state.count("v_sh)[") == state.count("(bfloat16_t*)v_sh)[0]") == 2
-    assert state.count(", 256);") == 2 and "*(uint4*)(o + " in state
+    syncs = [i for i in range(len(state)) if state.startswith(", 256);", i)]
+    order = [syncs[0], state.index("((bfloat16_t*)q_sh)[", syncs[0]), syncs[1], state.index("*(uint4*)(o + "),
+             state.rindex("fence_proxy_async"), state.rindex("empty[")]  # fmt: skip
+    assert len(syncs) == 2 and order == sorted(order)  # sync, o into q_sh, sync, row stores, fence, arrive
 
 
 def test_register_budgets_fit_the_file():

@@ -121,6 +121,22 @@ def test_fwd_fused_barrier_protocol():
         else:
             with pytest.raises(AssertionError):
                 fp.check(seeds=100, mutate=fp.drop_wait(role, bar))
+    # either of the two o syncs alone (the first: o overwrites the Q the other warpgroup still reads;
+    # the second: the row stores read the other half before it is written), and the arrive on empty
+    # before the read-back (the next Q load lands on the staged o)
+    for parity in (0, 1):
+        with pytest.raises(AssertionError):
+            fp.check(seeds=100, mutate=fp.drop_wait("wg0", "o_sync", parity))
+
+    def empty_first(progs):
+        for wg in ("wg0", "wg1"):
+            ops = progs[wg]
+            for i in [i for i, op in enumerate(ops) if op[:2] == ("arrive", "empty")]:
+                j = max(k for k in range(i) if ops[k][:2] == ("arrive", "o_sync"))
+                ops.insert(j, ops.pop(i))
+
+    with pytest.raises(AssertionError):
+        fp.check(seeds=100, mutate=empty_first)
 
 
 @pytest.mark.parametrize("split_tokens", [0, 512])

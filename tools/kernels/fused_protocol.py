@@ -35,7 +35,7 @@ def programs(nchunks):
         js, pj, jt, pt = c % NST, (c // NST) % 2, c % 2, (c // 2) % 2
         full, empty = ("wait", "full", js, pj, c // NST + 1), ("wait", "empty", js, 1 - pj, c // NST)
         slot = {"ta": jt, "pp": jt}
-        # state: X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, W from v and e^g, Vd = W A_β, O += Vd P, the mask / e^{g_l} gates, S += Vd' K
+        # state: X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vd = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vd P, the mask / e^{g_l} gates, S += Vd' K
         state = [full, ("wait", "t_ready", jt, pt, c // 2 + 1)]
         state += [("read", b, slot.get(b, js), c) for b in ("k", "q", "v", "gt", "ta", "gt", "pp", "gt", "k")]
         state += [("arrive", "t_free", jt), ("arrive", "o_sync", 0), ("wait", "o_sync", 0, 0, 2 * c + 1)]
@@ -47,7 +47,8 @@ def programs(nchunks):
         p["aux"] += [full, ("read", "k", js, c), ("read", "gt", js, c), ("wait", "t_free", jt, 1 - pt, c // 2),
                      ("read", "q", js, c), ("read", "k", js, c), ("read", "gt", js, c), ("write", "pp", jt, c),
                      ("read", "gt", js, c), ("write", "ta", jt, c), ("arrive", "t_ready", jt), ("arrive", "empty", js)]  # fmt: skip
-        p["w12e"] += [empty] + [("tma", js, c, (b,)) for b in ("q", "k", "v")] + [("arrive", "full", js)]
+        # Q's load lands on q and on the o halves staged in its slot
+        p["w12e"] += [empty] + [("tma", js, c, b) for b in (("q", "o0", "o1"), ("k",), ("v",))] + [("arrive", "full", js)]
         p["w12"] += [empty, ("arrive", "full", js)]
         p["w13"] += [empty, ("write", "gt", js, c), ("arrive", "full", js)]
     return p
@@ -73,11 +74,12 @@ def check(seeds=200, chunk_counts=range(1, 8), mutate=None):
     return True
 
 
-def drop_wait(role, bar):
-    """A mutation removing ``role``'s waits on ``bar`` (for tests: the model must fail)."""
+def drop_wait(role, bar, parity=None):
+    """A mutation removing ``role``'s waits on ``bar`` (only those of ``parity`` when given; for
+    tests: the model must fail)."""
 
     def mutate(progs):
-        progs[role] = [op for op in progs[role] if not (op[0] == "wait" and op[1] == bar)]
+        progs[role] = [op for op in progs[role] if not (op[0] == "wait" and op[1] == bar and parity in (None, op[3]))]
 
     return mutate
 
