@@ -1,0 +1,50 @@
+#!/bin/bash
+# A/B of fused-forward variants on one GPU, one device call (results/h200_fused/_notes/ab_20261202 ran it).
+# A variant is a copy of kernels/ as VARIANT_DIR/pkg_<name>/qlabench_kernels (default VARIANT_DIR .run/var)
+# with its fwd_fused.py edited; check its stack first (tools/kernels/res_usage.py with it on PYTHONPATH),
+# then compile its kernels and the tree's into one TileLang cache directory `fused` packed as
+# .tlcache/fused.tar.xz (`tar -cf - -C .tlcache --exclude=cuda-binaries fused | xz`), and carry
+# .devsite .tlcache/fused.tar.xz and VARIANT_DIR. Per variant, in its own process, base (this tree) first
+# and again last (base2: drift): tools/kernels/check_fused.py --cases small --fused-only [--timing TIMING];
+# then trace_fused.py for TRACE (default "base"; " " for none) on TSHAPES; --cases all for FULL; the
+# full check_fused timing for TIMEFULL. Everything into one $OUT/ab.tgz (the device returns few files).
+#   VARIANTS="A B" TRACE="base A" bash scripts/h200_fused_ab.sh 2>&1 | tee $OUT/ab.log
+set -uo pipefail
+: "${VARIANTS:?VARIANTS='name ...' (each VARIANT_DIR/pkg_name/qlabench_kernels)}"
+FINAL=${OUT:-/tmp/out}; OUT=/tmp/abo; rm -rf $OUT; mkdir -p "$OUT" "$FINAL"; T0=$(date +%s)
+log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
+source .devsite/setup.sh || exit 1
+mkdir -p /tmp/tlc && tar -xJf .tlcache/fused.tar.xz -C /tmp/tlc || exit 1
+export TILELANG_CACHE_DIR=/tmp/tlc/fused PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+log "cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels; commit ${QLABENCH_GIT_SHA:-$(cat .run/commit.txt 2>/dev/null)}"
+nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
+run_v() {  # name [pkg]
+  local name=$1 pkg=${2:-}; mkdir -p "$OUT/$name"
+  PYTHONPATH=${pkg:+$PWD/$pkg:}$PYTHONPATH OUT=$OUT/$name timeout --kill-after=10 ${CHECK_S:-150} \
+    python3 tools/kernels/check_fused.py --cases small --fused-only ${TIMING:+--timing "$TIMING"} > "$OUT/$name/log" 2>&1
+  log "$name: exit $?"; grep -E "ok=|fused_ms|Error|error" "$OUT/$name/log" | sed 's/^/    /' | cut -c1-220
+}
+run_v base
+for v in $VARIANTS; do run_v "$v" "${VARIANT_DIR:-.run/var}/pkg_$v"; done
+run_v base2
+for v in ${TRACE:-base}; do
+  mkdir -p "$OUT/trace_$v"; pkg=""; [ "$v" != base ] && pkg=$PWD/${VARIANT_DIR:-.run/var}/pkg_$v
+  PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/trace_$v timeout --kill-after=10 90 \
+    python3 tools/kernels/trace_fused.py --shapes "${TSHAPES:-16/64 4x8192}" > "$OUT/trace_$v.log" 2>&1
+  log "trace $v: exit $?"; grep -v WARNING "$OUT/trace_$v.log" | tail -30
+done
+for v in ${FULL:-}; do  # every correctness case, no timing
+  pkg=""; [ "$v" != base ] && pkg=$PWD/${VARIANT_DIR:-.run/var}/pkg_$v; mkdir -p "$OUT/full_$v"
+  PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/full_$v timeout --kill-after=10 150 \
+    python3 tools/kernels/check_fused.py --cases all --no-time > "$OUT/full_$v/log" 2>&1
+  log "full $v: exit $?"; grep -E "ok=|Error" "$OUT/full_$v/log" | cut -c1-200
+done
+for v in ${TIMEFULL:-}; do  # the timing of check_fused with every column (fwd_o, planned, fused splits)
+  pkg=""; [ "$v" != base ] && pkg=$PWD/${VARIANT_DIR:-.run/var}/pkg_$v; mkdir -p "$OUT/timefull_$v"
+  PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/timefull_$v timeout --kill-after=10 200 \
+    python3 tools/kernels/check_fused.py --cases small > "$OUT/timefull_$v/log" 2>&1
+  log "timefull $v: exit $?"; grep -E "shape=|Error" "$OUT/timefull_$v/log" | cut -c1-300
+done
+log done
+tar czf "$FINAL/ab.tgz" -C "$OUT" .
