@@ -264,6 +264,7 @@ class Supervisor:
         self.ctx = mp.get_context("spawn")
         self.proc = None
         self.conn = None
+        self._kill_lock = threading.Lock()  # _kill from run_task and from close (another thread)
         self.started_at = 0.0
         self.n_started = 0
         self.log_paths: list[Path] = []  # every log a worker of this supervisor wrote
@@ -357,12 +358,14 @@ class Supervisor:
             return ("closed", None)
 
     def _kill(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.join(timeout=10)
-        self.proc = None
-        self.conn = None
+        # close() and run_task's own failure path may get here from two threads: one of them takes
+        # the process out and kills and joins it
+        with self._kill_lock:
+            proc, self.proc, self.conn = self.proc, None, None
+        if proc is not None:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
 
     def run_task(self, task, on_row) -> None:
         from .measure import Task
@@ -399,20 +402,22 @@ class Supervisor:
                     elif kind == "done":
                         return
                     continue
-                if not self.proc.is_alive():
+                proc = self.proc
+                if proc is None or not proc.is_alive():
                     failure = "crashed"
                     break
                 if time.monotonic() > deadline:
                     failure = "timeout"
                     break
             # the worker died or hung on `current`
-            if failure == "crashed" and self.proc is not None:
-                self.proc.join(timeout=5)
-            if failure == "timeout" and self.proc is not None and self.proc.is_alive():
+            proc = self.proc
+            if failure == "crashed" and proc is not None:
+                proc.join(timeout=5)
+            if failure == "timeout" and proc is not None and proc.is_alive():
                 with contextlib.suppress(Exception):
-                    os.kill(self.proc.pid, signal.SIGUSR1)  # where was it stuck? -> its log
+                    os.kill(proc.pid, signal.SIGUSR1)  # where was it stuck? -> its log
                     time.sleep(1.0)
-            code = self.proc.exitcode if self.proc is not None else None
+            code = proc.exitcode if proc is not None else None
             self._kill()
             if current is None:  # died between backends (e.g. during cleanup): no row to blame
                 idle_deaths += 1
@@ -437,10 +442,11 @@ class Supervisor:
                 remaining.remove(current)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
+        proc, conn = self.proc, self.conn
+        if proc is not None and conn is not None and proc.is_alive():
             try:
-                self.conn.send(None)
-                self.proc.join(timeout=5)
+                conn.send(None)
+                proc.join(timeout=5)
             except Exception:
                 pass
         self._kill()
