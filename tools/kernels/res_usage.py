@@ -66,15 +66,17 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true", help="the backward's kernels too")
     ap.add_argument("--cache", default=None, help="TileLang cache to compile into (default: a fresh temporary one)")
     args = ap.parse_args(argv)
+    from qlabench_kernels._common import check_heads  # imports no TileLang (its cache is set below)
+
     try:
-        heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",") if h.strip()]
-    except ValueError:
-        heads = []
-    if not heads or not all(len(h) == 2 and h[0] > 0 and h[1] % h[0] == 0 for h in heads):
-        print(
-            f"error: --heads {args.heads!r}: expected h_qk/h_v pairs with h_v a multiple of h_qk, e.g. 16/64,2/8",
-            file=sys.stderr,
-        )
+        pairs = [h.split("/") for h in args.heads.split(",") if h.strip()]
+        if not pairs or any(len(h) != 2 or not all(x.strip().isdigit() for x in h) for h in pairs):
+            raise ValueError("expected h_qk/h_v pairs of integers, e.g. 16/64,2/8")
+        heads = [(int(a), int(b)) for a, b in pairs]
+        for h in heads:
+            check_heads(*h)
+    except ValueError as e:
+        print(f"error: --heads {args.heads!r}: {e}", file=sys.stderr)
         return 2
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
