@@ -1,20 +1,22 @@
-"""Forward kernel 1: chunk-local gate cumsum, gated K Kᵀ, the triangular solve and P.
+"""Forward kernel 1: chunk-local gate cumsum, P, and A_β on tensor cores.
 
-One CTA (128 threads) per (v-head, chunk slot), v-head fastest (the G v-heads of a chunk read its
-q and k rows from L2):
+One CTA (128 threads, one warpgroup) per (v-head, chunk slot), v-head fastest (the G v-heads of a
+chunk read its q and k rows from L2):
 
     g_cs  = inclusive cumsum of g inside the chunk (natural log; rows past the sequence end
             add 0, so a padded row repeats the last valid value)
     P     = scale · Γ ⊙ Q Kᵀ, causal incl. the diagonal,  Γ_ij = exp(g_cs_i − g_cs_j)  (for fwd_o)
     L     = StrictLower(diag(β) · (Γ ⊙ K Kᵀ))                                      [64, 64]
-    A     = (I + L)⁻¹                          (FLA's gated A, unit lower triangular)
-    A_β   = A · diag(β)                        (what the recurrence multiplies W by)
+    A_β   = (I + L)⁻¹ diag(β)                  (FLA's gated A times diag β)
 
-Q Kᵀ and K Kᵀ run on wgmma (one accumulator, reused). The solve, in fp32 shared memory: the four
-16x16 diagonal blocks by substitution (64 threads), then the off-diagonal blocks level by level,
-register-tiled (a warp per 16x16 block, a 2x4 tile per lane). Rows past the sequence end get
-q = k = 0 and β = 0, so their rows and columns of A_β and P are 0. Fast math (ex2.approx: rel
-2^-22, far below the bf16 rounding of the stored A_β and P).
+The fused kernel's aux algorithm (``fwd_fused``), one chunk per CTA: warp 0 takes the cumsum by
+warp shuffles and writes the per-token gate table (g_cs, β, the row factors β e^{g − m} and
+scale e^{g − m}, the column factors e^{m − g}, the factored-gating flag); Q Kᵀ and K Kᵀ on wgmma,
+gated in registers by the factors where the flag allows it (else per element); the inverse in
+fp16: D = blockdiag((I + L_bb)⁻¹) over the 16x16 diagonal blocks by substitution (64 threads),
+N = D L without its diagonal blocks (N⁴ = 0), Y = (I + N²) Dβ, A_β = Y − N Y (four 64x64x64
+wgmmas). P and A_β go to shared memory by stmatrix and out as whole 8 KB blocks. Rows past the
+sequence end get q = k = 0 and β = 0, so their rows and columns of A_β and P are 0. Fast math.
 
 Layouts (chunk-slot space, see ``_common.chunk_table``; slot c covers rows c*64 .. c*64+63):
     q, k  [1, T, Hqk, 128] bf16    g, beta [1, T, Hv] fp32     ctab [NCS, 4] int32
@@ -28,133 +30,17 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
-
-
-def _shared_macros(T):
-    """``load_l_p`` (q, k, g, β of one chunk slot → chunk-local g cumsum, P, and L =
-    StrictLower(diag β · Γ ⊙ K Kᵀ) in shared memory) and ``diag`` (the 16x16 diagonal blocks
-    (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16)."""
-    C, D, B = CHUNK, HEAD_DIM, 16
-
-    @T.macro
-    def load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, c, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_sh, p_all):
-        # P = scale·Γ⊙QKᵀ (causal, diagonal included) into p_sh (bf16): q and k are loaded in one
-        # pass, and Q Kᵀ uses K Kᵀ's accumulator (a second fragment took prep to 136 registers
-        # and 3 CTAs per SM)
-        for i, j in T.Parallel(C, D):
-            k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
-            q_sh[i, j] = T.if_then_else(i < ln, q[0, bos + i, hk, j], T.bfloat16(0))
-        for i in T.Parallel(C):
-            g_frag[i] = T.if_then_else(i < ln, g[0, bos + i, hv], T.float32(0))
-            b_sh[i] = T.if_then_else(i < ln, beta[0, bos + i, hv], T.float32(0))
-        T.cumsum(g_frag, dim=0)
-        T.copy(g_frag, g_sh)
-
-        # Q Kᵀ and P first, then K Kᵀ and L: q is dead after the first wgmma and k after the
-        # second, so P can take q's place and L k's (TileLang reuses dead shared buffers)
-        T.gemm(q_sh, k_sh, kk, transpose_B=True, clear_accum=True)
-        for i, j in T.Parallel(C, C):
-            p_sh[i, j] = T.cast(
-                T.if_then_else(i >= j, scale * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0)), "bfloat16"
-            )
-        T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
-        T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
-        for i, j in T.Parallel(C, C):
-            l_sh[i, j] = T.if_then_else(i > j, b_sh[i] * T.exp(g_sh[i] - g_sh[j]) * kk[i, j], T.float32(0))
-
-    @T.macro
-    def diag(l_sh, ainv_sh, x16, acc_l, tx):
-        if tx < C:
-            for i in T.unroll(B):
-                x16[i] = T.float32(0)
-            for i in T.unroll(B):
-                acc_l[0] = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
-                for j in T.unroll(i):
-                    acc_l[0] = acc_l[0] - l_sh[(tx // B) * B + i, (tx // B) * B + j] * x16[j]
-                x16[i] = acc_l[0]
-            for i in T.unroll(B):
-                ainv_sh[(tx // B) * B + i, (tx // B) * B + tx % B] = x16[i]
-
-    return load_l_p, diag
+from .fwd_fused import FACTOR_RANGE, GT_ROWS
 
 
 def prep_program(h_qk: int, h_v: int):
-    """The prim_func ``gdn_prep_p`` for one head config.
-
-    The off-diagonal levels of the solve: each 16x16 block (bi, bj) of level d = bi − bj belongs
-    to ONE warp (warp w: bi = d + w, bj = w), and lane l computes the 2x4 tile rows {rp, rp + 8}
-    (rp = l // 4), columns 4·(l % 4) .. +3:
-
-        Y = L[16bi + r, 16bj : 16bi] · A[16bj : 16bi, 16bj + c]     (16·d steps, 8 accumulators)
-        A[16bi + r, 16bj + c] = −Σ_m D_bi[r, m] · Y[m, c]            (16 steps)
-
-    Per step a lane loads two L (or D) values and one float4 of A (or Y) for eight FMAs. The fp32
-    buffers have rows of 68 words: rows rp and rp + 8 of the eight lanes sharing a column land on
-    eight different banks, and row starts stay 16-byte aligned for the float4 loads."""
+    """The prim_func ``gdn_prep_p`` for one head config."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
-    load_l_p, diag = _shared_macros(T)
-    C, D, B, P = CHUNK, HEAD_DIM, 16, 4
+    C, D, B = CHUNK, HEAD_DIM, 16
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
-
-    @T.macro
-    def level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, d):
-        w = tx // 32
-        rp = (tx % 32) // 4
-        cq = (tx % 32) % 4
-        if w < 4 - d:
-            bi = w + d
-            bj = w
-            for v in T.unroll(8):
-                acc[v] = T.float32(0)
-            for m in T.unroll(B * d):
-                for v in T.vectorized(4):
-                    lv[v] = ainv_sh[bj * B + m, bj * B + cq * 4 + v]
-                dv[0] = l_sh[bi * B + rp, bj * B + m]
-                dv[1] = l_sh[bi * B + rp + 8, bj * B + m]
-                for v in T.unroll(4):
-                    acc[v] = acc[v] + dv[0] * lv[v]
-                    acc[4 + v] = acc[4 + v] + dv[1] * lv[v]
-            for v in T.vectorized(4):
-                y_sh[bi * B + rp, cq * 4 + v] = acc[v]
-            for v in T.vectorized(4):
-                y_sh[bi * B + rp + 8, cq * 4 + v] = acc[4 + v]
-        T.sync_threads()
-        if w < 4 - d:
-            bi = w + d
-            bj = w
-            for v in T.unroll(8):
-                acc[v] = T.float32(0)
-            for m in T.unroll(B):
-                for v in T.vectorized(4):
-                    lv[v] = y_sh[bi * B + m, cq * 4 + v]
-                dv[0] = ainv_sh[bi * B + rp, bi * B + m]
-                dv[1] = ainv_sh[bi * B + rp + 8, bi * B + m]
-                for v in T.unroll(4):
-                    acc[v] = acc[v] - dv[0] * lv[v]
-                    acc[4 + v] = acc[4 + v] - dv[1] * lv[v]
-            for v in T.vectorized(4):
-                ainv_sh[bi * B + rp, bj * B + cq * 4 + v] = acc[v]
-            for v in T.vectorized(4):
-                ainv_sh[bi * B + rp + 8, bj * B + cq * 4 + v] = acc[4 + v]
-        T.sync_threads()
-
-    @T.macro
-    def solve_store(l_sh, ainv_sh, y_sh, a_sh, g_sh, b_sh, x16, acc_l, acc, lv, dv, gcs, a_beta, c, hv):
-        tx = T.get_thread_binding()
-        # diagonal blocks D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
-        diag(l_sh, ainv_sh, x16, acc_l, tx)
-        T.sync_threads()
-        level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 1)
-        level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 2)
-        level(l_sh, ainv_sh, y_sh, acc, lv, dv, tx, 3)
-        for i, j in T.Parallel(C, C):
-            a_sh[i, j] = T.cast(T.if_then_else(i // B >= j // B, ainv_sh[i, j] * b_sh[j], T.float32(0)), "bfloat16")
-
-        T.copy(a_sh, a_beta[hv, c * C : c * C + C, 0:C])
-        T.copy(g_sh, gcs[hv, c * C : c * C + C])
 
     @T.prim_func
     def gdn_prep_p(
@@ -168,37 +54,153 @@ def prep_program(h_qk: int, h_v: int):
         a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
         p_all: T.Tensor((h_v, NCS * C, C), "bfloat16"),
     ):
-        # v-head fastest: the G v-heads of a chunk run together and read its q and k rows from L2
-        # (chunk fastest read them from DRAM G times: prep with P moved ~1.6 GB on 16/64 1x32768)
         with T.Kernel(h_v, NCS, threads=128) as (hv, c):
             hk = hv // G
-            # g and β in static shared memory: kept out of the dynamic buffer that TileLang packs by
-            # live range, where these two long-lived vectors split the space that the short-lived
-            # q/k/P and L/A/Y buffers could share
-            g_sh = T.alloc_shared((C,), "float32", scope="shared")
-            b_sh = T.alloc_shared((C,), "float32", scope="shared")
-            ainv_sh = T.alloc_shared((C, C + P), "float32")
-            l_sh = T.alloc_shared((C, C + P), "float32")
-            y_sh = T.alloc_shared((C, B + P), "float32")
-            a_sh = T.alloc_shared((C, C), "bfloat16")
+            # gt_sh[0..7, i] = g cumsum, β, (unused), (unused), β e^{g − m}, scale e^{g − m}, e^{m − g},
+            # the factored-gating flag (1 / 0, in every column); static, outside the dynamic buffer
+            # that TileLang packs by live range (q and k die after their GEMMs, the solve's
+            # buffers can take their place)
+            gt_sh = T.alloc_shared((GT_ROWS, C), "float32", scope="shared")
             q_sh = T.alloc_shared((C, D), "bfloat16")
             k_sh = T.alloc_shared((C, D), "bfloat16")
             p_sh = T.alloc_shared((C, C), "bfloat16")
-            kk = T.alloc_fragment((C, C), "float32")
-            g_frag = T.alloc_fragment((C,), "float32")
+            ab_sh = T.alloc_shared((C, C), "bfloat16")
+            # the solve (fp16): L, then I + N²; D, Dβ, N, Y
+            lo_sh = T.alloc_shared((C, C), "float16")
+            d_sh = T.alloc_shared((C, C), "float16")
+            db_sh = T.alloc_shared((C, C), "float16")
+            n_sh = T.alloc_shared((C, C), "float16")
+            y_sh = T.alloc_shared((C, C), "float16")
+            a_acc = T.alloc_fragment((C, C), "float32")
+            p_acc = T.alloc_fragment((C, C), "float32")
+            gi = T.alloc_fragment((C,), "float32")
+            bi = T.alloc_fragment((C,), "float32")
+            cj = T.alloc_fragment((C,), "float32")
+            fac = T.alloc_var("float32")
             x16 = T.alloc_local((B,), "float32")
-            acc_l = T.alloc_local((1,), "float32")
-            acc = T.alloc_local((8,), "float32")
-            lv = T.alloc_local((4,), "float32")
-            dv = T.alloc_local((2,), "float32")
+            acc1 = T.alloc_var("float32")
+            gv = T.alloc_local((2,), "float32")
+            bv2 = T.alloc_local((2,), "float32")
+            run = T.alloc_var("float32")
+            egl = T.alloc_var("float32")
+            gmid = T.alloc_var("float32")
+            mono = T.alloc_var("int32")
 
+            tx = T.get_thread_binding()
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
-            # P goes out (TMA store) before the solve; storing it from the registers instead measured
-            # slower (scattered 2-byte stores)
-            load_l_p(q, k, g, beta, scale, bos, ln, hk, hv, c, q_sh, k_sh, g_frag, g_sh, b_sh, kk, l_sh, p_sh, p_all)
-            solve_store(l_sh, ainv_sh, y_sh, a_sh, g_sh, b_sh, x16, acc_l, acc, lv, dv, gcs, a_beta, c, hv)
+            for i, j in T.Parallel(C, D):
+                q_sh[i, j] = T.if_then_else(i < ln, q[0, bos + i, hk, j], T.bfloat16(0))
+                k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
+            if tx < 32:
+                # warp 0: g, β and the gate table; lane l holds rows 2l, 2l + 1
+                for r in T.unroll(2):
+                    gv[r] = T.if_then_else(2 * tx + r < ln, g[0, bos + 2 * tx + r, hv], T.float32(0))
+                    bv2[r] = T.if_then_else(2 * tx + r < ln, beta[0, bos + 2 * tx + r, hv], T.float32(0))
+                # no gate above 0 (NaN fails too): the cumsum does not increase
+                mono = T.all_sync(T.And(gv[0] <= T.float32(0), gv[1] <= T.float32(0)))
+                run = gv[0] + gv[1]
+                for d in T.unroll(5):
+                    acc1 = T.shfl_up(run, 1 << d)
+                    if tx >= (1 << d):
+                        run = run + acc1
+                acc1 = gv[1]
+                gv[1] = run
+                gv[0] = run - acc1
+                # g_l: the cumsum at row ln − 1 (row 0 for an unused slot, whose rows are all 0)
+                egl = T.shfl_sync(
+                    T.if_then_else(T.max(ln - 1, 0) % 2 == 0, gv[0], gv[1]), T.max(ln - 1, 0) // 2
+                )
+                run = T.shfl_sync(gv[0], 0)
+                gmid = (run + egl) * T.float32(0.5)
+                mono = T.if_then_else(run - egl < T.float32(FACTOR_RANGE), mono, 0)  # NaN: 0
+                for r in T.unroll(2):
+                    gt_sh[0, 2 * tx + r] = gv[r]
+                    gt_sh[1, 2 * tx + r] = bv2[r]
+                    acc1 = T.exp(gv[r] - gmid)
+                    gt_sh[4, 2 * tx + r] = bv2[r] * acc1
+                    gt_sh[5, 2 * tx + r] = scale * acc1
+                    gt_sh[6, 2 * tx + r] = T.exp(gmid - gv[r])
+                    gt_sh[7, 2 * tx + r] = T.if_then_else(mono != 0, T.float32(1), T.float32(0))
+            T.fence_proxy_async()
+            T.sync_threads()
+            fac = gt_sh[7, 0]
+            # P = scale · Γ ⊙ Q Kᵀ (causal), gated as the fused kernel's aux does
+            T.gemm(q_sh, k_sh, p_acc, transpose_B=True, clear_accum=True)
+            if fac != T.float32(0):
+                for i in T.Parallel(C):
+                    gi[i] = gt_sh[5, i]
+                for j in T.Parallel(C):
+                    cj[j] = gt_sh[6, j]
+                for i, j in T.Parallel(C, C):
+                    p_acc[i, j] = T.if_then_else(i >= j, gi[i] * cj[j] * p_acc[i, j], T.float32(0))
+            else:
+                for i in T.Parallel(C):
+                    gi[i] = gt_sh[0, i]
+                for i, j in T.Parallel(C, C):
+                    p_acc[i, j] = T.if_then_else(
+                        i >= j, scale * T.exp(T.min(gi[i] - gt_sh[0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
+                    )
+            T.copy(p_acc, p_sh)
+            T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
+            # L = StrictLower(diag β · Γ ⊙ K Kᵀ), in fp16
+            T.gemm(k_sh, k_sh, a_acc, transpose_B=True, clear_accum=True)
+            if fac != T.float32(0):
+                for i in T.Parallel(C):
+                    bi[i] = gt_sh[4, i]
+                for j in T.Parallel(C):
+                    cj[j] = gt_sh[6, j]
+                for i, j in T.Parallel(C, C):
+                    a_acc[i, j] = T.if_then_else(i > j, bi[i] * cj[j] * a_acc[i, j], T.float32(0))
+            else:
+                for i in T.Parallel(C):
+                    gi[i] = gt_sh[0, i]
+                    bi[i] = gt_sh[1, i]
+                for i, j in T.Parallel(C, C):
+                    a_acc[i, j] = T.if_then_else(
+                        i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
+                    )
+            T.copy(a_acc, lo_sh)
+            for i, j in T.Parallel(C, C):
+                d_sh[i, j] = T.float16(0)
+                db_sh[i, j] = T.float16(0)
+            # D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
+            if tx < C:
+                for i in T.unroll(B):
+                    x16[i] = T.float32(0)
+                for i in T.unroll(B):
+                    acc1 = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
+                    for j in T.unroll(i):
+                        acc1 = acc1 - T.cast(lo_sh[(tx // B) * B + i, (tx // B) * B + j], "float32") * x16[j]
+                    x16[i] = acc1
+                for i in T.unroll(B):
+                    d_sh[(tx // B) * B + i, tx] = T.cast(x16[i], "float16")
+                    db_sh[(tx // B) * B + i, tx] = T.cast(x16[i] * gt_sh[1, tx], "float16")
+            T.fence_proxy_async()
+            # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
+            T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
+            T.copy(a_acc, n_sh)
+            T.fence_proxy_async()
+            # I + N² (into lo_sh: L is dead)
+            T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
+            T.copy(a_acc, lo_sh)
+            T.fence_proxy_async()
+            # Y = (I + N²) Dβ, then A_β = Y − N Y
+            T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)
+            T.copy(p_acc, y_sh)
+            T.fence_proxy_async()
+            T.gemm(n_sh, y_sh, a_acc, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
+            T.copy(a_acc, ab_sh)
+            T.copy(ab_sh, a_beta[hv, c * C : c * C + C, 0:C])
+            for i in T.Parallel(C):
+                gcs[hv, c * C + i] = gt_sh[0, i]
 
     return gdn_prep_p
 

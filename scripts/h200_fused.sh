@@ -19,6 +19,9 @@
 #   STEP=trace    tools/kernels/trace_fused.py: the fused kernel's per-role timeline (SM clock stamps)
 #                 on its shapes, the traced kernels from the carried .tlcache/trace.tar.xz (built
 #                 offline with --compile-only; directory trace).
+#   STEP=stages   tools/kernels/check_fwd.py --quick (FWD_CASES: its case names, default all; every
+#                 output against the reference, every stage against its emulation, then the timed
+#                 cases' graph and per-stage times) and, with BWD_CASES, check_bwd.py --no-time on those.
 #   STEP=wait     until the fixed-cost job ends or the call's deadline; its files into $OUT.
 # DEVICE_LEFT_S: the session's device seconds left (the fixed-cost job's deadline).
 set -uo pipefail
@@ -35,7 +38,18 @@ log_machine() {  # the kernels in the TileLang cache, the commit and the GPU (in
   nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.csv"
 }
 
-case "${STEP:?STEP=check|profile|trace|sweep|wait}" in
+case "${STEP:?STEP=check|stages|profile|trace|sweep|wait}" in
+stages)  # carry as for check
+  setup_fused
+  source /tmp/job/env.sh; cd /tmp/repo
+  log_machine
+  timeout --kill-after=10 ${CHECK_S:-240} python3 tools/kernels/check_fwd.py --quick ${FWD_CASES:+--cases "$FWD_CASES"} > "$OUT/check_fwd.log" 2>&1
+  log "check_fwd: exit $?"; grep -E "===|RESULT|TIME|stages|vs recurrence|FAIL|Error" "$OUT/check_fwd.log" | tail -60
+  if [ -n "${BWD_CASES:-}" ]; then
+    timeout --kill-after=10 ${BWD_S:-150} python3 tools/kernels/check_bwd.py --no-time --cases "$BWD_CASES" > "$OUT/check_bwd.log" 2>&1
+    log "check_bwd: exit $?"; grep -E "===|RESULT|rel|FAIL|Error" "$OUT/check_bwd.log" | tail -40
+  fi
+  log done;;
 sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml: tilelang vs tilelang@prev
   # over the forward sweep, then their comparison) into runs/<its name>, packed into $OUT/runs.tgz
   CONFIG=${CONFIG:-configs/h200_fwd_kernels_prev.yaml}; RUN=runs/$(basename "$CONFIG" .yaml)

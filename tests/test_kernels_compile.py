@@ -92,6 +92,19 @@ def test_fused_aux_gates_by_factors_with_a_per_element_fallback(sources):
     assert "__all_sync" in producer
 
 
+def test_prep_solves_on_tensor_cores_as_the_fused_aux(sources):
+    """prep runs the fused kernel's aux algorithm: Q Kᵀ and K Kᵀ on bf16 wgmma, gated by the factor
+    tables behind the flag with the per-element fallback, the inverse as four fp16 wgmmas; P, L, N,
+    I + N², Y and A_β by stmatrix; P and A_β out by TMA stores; warp 0 votes for the flag."""
+    src = sources["prep"]
+    assert src.count("wgmma_ss<tl::DataType::kBFloat16") == 2
+    assert src.count("wgmma_ss<tl::DataType::kFloat16") == 4
+    assert src.count("if (fac != ") == 2 and src.count("*(float2*)(cj + ") == 2
+    assert src.count("ptx_stmatrix") == 6
+    assert src.count("tma_store(") == 2
+    assert "__all_sync" in src
+
+
 def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     """The state warpgroups take W's V term as a wgmma with A = Vᵀ by descriptor (one per ring
     slot's branch), no element loads of V; o is staged in q_sh between two syncs of their 256

@@ -3,7 +3,8 @@
 - tables: the one-launch table builder's algorithm (block scan + binary search, blocks of 512
   sequences) gives exactly the torch builders' tables, incl. empty sequences, N > 512 and the
   unsplit case.
-- prep: the register-tiled block solve, lane by lane, equals (I + L)⁻¹ (fp64 reference).
+- prep: its mirror (the fused kernel's aux per chunk slot) against the exact solve and P, mild
+  and strong decay, zero past each sequence's end.
 - fwd_o: its mbarrier protocol (tools/kernels/ws_protocol.py) and its U₀ − W₀ S algebra.
 - fwd_fused: its mbarrier protocol (tools/kernels/fused_protocol.py), its algebra and fp16 inverse.
 """
@@ -50,30 +51,51 @@ def test_tl_tables_algorithm_equals_torch_tables(lens, seg):
     assert torch.equal(cu_segs.int(), cs2)
 
 
-def _gated_l(batch: int, seed: int, no_decay: int):
-    """prep's L = StrictLower(diag β · Γ ⊙ K Kᵀ) for ``batch`` random chunks (the last ``no_decay``
-    with g = 0), and the fp64 reference (I + L)⁻¹."""
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.nn.functional.normalize(torch.randn(batch, 64, 128, generator=gen), dim=-1)
-    beta = torch.sigmoid(torch.randn(batch, 64, generator=gen))
-    g = torch.cumsum(torch.nn.functional.logsigmoid(torch.randn(batch, 64, generator=gen) + 3) * 0.5, -1)
-    g[-no_decay:] = 0  # no decay
-    L = torch.tril(beta[..., None] * torch.exp(g[..., :, None] - g[..., None, :]) * (k @ k.transpose(-1, -2)), -1)
-    eye = torch.eye(64, dtype=torch.float64)
-    return L, torch.linalg.solve_triangular(eye + L.double(), eye.expand(batch, 64, 64), upper=False)
-
-
-def test_rt_solve_lane_mapping_equals_inverse():
-    """prep: the register-tiled merge, emulated lane by lane with the kernel's warp -> block and
-    lane -> 2x4 tile mapping, covers every off-diagonal entry once and equals (I + L)⁻¹."""
+@pytest.mark.parametrize("strong", [False, True], ids=["mild", "strong-decay"])
+def test_prep_mirror_matches_exact_solve(strong):
+    """prep (its mirror: the fused kernel's aux per chunk slot) on a varlen batch with partial
+    chunks and an unused slot: A_β against the fp64 solve (I + L)⁻¹ diag β and P against scale·Γ⊙QKᵀ,
+    both within what bf16 storage allows, zero past each sequence's end; gcs the chunk-local cumsum.
+    ``strong``: gates whose chunks exceed the factored-gating bound take the per-element path."""
     _pkg()
     emu = _tool("emulate")
-    L, ref = _gated_l(3, 1, 1)
-    A = emu.solve_rt(L.float())
-    err = float((A.double() - ref).norm() / ref.norm())
-    assert err < 1e-5, err
-    # block lower triangle fully written (no entry left from the zero init where A is not 0)
-    assert float((A.double() - ref).abs().max()) < 1e-4
+    common = importlib.import_module("qlabench_kernels._common")
+    lens = [1, 63, 130, 700]
+    x = emu.make_inputs(lens, 2, 4, seed=3)
+    if strong:
+        x["g"] = x["g"] * 100.0  # ~5 nats per token: full chunks exceed the bound (per element)
+    T, N = x["q"].shape[1], len(lens)
+    ctab, _ = common.chunk_table(x["cu"].long(), T, N)
+    scale = 128**-0.5
+    gcs, a_beta, p = emu.emu_prep(x["k"], x["g"], x["beta"], ctab, q=x["q"], scale=scale)
+    checked = 0
+    i = torch.arange(64)
+    for c in range(ctab.shape[0]):
+        bos, eos, seq = (int(t) for t in ctab[c, :3])
+        if seq < 0:
+            assert bool((a_beta[:, c * 64 : c * 64 + 64] == 0).all()) and bool((p[:, c * 64 : c * 64 + 64] == 0).all())
+            continue
+        ln = eos - bos
+        for hv in range(4):
+            hk = hv // 2
+            kc = x["k"][0, bos:eos, hk].double()
+            qc = x["q"][0, bos:eos, hk].double()
+            gc = torch.cumsum(x["g"][0, bos:eos, hv].double(), 0)
+            bc = x["beta"][0, bos:eos, hv].double()
+            assert torch.allclose(gcs[hv, c * 64 : c * 64 + ln].double(), gc, rtol=1e-5, atol=1e-4)
+            gam = torch.exp((gc[:, None] - gc[None, :]).clamp(max=0))
+            L = torch.tril(bc[:, None] * gam * (kc @ kc.T), -1)
+            eye = torch.eye(ln, dtype=torch.float64)
+            ref_a = torch.linalg.solve_triangular(eye + L, eye, upper=False) * bc[None, :]
+            ref_p = torch.tril(scale * gam * (qc @ kc.T))
+            got_a = a_beta[hv, c * 64 : c * 64 + 64].double()
+            got_p = p[hv, c * 64 : c * 64 + 64].double()
+            assert emu.rel_l2(got_a[:ln, :ln], ref_a) < 6e-3, (c, hv)
+            assert emu.rel_l2(got_p[:ln, :ln], ref_p) < 6e-3, (c, hv)
+            for got in (got_a, got_p):
+                assert bool((got[ln:] == 0).all()) and bool((got[:, ln:] == 0).all())
+            checked += 1
+    assert checked == 4 * sum((n + 63) // 64 for n in lens)
 
 
 def test_fwd_o_ws_barrier_protocol():

@@ -57,32 +57,40 @@ def _gather_rows(x, rows, valid):
     return out * valid.reshape(shape).to(out.dtype)
 
 
-def emu_prep(k, g, beta, ctab):
-    """Mirror of prep.py. Returns gcs [Hv, NCS*64] fp32 and a_beta [Hv, NCS*64, 64] bf16."""
+def emu_prep(k, g, beta, ctab, q=None, scale=None):
+    """Mirror of prep.py: the fused kernel's aux per chunk slot (the gate tables and factored
+    gating of :func:`fused_gate`, the fp16 inverse of :func:`fused_a_beta_from_l`). Returns gcs
+    [Hv, NCS*64] fp32 and a_beta [Hv, NCS*64, 64] bf16 and with ``q`` also P (same rows, bf16)."""
     h_qk, h_v = k.shape[2], g.shape[2]
     G = h_v // h_qk
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
     ct = ctab.long()
     ncs = ct.shape[0]
     ar = torch.arange(C, device=k.device)
     bos, ln = ct[:, 0], ct[:, 1] - ct[:, 0]
     rows = bos[:, None] + ar[None]
     valid = ar[None] < ln[:, None]  # [NCS, 64]
-    kc = _gather_rows(k[0].float(), rows, valid)  # [NCS, 64, Hqk, K]
+    kc = _r(_gather_rows(k[0].float(), rows, valid))  # [NCS, 64, Hqk, K]
     gc = _gather_rows(g[0].float(), rows, valid)  # [NCS, 64, Hv]
     bc = _gather_rows(beta[0].float(), rows, valid)
     gcs = torch.cumsum(gc, dim=1)  # [NCS, 64, Hv]
     kk = torch.einsum("cihk,cjhk->chij", kc, kc).repeat_interleave(G, dim=1)  # [NCS, Hv, 64, 64]
-    gh = gcs.permute(0, 2, 1)  # [NCS, Hv, 64]
-    bh = bc.permute(0, 2, 1)
-    tril = torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device), -1)
-    gam = torch.exp(torch.where(tril, gh[..., :, None] - gh[..., None, :], torch.zeros((), device=k.device)))
-    L = torch.where(tril, bh[..., :, None] * gam * kk, torch.zeros((), device=k.device))
-    eye = torch.eye(C, dtype=torch.float64, device=k.device)
-    A = torch.linalg.solve_triangular(eye + L.double(), eye.expand_as(L).contiguous(), upper=False).float()
-    a_beta = (A * bh[..., None, :]).to(bf16)  # [NCS, Hv, 64, 64]
-    gcs_out = gh.permute(1, 0, 2).reshape(h_v, ncs * C).contiguous()
-    a_out = a_beta.permute(1, 0, 2, 3).reshape(h_v, ncs * C, C).contiguous()
-    return gcs_out, a_out
+    if q is not None:
+        qc = _r(_gather_rows(q[0].float(), rows, valid))
+        qk = torch.einsum("cihk,cjhk->chij", qc, kc).repeat_interleave(G, dim=1)
+    else:
+        qk = torch.zeros_like(kk)
+    flat = lambda x: x.permute(0, 2, 1).reshape(ncs * h_v, C)  # noqa: E731  [NCS·Hv, 64]
+    gr, gh, bh = flat(gc), flat(gcs), flat(bc)
+    lg, pg, _ = fused_gate(kk.reshape(-1, C, C), qk.reshape(-1, C, C), gr, gh, bh, scale)
+    a_beta = fused_a_beta_from_l(lg, bh).reshape(ncs, h_v, C, C)
+    gcs_out = gcs.permute(2, 0, 1).reshape(h_v, ncs * C).contiguous()
+    a_out = a_beta.permute(1, 0, 2, 3).reshape(h_v, ncs * C, C).to(bf16).contiguous()
+    if q is None:
+        return gcs_out, a_out
+    p_out = pg.reshape(ncs, h_v, C, C).permute(1, 0, 2, 3).reshape(h_v, ncs * C, C).to(bf16).contiguous()
+    return gcs_out, a_out, p_out
 
 
 def _chunk_step(S, qc, kc, vc, gch, ab, ln, scale, want_o, uw=False):
@@ -426,41 +434,8 @@ def emu_tables_tl(cu, T, N, seg_tokens, split, nt=512):
     return torch.tensor(ctab, **i32), torch.tensor(cu_chunks, **i32), torch.tensor(stab, **i32), torch.tensor(cu_segs, **i32)
 
 
-def solve_rt(L):
-    """Mirror of prep.py's solve, lane by lane: the diagonal blocks (``solve_blocked_diag``),
-    then per level d warp w < 4 − d owns block (bi, bj) = (w + d, w) and lane l the 2x4 tile rows
-    {rp, rp + 8}, columns 4·cq .. 4·cq + 3 (rp = l // 4, cq = l % 4), with the kernel's index math."""
-    B = 16
-    A = solve_blocked_diag(L)
-    for d in (1, 2, 3):
-        y = torch.zeros(*L.shape[:-2], 64, B, dtype=L.dtype)
-        for w in range(4 - d):
-            bi, bj = w + d, w
-            for lane in range(32):
-                rp, cq = lane // 4, lane % 4
-                acc = torch.zeros(*L.shape[:-2], 2, 4, dtype=L.dtype)
-                for m in range(B * d):
-                    lv = A[..., bj * B + m, bj * B + cq * 4 : bj * B + cq * 4 + 4]
-                    acc[..., 0, :] += L[..., bi * B + rp, bj * B + m, None] * lv
-                    acc[..., 1, :] += L[..., bi * B + rp + 8, bj * B + m, None] * lv
-                y[..., bi * B + rp, cq * 4 : cq * 4 + 4] = acc[..., 0, :]
-                y[..., bi * B + rp + 8, cq * 4 : cq * 4 + 4] = acc[..., 1, :]
-        for w in range(4 - d):  # after the CTA barrier
-            bi, bj = w + d, w
-            for lane in range(32):
-                rp, cq = lane // 4, lane % 4
-                acc = torch.zeros(*L.shape[:-2], 2, 4, dtype=L.dtype)
-                for m in range(B):
-                    lv = y[..., bi * B + m, cq * 4 : cq * 4 + 4]
-                    acc[..., 0, :] -= A[..., bi * B + rp, bi * B + m, None] * lv
-                    acc[..., 1, :] -= A[..., bi * B + rp + 8, bi * B + m, None] * lv
-                A[..., bi * B + rp, bj * B + cq * 4 : bj * B + cq * 4 + 4] = acc[..., 0, :]
-                A[..., bi * B + rp + 8, bj * B + cq * 4 : bj * B + cq * 4 + 4] = acc[..., 1, :]
-    return A
-
-
 def solve_blocked_diag(L):
-    """The 16x16 diagonal blocks (I + L_bb)⁻¹ (zero elsewhere), by substitution as prep's 64 threads."""
+    """The 16x16 diagonal blocks (I + L_bb)⁻¹ (zero elsewhere), by substitution as the aux's 64 threads."""
     B = 16
     A = torch.zeros_like(L)
     eye = torch.eye(B, dtype=L.dtype, device=L.device)
