@@ -36,8 +36,9 @@ FUSED_STEP = 4.3
 #: those 68 rows the model's pick is within 0.3% of the measured best on average, worst 3.7%):
 #: fwd_o chunk step per CTA (one CTA per SM), seg_state chunk step per CTA (two CTAs per SM), fixup
 #: per segment, the split path's launches; the fused kernel's chunk step per CTA and prep's SM time per
-#: (chunk, v-head) in the same units (H200: fwd_o 1.11 ms and prep 0.90 ms on 16/64 1x32768).
-_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 3.35}
+#: (chunk, v-head) in the same units (H200: fwd_o 1.11 ms on 16/64 1x32768; prep 0.642 ms there,
+#: check_fwd's stage time of the tensor-core prep, the 3.35 of its predecessor's 0.90 ms scaled).
+_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 2.39}
 #: fwd_o's chunk step at block_v 32 relative to 64 (H200, fwd_o before P came from prep: 16/64
 #: 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
 _BV32_STEP = 0.8
