@@ -21,7 +21,9 @@
 #                 offline with --compile-only; directory trace).
 #   STEP=stages   tools/kernels/check_fwd.py --quick (FWD_CASES: its case names, default all; every
 #                 output against the reference, every stage against its emulation, then the timed
-#                 cases' graph and per-stage times) and, with BWD_CASES, check_bwd.py --no-time on those.
+#                 cases' graph and per-stage times); with BWD_CASES, check_bwd.py --no-time on those;
+#                 with RECIPES=1, configs/h200_fwd_quick_recipes.yaml's tilelang rows (strong-decay and
+#                 model gates) into runs/recipes, packed into $OUT/recipes.tgz.
 #   STEP=wait     until the fixed-cost job ends or the call's deadline; its files into $OUT.
 # DEVICE_LEFT_S: the session's device seconds left (the fixed-cost job's deadline).
 set -uo pipefail
@@ -48,6 +50,12 @@ stages)  # carry as for check
   if [ -n "${BWD_CASES:-}" ]; then
     timeout --kill-after=10 ${BWD_S:-150} python3 tools/kernels/check_bwd.py --no-time --cases "$BWD_CASES" > "$OUT/check_bwd.log" 2>&1
     log "check_bwd: exit $?"; grep -E "===|RESULT|rel|FAIL|Error" "$OUT/check_bwd.log" | tail -40
+  fi
+  if [ "${RECIPES:-0}" = 1 ]; then
+    timeout --signal=INT --kill-after=20 ${RECIPES_S:-150} qlabench run configs/h200_fwd_quick_recipes.yaml \
+      --backends tilelang --out runs/recipes > "$OUT/recipes.log" 2>&1
+    log "recipes: exit $?"; tail -20 "$OUT/recipes.log"
+    tar czf "$OUT/recipes.tgz" --exclude=_logs runs/recipes
   fi
   log done;;
 sweep)  # carry as for check: CONFIG (default configs/h200_fwd_kernels_prev.yaml: tilelang vs tilelang@prev
