@@ -69,7 +69,6 @@ def test_prep_mirror_matches_exact_solve(strong):
     scale = 128**-0.5
     gcs, a_beta, p = emu.emu_prep(x["k"], x["g"], x["beta"], ctab, q=x["q"], scale=scale)
     checked = 0
-    i = torch.arange(64)
     for c in range(ctab.shape[0]):
         bos, eos, seq = (int(t) for t in ctab[c, :3])
         if seq < 0:
