@@ -1,7 +1,7 @@
 """Forward driver: :func:`chunk_gdn_fwd_lowlevel` (with intermediates) and :func:`chunk_gdn_fwd`.
 
     tables    (one CTA)                        chunk and segment tables from cu_seqlens
-    [prep     (v-head, chunk slot)             g cumsum, P = scale·Γ⊙QKᵀ, A_β = (I + L)⁻¹ diag(β)]
+    [prep     (q/k head, chunk slot)           g cumsum, P = scale·Γ⊙QKᵀ, A_β = (I + L)⁻¹ diag(β)]
     [seg_state (64-column block, segment, v-head)  each segment's end state from 0 and transition M]
     [fixup    (32-column block, sequence, v-head)  serial start states h_{s+1} = M_s h_s + E_s]
     fwd_fused (segment, v-head)                the whole chunk step fused, full V   (block_v 128)

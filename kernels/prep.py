@@ -1,7 +1,7 @@
 """Forward kernel 1: chunk-local gate cumsum, P, and A_β on tensor cores.
 
-One CTA (128 threads, one warpgroup) per (v-head, chunk slot), v-head fastest (the G v-heads of a
-chunk read its q and k rows from L2):
+One CTA (128 threads, one warpgroup) per (q/k head, chunk slot): it loads the chunk's q and k rows
+once and walks the G v-heads of the group (v-head hk·G + v) in a loop, for each:
 
     g_cs  = inclusive cumsum of g inside the chunk (natural log; rows past the sequence end
             add 0, so a padded row repeats the last valid value)
@@ -9,14 +9,18 @@ chunk read its q and k rows from L2):
     L     = StrictLower(diag(β) · (Γ ⊙ K Kᵀ))                                      [64, 64]
     A_β   = (I + L)⁻¹ diag(β)                  (FLA's gated A times diag β)
 
-The fused kernel's aux algorithm (``fwd_fused``), one chunk per CTA: warp 0 takes the cumsum by
-warp shuffles and writes the per-token gate table (g_cs, β, the row factors β e^{g − m} and
-scale e^{g − m}, the column factors e^{m − g}, the factored-gating flag); Q Kᵀ and K Kᵀ on wgmma,
-gated in registers by the factors where the flag allows it (else per element); the inverse in
-fp16: D = blockdiag((I + L_bb)⁻¹) over the 16x16 diagonal blocks by substitution (64 threads),
-N = D L without its diagonal blocks (N⁴ = 0), Y = (I + N²) Dβ, A_β = Y − N Y (four 64x64x64
-wgmmas). P and A_β go to shared memory by stmatrix and out as whole 8 KB blocks. Rows past the
-sequence end get q = k = 0 and β = 0, so their rows and columns of A_β and P are 0. Fast math.
+The fused kernel's aux algorithm (``fwd_fused``) per (chunk, v-head): warps 0..3 first take the
+cumsum by warp shuffles and write the per-token gate table of one v-head each (g_cs, β, the row
+factors β e^{g − m} and scale e^{g − m}, the column factors e^{m − g}, the factored-gating flag);
+then, per v-head, Q Kᵀ and K Kᵀ on wgmma from the shared q / k (re-issued: cheaper than keeping
+the raw products), gated in registers by that v-head's factors where its flag allows it (else per
+element); the inverse in fp16: D = blockdiag((I + L_bb)⁻¹) over the 16x16 diagonal blocks by
+substitution (64 threads), N = D L without its diagonal blocks (N⁴ = 0), Y = (I + N²) Dβ,
+A_β = Y − N Y (four 64x64x64 wgmmas). P and A_β go to shared memory by stmatrix and out as whole
+8 KB blocks by TMA. Rows past the sequence end get q = k = 0 and β = 0, so their rows and columns
+of A_β and P are 0. Fast math. The v-head loop is kept rolled and ptxas held to ``MIN_BLOCKS``
+CTAs per SM (``__launch_bounds__``; at 4: 128 registers, no stack); without the bound ptxas
+gives the looped kernel 150 registers (3 CTAs per SM).
 
 Layouts (chunk-slot space, see ``_common.chunk_table``; slot c covers rows c*64 .. c*64+63):
     q, k  [1, T, Hqk, 128] bf16    g, beta [1, T, Hv] fp32     ctab [NCS, 4] int32
@@ -31,6 +35,10 @@ import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 from .fwd_fused import FACTOR_RANGE, GT_ROWS
+
+
+#: CTAs per SM that ptxas must fit (``__launch_bounds__``)
+MIN_BLOCKS = 4
 
 
 def prep_program(h_qk: int, h_v: int):
@@ -54,13 +62,12 @@ def prep_program(h_qk: int, h_v: int):
         a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
         p_all: T.Tensor((h_v, NCS * C, C), "bfloat16"),
     ):
-        with T.Kernel(h_v, NCS, threads=128) as (hv, c):
-            hk = hv // G
-            # gt_sh[0..7, i] = g cumsum, β, (unused), (unused), β e^{g − m}, scale e^{g − m}, e^{m − g},
-            # the factored-gating flag (1 / 0, in every column); static, outside the dynamic buffer
-            # that TileLang packs by live range (q and k die after their GEMMs, the solve's
-            # buffers can take their place)
-            gt_sh = T.alloc_shared((GT_ROWS, C), "float32", scope="shared")
+        with T.Kernel(h_qk, NCS, threads=128) as (hk, c):
+            T.annotate_min_blocks_per_sm(MIN_BLOCKS)
+            # gt_sh[v, 0..7, i] for the group's v-head v: g cumsum, β, (unused), (unused),
+            # β e^{g − m}, scale e^{g − m}, e^{m − g}, the factored-gating flag (1 / 0, in every
+            # column); static, outside the dynamic buffer that TileLang packs by live range
+            gt_sh = T.alloc_shared((G, GT_ROWS, C), "float32", scope="shared")
             q_sh = T.alloc_shared((C, D), "bfloat16")
             k_sh = T.alloc_shared((C, D), "bfloat16")
             p_sh = T.alloc_shared((C, C), "bfloat16")
@@ -87,120 +94,131 @@ def prep_program(h_qk: int, h_v: int):
             mono = T.alloc_var("int32")
 
             tx = T.get_thread_binding()
+            lane = tx % 32
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
             for i, j in T.Parallel(C, D):
                 q_sh[i, j] = T.if_then_else(i < ln, q[0, bos + i, hk, j], T.bfloat16(0))
                 k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
-            if tx < 32:
-                # warp 0: g, β and the gate table; lane l holds rows 2l, 2l + 1
-                for r in T.unroll(2):
-                    gv[r] = T.if_then_else(2 * tx + r < ln, g[0, bos + 2 * tx + r, hv], T.float32(0))
-                    bv2[r] = T.if_then_else(2 * tx + r < ln, beta[0, bos + 2 * tx + r, hv], T.float32(0))
-                # no gate above 0 (NaN fails too): the cumsum does not increase
-                mono = T.all_sync(T.And(gv[0] <= T.float32(0), gv[1] <= T.float32(0)))
-                run = gv[0] + gv[1]
-                for d in T.unroll(5):
-                    acc1 = T.shfl_up(run, 1 << d)
-                    if tx >= (1 << d):
-                        run = run + acc1
-                acc1 = gv[1]
-                gv[1] = run
-                gv[0] = run - acc1
-                # g_l: the cumsum at row ln − 1 (row 0 for an unused slot, whose rows are all 0)
-                egl = T.shfl_sync(
-                    T.if_then_else(T.max(ln - 1, 0) % 2 == 0, gv[0], gv[1]), T.max(ln - 1, 0) // 2
-                )
-                run = T.shfl_sync(gv[0], 0)
-                gmid = (run + egl) * T.float32(0.5)
-                mono = T.if_then_else(run - egl < T.float32(FACTOR_RANGE), mono, 0)  # NaN: 0
-                for r in T.unroll(2):
-                    gt_sh[0, 2 * tx + r] = gv[r]
-                    gt_sh[1, 2 * tx + r] = bv2[r]
-                    acc1 = T.exp(gv[r] - gmid)
-                    gt_sh[4, 2 * tx + r] = bv2[r] * acc1
-                    gt_sh[5, 2 * tx + r] = scale * acc1
-                    gt_sh[6, 2 * tx + r] = T.exp(gmid - gv[r])
-                    gt_sh[7, 2 * tx + r] = T.if_then_else(mono != 0, T.float32(1), T.float32(0))
+            for w0 in T.serial((G + 3) // 4):
+                if w0 * 4 + tx // 32 < G:
+                    # warp w: the gate table of v-head hk·G + w0·4 + w; lane l holds rows 2l, 2l + 1
+                    vr = w0 * 4 + tx // 32
+                    for r in T.unroll(2):
+                        gv[r] = T.if_then_else(2 * lane + r < ln, g[0, bos + 2 * lane + r, hk * G + vr], T.float32(0))
+                        bv2[r] = T.if_then_else(
+                            2 * lane + r < ln, beta[0, bos + 2 * lane + r, hk * G + vr], T.float32(0)
+                        )
+                    # no gate above 0 (NaN fails too): the cumsum does not increase
+                    mono = T.all_sync(T.And(gv[0] <= T.float32(0), gv[1] <= T.float32(0)))
+                    run = gv[0] + gv[1]
+                    for d in T.unroll(5):
+                        acc1 = T.shfl_up(run, 1 << d)
+                        if lane >= (1 << d):
+                            run = run + acc1
+                    acc1 = gv[1]
+                    gv[1] = run
+                    gv[0] = run - acc1
+                    # g_l: the cumsum at row ln − 1 (row 0 for an unused slot, whose rows are all 0)
+                    egl = T.shfl_sync(T.if_then_else(T.max(ln - 1, 0) % 2 == 0, gv[0], gv[1]), T.max(ln - 1, 0) // 2)
+                    run = T.shfl_sync(gv[0], 0)
+                    gmid = (run + egl) * T.float32(0.5)
+                    mono = T.if_then_else(run - egl < T.float32(FACTOR_RANGE), mono, 0)  # NaN: 0
+                    for r in T.unroll(2):
+                        gt_sh[vr, 0, 2 * lane + r] = gv[r]
+                        gt_sh[vr, 1, 2 * lane + r] = bv2[r]
+                        acc1 = T.exp(gv[r] - gmid)
+                        gt_sh[vr, 4, 2 * lane + r] = bv2[r] * acc1
+                        gt_sh[vr, 5, 2 * lane + r] = scale * acc1
+                        gt_sh[vr, 6, 2 * lane + r] = T.exp(gmid - gv[r])
+                        gt_sh[vr, 7, 2 * lane + r] = T.if_then_else(mono != 0, T.float32(1), T.float32(0))
             T.fence_proxy_async()
             T.sync_threads()
-            fac = gt_sh[7, 0]
-            # P = scale · Γ ⊙ Q Kᵀ (causal), gated as the fused kernel's aux does
-            T.gemm(q_sh, k_sh, p_acc, transpose_B=True, clear_accum=True)
-            if fac != T.float32(0):
-                for i in T.Parallel(C):
-                    gi[i] = gt_sh[5, i]
-                for j in T.Parallel(C):
-                    cj[j] = gt_sh[6, j]
+            for v in T.unroll(G, annotations={"pragma_unroll_factor": 1}):
+                hv = hk * G + v
+                # the previous v-head's TMA stores have read p_sh / ab_sh (their issuer waited)
+                T.sync_threads()
+                fac = gt_sh[v, 7, 0]
+                # P = scale · Γ ⊙ Q Kᵀ (causal), gated as the fused kernel's aux does
+                T.gemm(q_sh, k_sh, p_acc, transpose_B=True, clear_accum=True)
+                if fac != T.float32(0):
+                    for i in T.Parallel(C):
+                        gi[i] = gt_sh[v, 5, i]
+                    for j in T.Parallel(C):
+                        cj[j] = gt_sh[v, 6, j]
+                    for i, j in T.Parallel(C, C):
+                        p_acc[i, j] = T.if_then_else(i >= j, gi[i] * cj[j] * p_acc[i, j], T.float32(0))
+                else:
+                    for i in T.Parallel(C):
+                        gi[i] = gt_sh[v, 0, i]
+                    for i, j in T.Parallel(C, C):
+                        p_acc[i, j] = T.if_then_else(
+                            i >= j,
+                            scale * T.exp(T.min(gi[i] - gt_sh[v, 0, j], T.float32(0))) * p_acc[i, j],
+                            T.float32(0),
+                        )
+                T.copy(p_acc, p_sh)
+                T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
+                # L = StrictLower(diag β · Γ ⊙ K Kᵀ), in fp16
+                T.gemm(k_sh, k_sh, a_acc, transpose_B=True, clear_accum=True)
+                if fac != T.float32(0):
+                    for i in T.Parallel(C):
+                        bi[i] = gt_sh[v, 4, i]
+                    for j in T.Parallel(C):
+                        cj[j] = gt_sh[v, 6, j]
+                    for i, j in T.Parallel(C, C):
+                        a_acc[i, j] = T.if_then_else(i > j, bi[i] * cj[j] * a_acc[i, j], T.float32(0))
+                else:
+                    for i in T.Parallel(C):
+                        gi[i] = gt_sh[v, 0, i]
+                        bi[i] = gt_sh[v, 1, i]
+                    for i, j in T.Parallel(C, C):
+                        a_acc[i, j] = T.if_then_else(
+                            i > j,
+                            bi[i] * T.exp(T.min(gi[i] - gt_sh[v, 0, j], T.float32(0))) * a_acc[i, j],
+                            T.float32(0),
+                        )
+                T.copy(a_acc, lo_sh)
                 for i, j in T.Parallel(C, C):
-                    p_acc[i, j] = T.if_then_else(i >= j, gi[i] * cj[j] * p_acc[i, j], T.float32(0))
-            else:
-                for i in T.Parallel(C):
-                    gi[i] = gt_sh[0, i]
+                    d_sh[i, j] = T.float16(0)
+                    db_sh[i, j] = T.float16(0)
+                # D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
+                if tx < C:
+                    for i in T.unroll(B):
+                        x16[i] = T.float32(0)
+                    for i in T.unroll(B):
+                        acc1 = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
+                        for j in T.unroll(i):
+                            acc1 = acc1 - T.cast(lo_sh[(tx // B) * B + i, (tx // B) * B + j], "float32") * x16[j]
+                        x16[i] = acc1
+                    for i in T.unroll(B):
+                        d_sh[(tx // B) * B + i, tx] = T.cast(x16[i], "float16")
+                        db_sh[(tx // B) * B + i, tx] = T.cast(x16[i] * gt_sh[v, 1, tx], "float16")
+                T.fence_proxy_async()
+                # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
+                T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    p_acc[i, j] = T.if_then_else(
-                        i >= j, scale * T.exp(T.min(gi[i] - gt_sh[0, j], T.float32(0))) * p_acc[i, j], T.float32(0)
-                    )
-            T.copy(p_acc, p_sh)
-            T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
-            # L = StrictLower(diag β · Γ ⊙ K Kᵀ), in fp16
-            T.gemm(k_sh, k_sh, a_acc, transpose_B=True, clear_accum=True)
-            if fac != T.float32(0):
-                for i in T.Parallel(C):
-                    bi[i] = gt_sh[4, i]
-                for j in T.Parallel(C):
-                    cj[j] = gt_sh[6, j]
+                    a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
+                T.copy(a_acc, n_sh)
+                T.fence_proxy_async()
+                # I + N² (into lo_sh: L is dead)
+                T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    a_acc[i, j] = T.if_then_else(i > j, bi[i] * cj[j] * a_acc[i, j], T.float32(0))
-            else:
-                for i in T.Parallel(C):
-                    gi[i] = gt_sh[0, i]
-                    bi[i] = gt_sh[1, i]
+                    a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
+                T.copy(a_acc, lo_sh)
+                T.fence_proxy_async()
+                # Y = (I + N²) Dβ, then A_β = Y − N Y
+                T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)
+                T.copy(p_acc, y_sh)
+                T.fence_proxy_async()
+                T.gemm(n_sh, y_sh, a_acc, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    a_acc[i, j] = T.if_then_else(
-                        i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
-                    )
-            T.copy(a_acc, lo_sh)
-            for i, j in T.Parallel(C, C):
-                d_sh[i, j] = T.float16(0)
-                db_sh[i, j] = T.float16(0)
-            # D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
-            if tx < C:
-                for i in T.unroll(B):
-                    x16[i] = T.float32(0)
-                for i in T.unroll(B):
-                    acc1 = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
-                    for j in T.unroll(i):
-                        acc1 = acc1 - T.cast(lo_sh[(tx // B) * B + i, (tx // B) * B + j], "float32") * x16[j]
-                    x16[i] = acc1
-                for i in T.unroll(B):
-                    d_sh[(tx // B) * B + i, tx] = T.cast(x16[i], "float16")
-                    db_sh[(tx // B) * B + i, tx] = T.cast(x16[i] * gt_sh[1, tx], "float16")
-            T.fence_proxy_async()
-            # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
-            T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
-            T.copy(a_acc, n_sh)
-            T.fence_proxy_async()
-            # I + N² (into lo_sh: L is dead)
-            T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
-            T.copy(a_acc, lo_sh)
-            T.fence_proxy_async()
-            # Y = (I + N²) Dβ, then A_β = Y − N Y
-            T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)
-            T.copy(p_acc, y_sh)
-            T.fence_proxy_async()
-            T.gemm(n_sh, y_sh, a_acc, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
-            T.copy(a_acc, ab_sh)
-            T.copy(ab_sh, a_beta[hv, c * C : c * C + C, 0:C])
-            for i in T.Parallel(C):
-                gcs[hv, c * C + i] = gt_sh[0, i]
+                    a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
+                T.copy(a_acc, ab_sh)
+                T.copy(ab_sh, a_beta[hv, c * C : c * C + C, 0:C])
+                for i in T.Parallel(C):
+                    gcs[hv, c * C + i] = gt_sh[v, 0, i]
 
     return gdn_prep_p
 

@@ -54,8 +54,11 @@ def test_every_kernel_compiles_and_all_but_tables_use_wgmma(sources):
 
 
 def test_gva_head_index_is_compiled_in(sources):
-    # v-head j reads q/k head j // 4 for 2/8: the kernels divide the v-head index by 4 (a shift).
-    assert ">> 2" in sources["prep"] or "/ 4" in sources["prep"]
+    # v-head j reads q/k head j // 4 for 2/8: fwd_o divides its v-head index by 4 (a shift); prep's
+    # CTA is one q/k head and walks its four v-heads 4·blockIdx.x + v in a loop nvcc must not unroll.
+    assert ">> 2" in sources["fwd_o"] or "/ 4" in sources["fwd_o"]
+    assert "(((int)blockIdx.x) * 4) + v)" in sources["prep"]
+    assert "#pragma unroll 1\n  for (int v = 0; v < 4; ++v)" in sources["prep"]
 
 
 @pytest.mark.parametrize(
@@ -103,6 +106,7 @@ def test_prep_solves_on_tensor_cores_as_the_fused_aux(sources):
     assert src.count("ptx_stmatrix") == 6
     assert src.count("tma_store(") == 2
     assert "__all_sync" in src
+    assert f"__launch_bounds__(128, {_mod('prep').MIN_BLOCKS})" in src
 
 
 def test_fused_state_reads_v_only_as_a_gemm_operand(sources):

@@ -1,6 +1,6 @@
 """Correctness and timing check of the TileLang GDN forward on a Hopper GPU.
 
-    python tools/kernels/check_fwd.py [--quick] [--no-time] [--cases NAME,...]
+    python tools/kernels/check_fwd.py [--quick] [--no-time] [--cases NAME,...] [--stage prep]
 
 For each case: runs chunk_gdn_fwd_lowlevel on fwd_o's paths (``save_prep``; the fused kernel:
 check_fused.py), compares o / final state with an fp32 token
@@ -8,6 +8,9 @@ recurrence (rel L2), and every stage with its torch emulation fed the kernel's o
 (prep: gcs, a_beta; seg_state: e_end, m_tr; fixup: h_start; fwd_o: o, ht) so a mismatch
 points at one kernel. Then times the whole forward with CUDA-graph replay (median) for
 several split settings, plus per-stage event times. Each case runs in try/except.
+``--stage prep``: prep alone on each case (every chunk slot's gcs, A_β and P against its mirror,
+outputs poisoned first), then its CUDA-graph median, for comparing versions of it (one process per
+package on PYTHONPATH).
 Writes check_fwd.json and check_fwd.txt to $OUT when set.
 """
 
@@ -174,6 +177,38 @@ def stage_times_ms(pkg, x, split_tokens, reps=10):
 _REF = {}
 
 
+def check_prep(pkg, emu, name, seqlens, h_qk, h_v, results, do_time=True):
+    """prep alone: its outputs (NaN-poisoned first) against emu_prep's, then its graph median."""
+    from qlabench_kernels._common import chunk_table
+    from qlabench_kernels.prep import run_prep
+
+    x = make_inputs(seqlens, h_qk, h_v, with_h0=False)
+    T, N, scale = x["q"].shape[1], len(seqlens), 128**-0.5
+    ctab, _ = chunk_table(x["cu"].long(), T, N)
+    ctab = ctab.to(x["q"].device)
+    ncs = ctab.shape[0]
+    p_all = torch.full((h_v, ncs * 64, 64), float("nan"), device=x["q"].device, dtype=torch.bfloat16)
+    gcs, a_beta, p_all = run_prep(x["q"], x["k"], x["g"], x["beta"], ctab, scale, p_all=p_all)
+    torch.cuda.synchronize()
+    gcs_e, a_e, p_e = emu.emu_prep(x["k"], x["g"], x["beta"], ctab, q=x["q"], scale=scale)
+    nvalid = int((ctab[:, 2] >= 0).sum()) * 64
+    rec = dict(case=name, stage="prep", h_qk=h_qk, h_v=h_v, seqlens=list(seqlens))
+    for key, got, want in (("gcs", gcs, gcs_e), ("a_beta", a_beta, a_e), ("p", p_all, p_e)):
+        got, want = got[:, :nvalid].float(), want[:, :nvalid].float()
+        rec[f"nan_{key}"] = int(torch.isnan(got).sum())
+        rec[f"rel_{key}"] = emu.rel_l2(torch.nan_to_num(got, nan=1e30), want)
+    rec["ok"] = all(rec[f"nan_{k}"] == 0 and rec[f"rel_{k}"] < 1e-2 for k in ("gcs", "a_beta", "p"))
+    del gcs_e, a_e, p_e
+    if do_time:
+        rec["prep_ms"] = graph_time_ms(lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], ctab, scale, p_all=p_all))
+    log(
+        f"PREP {name:28s} {'PASS' if rec['ok'] else 'FAIL'} rel gcs={rec['rel_gcs']:.1e} a_beta={rec['rel_a_beta']:.1e} "
+        f"p={rec['rel_p']:.1e} nan={rec['nan_gcs'] + rec['nan_a_beta'] + rec['nan_p']}"
+        + (f" | graph median {rec['prep_ms']:.4f} ms" if do_time else "")
+    )
+    results.append(rec)
+
+
 def kernel_launches(fn):
     """CUDA kernels launched by one call of ``fn`` (torch.profiler), or -1 if unavailable."""
     try:
@@ -297,6 +332,8 @@ CASES = [
     ("2_8_8x1024", (1024,) * 8, 2, 8, None, True, [None, 512]),
     ("2_8_1x2048", (2048,), 2, 8, None, True, [None, 512, 1024]),
     ("2_8_1x8192", (8192,), 2, 8, None, True, [None, 512, 2048, 0]),
+    ("16_32_8x4096", (4096,) * 8, 16, 32, None, True, [None]),
+    ("16_16_2x8192", (8192,) * 2, 16, 16, None, True, [None]),
 ]
 
 
@@ -306,6 +343,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip the per-stage emulation on the big cases")
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    ap.add_argument("--stage", choices=("prep",), help="one stage alone: its outputs, then its time")
     args = ap.parse_args()
     pkg, emu = _import_pkg()
     log(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
@@ -315,6 +353,10 @@ def main():
         if want and name not in want:
             continue
         try:
+            if args.stage == "prep":
+                check_prep(pkg, emu, name, seqlens, hq, hv, results, do_time=not args.no_time)
+                torch.cuda.empty_cache()
+                continue
             big = sum(seqlens) * hv > 300000
             x = check_case(pkg, emu, name, seqlens, hq, hv, split, results, stages=not (args.quick and big))
             if do_time and not args.no_time:
@@ -326,6 +368,9 @@ def main():
             results.append(dict(case=name, ok=False, crashed=True))
     log("\n=== summary")
     for r in results:
+        if r.get("stage") == "prep":
+            log(f"{r['case']:60s} {'PASS' if r['ok'] else 'FAIL'} prep {r.get('prep_ms', float('nan')):.4f} ms")
+            continue
         log(
             f"{r['case']:60s} {'PASS' if r.get('ok') else 'FAIL'} rel_o={r.get('rel_o', float('nan')):.2e} "
             f"rel_ht={r.get('rel_ht', float('nan')):.2e}"
