@@ -12,7 +12,7 @@ import torch
 
 from ._common import CHUNK, HEAD_DIM
 
-__all__ = ["sm_count", "split_cost", "prep_cost", "plan_fwd", "plan_split", "bwd_split_cost", "plan_bwd_split"]
+__all__ = ["sm_count", "split_cost", "prep_cost", "prep_slices", "plan_fwd", "plan_split", "bwd_split_cost", "plan_bwd_split"]
 
 _SM_COUNT = {}
 
@@ -71,6 +71,21 @@ def _lpt_makespan(groups, slots: int) -> float:
 def prep_cost(lens, h_v: int, num_sms: int = 132) -> float:
     """prep's estimated time (relative units): every chunk of every v-head, spread over the SMs."""
     return sum(math.ceil(ln / CHUNK) for ln in lens) * h_v * _SPLIT_COST["prep"] / num_sms
+
+
+#: prep's CTAs resident per SM (kernels/prep.py MIN_BLOCKS)
+PREP_CTAS_PER_SM = 4
+
+
+def prep_slices(h_qk: int, h_v: int, ncs: int, num_sms: int = 132) -> int:
+    """Over how many CTAs prep spreads each q/k head's G v-heads: the fewest (a divisor of G) that
+    still give one full round of CTAs on the SMs (every CTA walks G / slices v-heads one after the
+    other; sharing a chunk's loads and gate tables pays only while the SMs stay full)."""
+    G = h_v // h_qk
+    for d in range(1, G + 1):
+        if G % d == 0 and h_qk * d * ncs >= PREP_CTAS_PER_SM * num_sms:
+            return d
+    return G
 
 
 def _runs_prep(seg: int, block_v: int) -> bool:

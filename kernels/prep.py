@@ -34,11 +34,13 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
-from .fwd_fused import FACTOR_RANGE, GT_ROWS
-
+from .fwd_fused import FACTOR_RANGE
+from .plan import prep_slices, sm_count
 
 #: CTAs per SM that ptxas must fit (``__launch_bounds__``)
 MIN_BLOCKS = 4
+#: rows of a v-head's gate table: g cumsum, β, β e^{g − m}, scale e^{g − m}, e^{m − g}, flag
+GT_ROWS = 6
 
 
 def prep_program(h_qk: int, h_v: int):
@@ -58,26 +60,26 @@ def prep_program(h_qk: int, h_v: int):
         beta: T.Tensor((1, Tn, h_v), "float32"),
         ctab: T.Tensor((NCS, 4), "int32"),
         scale: T.float32,
+        nslice: T.int32,
         gcs: T.Tensor((h_v, NCS * C), "float32"),
         a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
         p_all: T.Tensor((h_v, NCS * C, C), "bfloat16"),
     ):
-        with T.Kernel(h_qk, NCS, threads=128) as (hk, c):
+        with T.Kernel(h_qk * nslice, NCS, threads=128) as (bx, c):
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
-            # gt_sh[v, 0..7, i] for the group's v-head v: g cumsum, β, (unused), (unused),
-            # β e^{g − m}, scale e^{g − m}, e^{m − g}, the factored-gating flag (1 / 0, in every
-            # column); static, outside the dynamic buffer that TileLang packs by live range
+            # gt_sh[v, 0..5, i] for the group's v-head v: g cumsum, β, β e^{g − m}, scale e^{g − m},
+            # e^{m − g}, the factored-gating flag (1 / 0, in every column); static, outside the
+            # dynamic buffer that TileLang packs by live range
             gt_sh = T.alloc_shared((G, GT_ROWS, C), "float32", scope="shared")
             q_sh = T.alloc_shared((C, D), "bfloat16")
             k_sh = T.alloc_shared((C, D), "bfloat16")
             p_sh = T.alloc_shared((C, C), "bfloat16")
             ab_sh = T.alloc_shared((C, C), "bfloat16")
-            # the solve (fp16): L, then I + N²; D, Dβ, N, Y
+            # the solve (fp16), each buffer reused along the chain (a buffer used inside a loop
+            # lives the whole loop for TileLang's packing): L, I + N², then Y; D, then N; Dβ
             lo_sh = T.alloc_shared((C, C), "float16")
-            d_sh = T.alloc_shared((C, C), "float16")
+            dn_sh = T.alloc_shared((C, C), "float16")
             db_sh = T.alloc_shared((C, C), "float16")
-            n_sh = T.alloc_shared((C, C), "float16")
-            y_sh = T.alloc_shared((C, C), "float16")
             a_acc = T.alloc_fragment((C, C), "float32")
             p_acc = T.alloc_fragment((C, C), "float32")
             gi = T.alloc_fragment((C,), "float32")
@@ -95,20 +97,24 @@ def prep_program(h_qk: int, h_v: int):
 
             tx = T.get_thread_binding()
             lane = tx % 32
+            # this CTA's v-heads: hv0 .. hv0 + nv − 1 of q/k head hk's group (nslice divides G)
+            hk = bx // nslice
+            nv = G // nslice
+            hv0 = hk * G + (bx % nslice) * nv
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
             for i, j in T.Parallel(C, D):
                 q_sh[i, j] = T.if_then_else(i < ln, q[0, bos + i, hk, j], T.bfloat16(0))
                 k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
-            for w0 in T.serial((G + 3) // 4):
-                if w0 * 4 + tx // 32 < G:
+            for w0 in T.serial((nv + 3) // 4):
+                if w0 * 4 + tx // 32 < nv:
                     # warp w: the gate table of v-head hk·G + w0·4 + w; lane l holds rows 2l, 2l + 1
                     vr = w0 * 4 + tx // 32
                     for r in T.unroll(2):
-                        gv[r] = T.if_then_else(2 * lane + r < ln, g[0, bos + 2 * lane + r, hk * G + vr], T.float32(0))
+                        gv[r] = T.if_then_else(2 * lane + r < ln, g[0, bos + 2 * lane + r, hv0 + vr], T.float32(0))
                         bv2[r] = T.if_then_else(
-                            2 * lane + r < ln, beta[0, bos + 2 * lane + r, hk * G + vr], T.float32(0)
+                            2 * lane + r < ln, beta[0, bos + 2 * lane + r, hv0 + vr], T.float32(0)
                         )
                     # no gate above 0 (NaN fails too): the cumsum does not increase
                     mono = T.all_sync(T.And(gv[0] <= T.float32(0), gv[1] <= T.float32(0)))
@@ -129,24 +135,24 @@ def prep_program(h_qk: int, h_v: int):
                         gt_sh[vr, 0, 2 * lane + r] = gv[r]
                         gt_sh[vr, 1, 2 * lane + r] = bv2[r]
                         acc1 = T.exp(gv[r] - gmid)
-                        gt_sh[vr, 4, 2 * lane + r] = bv2[r] * acc1
-                        gt_sh[vr, 5, 2 * lane + r] = scale * acc1
-                        gt_sh[vr, 6, 2 * lane + r] = T.exp(gmid - gv[r])
-                        gt_sh[vr, 7, 2 * lane + r] = T.if_then_else(mono != 0, T.float32(1), T.float32(0))
+                        gt_sh[vr, 2, 2 * lane + r] = bv2[r] * acc1
+                        gt_sh[vr, 3, 2 * lane + r] = scale * acc1
+                        gt_sh[vr, 4, 2 * lane + r] = T.exp(gmid - gv[r])
+                        gt_sh[vr, 5, 2 * lane + r] = T.if_then_else(mono != 0, T.float32(1), T.float32(0))
             T.fence_proxy_async()
             T.sync_threads()
-            for v in T.unroll(G, annotations={"pragma_unroll_factor": 1}):
-                hv = hk * G + v
-                # the previous v-head's TMA stores have read p_sh / ab_sh (their issuer waited)
+            # P for every v-head of the group first: q dies after this loop
+            for v in T.serial(nv, annotations={"pragma_unroll_factor": 1}):
+                # the previous v-head's TMA store has read p_sh (its issuer waited)
                 T.sync_threads()
-                fac = gt_sh[v, 7, 0]
+                fac = gt_sh[v, 5, 0]
                 # P = scale · Γ ⊙ Q Kᵀ (causal), gated as the fused kernel's aux does
                 T.gemm(q_sh, k_sh, p_acc, transpose_B=True, clear_accum=True)
                 if fac != T.float32(0):
                     for i in T.Parallel(C):
-                        gi[i] = gt_sh[v, 5, i]
+                        gi[i] = gt_sh[v, 3, i]
                     for j in T.Parallel(C):
-                        cj[j] = gt_sh[v, 6, j]
+                        cj[j] = gt_sh[v, 4, j]
                     for i, j in T.Parallel(C, C):
                         p_acc[i, j] = T.if_then_else(i >= j, gi[i] * cj[j] * p_acc[i, j], T.float32(0))
                 else:
@@ -159,14 +165,18 @@ def prep_program(h_qk: int, h_v: int):
                             T.float32(0),
                         )
                 T.copy(p_acc, p_sh)
-                T.copy(p_sh, p_all[hv, c * C : c * C + C, 0:C])
+                T.copy(p_sh, p_all[hv0 + v, c * C : c * C + C, 0:C])
+            # then A_β per v-head; its buffers take q's and P's place
+            for v in T.serial(nv, annotations={"pragma_unroll_factor": 1}):
+                T.sync_threads()
+                fac = gt_sh[v, 5, 0]
                 # L = StrictLower(diag β · Γ ⊙ K Kᵀ), in fp16
                 T.gemm(k_sh, k_sh, a_acc, transpose_B=True, clear_accum=True)
                 if fac != T.float32(0):
                     for i in T.Parallel(C):
-                        bi[i] = gt_sh[v, 4, i]
+                        bi[i] = gt_sh[v, 2, i]
                     for j in T.Parallel(C):
-                        cj[j] = gt_sh[v, 6, j]
+                        cj[j] = gt_sh[v, 4, j]
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = T.if_then_else(i > j, bi[i] * cj[j] * a_acc[i, j], T.float32(0))
                 else:
@@ -181,7 +191,7 @@ def prep_program(h_qk: int, h_v: int):
                         )
                 T.copy(a_acc, lo_sh)
                 for i, j in T.Parallel(C, C):
-                    d_sh[i, j] = T.float16(0)
+                    dn_sh[i, j] = T.float16(0)
                     db_sh[i, j] = T.float16(0)
                 # D_b = (I + L_bb)⁻¹: thread tx < 64 solves column tx % 16 of block tx // 16
                 if tx < C:
@@ -193,32 +203,32 @@ def prep_program(h_qk: int, h_v: int):
                             acc1 = acc1 - T.cast(lo_sh[(tx // B) * B + i, (tx // B) * B + j], "float32") * x16[j]
                         x16[i] = acc1
                     for i in T.unroll(B):
-                        d_sh[(tx // B) * B + i, tx] = T.cast(x16[i], "float16")
+                        dn_sh[(tx // B) * B + i, tx] = T.cast(x16[i], "float16")
                         db_sh[(tx // B) * B + i, tx] = T.cast(x16[i] * gt_sh[v, 1, tx], "float16")
                 T.fence_proxy_async()
-                # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
-                T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)
+                # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D), over D
+                T.gemm(dn_sh, lo_sh, a_acc, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
-                T.copy(a_acc, n_sh)
+                T.copy(a_acc, dn_sh)
                 T.fence_proxy_async()
-                # I + N² (into lo_sh: L is dead)
-                T.gemm(n_sh, n_sh, a_acc, clear_accum=True)
+                # I + N² over L
+                T.gemm(dn_sh, dn_sh, a_acc, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
                 T.copy(a_acc, lo_sh)
                 T.fence_proxy_async()
-                # Y = (I + N²) Dβ, then A_β = Y − N Y
+                # Y = (I + N²) Dβ over I + N², then A_β = Y − N Y
                 T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)
-                T.copy(p_acc, y_sh)
+                T.copy(p_acc, lo_sh)
                 T.fence_proxy_async()
-                T.gemm(n_sh, y_sh, a_acc, clear_accum=True)
+                T.gemm(dn_sh, lo_sh, a_acc, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
                 T.copy(a_acc, ab_sh)
-                T.copy(ab_sh, a_beta[hv, c * C : c * C + C, 0:C])
+                T.copy(ab_sh, a_beta[hv0 + v, c * C : c * C + C, 0:C])
                 for i in T.Parallel(C):
-                    gcs[hv, c * C + i] = gt_sh[v, 0, i]
+                    gcs[hv0 + v, c * C + i] = gt_sh[v, 0, i]
 
     return gdn_prep_p
 
@@ -228,15 +238,22 @@ def get_prep_kernel(h_qk: int, h_v: int, target_k=None):
     return compile_program(prep_program(h_qk, h_v), target=parse_target(target_k), pass_configs=FAST_MATH)
 
 
-def run_prep(q, k, g, beta, ctab, scale, target=None, p_all=None):
+def run_prep(q, k, g, beta, ctab, scale, target=None, p_all=None, slices=None):
     """Launch prep. q, k [1,T,Hqk,128] bf16; g, beta [1,T,Hv] fp32; ctab int32 [NCS,4]; scale float;
-    ``p_all`` optionally preallocated. Returns gcs [Hv,NCS*64] fp32, a_beta and p_all [Hv,NCS*64,64] bf16."""
+    ``p_all`` optionally preallocated; ``slices`` (a divisor of G = Hv / Hqk) splits each q/k head's
+    v-heads over that many CTAs (default :func:`plan.prep_slices`). Returns gcs [Hv,NCS*64] fp32,
+    a_beta and p_all [Hv,NCS*64,64] bf16."""
     h_qk, h_v = k.shape[2], g.shape[2]
     ncs = ctab.shape[0]
+    G = check_heads(h_qk, h_v)
+    if slices is None:
+        slices = prep_slices(h_qk, h_v, ncs, sm_count(k.device))
+    if slices <= 0 or G % slices:
+        raise ValueError(f"slices={slices} must divide G = h_v / h_qk = {G}")
     gcs = torch.empty(h_v, ncs * CHUNK, device=k.device, dtype=torch.float32)
     a_beta = torch.empty(h_v, ncs * CHUNK, CHUNK, device=k.device, dtype=torch.bfloat16)
     if p_all is None:
         p_all = torch.empty(h_v, ncs * CHUNK, CHUNK, device=k.device, dtype=torch.bfloat16)
     kern = get_prep_kernel(h_qk, h_v, target_key(target))
-    kern(q, k, g, beta, ctab, float(scale), gcs, a_beta, p_all)
+    kern(q, k, g, beta, ctab, float(scale), int(slices), gcs, a_beta, p_all)
     return gcs, a_beta, p_all

@@ -8,9 +8,9 @@ recurrence (rel L2), and every stage with its torch emulation fed the kernel's o
 (prep: gcs, a_beta; seg_state: e_end, m_tr; fixup: h_start; fwd_o: o, ht) so a mismatch
 points at one kernel. Then times the whole forward with CUDA-graph replay (median) for
 several split settings, plus per-stage event times. Each case runs in try/except.
-``--stage prep``: prep alone on each case (every chunk slot's gcs, A_β and P against its mirror,
-outputs poisoned first), then its CUDA-graph median, for comparing versions of it (one process per
-package on PYTHONPATH).
+``--stage prep``: prep alone on each case at every way of slicing the GVA group over CTAs (every
+chunk slot's gcs, A_β and P against its mirror, outputs poisoned first), then its CUDA-graph
+median; versions of it compare one process per package on PYTHONPATH.
 Writes check_fwd.json and check_fwd.txt to $OUT when set.
 """
 
@@ -178,7 +178,8 @@ _REF = {}
 
 
 def check_prep(pkg, emu, name, seqlens, h_qk, h_v, results, do_time=True):
-    """prep alone: its outputs (NaN-poisoned first) against emu_prep's, then its graph median."""
+    """prep alone at each way of slicing the GVA group over CTAs (every divisor of G; the planned
+    one marked): its outputs (NaN-poisoned first) against emu_prep's, then its graph median."""
     from qlabench_kernels._common import chunk_table
     from qlabench_kernels.prep import run_prep
 
@@ -187,26 +188,38 @@ def check_prep(pkg, emu, name, seqlens, h_qk, h_v, results, do_time=True):
     ctab, _ = chunk_table(x["cu"].long(), T, N)
     ctab = ctab.to(x["q"].device)
     ncs = ctab.shape[0]
-    p_all = torch.full((h_v, ncs * 64, 64), float("nan"), device=x["q"].device, dtype=torch.bfloat16)
-    gcs, a_beta, p_all = run_prep(x["q"], x["k"], x["g"], x["beta"], ctab, scale, p_all=p_all)
-    torch.cuda.synchronize()
-    gcs_e, a_e, p_e = emu.emu_prep(x["k"], x["g"], x["beta"], ctab, q=x["q"], scale=scale)
+    want = emu.emu_prep(x["k"], x["g"], x["beta"], ctab, q=x["q"], scale=scale)
     nvalid = int((ctab[:, 2] >= 0).sum()) * 64
-    rec = dict(case=name, stage="prep", h_qk=h_qk, h_v=h_v, seqlens=list(seqlens))
-    for key, got, want in (("gcs", gcs, gcs_e), ("a_beta", a_beta, a_e), ("p", p_all, p_e)):
-        got, want = got[:, :nvalid].float(), want[:, :nvalid].float()
-        rec[f"nan_{key}"] = int(torch.isnan(got).sum())
-        rec[f"rel_{key}"] = emu.rel_l2(torch.nan_to_num(got, nan=1e30), want)
-    rec["ok"] = all(rec[f"nan_{k}"] == 0 and rec[f"rel_{k}"] < 1e-2 for k in ("gcs", "a_beta", "p"))
-    del gcs_e, a_e, p_e
-    if do_time:
-        rec["prep_ms"] = graph_time_ms(lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], ctab, scale, p_all=p_all))
-    log(
-        f"PREP {name:28s} {'PASS' if rec['ok'] else 'FAIL'} rel gcs={rec['rel_gcs']:.1e} a_beta={rec['rel_a_beta']:.1e} "
-        f"p={rec['rel_p']:.1e} nan={rec['nan_gcs'] + rec['nan_a_beta'] + rec['nan_p']}"
-        + (f" | graph median {rec['prep_ms']:.4f} ms" if do_time else "")
-    )
-    results.append(rec)
+    G = h_v // h_qk
+    try:
+        from qlabench_kernels.plan import prep_slices, sm_count
+
+        planned = prep_slices(h_qk, h_v, ncs, sm_count(x["q"].device))
+        choices = [d for d in range(1, G + 1) if G % d == 0]
+    except ImportError:  # a version of the package whose prep has one CTA per v-head
+        planned, choices = None, [None]
+    for d in choices:
+        p_all = torch.full((h_v, ncs * 64, 64), float("nan"), device=x["q"].device, dtype=torch.bfloat16)
+        kw = {} if d is None else {"slices": d}
+        got = run_prep(x["q"], x["k"], x["g"], x["beta"], ctab, scale, p_all=p_all, **kw)
+        torch.cuda.synchronize()
+        rec = dict(case=name, stage="prep", h_qk=h_qk, h_v=h_v, seqlens=list(seqlens), slices=d, planned=d == planned)
+        for key, a, b in zip(("gcs", "a_beta", "p"), got, want):
+            a, b = a[:, :nvalid].float(), b[:, :nvalid].float()
+            rec[f"nan_{key}"] = int(torch.isnan(a).sum())
+            rec[f"rel_{key}"] = emu.rel_l2(torch.nan_to_num(a, nan=1e30), b)
+        rec["ok"] = all(rec[f"nan_{k}"] == 0 and rec[f"rel_{k}"] < 1e-2 for k in ("gcs", "a_beta", "p"))
+        if do_time:
+            rec["prep_ms"] = graph_time_ms(
+                lambda kw=kw, p_all=p_all: run_prep(x["q"], x["k"], x["g"], x["beta"], ctab, scale, p_all=p_all, **kw)
+            )
+        log(
+            f"PREP {name:20s} slices={d}{'*' if d == planned else ' '} {'PASS' if rec['ok'] else 'FAIL'} "
+            f"rel gcs={rec['rel_gcs']:.1e} a_beta={rec['rel_a_beta']:.1e} p={rec['rel_p']:.1e} "
+            f"nan={rec['nan_gcs'] + rec['nan_a_beta'] + rec['nan_p']}"
+            + (f" | graph median {rec['prep_ms']:.4f} ms" if do_time else "")
+        )
+        results.append(rec)
 
 
 def kernel_launches(fn):
@@ -369,7 +382,10 @@ def main():
     log("\n=== summary")
     for r in results:
         if r.get("stage") == "prep":
-            log(f"{r['case']:60s} {'PASS' if r['ok'] else 'FAIL'} prep {r.get('prep_ms', float('nan')):.4f} ms")
+            log(
+                f"{r['case']:52s} slices={r['slices']}{'*' if r['planned'] else ' '} {'PASS' if r['ok'] else 'FAIL'} "
+                f"prep {r.get('prep_ms', float('nan')):.4f} ms"
+            )
             continue
         log(
             f"{r['case']:60s} {'PASS' if r.get('ok') else 'FAIL'} rel_o={r.get('rel_o', float('nan')):.2e} "
