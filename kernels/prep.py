@@ -61,11 +61,12 @@ def prep_program(h_qk: int, h_v: int):
         ctab: T.Tensor((NCS, 4), "int32"),
         scale: T.float32,
         nslice: T.int32,
+        nv: T.int32,
         gcs: T.Tensor((h_v, NCS * C), "float32"),
         a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
         p_all: T.Tensor((h_v, NCS * C, C), "bfloat16"),
     ):
-        with T.Kernel(h_qk * nslice, NCS, threads=128) as (bx, c):
+        with T.Kernel(h_qk, nslice, NCS, threads=128) as (hk, sl, c):
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             # gt_sh[v, 0..5, i] for the group's v-head v: g cumsum, β, β e^{g − m}, scale e^{g − m},
             # e^{m − g}, the factored-gating flag (1 / 0, in every column); static, outside the
@@ -97,10 +98,9 @@ def prep_program(h_qk: int, h_v: int):
 
             tx = T.get_thread_binding()
             lane = tx % 32
-            # this CTA's v-heads: hv0 .. hv0 + nv − 1 of q/k head hk's group (nslice divides G)
-            hk = bx // nslice
-            nv = G // nslice
-            hv0 = hk * G + (bx % nslice) * nv
+            # this CTA's v-heads: hv0 .. hv0 + nv − 1 of q/k head hk's group (nv · nslice = G; both
+            # passed, no division on the device)
+            hv0 = hk * G + sl * nv
             bos = ctab[c, 0]
             ln = ctab[c, 1] - bos
 
@@ -255,5 +255,5 @@ def run_prep(q, k, g, beta, ctab, scale, target=None, p_all=None, slices=None):
     if p_all is None:
         p_all = torch.empty(h_v, ncs * CHUNK, CHUNK, device=k.device, dtype=torch.bfloat16)
     kern = get_prep_kernel(h_qk, h_v, target_key(target))
-    kern(q, k, g, beta, ctab, float(scale), int(slices), gcs, a_beta, p_all)
+    kern(q, k, g, beta, ctab, float(scale), int(slices), G // int(slices), gcs, a_beta, p_all)
     return gcs, a_beta, p_all
