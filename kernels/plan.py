@@ -41,7 +41,7 @@ FUSED_STEP = 4.2
 #: per segment, the split path's launches; the fused kernel's chunk step per CTA and prep's SM time per
 #: (chunk, v-head) in the same units (H200: fwd_o 1.11 ms on 16/64 1x32768; prep 0.642 ms there,
 #: check_fwd's stage time of the tensor-core prep, the 3.35 of its predecessor's 0.90 ms scaled).
-_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 2.39}
+_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 1.43, "prep_qk": 0.85}
 #: fwd_o's chunk step at block_v 32 relative to 64 (H200, fwd_o before P came from prep: 16/64
 #: 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
 _BV32_STEP = 0.8
@@ -68,9 +68,15 @@ def _lpt_makespan(groups, slots: int) -> float:
     return max(heap)
 
 
-def prep_cost(lens, h_v: int, num_sms: int = 132) -> float:
-    """prep's estimated time (relative units): every chunk of every v-head, spread over the SMs."""
-    return sum(math.ceil(ln / CHUNK) for ln in lens) * h_v * _SPLIT_COST["prep"] / num_sms
+def prep_cost(lens, h_v: int, num_sms: int = 132, h_qk=None) -> float:
+    """prep's estimated time (relative units) over the SMs: every chunk of every v-head, plus every
+    chunk of every q/k head (its loads and gate tables shared by the group's G v-heads; ``h_qk``
+    None: G = 1). Per (chunk, v-head) 1.43 + 0.85 / G: the tensor-core prep's 2.39 scaled by the
+    grouped prep's H200 stage times against it (16/16 2x8192 0.955x, 16/32 8x4096 0.784x, 16/64
+    1x32768 0.687x; the two constants fitted to G = 1 and 4 give G = 2 within 1%)."""
+    h_qk = h_v if h_qk is None else h_qk
+    chunks = sum(math.ceil(ln / CHUNK) for ln in lens)
+    return chunks * (h_v * _SPLIT_COST["prep"] + h_qk * _SPLIT_COST["prep_qk"]) / num_sms
 
 
 #: prep's CTAs resident per SM (kernels/prep.py MIN_BLOCKS)
@@ -122,20 +128,20 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int) -> float:
     )
 
 
-def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64) -> float:
+def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64, h_qk=None) -> float:
     """Estimated time (relative units) of the forward for sequences of ``lens`` tokens cut into
     ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64 / 32: fwd_o, 128 / bv
     CTAs of bv columns per segment and v-head; 128: the fused kernel, one) longest-first on the
     SMs, prep (:func:`prep_cost`; every path but the unsplit fused one runs it), and when split
     seg_state's non-last segments, the serial fix-up and the split path's launches."""
-    prep = prep_cost(lens, h_v, num_sms) if _runs_prep(seg, block_v) else 0.0
+    prep = prep_cost(lens, h_v, num_sms, h_qk) if _runs_prep(seg, block_v) else 0.0
     return _final_cost(lens, h_v, seg, num_sms, block_v) + prep
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple) -> tuple:
+def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple, h_qk=None) -> tuple:
     longest = max(lens, default=0)
-    prep = prep_cost(lens, h_v, num_sms)
+    prep = prep_cost(lens, h_v, num_sms, h_qk)
     best, best_cost, best_final = (blocks[0], 0), None, None
     for bv in blocks:
         for seg in (0, *_SPLIT_CANDIDATES):
@@ -217,7 +223,7 @@ def _lens_of(T, N, seqlens):
     return (T // max(N, 1),) * max(N, 1) if T else ()
 
 
-def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(128, 64, 32)) -> tuple:
+def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(128, 64, 32), h_qk=None) -> tuple:
     """(block_v, segment length) of the forward: the pair of
     ``blocks`` x {unsplit, 256..16384-token segments} that :func:`split_cost` rates fastest.
     block_v 128 is the fused kernel (no prep when unsplit, one CTA per segment and v-head); 64 and
@@ -226,10 +232,10 @@ def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=
     lens = _lens_of(T, N, seqlens)
     if not lens:
         return (blocks[0], 0)
-    return _plan_lens(lens, h_v, num_sms, tuple(blocks))  # no split candidate for sequences <= 256
+    return _plan_lens(lens, h_v, num_sms, tuple(blocks), h_qk)  # no split candidate for sequences <= 256
 
 
-def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, seqlens=None) -> int:
+def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, seqlens=None, h_qk=None) -> int:
     """Segment length in tokens for sequence splitting, or 0 for no splitting.
 
     Chosen by a cost model of the split path (:func:`split_cost`: longest-first scheduling of the
@@ -242,4 +248,4 @@ def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, 
     lens = _lens_of(T, N, seqlens)
     if not lens or max(lens) <= 256:
         return 0
-    return _plan_lens(lens, h_v, num_sms, (block_v,))[1]
+    return _plan_lens(lens, h_v, num_sms, (block_v,), h_qk)[1]
