@@ -25,7 +25,7 @@ from .tables import run_tables
 
 __all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel"]
 
-#: prep's grid has the chunk slots on gridDim.y (at most 65535): T // 64 + N must stay below it
+#: prep's grid has the chunk slots on gridDim.z (at most 65535): T // 64 + N must stay below it
 MAX_CHUNK_SLOTS = 65535
 
 

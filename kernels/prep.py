@@ -1,7 +1,8 @@
 """Forward kernel 1: chunk-local gate cumsum, P, and A_β on tensor cores.
 
-One CTA (128 threads, one warpgroup) per (q/k head, chunk slot): it loads the chunk's q and k rows
-once and walks the G v-heads of the group (v-head hk·G + v) in a loop, for each:
+One CTA (128 threads, one warpgroup) per (q/k head, slice of its group, chunk slot): it loads the
+chunk's q and k rows once and walks its nv = G / nslice v-heads (hk·G + slice·nv + v; nslice and
+nv are launch arguments, ``plan.prep_slices`` picks them), for each:
 
     g_cs  = inclusive cumsum of g inside the chunk (natural log; rows past the sequence end
             add 0, so a padded row repeats the last valid value)
@@ -11,16 +12,18 @@ once and walks the G v-heads of the group (v-head hk·G + v) in a loop, for each
 
 The fused kernel's aux algorithm (``fwd_fused``) per (chunk, v-head): warps 0..3 first take the
 cumsum by warp shuffles and write the per-token gate table of one v-head each (g_cs, β, the row
-factors β e^{g − m} and scale e^{g − m}, the column factors e^{m − g}, the factored-gating flag);
-then, per v-head, Q Kᵀ and K Kᵀ on wgmma from the shared q / k (re-issued: cheaper than keeping
-the raw products), gated in registers by that v-head's factors where its flag allows it (else per
-element); the inverse in fp16: D = blockdiag((I + L_bb)⁻¹) over the 16x16 diagonal blocks by
-substitution (64 threads), N = D L without its diagonal blocks (N⁴ = 0), Y = (I + N²) Dβ,
-A_β = Y − N Y (four 64x64x64 wgmmas). P and A_β go to shared memory by stmatrix and out as whole
-8 KB blocks by TMA. Rows past the sequence end get q = k = 0 and β = 0, so their rows and columns
-of A_β and P are 0. Fast math. The v-head loop is kept rolled and ptxas held to ``MIN_BLOCKS``
-CTAs per SM (``__launch_bounds__``; at 4: 128 registers, no stack); without the bound ptxas
-gives the looped kernel 150 registers (3 CTAs per SM).
+factors β e^{g − m} and scale e^{g − m}, the column factors e^{m − g}, the factored-gating flag).
+Then two loops over the v-heads: P for each (Q Kᵀ on wgmma, re-issued per v-head from the shared
+q / k, gated in registers by that v-head's factors where its flag allows it, else per element;
+stmatrix, TMA store), after which q is dead; then L and A_β for each: K Kᵀ gated alike into L
+(fp16), D = blockdiag((I + L_bb)⁻¹) over the 16x16 diagonal blocks by substitution (64 threads),
+N = D L without its diagonal blocks (N⁴ = 0), I + N², Y = (I + N²) Dβ, A_β = Y − N Y (four
+64x64x64 wgmmas), A_β by stmatrix and TMA store. A buffer used inside a loop is live for the whole
+loop in TileLang's packing, so the chain reuses its buffers by hand (L → I + N² → Y, D → N, Dβ)
+and the A_β loop's buffers take q's and P's place: 48 KB of dynamic shared memory. Rows past the
+sequence end get q = k = 0 and β = 0, so their rows and columns of A_β and P are 0. Fast math.
+ptxas is held to ``MIN_BLOCKS`` CTAs per SM (``__launch_bounds__``: 128 registers and 8 bytes of
+stack for G > 1, 104 and none for G = 1).
 
 Layouts (chunk-slot space, see ``_common.chunk_table``; slot c covers rows c*64 .. c*64+63):
     q, k  [1, T, Hqk, 128] bf16    g, beta [1, T, Hv] fp32     ctab [NCS, 4] int32
@@ -142,7 +145,7 @@ def prep_program(h_qk: int, h_v: int):
             T.fence_proxy_async()
             T.sync_threads()
             # P for every v-head of the group first: q dies after this loop
-            for v in T.serial(nv, annotations={"pragma_unroll_factor": 1}):
+            for v in T.serial(nv):
                 # the previous v-head's TMA store has read p_sh (its issuer waited)
                 T.sync_threads()
                 fac = gt_sh[v, 5, 0]
@@ -167,7 +170,7 @@ def prep_program(h_qk: int, h_v: int):
                 T.copy(p_acc, p_sh)
                 T.copy(p_sh, p_all[hv0 + v, c * C : c * C + C, 0:C])
             # then A_β per v-head; its buffers take q's and P's place
-            for v in T.serial(nv, annotations={"pragma_unroll_factor": 1}):
+            for v in T.serial(nv):
                 T.sync_threads()
                 fac = gt_sh[v, 5, 0]
                 # L = StrictLower(diag β · Γ ⊙ K Kᵀ), in fp16
@@ -238,11 +241,11 @@ def get_prep_kernel(h_qk: int, h_v: int, target_k=None):
     return compile_program(prep_program(h_qk, h_v), target=parse_target(target_k), pass_configs=FAST_MATH)
 
 
-def run_prep(q, k, g, beta, ctab, scale, target=None, p_all=None, slices=None):
+def run_prep(q, k, g, beta, ctab, scale, target=None, p_all=None, slices=None, gcs=None, a_beta=None):
     """Launch prep. q, k [1,T,Hqk,128] bf16; g, beta [1,T,Hv] fp32; ctab int32 [NCS,4]; scale float;
-    ``p_all`` optionally preallocated; ``slices`` (a divisor of G = Hv / Hqk) splits each q/k head's
-    v-heads over that many CTAs (default :func:`plan.prep_slices`). Returns gcs [Hv,NCS*64] fp32,
-    a_beta and p_all [Hv,NCS*64,64] bf16."""
+    ``p_all``, ``gcs``, ``a_beta`` optionally preallocated; ``slices`` (a divisor of G = Hv / Hqk)
+    splits each q/k head's v-heads over that many CTAs (default :func:`plan.prep_slices`). Returns
+    gcs [Hv,NCS*64] fp32, a_beta and p_all [Hv,NCS*64,64] bf16."""
     h_qk, h_v = k.shape[2], g.shape[2]
     ncs = ctab.shape[0]
     G = check_heads(h_qk, h_v)
@@ -250,8 +253,10 @@ def run_prep(q, k, g, beta, ctab, scale, target=None, p_all=None, slices=None):
         slices = prep_slices(h_qk, h_v, ncs, sm_count(k.device))
     if slices <= 0 or G % slices:
         raise ValueError(f"slices={slices} must divide G = h_v / h_qk = {G}")
-    gcs = torch.empty(h_v, ncs * CHUNK, device=k.device, dtype=torch.float32)
-    a_beta = torch.empty(h_v, ncs * CHUNK, CHUNK, device=k.device, dtype=torch.bfloat16)
+    if gcs is None:
+        gcs = torch.empty(h_v, ncs * CHUNK, device=k.device, dtype=torch.float32)
+    if a_beta is None:
+        a_beta = torch.empty(h_v, ncs * CHUNK, CHUNK, device=k.device, dtype=torch.bfloat16)
     if p_all is None:
         p_all = torch.empty(h_v, ncs * CHUNK, CHUNK, device=k.device, dtype=torch.bfloat16)
     kern = get_prep_kernel(h_qk, h_v, target_key(target))

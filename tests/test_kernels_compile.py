@@ -55,10 +55,13 @@ def test_every_kernel_compiles_and_all_but_tables_use_wgmma(sources):
 
 def test_gva_head_index_is_compiled_in(sources):
     # v-head j reads q/k head j // 4 for 2/8: fwd_o divides its v-head index by 4 (a shift); prep's
-    # CTA is one q/k head and walks its four v-heads 4·blockIdx.x + v in a loop nvcc must not unroll.
+    # CTA is one q/k head (blockIdx.x) and one slice of its group (blockIdx.y, nv v-heads each,
+    # passed: no division on the device), walked in two rolled loops (P, then A_β).
     assert ">> 2" in sources["fwd_o"] or "/ 4" in sources["fwd_o"]
-    assert "(((int)blockIdx.x) * 4) + v)" in sources["prep"]
-    assert "#pragma unroll 1\n  for (int v = 0; v < 4; ++v)" in sources["prep"]
+    src = sources["prep"]
+    assert src.count("(((((int)blockIdx.x) * 4) + (((int)blockIdx.y) * nv)) + v") == 2  # the two TMA stores
+    assert "for (int v = 0; v < nv; ++v)" in src and "for (int v_1 = 0; v_1 < nv; ++v_1)" in src
+    assert " / nslice" not in src and " % nslice" not in src
 
 
 @pytest.mark.parametrize(

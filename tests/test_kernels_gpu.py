@@ -155,9 +155,11 @@ def test_fused_strong_decay_both_gating_paths(split_tokens):
         assert rel_l2(o[..., hv, :], ref_o[..., hv, :]) < TOL, hv
 
 
-def test_prep_matches_emulation_and_p():
+@pytest.mark.parametrize("slices", [1, 2, 4])
+def test_prep_matches_emulation_and_p(slices):
     """prep's g cumsum and A·diag(β) against the torch emulation; its P equals scale·Γ⊙QKᵀ (causal
-    incl. the diagonal) built in fp32 from its own gcs, and is zero past each sequence's end."""
+    incl. the diagonal) built in fp32 from its own gcs, and is zero past each sequence's end; the
+    same whichever way the group's four v-heads are sliced over CTAs."""
     _kernels_pkg()
     emu = _tool("emulate")
     common = importlib.import_module("qlabench_kernels._common")
@@ -168,10 +170,14 @@ def test_prep_matches_emulation_and_p():
     ctab, _ = common.chunk_table(x["cu"].long(), T, N)
     scale = D**-0.5
     p_all = torch.full((h_v, ctab.shape[0] * 64, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
-    gcs, a_beta, p = prep.run_prep(x["q"], x["k"], x["g"], x["beta"], ctab, scale, p_all=p_all)
+    gcs0 = torch.full((h_v, ctab.shape[0] * 64), float("nan"), device="cuda")
+    gcs, a_beta, p = prep.run_prep(
+        x["q"], x["k"], x["g"], x["beta"], ctab, scale, p_all=p_all, slices=slices, gcs=gcs0, a_beta=p_all.clone()
+    )
     gcs_e, a_e = emu.emu_prep(x["k"], x["g"], x["beta"], ctab)
     torch.cuda.synchronize()
     valid = (ctab[:, 2] >= 0).repeat_interleave(64)
+    assert not gcs[:, valid].isnan().any() and not a_beta[:, valid].isnan().any()
     assert rel_l2(gcs[:, valid], gcs_e[:, valid]) < 1e-5
     assert rel_l2(a_beta[:, valid].float(), a_e[:, valid].float()) < 1e-2
     checked = 0

@@ -58,12 +58,15 @@ def test_plan_fwd_picks_the_faster_final_kernel():
     where it measured faster, fwd_o elsewhere (not asserted: 2/8 8x1024, where the model keeps fwd_o
     at 0.0791 ms against the fused kernel's 0.0774)."""
     pkg = _pkg()
-    assert pkg.plan_fwd(4 * 8192, 4, 64)[0] == 128  # fused 1.063 ms, fwd_o 1.974
-    assert pkg.plan_fwd(8 * 1024, 8, 64)[0] == 128  # 0.302 vs 0.547
-    assert pkg.plan_fwd(4 * 8192, 4, 32)[0] == 128  # 32/32: 0.556 vs 1.033
-    assert pkg.plan_fwd(32768, 1, 64)[0] != 128  # fwd_o 1.971, fused 2.097 (64 CTAs)
-    assert pkg.plan_fwd(4 * 8192, 4, 16)[0] != 128  # 0.505 vs 0.537
-    assert pkg.plan_fwd(32768, 1, 8) == (64, 4096)  # 0.418 vs the fused split's best 0.433
+    assert pkg.plan_fwd(4 * 8192, 4, 64, h_qk=16)[0] == 128  # fused 1.063 ms, fwd_o 1.974
+    assert pkg.plan_fwd(8 * 1024, 8, 64, h_qk=16)[0] == 128  # 0.302 vs 0.547
+    assert pkg.plan_fwd(4 * 8192, 4, 32, h_qk=32)[0] == 128  # 32/32: 0.556 vs 1.033
+    assert pkg.plan_fwd(32768, 1, 64, h_qk=16)[0] != 128  # fwd_o 1.971, fused 2.097 (64 CTAs)
+    assert pkg.plan_fwd(4 * 8192, 4, 16, h_qk=4)[0] != 128  # 0.505 vs 0.537
+    assert pkg.plan_fwd(32768, 1, 8, h_qk=2) == (64, 4096)  # 0.418 vs the fused split's best 0.433
+    # with the grouped prep's price (results/h200_kernels_prev/prep_group_plan): fwd_o 1.531 ms
+    # against the fused kernel's 1.581 on 16/64 24576 + 8192
+    assert pkg.plan_fwd(32768, 2, 64, seqlens=[24576, 8192], h_qk=16) == (64, 0)
     # the unsplit fused path runs no prep; every other path pays it
     from qlabench_kernels.plan import _final_cost
 
@@ -77,3 +80,28 @@ def test_plan_fwd_picks_the_faster_final_kernel():
     # the 1% margin leaves fwd_o's picks where they were before the fused kernel (6 sweep layouts
     # of h_v 32 moved to V block 64 split 4096 while prep widened it: 1.11x slower on the H200)
     assert pkg.plan_fwd(32768, 2, 32, seqlens=[28672, 4096]) == (32, 0)
+
+
+def test_prep_slices_share_loads_while_the_sms_stay_busy():
+    """prep's CTAs walk G / slices v-heads each: the fewest slices (a divisor of G) that still launch
+    0.6 of a round (4 CTAs per SM); the picks on the H200's stage timings (check_fwd --stage prep)."""
+    from qlabench_kernels.plan import prep_slices
+
+    assert prep_slices(16, 64, 32768 // 64 + 1) == 1  # 0.419 ms at 1, 0.455 at 2, 0.529 at 4
+    assert prep_slices(2, 8, 32768 // 64 + 1) == 1  # 0.0605 at 1, 0.0637 at 2
+    assert prep_slices(2, 8, 8192 // 64 + 1) == 2  # 0.0170 at 2, 0.0182 at 1, 0.0191 at 4
+    assert prep_slices(2, 8, 128) == 2 and prep_slices(2, 8, 2) == 4  # too few chunks: one v-head each
+    assert prep_slices(8, 24, 4096 // 64 + 1) == 1 and prep_slices(1, 3, 10) == 3
+    assert prep_slices(16, 16, 2) == 1  # G = 1: nothing to share
+
+
+def test_prep_cost_counts_the_shared_work_per_qk_head():
+    """Per (chunk, v-head) 1.43 + 0.85 / G: grouping lowers prep's price, and h_qk unknown prices G = 1."""
+    from qlabench_kernels.plan import prep_cost
+
+    lens = [32768]
+    g1, g4 = prep_cost(lens, 64, h_qk=64), prep_cost(lens, 64, h_qk=16)
+    assert prep_cost(lens, 64) == g1
+    assert abs(g4 / g1 - (1.43 + 0.85 / 4) / (1.43 + 0.85)) < 1e-9
+    # the grouped prep's measured stage ratios against the ungrouped one (0.955 / 0.687 at G = 1 / 4)
+    assert abs(g4 / g1 - 0.687 / 0.955) < 0.02

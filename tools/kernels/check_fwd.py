@@ -9,8 +9,9 @@ recurrence (rel L2), and every stage with its torch emulation fed the kernel's o
 points at one kernel. Then times the whole forward with CUDA-graph replay (median) for
 several split settings, plus per-stage event times. Each case runs in try/except.
 ``--stage prep``: prep alone on each case at every way of slicing the GVA group over CTAs (every
-chunk slot's gcs, A_β and P against its mirror, outputs poisoned first), then its CUDA-graph
-median; versions of it compare one process per package on PYTHONPATH.
+chunk slot's gcs, A_β and P against its mirror, all three outputs NaN-poisoned first; a package
+whose prep has no slicing gets P poisoned only), then its CUDA-graph median; versions of it
+compare one process per package on PYTHONPATH.
 Writes check_fwd.json and check_fwd.txt to $OUT when set.
 """
 
@@ -201,6 +202,8 @@ def check_prep(pkg, emu, name, seqlens, h_qk, h_v, results, do_time=True):
     for d in choices:
         p_all = torch.full((h_v, ncs * 64, 64), float("nan"), device=x["q"].device, dtype=torch.bfloat16)
         kw = {} if d is None else {"slices": d}
+        if d is not None:  # this package's prep takes its other outputs too: poisoned as well
+            kw.update(gcs=torch.full((h_v, ncs * 64), float("nan"), device=p_all.device), a_beta=p_all.clone())
         got = run_prep(x["q"], x["k"], x["g"], x["beta"], ctab, scale, p_all=p_all, **kw)
         torch.cuda.synchronize()
         rec = dict(case=name, stage="prep", h_qk=h_qk, h_v=h_v, seqlens=list(seqlens), slices=d, planned=d == planned)
