@@ -1,12 +1,20 @@
 """Speed ratios of the in-repo TileLang kernels against the libraries, from a results directory.
 
-    python scripts/kernel_ratios.py results/h200_fwd [--direction fwd]
+    python scripts/kernel_ratios.py results/h200_fwd [--direction fwd] [--chain DIR[,RERUN...]]...
 
-Per model (h_qk/h_v): geomean of FLA/tilelang, FlashQLA/tilelang, FlashInfer/tilelang and
-best-library/tilelang latency ratios (>1 = tilelang faster), the worst point, and the counts —
-only over points where tilelang and the compared backend are both `ok` (latest row per key).
-Every ratio pairs two rows: a cell marked `*` holds a pair whose rows are not known to share GPU
-and campaign, or a throttled row; the lines under the table give `results.pairing_label` per column.
+Per model (h_qk/h_v): geomean of each library's latency / tilelang's (every backend label that is
+not a `tilelang` one: FLA, FlashQLA, FlashInfer and any labelled version such as
+`flashinfer@0.7.4`) and of the best library's (the fastest of them at the point), >1 = tilelang
+faster; the worst point, and the counts — only over points where tilelang and the compared backend
+are both `ok` (latest row per key). Every ratio pairs two rows: a cell marked `*` holds a pair
+whose rows are not known to share GPU and campaign, or a throttled row; the lines under the table
+give `results.pairing_label` per column.
+
+``--chain DIR`` (repeatable, in order): a run of `tilelang` against `tilelang@prev` (a later
+version of the kernels against the one before it); each point's tilelang latency is multiplied by
+that run's tilelang / tilelang@prev (a run that covers only some points leaves the others as they
+were). ``DIR,RERUN`` takes RERUN's ratio where it has the point (a re-run of that comparison). The
+chained latencies belong to no one run: their ratios are marked cross-GPU and cross-campaign.
 """
 import argparse
 import math
@@ -15,7 +23,49 @@ import pandas as pd
 
 from qlabench import results
 
-LIBS = ("fla", "flashqla", "flashinfer")
+LIBS = ("fla", "flashqla", "flashinfer")  # first, in this order; other labels after them
+
+
+def library_labels(backends) -> list[str]:
+    """The library backend labels among ``backends``: every one not starting with ``tilelang``."""
+    found = {b for b in backends if not str(b).startswith("tilelang")}
+    return [b for b in LIBS if b in found] + sorted(found - set(LIBS))
+
+
+def _ok(d: str) -> pd.DataFrame:
+    df = results.latest(results.load(d))
+    return df[(df.status == "ok") & df.latency_ms.notna()]
+
+
+def step_ratio(spec: str) -> pd.Series:
+    """tilelang / tilelang@prev latency per point_key of ``DIR[,RERUN...]`` (later dirs override)."""
+    out = None
+    for d in spec.split(","):
+        df = _ok(d)
+        piv = df.pivot_table(index="point_key", columns="backend", values="latency_ms", aggfunc="median")
+        if not {"tilelang", "tilelang@prev"} <= set(piv.columns):
+            raise SystemExit(f"--chain {d}: needs tilelang and tilelang@prev rows")
+        r = (piv["tilelang"] / piv["tilelang@prev"]).dropna()
+        out = r if out is None else r.combine_first(out)
+    return out
+
+
+def chain(df: pd.DataFrame, specs: list[str]) -> pd.DataFrame:
+    """``df`` with each tilelang row's latency times the product of the steps' ratios at its point,
+    its gpu_uuid / campaign_id replaced (the value is no one run's)."""
+    til = df.backend == "tilelang"
+    factor = pd.Series(1.0, index=df.index)
+    for spec in specs:
+        r = step_ratio(spec)
+        hit = df.point_key[til].isin(r.index)
+        print(f"- chain step {spec}: {int(hit.sum())} of {int(til.sum())} tilelang points, "
+              f"geomean {geomean(r[r.index.isin(df.point_key[til])]):.4f}")
+        factor[til] = factor[til] * df.point_key[til].map(r).fillna(1.0)
+    df = df.copy()
+    df.loc[til, "latency_ms"] = df.loc[til, "latency_ms"] * factor[til]
+    df.loc[til, "gpu_uuid"] = "chained"
+    df.loc[til, "campaign_id"] = f"chained: {len(specs)} steps"
+    return df
 
 
 def geomean(xs):
@@ -45,12 +95,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("--direction", default=None)
+    ap.add_argument("--chain", action="append", default=[], metavar="DIR[,RERUN...]")
     a = ap.parse_args()
-    df = results.latest(results.load(a.dir))
+    df = _ok(a.dir)
     if a.direction:
         df = df[df.direction == a.direction]
-    df = df[(df.status == "ok") & df.latency_ms.notna()]
-    libs = [b for b in LIBS if b in set(df.backend)]
+    if a.chain:
+        df = chain(df, a.chain)
+    libs = library_labels(set(df.backend))
     for d, dd in df.groupby("direction"):
         if "tilelang" not in set(dd.backend):
             print(f"{d}: no tilelang rows")
@@ -58,7 +110,8 @@ def main():
         rt = ratios(dd, libs)
         cols = libs + ["best"]
         modes = set(dd.timing_mode)
-        print(f"\n{d} ({a.dir}; timing {', '.join(sorted(modes))}): library latency / tilelang latency\n")
+        what = f"tilelang chained through {len(a.chain)} runs (cross-campaign)" if a.chain else "tilelang"
+        print(f"\n{d} ({a.dir}; timing {', '.join(sorted(modes))}): library latency / {what} latency\n")
         print("| h_qk/h_v | points | " + " | ".join(f"vs {c}" for c in cols) + " | worst vs best (layout) |")
         print("|---" * (len(cols) + 3) + "|")
 

@@ -116,3 +116,27 @@ def test_kernel_ratios_script_labels_its_geomeans(tmp_path):
     assert "- vs fla: same GPU and campaign: 8 pairs" in out
     assert "- vs flashqla: throttled: 8" in out
     assert "| all | 8 | 1.25× (8) | 0.87×* (8) |" in out
+
+
+def test_kernel_ratios_counts_every_library_label_and_chains_versions(tmp_path):
+    """A labelled library version (flashinfer@0.7.4) is a library and can be the best; --chain
+    multiplies tilelang's latency by a later version's tilelang / tilelang@prev per point and marks
+    the chained ratios cross-campaign."""
+    # synth_results' base latencies: tilelang 0.8x, every other label 1.0x; no noise
+    base = S.write_run(tmp_path / "base", extra=SAME, noise=0.0,
+                       backends=("fla", "flashinfer", "flashinfer@0.7.4", "tilelang"),
+                       scale={"fla": 2.0, "flashinfer": 1.5, "flashinfer@0.7.4": 0.5, "tilelang": 1.25})
+    step = S.write_run(tmp_path / "step", extra=SAME, noise=0.0, backends=("tilelang@prev", "tilelang"),
+                       scale={"tilelang": 0.625})
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(ROOT / "scripts/kernel_ratios.py"), str(base), *args],
+                              capture_output=True, text=True, timeout=120).stdout
+
+    out = run()
+    assert "vs flashinfer@0.7.4" in out
+    assert "| all | 8 | 2.00× (8) | 1.50× (8) | 0.50× (8) | 0.50× (8) |" in out
+    out = run("--chain", str(step))
+    assert "chain step" in out and "8 of 8 tilelang points, geomean 0.5000" in out
+    assert "| all | 8 | 4.00×* (8) | 3.00×* (8) | 1.00×* (8) | 1.00×* (8) |" in out
+    assert "- vs best: cross-GPU: 8 of 8 pairs; cross-campaign: 8 of 8 pairs" in out
