@@ -6,9 +6,10 @@
 fwd: per point the latency of the fused kernel unsplit (``tl-fused``) and of fwd_o at V block 64
 and 32 (``tl-bv64``, ``tl-bv32``: each with the segment length plan_split picks for that block).
 Fits, by least squares on log latency over those rows, the ms per model unit and the two constants
-that decide between the fused kernel and fwd_o (the fused chunk step, prep's cost); fwd_o's own
-constants, which pick its split, stay as they are, so every choice of the refit planner is one of
-the measured rows.
+that decide between the fused kernel and fwd_o (the fused chunk step, prep's cost per chunk and
+v-head; its per-q/k-head part ``prep_qk`` is held, every point priced with its own h_qk); fwd_o's
+own constants, which pick its split, stay as they are, so every choice of the refit planner is one
+of the measured rows.
 bwd: per point the latency at every segment length (``tl-split<S>``, 0 = unsplit). The latency
 is a per-point base (the stages the split does not change) plus the split chains' model
 (``bwd_split_cost``), linear in its constants: fitted by non-negative least squares.
@@ -97,17 +98,17 @@ def fwd(run_dir, out_json=None):
     base = dict(plan._SPLIT_COST)
 
     def seg_of(key, bv):
-        _, h_v, lens = key
-        return plan.plan_split(sum(lens), len(lens), h_v, SMS, block_v=bv, seqlens=list(lens))
+        h_qk, h_v, lens = key
+        return plan.plan_split(sum(lens), len(lens), h_v, SMS, block_v=bv, seqlens=list(lens), h_qk=h_qk)
 
     segs = {k: {64: seg_of(k, 64), 32: seg_of(k, 32)} for k in lat.index}
 
     def model_units(key, label):
-        _, h_v, lens = key
+        h_qk, h_v, lens = key
         if label == "tl-fused":
-            return plan.split_cost(lens, h_v, 0, SMS, 128)
+            return plan.split_cost(lens, h_v, 0, SMS, 128, h_qk=h_qk)
         bv = 64 if label == "tl-bv64" else 32
-        return plan.split_cost(lens, h_v, segs[key][bv], SMS, bv)
+        return plan.split_cost(lens, h_v, segs[key][bv], SMS, bv, h_qk=h_qk)
 
     from scipy.optimize import least_squares
 
@@ -123,8 +124,8 @@ def fwd(run_dir, out_json=None):
     u, f, p = (float(v) for v in np.exp(fit.x))
 
     def choice(key):
-        _, h_v, lens = key
-        bv, seg = plan.plan_fwd(sum(lens), len(lens), h_v, SMS, seqlens=list(lens))
+        h_qk, h_v, lens = key
+        bv, seg = plan.plan_fwd(sum(lens), len(lens), h_v, SMS, seqlens=list(lens), h_qk=h_qk)
         if bv == 128:
             return "tl-fused" if seg == 0 else None  # the fused split path: not a candidate here
         return "tl-bv64" if bv == 64 else "tl-bv32"

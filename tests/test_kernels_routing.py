@@ -39,7 +39,8 @@ def fwd(monkeypatch):
 
         return run
 
-    def plan(T, N, h_v, sms, seqlens=None, blocks=(128, 64, 32)):
+    def plan(T, N, h_v, sms, seqlens=None, blocks=(128, 64, 32), h_qk=None):
+        assert (h_v, h_qk) == (2, 1)  # the driver prices prep with the q/k head count
         plans.append(blocks)
         return (blocks[0], 0)
 

@@ -46,23 +46,23 @@ def _fwd_table(u, fused, prep):
         rows = {}
         for hq, hv, lens in FWD_KEYS:
             T, N = sum(lens), len(lens)
-            r = {"tl-fused": u * plan.split_cost(lens, hv, 0, 132, 128)}
+            r = {"tl-fused": u * plan.split_cost(lens, hv, 0, 132, 128, h_qk=hq)}
             for bv in (64, 32):
-                seg = plan.plan_split(T, N, hv, 132, block_v=bv, seqlens=list(lens))
-                r[f"tl-bv{bv}"] = u * plan.split_cost(lens, hv, seg, 132, bv)
+                seg = plan.plan_split(T, N, hv, 132, block_v=bv, seqlens=list(lens), h_qk=hq)
+                r[f"tl-bv{bv}"] = u * plan.split_cost(lens, hv, seg, 132, bv, h_qk=hq)
             r["tilelang"] = min(r.values())
             rows[(hq, hv, lens)] = r
         return pd.DataFrame.from_dict(rows, orient="index")
 
 
-def _fwd_choice(lens, hv):
-    bv, seg = plan.plan_fwd(sum(lens), len(lens), hv, 132, seqlens=list(lens))
+def _fwd_choice(lens, hv, hq):
+    bv, seg = plan.plan_fwd(sum(lens), len(lens), hv, 132, seqlens=list(lens), h_qk=hq)
     return {128: "tl-fused" if seg == 0 else None, 64: "tl-bv64", 32: "tl-bv32"}[bv]
 
 
 def _fwd_choices_with(**costs):
     with _fwd_costs(**costs):
-        return {(hq, hv, lens): _fwd_choice(lens, hv) for hq, hv, lens in FWD_KEYS}
+        return {(hq, hv, lens): _fwd_choice(lens, hv, hq) for hq, hv, lens in FWD_KEYS}
 
 
 def test_fwd_refit_recovers_the_constants_that_made_the_latencies(refit, monkeypatch, tmp_path):
