@@ -112,7 +112,7 @@ def prep_program(h_qk: int, h_v: int):
                 k_sh[i, j] = T.if_then_else(i < ln, k[0, bos + i, hk, j], T.bfloat16(0))
             for w0 in T.serial((nv + 3) // 4):
                 if w0 * 4 + tx // 32 < nv:
-                    # warp w: the gate table of v-head hk·G + w0·4 + w; lane l holds rows 2l, 2l + 1
+                    # warp w: the gate table of v-head hv0 + w0·4 + w; lane l holds rows 2l, 2l + 1
                     vr = w0 * 4 + tx // 32
                     for r in T.unroll(2):
                         gv[r] = T.if_then_else(2 * lane + r < ln, g[0, bos + 2 * lane + r, hv0 + vr], T.float32(0))
