@@ -79,7 +79,7 @@ def prep_cost(lens, h_v: int, num_sms: int = 132, h_qk=None) -> float:
     return chunks * (h_v * _SPLIT_COST["prep"] + h_qk * _SPLIT_COST["prep_qk"]) / num_sms
 
 
-#: prep's CTAs resident per SM (kernels/prep.py MIN_BLOCKS)
+#: prep's CTAs resident per SM (kernels/prep.py compiles with it as its MIN_BLOCKS)
 PREP_CTAS_PER_SM = 4
 #: the share of one round of prep CTAs (PREP_CTAS_PER_SM per SM) that a slicing must launch
 PREP_ROUND = 0.6

@@ -38,10 +38,10 @@ import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 from .fwd_fused import FACTOR_RANGE
-from .plan import prep_slices, sm_count
+from .plan import PREP_CTAS_PER_SM, prep_slices, sm_count
 
-#: CTAs per SM that ptxas must fit (``__launch_bounds__``)
-MIN_BLOCKS = 4
+#: CTAs per SM that ptxas must fit (``__launch_bounds__``); the planner's slicing counts on it
+MIN_BLOCKS = PREP_CTAS_PER_SM
 #: rows of a v-head's gate table: g cumsum, β, β e^{g − m}, scale e^{g − m}, e^{m − g}, flag
 GT_ROWS = 6
 
