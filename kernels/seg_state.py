@@ -6,9 +6,27 @@ S ↦ e^{g_last} S − Kᵀ diag(e^{g_last − g}) A_β diag(e^g) K S. Both come
 recurrence over an augmented state [S | M] of width 256 started from [0 | I], with the
 value input [V | 0] (the recurrence is linear in (S₀, V)). This is exact: no warm-up cut-off.
 
-One CTA (128 threads, plus TileLang's TMA producer warpgroup) per (64-column block of ``block_v``, segment, v-head); it runs only for
-segments that are not the last of their sequence (the last segment's transition is never
-needed). Per chunk: U = K S; W = V − diag(e^g) U; Vd = A_β W; S ← e^{g_last} S + Kᵀ diag(e^{g_last−g}) Vd.
+One CTA of 256 threads per (64-column block of the augmented state, segment, v-head); it runs
+only for segments that are not the last of their sequence (the last segment's transition is
+never needed). The block's transposed state Sᵀ [64 columns, 128 K] is fp32 in the registers of
+one warpgroup and every GEMM but the V term takes its A operand from registers (the accumulator
+cast to bf16; wgmma M = 64), per chunk
+
+    Xᵀ  = Sᵀ Kᵀ
+    Vdᵀ = (−e^g ⊙ Xᵀ) A_βᵀ + Vᵀ A_βᵀ     (the V term only in the V half, A = Vᵀ read transposed)
+    Sᵀ ← e^{g_last} Sᵀ + (mask · e^{g_last − g} ⊙ Vd)ᵀ K
+
+Roles (two CTAs per SM: the launch gives each thread 128 registers, and the setmaxnreg budgets
+sum to what two warpgroups hold):
+
+    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state and the three or four GEMMs
+    WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block (V half) and A_β into
+            stage c % NST; warp 5: the chunk's gcs rows and the per-token tables e^g,
+            mask · e^{g_last − g} and e^{g_last} into the same stage; warps 6-7 exit
+
+mbarriers: full[js] (64: warps 4 and 5 + TMA tx bytes; the state waits parity (c // NST) % 2),
+empty[js] (128: the state, done with stage js; the producers wait the other parity, which passes
+at once on a fresh barrier).
 
 Inputs:  k [1,T,Hqk,128] bf16, v [1,T,Hv,128] bf16, gcs, a_beta (prep kernel), stab int32 [NS, 8].
 Outputs: e_end [NS, Hv, 128, 128] fp32 (E), m_tr [NS, Hv, 128, 128] bf16 (M, row = output k index).
@@ -18,19 +36,29 @@ import functools
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 
+#: CTAs per SM that ptxas must fit (``__launch_bounds__``): 256 threads at 128 registers each
+MIN_BLOCKS = 2
+NREG_LAUNCH = 65536 // (256 * MIN_BLOCKS)
+#: setmaxnreg budgets of the state warpgroup (.inc) and the producer warpgroup (.dec); they sum to
+#: what the launch gives two warpgroups
+NREG = (208, 48)
+assert NREG[0] + NREG[1] == 2 * NREG_LAUNCH
+#: input ring depth
+NST = 2
 
-def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 2):
-    """The prim_func ``gdn_seg_state``. e^g and mask·e^{g_last − g} are computed once per row into
-    row fragments (the rows of the thread's accumulator fragment) and e^{g_last} once per chunk;
-    ``num_stages`` = 2: the chunk loop is ``T.Pipelined`` (TileLang's TMA producer warpgroup)."""
+
+def seg_state_program(h_qk: int, h_v: int):
+    """The prim_func ``gdn_seg_state`` for one head config."""
     import tilelang.language as T
 
     G = check_heads(h_qk, h_v)
-    C, D, BV = CHUNK, HEAD_DIM, block_v
+    C, D, BV = CHUNK, HEAD_DIM, 64
     W2 = 2 * D
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
+    RS, RP = NREG
+    FR = T.GemmWarpPolicy.FullRow
 
     @T.prim_func
     def gdn_seg_state(
@@ -42,27 +70,30 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 
         e_end: T.Tensor((NS, h_v, D, D), "float32"),
         m_tr: T.Tensor((NS, h_v, D, D), "bfloat16"),
     ):
-        with T.Kernel(W2 // BV, NS * h_v, threads=128) as (bv, sh):
+        with T.Kernel(W2 // BV, NS * h_v, threads=256) as (bv, sh):
+            T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
             c0 = bv * BV  # first column in the augmented [V | M] space
 
-            k_sh = T.alloc_shared((C, D), "bfloat16")
-            v_sh = T.alloc_shared((C, BV), "bfloat16")
-            a_sh = T.alloc_shared((C, C), "bfloat16")
-            s_sh = T.alloc_shared((D, BV), "bfloat16")
-            w_sh = T.alloc_shared((C, BV), "bfloat16")
-            vp_sh = T.alloc_shared((C, BV), "bfloat16")
-            g_sh = T.alloc_shared((C,), "float32")
+            k_sh = T.alloc_shared((NST, C, D), "bfloat16")
+            v_sh = T.alloc_shared((NST, C, BV), "bfloat16")
+            a_sh = T.alloc_shared((NST, C, C), "bfloat16")
+            # gt_sh[js, 0..2, i]: e^g, mask · e^{g_last − g}, e^{g_last} (in every column)
+            gt_sh = T.alloc_shared((NST, 3, C), "float32", scope="shared")
 
-            s_frag = T.alloc_fragment((D, BV), "float32")
-            u_frag = T.alloc_fragment((C, BV), "float32")
-            vd_frag = T.alloc_fragment((C, BV), "float32")
-            glast = T.alloc_var("float32")
-            eg = T.alloc_fragment((C,), "float32")
-            el = T.alloc_fragment((C,), "float32")
+            s_acc = T.alloc_fragment((BV, D), "float32")  # Sᵀ [columns, K]
+            s_bf = T.alloc_fragment((BV, D), "bfloat16")
+            x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
+            w_bf = T.alloc_fragment((BV, C), "bfloat16")
+            vp_bf = T.alloc_fragment((BV, C), "bfloat16")
             egl = T.alloc_var("float32")
+            gv = T.alloc_local((2,), "float32")
+            gl = T.alloc_var("float32")
+
+            full = T.alloc_barrier([64] * NST)
+            empty = T.alloc_barrier([128] * NST)
 
             bos = stab[s, 0]
             eos = stab[s, 1]
@@ -71,42 +102,70 @@ def seg_state_program(h_qk: int, h_v: int, block_v: int = 64, num_stages: int = 
             is_last = stab[s, 5]
             nchunks = T.if_then_else(seq >= 0 and is_last == 0, T.ceildiv(eos - bos, C), 0)
 
-            # [0 | I] start: column c0 + j of the augmented state is e_{c0 + j - D} in the M half.
-            for i, j in T.Parallel(D, BV):
-                s_frag[i, j] = T.if_then_else(c0 + j - D == i, T.float32(1), T.float32(0))
-
-            for ci in T.Pipelined(nchunks, num_stages=num_stages):
-                t0 = bos + ci * C
-                ln = T.min(eos - t0, C)
-                r0 = (cslot + ci) * C
-                T.copy(k[0, t0 : t0 + C, hk, 0:D], k_sh)
-                for i, j in T.Parallel(C, BV):
-                    v_sh[i, j] = T.if_then_else(c0 + j < D, v[0, t0 + i, hv, c0 + j], T.bfloat16(0))
-                T.copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh)
-                T.copy(gcs[hv, r0 : r0 + C], g_sh)
-                T.copy(s_frag, s_sh)
-
-                T.gemm(k_sh, s_sh, u_frag, clear_accum=True)
-                glast = g_sh[ln - 1]
-                egl = T.exp(glast)
-                for i in T.Parallel(C):
-                    eg[i] = T.exp(g_sh[i])
-                for i in T.Parallel(C):
-                    el[i] = T.if_then_else(i < ln, T.exp(glast - g_sh[i]), T.float32(0))
-                for i, j in T.Parallel(C, BV):
-                    w_sh[i, j] = T.cast(T.cast(v_sh[i, j], "float32") - eg[i] * u_frag[i, j], "bfloat16")
-                T.gemm(a_sh, w_sh, vd_frag, clear_accum=True)
-                for i, j in T.Parallel(C, BV):
-                    vp_sh[i, j] = T.cast(el[i] * vd_frag[i, j], "bfloat16")
-                for i, j in T.Parallel(D, BV):
-                    s_frag[i, j] = s_frag[i, j] * egl
-                T.gemm(k_sh, vp_sh, s_frag, transpose_A=True)
-
-            if seq >= 0 and is_last == 0:
-                if c0 < D:
-                    T.copy(s_frag, e_end[s, hv, 0:D, c0 : c0 + BV])
-                else:
-                    T.copy(s_frag, m_tr[s, hv, 0:D, c0 - D : c0 - D + BV])
+            tx = T.get_thread_binding()
+            if tx < 128:
+                T.set_max_nreg(RS, 1)
+                # [0 | I] start: row i of the block is column c0 + i, e_{c0 + i − D} in the M half
+                for i, j in T.Parallel(BV, D):
+                    s_acc[i, j] = T.if_then_else(c0 + i - D == j, T.float32(1), T.float32(0))
+                for ci in T.serial(nchunks):
+                    js = ci % NST
+                    pj = (ci // NST) % 2
+                    T.barrier_wait(full[js], pj)
+                    T.copy(s_acc, s_bf)
+                    T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    for i, j in T.Parallel(BV, C):
+                        w_bf[i, j] = T.cast(-gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
+                    T.gemm(w_bf, a_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    if c0 < D:
+                        T.gemm(v_sh[js, :, :], a_sh[js, :, :], x_acc, transpose_A=True, transpose_B=True, policy=FR)
+                    for i, j in T.Parallel(BV, C):
+                        vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * x_acc[i, j], "bfloat16")
+                    egl = gt_sh[js, 2, 0]
+                    for i, j in T.Parallel(BV, D):
+                        s_acc[i, j] = s_acc[i, j] * egl
+                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                    T.barrier_arrive(empty[js])
+                if seq >= 0 and is_last == 0:
+                    if c0 < D:
+                        for i, j in T.Parallel(BV, D):
+                            e_end[s, hv, j, c0 + i] = s_acc[i, j]
+                    else:
+                        for i, j in T.Parallel(BV, D):
+                            m_tr[s, hv, j, c0 - D + i] = T.cast(s_acc[i, j], "bfloat16")
+            else:
+                T.set_max_nreg(RP, 0)
+                if tx < 160:
+                    # warp 4: TMA loads (one elected lane issues them)
+                    for ci in T.serial(nchunks):
+                        js = ci % NST
+                        pj = (ci // NST) % 2
+                        t0 = bos + ci * C
+                        r0 = (cslot + ci) * C
+                        T.barrier_wait(empty[js], 1 - pj)
+                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
+                        if c0 < D:
+                            T.tma_copy(v[0, t0 : t0 + C, hv, c0 : c0 + BV], v_sh[js, :, :], barrier=full[js])
+                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[js, :, :], barrier=full[js])
+                        T.barrier_arrive(full[js])
+                elif tx < 192:
+                    # warp 5: the per-token tables; lane l holds rows 2l, 2l + 1
+                    lane = tx - 160
+                    for ci in T.serial(nchunks):
+                        js = ci % NST
+                        pj = (ci // NST) % 2
+                        t0 = bos + ci * C
+                        ln = T.min(eos - t0, C)
+                        r0 = (cslot + ci) * C
+                        T.barrier_wait(empty[js], 1 - pj)
+                        for r in T.unroll(2):
+                            gv[r] = gcs[hv, r0 + 2 * lane + r]
+                        gl = T.shfl_sync(T.if_then_else((ln - 1) % 2 == 0, gv[0], gv[1]), (ln - 1) // 2)
+                        for r in T.unroll(2):
+                            gt_sh[js, 0, 2 * lane + r] = T.exp(gv[r])
+                            gt_sh[js, 1, 2 * lane + r] = T.if_then_else(2 * lane + r < ln, T.exp(gl - gv[r]), T.float32(0))
+                            gt_sh[js, 2, 2 * lane + r] = T.exp(gl)
+                        T.barrier_arrive(full[js])
 
     return gdn_seg_state
 

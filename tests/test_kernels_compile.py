@@ -68,7 +68,7 @@ def test_gva_head_index_is_compiled_in(sources):
     "name,mod,threads",
     [("fwd_o", "fwd_o", 512), ("fwd_o_bv32", "fwd_o", 512), ("fwd_fused", "fwd_fused", 512), ("bwd_h", "bwd_h", 384), ("bwd_dhu", "bwd_dhu", 512),
      ("bwd_dhu_seg", "bwd_dhu", 512), ("bwd_dhu_carry", "bwd_dhu", 512), ("bwd_dqkwg", "bwd_wy", 384),
-     ("bwd_wy", "bwd_wy", 384)],
+     ("bwd_wy", "bwd_wy", 384), ("seg_state", "seg_state", 256)],
 )  # fmt: skip
 def test_warp_specialised_kernels(sources, name, mod, threads):
     """TMA loads into rings behind mbarriers; setmaxnreg per role (.inc above the launch count, .dec
@@ -125,6 +125,16 @@ def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     order = [syncs[0], state.index("((bfloat16_t*)q_sh)[", syncs[0]), syncs[1], state.index("*(uint4*)(o + "),
              state.rindex("fence_proxy_async"), state.rindex("empty[")]  # fmt: skip
     assert len(syncs) == 2 and order == sorted(order)  # sync, o into q_sh, sync, row stores, fence, arrive
+
+
+def test_seg_state_keeps_its_state_in_registers(sources):
+    """seg_state's state warpgroup takes every GEMM's A operand from registers (Sᵀ Kᵀ, the gated
+    −e^g ⊙ X times A_βᵀ, the state update) but the V term's (Vᵀ by descriptor, the V half only);
+    two CTAs per SM at 128 registers, the producer's .dec paying for the state's .inc."""
+    src, m = sources["seg_state"], _mod("seg_state")
+    assert f"__launch_bounds__(256, {m.MIN_BLOCKS})" in src and m.NREG_LAUNCH * 256 * m.MIN_BLOCKS == 65536
+    assert src.count("wgmma_rs<") == 3 and src.count("wgmma_ss<") == 1
+    assert "stmatrix" not in src  # no state round trip through shared memory
 
 
 def test_register_budgets_fit_the_file():

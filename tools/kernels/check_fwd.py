@@ -7,7 +7,7 @@ check_fused.py), compares o / final state with an fp32 token
 recurrence (rel L2), and every stage with its torch emulation fed the kernel's own inputs
 (prep: gcs, a_beta; seg_state: e_end, m_tr; fixup: h_start; fwd_o: o, ht) so a mismatch
 points at one kernel. Then times the whole forward with CUDA-graph replay (median) for
-several split settings, plus per-stage event times. Each case runs in try/except.
+several split settings, plus each stage's CUDA-graph time. Each case runs in try/except.
 ``--stage prep``: prep alone on each case at every way of slicing the GVA group over CTAs (every
 chunk slot's gcs, A_β and P against its mirror, all three outputs NaN-poisoned first; a package
 whose prep has no slicing gets P poisoned only), then its CUDA-graph median; versions of it
@@ -131,7 +131,7 @@ def graph_time_ms(fn, reps=20, inner=None):
 
 
 def stage_times_ms(pkg, x, split_tokens, reps=10):
-    """Per-stage event times (eager, after warm-up) by re-running each launcher on saved inputs."""
+    """Per-stage CUDA-graph medians (:func:`graph_time_ms`), each launcher re-run on saved inputs."""
     from qlabench_kernels.fixup import run_fixup
     from qlabench_kernels.fwd_o import run_fwd_o
     from qlabench_kernels.prep import run_prep
@@ -158,21 +158,7 @@ def stage_times_ms(pkg, x, split_tokens, reps=10):
         x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], init, scale, r["o"], r["final_state"],
         block_v=r["block_v"],
     )  # fmt: skip
-    out = {}
-    for name, fn in stages.items():
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        ts.sort()
-        out[name] = ts[len(ts) // 2]
-    return out
+    return {name: graph_time_ms(fn, reps=reps) for name, fn in stages.items()}
 
 
 _REF = {}
@@ -350,6 +336,9 @@ CASES = [
     ("2_8_1x8192", (8192,), 2, 8, None, True, [None, 512, 2048, 0]),
     ("16_32_8x4096", (4096,) * 8, 16, 32, None, True, [None]),
     ("16_16_2x8192", (8192,) * 2, 16, 16, None, True, [None]),
+    ("16_16_1x32768", (32768,), 16, 16, None, True, [None, 4096, 8192]),
+    ("8_24_1x32768", (32768,), 8, 24, None, True, [None, 4096, 8192]),
+    ("4_16_1x32768", (32768,), 4, 16, None, True, [None, 4096, 8192]),
 ]
 
 

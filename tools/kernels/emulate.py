@@ -281,6 +281,17 @@ def emu_fwd_fused(q, k, v, g, beta, stab, h_init, scale, N, want_ht=True, factor
     return o, ht
 
 
+def _seg_state_step(S, kc, vc, gch, ab, ln):
+    """One chunk of seg_state on the augmented state S [H,K,W] (its algebra and bf16 roundings:
+    U = K S from S in bf16, Vd = A_β bf16(−e^g ⊙ U) + A_β V, V' = bf16(mask · e^{g_l − g} ⊙ Vd))."""
+    u = kc @ _r(S)
+    vd = ab @ _r(-torch.exp(gch)[..., None] * u) + ab @ vc
+    glast = gch[:, ln - 1]
+    mask = (torch.arange(C, device=S.device) < ln)[None, :, None]
+    vp = _r(torch.where(mask, torch.exp(glast[:, None, None] - gch[..., None]) * vd, torch.zeros((), device=S.device)))
+    return S * torch.exp(glast)[:, None, None] + kc.transpose(-1, -2) @ vp
+
+
 def emu_seg_state(k, v, gcs, a_beta, stab):
     """Mirror of seg_state.py. Returns e_end [NS,Hv,K,V] fp32 and m_tr [NS,Hv,K,K] fp32 (bf16 values);
     rows of unused / last segments are NaN."""
@@ -300,7 +311,7 @@ def emu_seg_state(k, v, gcs, a_beta, stab):
             ln = min(eos - t0, C)
             _, kc, vc, gch, ab = _load_chunk(None, k, v, gcs, a_beta, G, t0, ln, (cslot + ci) * C)
             vc = torch.cat([vc, torch.zeros_like(vc)], dim=2)
-            S, _ = _chunk_step(S, None, kc, vc, gch, ab, ln, 1.0, False)
+            S = _seg_state_step(S, kc, vc, gch, ab.float(), ln)
         e_end[s] = S[..., :D]
         m_tr[s] = _r(S[..., D:])
     return e_end, m_tr
