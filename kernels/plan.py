@@ -40,10 +40,8 @@ FUSED_STEP = 4.2
 #: fwd_o chunk step per CTA (one CTA per SM), seg_state chunk step per CTA (two CTAs per SM), fixup
 #: per segment, the split path's launches; the fused kernel's chunk step per CTA and prep's SM time per
 #: (chunk, v-head) in the same units (H200: fwd_o 1.11 ms on 16/64 1x32768; prep 0.642 ms there,
-#: check_fwd's stage time of the tensor-core prep, the 3.35 of its predecessor's 0.90 ms scaled);
-#: seg_state's 0.9 is the fitted 1.5 times its register-state form's H200 stage times against the
-#: form before (CUDA graph, 2/8, 4/16, 16/16, 8/24 1x32768: 0.58-0.61x).
-_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 0.9, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 1.43, "prep_qk": 0.85}
+#: check_fwd's stage time of the tensor-core prep, the 3.35 of its predecessor's 0.90 ms scaled).
+_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 1.43, "prep_qk": 0.85}
 #: fwd_o's chunk step at block_v 32 relative to 64 (H200, fwd_o before P came from prep: 16/64
 #: 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
 _BV32_STEP = 0.8
