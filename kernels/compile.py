@@ -41,8 +41,7 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
         out.append((f"fwd_fused[init={hi},ht={hh}]", get_fwd_fused_kernel, (h_qk, h_v, bool(hi), bool(hh)), {}))
         if split and not hi:  # the split path hands the fused kernel segment start states
             out.append((f"fwd_fused[init=1,ht={hh}]", get_fwd_fused_kernel, (h_qk, h_v, True, bool(hh)), {}))
-        for bv in (64, 32):
-            out.append((f"fwd_o[init={hi},ht={hh},bv={bv}]", get_fwd_o_kernel, (h_qk, h_v, bool(hi), bool(hh), bv), {}))
+        out.append((f"fwd_o[init={hi},ht={hh}]", get_fwd_o_kernel, (h_qk, h_v, bool(hi), bool(hh)), {}))
     if split:
         out.append(("seg_state", get_seg_state_kernel, (h_qk, h_v), {}))
         for h0 in h0s:

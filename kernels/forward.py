@@ -106,10 +106,10 @@ def chunk_gdn_fwd_lowlevel(
     h0 = None if initial_state is None else initial_state.float().contiguous()
 
     seqlens = check_seqlens(seqlens, N, T)
-    if block_v not in (None, 128, 64, 32):
-        raise ValueError(f"block_v={block_v} must be 128 (fused), 64, 32 or None (planned)")
+    if block_v not in (None, 128, 64):
+        raise ValueError(f"block_v={block_v} must be 128 (fused), 64 (fwd_o) or None (planned)")
     if split_tokens is None and block_v is None:
-        blocks = (64, 32) if save_prep else (HEAD_DIM, 64, 32)
+        blocks = (64,) if save_prep else (HEAD_DIM, 64)
         block_v, split_tokens = plan_fwd(T, N, h_v, sm_count(dev), seqlens=seqlens, blocks=blocks, h_qk=h_qk)
     if block_v is None:  # a split given alone: fwd_o (the fused kernel's split path measured slower)
         block_v = 64
@@ -149,7 +149,7 @@ def chunk_gdn_fwd_lowlevel(
     if fused:
         run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=target)
     else:
-        run_fwd_o(q, k, v, gcs, a_beta, p_all, stab, h_init, scale, o, ht, block_v=block_v, target=target)
+        run_fwd_o(q, k, v, gcs, a_beta, p_all, stab, h_init, scale, o, ht, target=target)
     out.update(o=o, final_state=ht)
     return out
 

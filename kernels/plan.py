@@ -41,7 +41,8 @@ FUSED_STEP = 4.2
 #: per segment, the split path's launches; the fused kernel's chunk step per CTA and prep's SM time per
 #: (chunk, v-head) in the same units (H200: fwd_o 1.11 ms on 16/64 1x32768; prep 0.642 ms there,
 #: check_fwd's stage time of the tensor-core prep, the 3.35 of its predecessor's 0.90 ms scaled).
-_SPLIT_COST = {"fwd_o": 2.0, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 1.43, "prep_qk": 0.85}
+FWD_O_CTAS_PER_SM = 2
+_SPLIT_COST = {"fwd_o": 1.8, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 1.43, "prep_qk": 0.85}
 #: fwd_o's chunk step at block_v 32 relative to 64 (H200, fwd_o before P came from prep: 16/64
 #: 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
 _BV32_STEP = 0.8
@@ -108,9 +109,10 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int) -> float:
     seg_state's non-last segments, the serial fix-up and the split path's launches."""
     cpb = HEAD_DIM // block_v
     step = _SPLIT_COST["fused"] if block_v == HEAD_DIM else _SPLIT_COST["fwd_o"] * (_BV32_STEP if block_v == 32 else 1.0)
+    slots = num_sms * (FWD_O_CTAS_PER_SM if block_v != HEAD_DIM else 1)
     if not seg:
         fwd = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
-        return _lpt_makespan(fwd, num_sms) * step
+        return _lpt_makespan(fwd, slots) * step
     fwd, seg_state, serial = {}, {}, 0
     for ln in lens:
         ns = max(1, math.ceil(ln / seg))
@@ -121,7 +123,7 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int) -> float:
                 seg_state[ch] = seg_state.get(ch, 0) + h_v * 4
         serial = max(serial, ns - 1)
     return (
-        _lpt_makespan(list(fwd.items()), num_sms) * step
+        _lpt_makespan(list(fwd.items()), slots) * step
         + _lpt_makespan(list(seg_state.items()), 2 * num_sms) * _SPLIT_COST["seg_state"]
         + serial * _SPLIT_COST["fixup"]
         + _SPLIT_COST["launch"]
@@ -223,7 +225,7 @@ def _lens_of(T, N, seqlens):
     return (T // max(N, 1),) * max(N, 1) if T else ()
 
 
-def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(128, 64, 32), h_qk=None) -> tuple:
+def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(128, 64), h_qk=None) -> tuple:
     """(block_v, segment length) of the forward: the pair of
     ``blocks`` x {unsplit, 256..16384-token segments} that :func:`split_cost` rates fastest.
     block_v 128 is the fused kernel (no prep when unsplit, one CTA per segment and v-head); 64 and

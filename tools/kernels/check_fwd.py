@@ -16,6 +16,7 @@ Writes check_fwd.json and check_fwd.txt to $OUT when set.
 """
 
 import argparse
+import inspect
 import json
 import os
 import pathlib
@@ -154,9 +155,10 @@ def stage_times_ms(pkg, x, split_tokens, reps=10):
         init = r["h_start"]
     else:
         init = x["h0"]
+    # a package whose fwd_o has one V block takes no block_v
+    bv = {"block_v": r["block_v"]} if "block_v" in inspect.signature(run_fwd_o).parameters else {}
     stages["fwd_o"] = lambda: run_fwd_o(
-        x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], init, scale, r["o"], r["final_state"],
-        block_v=r["block_v"],
+        x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], init, scale, r["o"], r["final_state"], **bv
     )  # fmt: skip
     return {name: graph_time_ms(fn, reps=reps) for name, fn in stages.items()}
 
