@@ -33,7 +33,7 @@ def sm_count(device) -> int:
 #: then 4.3 -> 4.2 with prep's cost at the tensor-core prep's: at 4.3 five 16/64 two-sequence layouts
 #: went to fwd_o, 1.08-1.10x slower than the fused kernel in the same run
 #: (results/h200_kernels_prev/prep_tc); at 4.1-4.2 every sweep point keeps the pick it had before
-FUSED_STEP = 4.2
+FUSED_STEP = 3.4
 #: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30:
 #: 13-21 cases x 4-8 segment lengths in each of four sweeps over the fwd_o forms of that day; over
 #: those 68 rows the model's pick is within 0.3% of the measured best on average, worst 3.7%):
