@@ -5,7 +5,7 @@
     [seg_state (64-column block, segment, v-head)  each segment's end state from 0 and transition M]
     [fixup    (32-column block, sequence, v-head)  serial start states h_{s+1} = M_s h_s + E_s]
     fwd_fused (segment, v-head)                the whole chunk step fused, full V   (block_v 128)
-    or fwd_o  (V block, segment, v-head)       recurrence + output from prep's A_β and P (block_v 64, 32)
+    or fwd_o  (V block, segment, v-head)       recurrence + output from prep's A_β and P (block_v 64)
 
 seg_state and fixup run only when long sequences are split into segments (exact state passing);
 prep runs for fwd_o and for the split path. The split and the final kernel (block_v) are planned
@@ -74,7 +74,7 @@ def chunk_gdn_fwd_lowlevel(
     Args: as :func:`chunk_gdn_fwd`, plus
         split_tokens: None = planned (:func:`plan.plan_fwd`), 0 = never split, or a segment length
             in tokens (a multiple of 64).
-        block_v: 128 = the fused kernel (full V per CTA), 64 or 32 = fwd_o's V block; None = planned
+        block_v: 128 = the fused kernel (full V per CTA), 64 = fwd_o; None = planned
             with the split (64 when split_tokens is given).
         target: TileLang target (default sm_90a).
         o, final_state: optional preallocated outputs ([1,T,Hv,128] bf16, [N,Hv,128,128] fp32),

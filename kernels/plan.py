@@ -27,25 +27,29 @@ def sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
-#: the fused kernel's chunk step (units of _SPLIT_COST; H200, 16/64 4x8192: 256 CTAs in two rounds),
-#: from nine timed layouts (results/h200_fused/_notes/ab_20261202: 0.78x the step fitted to those
-#: layouts for the kernel before its shared-memory cuts, 5.5; the picks there are the same at 4.1-5.5),
-#: then 4.3 -> 4.2 with prep's cost at the tensor-core prep's: at 4.3 five 16/64 two-sequence layouts
-#: went to fwd_o, 1.08-1.10x slower than the fused kernel in the same run
-#: (results/h200_kernels_prev/prep_tc); at 4.1-4.2 every sweep point keeps the pick it had before
+#: the fused kernel's chunk step (units of _SPLIT_COST; H200, 16/64 4x8192: 256 CTAs in two rounds):
+#: 3.4 against fwd_o's register-state form, the value at which the planner sends every batch layout
+#: back to the fused kernel where fwd_o measured slower (results/h200_kernels_prev/fwd_o_rs: at 4.2
+#: it sent 32 of them to fwd_o, 1.13x slower in geomean; at 3.4, fwd_o_rs_batch: 0.962x over the
+#: 54 batch layouts, worst 1.03x)
 FUSED_STEP = 3.4
-#: Cost model of the split path (relative units, fitted to the H200 split sweeps of 2026-11-30:
-#: 13-21 cases x 4-8 segment lengths in each of four sweeps over the fwd_o forms of that day; over
-#: those 68 rows the model's pick is within 0.3% of the measured best on average, worst 3.7%):
-#: fwd_o chunk step per CTA (one CTA per SM), seg_state chunk step per CTA (two CTAs per SM), fixup
-#: per segment, the split path's launches; the fused kernel's chunk step per CTA and prep's SM time per
-#: (chunk, v-head) in the same units (H200: fwd_o 1.11 ms on 16/64 1x32768; prep 0.642 ms there,
-#: check_fwd's stage time of the tensor-core prep, the 3.35 of its predecessor's 0.90 ms scaled).
+#: fwd_o's CTAs resident per SM (kernels/fwd_o.py: 256 threads at 128 registers, 98 KB of shared
+#: memory); the model schedules its CTAs on this many slots per SM
 FWD_O_CTAS_PER_SM = 2
+#: Cost model of the split path (relative units; the constants other than fwd_o's and the fused
+#: kernel's fitted to the H200 split sweeps of 2026-11-30, over the fwd_o and seg_state forms of that
+#: day): fwd_o chunk step per CTA slot (FWD_O_CTAS_PER_SM per SM), seg_state chunk step per CTA (two
+#: per SM), fixup per segment, the split path's launches; the fused kernel's chunk step per CTA and
+#: prep's SM time per (chunk, v-head) in the same units (prep: check_fwd's stage time of the
+#: tensor-core prep, 0.642 ms on 16/64 1x32768, the 3.35 of its predecessor's 0.90 ms scaled).
+#: fwd_o's 1.8 is its register-state form's step at two CTAs per SM, set from check_fwd's stage
+#: times (16/64 4x8192: 0.723 ms for 512 CTAs of 128 chunks; 2/8 1x32768 unsplit: 0.775 ms for 32
+#: CTAs of 512) and kept where the sweep measured its picks at 0.938x the kernels before
+#: (results/h200_kernels_prev/fwd_o_rs). seg_state's 1.5 predates its register-state form (0.6x the
+#: stage time): priced at 0.9 with the fwd_o before, 32 picks moved and measured 1.02x slower
+#: (results/h200_kernels_prev/seg_state_rs_plan); a refit over every candidate
+#: (``scripts/plan_refit.py fwd``) is what would price both.
 _SPLIT_COST = {"fwd_o": 1.8, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 1.43, "prep_qk": 0.85}
-#: fwd_o's chunk step at block_v 32 relative to 64 (H200, fwd_o before P came from prep: 16/64
-#: 1x32768 fwd_o 2.615 ms with 256 CTAs in two waves vs 1.645 ms with 128: 2.55 vs 3.2 µs)
-_BV32_STEP = 0.8
 _SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -108,7 +112,7 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int) -> float:
     """The forward less prep: the final kernel's CTAs longest-first on the SMs and, when split,
     seg_state's non-last segments, the serial fix-up and the split path's launches."""
     cpb = HEAD_DIM // block_v
-    step = _SPLIT_COST["fused"] if block_v == HEAD_DIM else _SPLIT_COST["fwd_o"] * (_BV32_STEP if block_v == 32 else 1.0)
+    step = _SPLIT_COST["fused"] if block_v == HEAD_DIM else _SPLIT_COST["fwd_o"]
     slots = num_sms * (FWD_O_CTAS_PER_SM if block_v != HEAD_DIM else 1)
     if not seg:
         fwd = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
@@ -132,7 +136,7 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int) -> float:
 
 def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64, h_qk=None) -> float:
     """Estimated time (relative units) of the forward for sequences of ``lens`` tokens cut into
-    ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64 / 32: fwd_o, 128 / bv
+    ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64: fwd_o, 128 / bv
     CTAs of bv columns per segment and v-head; 128: the fused kernel, one) longest-first on the
     SMs, prep (:func:`prep_cost`; every path but the unsplit fused one runs it), and when split
     seg_state's non-last segments, the serial fix-up and the split path's launches."""
@@ -228,9 +232,8 @@ def _lens_of(T, N, seqlens):
 def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(128, 64), h_qk=None) -> tuple:
     """(block_v, segment length) of the forward: the pair of
     ``blocks`` x {unsplit, 256..16384-token segments} that :func:`split_cost` rates fastest.
-    block_v 128 is the fused kernel (no prep when unsplit, one CTA per segment and v-head); 64 and
-    32 are fwd_o after prep, 32 doubling its CTAs at ~0.8x the chunk step where the heads alone do
-    not fill the SMs."""
+    block_v 128 is the fused kernel (no prep when unsplit, one CTA per segment and v-head); 64 is
+    fwd_o after prep (two CTAs per segment and v-head, two per SM)."""
     lens = _lens_of(T, N, seqlens)
     if not lens:
         return (blocks[0], 0)

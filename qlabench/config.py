@@ -284,7 +284,7 @@ class BackendEntry(_Strict):
     with that environment; ``${VAR}`` is expanded at run time, so no machine path is committed.
     A label ending in ``@<version>`` (digits and dots) must prefix the version imported there.
 
-    ``params`` (``{name: tilelang, label: tl-bv32, params: {fwd_block_v: 32}}``) are the
+    ``params`` (``{name: tilelang, label: tl-bv64, params: {fwd_block_v: 64}}``) are the
     backend's own parameters, validated by its ``Params`` model (an unknown key is an error
     naming it); rows store the ones that differ from the defaults (``backend_params``)."""
 

@@ -3,8 +3,8 @@
     python scripts/plan_refit.py fwd DIR [--json OUT]   # a run of configs/h200_fwd_paths.yaml
     python scripts/plan_refit.py bwd DIR [--json OUT]   # a run of configs/h200_bwd_splits.yaml
 
-fwd: per point the latency of the fused kernel unsplit (``tl-fused``) and of fwd_o at V block 64
-and 32 (``tl-bv64``, ``tl-bv32``: each with the segment length plan_split picks for that block).
+fwd: per point the latency of the fused kernel unsplit (``tl-fused``) and of fwd_o (``tl-bv64``,
+with the segment length plan_split picks for it).
 Fits, by least squares on log latency over those rows, the ms per model unit and the two constants
 that decide between the fused kernel and fwd_o (the fused chunk step, prep's cost per chunk and
 v-head; its per-q/k-head part ``prep_qk`` is held, every point priced with its own h_qk); fwd_o's
@@ -88,7 +88,7 @@ def _constants(table, cache, **kw):
 def fwd(run_dir, out_json=None):
     plan = _plan()
     lat = load(run_dir)
-    need = ["tl-fused", "tl-bv64", "tl-bv32"]
+    need = ["tl-fused", "tl-bv64"]
     missing = [c for c in need if c not in lat.columns]
     if missing:
         raise RefitError(f"{run_dir} has no ok rows of {missing} (a run of configs/h200_fwd_paths.yaml)")
@@ -101,14 +101,13 @@ def fwd(run_dir, out_json=None):
         h_qk, h_v, lens = key
         return plan.plan_split(sum(lens), len(lens), h_v, SMS, block_v=bv, seqlens=list(lens), h_qk=h_qk)
 
-    segs = {k: {64: seg_of(k, 64), 32: seg_of(k, 32)} for k in lat.index}
+    segs = {k: seg_of(k, 64) for k in lat.index}
 
     def model_units(key, label):
         h_qk, h_v, lens = key
         if label == "tl-fused":
             return plan.split_cost(lens, h_v, 0, SMS, 128, h_qk=h_qk)
-        bv = 64 if label == "tl-bv64" else 32
-        return plan.split_cost(lens, h_v, segs[key][bv], SMS, bv, h_qk=h_qk)
+        return plan.split_cost(lens, h_v, segs[key], SMS, 64, h_qk=h_qk)
 
     from scipy.optimize import least_squares
 
@@ -128,7 +127,7 @@ def fwd(run_dir, out_json=None):
         bv, seg = plan.plan_fwd(sum(lens), len(lens), h_v, SMS, seqlens=list(lens), h_qk=h_qk)
         if bv == 128:
             return "tl-fused" if seg == 0 else None  # the fused split path: not a candidate here
-        return "tl-bv64" if bv == 64 else "tl-bv32"
+        return "tl-bv64"
 
     with _constants(plan._SPLIT_COST, plan._plan_lens):
         now = {k: choice(k) for k in lat.index}

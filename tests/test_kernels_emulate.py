@@ -5,7 +5,7 @@
   unsplit case.
 - prep: its mirror (the fused kernel's aux per chunk slot) against the exact solve and P, mild
   and strong decay, zero past each sequence's end.
-- fwd_o: its mbarrier protocol (tools/kernels/ws_protocol.py) and its U₀ − W₀ S algebra.
+- fwd_o: its mbarrier protocol (tools/kernels/ws_protocol.py) and its algebra.
 - fwd_fused: its mbarrier protocol (tools/kernels/fused_protocol.py), its algebra and fp16 inverse.
 """
 
@@ -104,7 +104,7 @@ def test_fwd_o_ws_barrier_protocol():
     _pkg()
     wsp = _tool("ws_protocol")
     assert wsp.check(seeds=100)
-    for role, bar in [("wg0", "vp_ready"), ("wg0", "s_free"), ("wg2", "s_ready"), ("prod", "empty"), ("wg2", "vd_ready")]:
+    for role, bar in [("state", "full"), ("state", "q_full"), ("prod", "empty"), ("prod", "q_empty"), ("tab", "empty")]:
         with pytest.raises(AssertionError):
             wsp.check(seeds=100, mutate=wsp.drop_ops(role, lambda op, b=bar: op[0] == "wait" and op[1] == b))
 
@@ -161,22 +161,21 @@ def test_fwd_fused_barrier_protocol():
 
 
 @pytest.mark.parametrize("split_tokens", [0, 512])
-def test_uw_algebra_matches_reference(split_tokens):
-    """fwd_o's Vd = A_β V − (A_β diag(e^g) K) S, with the W₀ factor in bf16: the emulated forward is as
-    close to the fp64 token recurrence as the direct form A_β (V − e^g ⊙ K S), on mixed lengths with g = 0 heads,
-    an initial state, and split or unsplit."""
+def test_fwd_o_algebra_matches_reference(split_tokens):
+    """fwd_o's and seg_state's Vd = A_β bf16(−e^g ⊙ K S) + A_β V (the V term a GEMM of its own) and
+    O = scale e^g ⊙ Q S + P bf16(Vd): the emulated forward stays at the bf16 operands' error from the
+    fp64 token recurrence, on mixed lengths with g = 0 heads, an initial state, split or unsplit, and
+    a sign error in the V term is caught."""
     _pkg()
     emu = _tool("emulate")
     x = emu.make_inputs([1, 63, 64, 65, 300], 2, 4, seed=3)
     ref_o, ref_h = emu.reference(x["q"], x["k"], x["v"], x["g"], x["beta"], h0=x["h0"], cu=x["cu"])
-    errs = {}
-    for uw in (False, True):
-        r = emu.emu_pipeline(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], h0=x["h0"], cu=x["cu"], split_tokens=split_tokens, uw=uw
-        )
-        errs[uw] = (emu.rel_l2(r["o"], ref_o), emu.rel_l2(r["final_state"], ref_h))
-    assert errs[True][0] < 1e-2 and errs[True][1] < 1e-2, errs
-    assert errs[True][0] < 2 * errs[False][0] and errs[True][1] < 2 * errs[False][1], errs
+    kw = dict(h0=x["h0"], cu=x["cu"], split_tokens=split_tokens)
+    r = emu.emu_pipeline(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    errs = (emu.rel_l2(r["o"], ref_o), emu.rel_l2(r["final_state"], ref_h))
+    assert max(errs) < 8e-3, errs
+    bad = emu.emu_pipeline(x["q"], x["k"], -x["v"], x["g"], x["beta"], **kw)
+    assert emu.rel_l2(bad["o"], ref_o) > 0.5
 
 
 def test_seqlens_hint_is_checked():

@@ -5,20 +5,21 @@ from kernel_helpers import kernels_pkg as _pkg
 
 
 def test_plan_split_from_shapes_only():
-    """The split planner's picks on cases the H200 split sweep measured (the split sweeps of 2026-11-30; tag kernels-variants-2026-11-30)."""
+    """The split planner's picks on the cases the H200 timed for today's kernels (check_fwd's CUDA-graph
+    medians of the whole forward, results/h200_kernels_prev/fwd_o_rs/_notes/checks)."""
     pkg = _pkg()
-    assert pkg.plan_split(32768, 1, 8) == 4096  # 0.447 ms (2048: 0.474, unsplit 1.330)
-    assert pkg.plan_split(2048, 1, 8) == 256  # 0.059 ms (512: 0.062, unsplit 0.097)
-    assert pkg.plan_split(8192, 1, 16) == 2048  # 4/16: 0.237 ms (1024: 0.253, unsplit 0.380)
-    assert pkg.plan_split(32768, 1, 64) == 0  # 128 CTAs already
-    assert pkg.plan_split(4 * 8192, 4, 64) == 0
-    assert pkg.plan_split(4 * 8192, 4, 8) == 4096  # 2/8 8192x4: 0.436 ms, unsplit the same (2048: 0.448)
-    assert pkg.plan_split(8 * 1024, 8, 8) == 0
+    assert pkg.plan_split(32768, 1, 8) == 2048  # 2/8: 0.286 ms (4096: 0.275, 1024: 0.331, unsplit 0.845)
+    assert pkg.plan_split(2048, 1, 8) == 256  # 0.048 ms (512: 0.046, 1024: 0.061)
+    assert pkg.plan_split(8192, 1, 8) == 1024  # 0.094 ms (512: 0.109, 2048: 0.116, unsplit 0.219)
+    assert pkg.plan_split(32768, 1, 16, h_qk=16) == 4096  # 16/16: 0.553-0.561 ms (8192: 0.559)
+    assert pkg.plan_split(32768, 1, 16, h_qk=4) == 4096  # 4/16: 0.499-0.503 ms (8192: 0.504)
+    assert pkg.plan_split(32768, 1, 24, h_qk=8) == 2048  # 8/24: 0.816 ms (4096: 0.772, 8192: 0.869)
+    assert pkg.plan_split(32768, 1, 64, h_qk=16) == 16384  # 16/64: 1.574 ms (8192: 1.788)
+    assert pkg.plan_split(8 * 1024, 8, 8) == 0  # 2/8 8x1024: 0.059 ms (512: 0.079)
     assert pkg.plan_split(200, 1, 8) == 0  # too short to cut
-    # unequal lengths: only the host lengths show the long sequence (8/24 28672+4096: 1.294 ms at 4096, unsplit 1.493)
-    assert pkg.plan_split(32768, 2, 24) == 0
-    assert pkg.plan_split(32768, 2, 24, seqlens=[28672, 4096]) == 4096
-    assert pkg.split_cost([28672, 4096], 24, 4096) < pkg.split_cost([28672, 4096], 24, 0)
+    # unequal lengths: only the host lengths show the long sequence
+    assert pkg.plan_split(32768, 2, 24, seqlens=[28672, 4096]) == 2048
+    assert pkg.split_cost([28672, 4096], 24, 2048) < pkg.split_cost([28672, 4096], 24, 0)
 
 
 def test_lpt_makespan_is_list_scheduling():
@@ -28,7 +29,8 @@ def test_lpt_makespan_is_list_scheduling():
     assert lpt([(4, 264)], 132) == 8  # two full rounds
     assert lpt([(3, 133)], 132) == 6
     assert lpt([], 132) == 0
-    assert pkg.plan_fwd(32768, 1, 32) == (32, 0)  # Hv 32, one sequence: 128 CTAs at V block 32, unsplit
+    # Hv 32, one sequence: 64 fwd_o CTAs of 512 chunks unsplit, so the planner cuts it
+    assert pkg.plan_fwd(32768, 1, 32) == (64, 8192)
 
 
 def test_plan_bwd_split_cuts_only_few_long_chains():
@@ -53,33 +55,31 @@ def test_plan_bwd_split_cuts_only_few_long_chains():
 
 
 def test_plan_fwd_picks_the_faster_final_kernel():
-    """plan_fwd against the H200's timings of both final kernels (check_fused, 2026-12-02,
-    results/h200_fused/_notes/ab_20261202/call3/timefull_base): the fused kernel (block_v 128)
-    where it measured faster, fwd_o elsewhere (not asserted: 2/8 8x1024, where the model keeps fwd_o
-    at 0.0791 ms against the fused kernel's 0.0774)."""
+    """plan_fwd between the fused kernel and fwd_o on layouts the H200 timed in one run
+    (results/h200_kernels_prev/fwd_o_rs and fwd_o_rs_batch: the fused kernel's rows are the
+    tilelang@prev label, the same kernel): the fused kernel where it measured faster, fwd_o where it did."""
     pkg = _pkg()
-    assert pkg.plan_fwd(4 * 8192, 4, 64, h_qk=16)[0] == 128  # fused 1.063 ms, fwd_o 1.974
-    assert pkg.plan_fwd(8 * 1024, 8, 64, h_qk=16)[0] == 128  # 0.302 vs 0.547
-    assert pkg.plan_fwd(4 * 8192, 4, 32, h_qk=32)[0] == 128  # 32/32: 0.556 vs 1.033
-    assert pkg.plan_fwd(32768, 1, 64, h_qk=16)[0] != 128  # fwd_o 1.971, fused 2.097 (64 CTAs)
-    assert pkg.plan_fwd(4 * 8192, 4, 16, h_qk=4)[0] != 128  # 0.505 vs 0.537
-    assert pkg.plan_fwd(32768, 1, 8, h_qk=2) == (64, 4096)  # 0.418 vs the fused split's best 0.433
-    # with the grouped prep's price (results/h200_kernels_prev/prep_group_plan): fwd_o 1.531 ms
-    # against the fused kernel's 1.581 on 16/64 24576 + 8192
-    assert pkg.plan_fwd(32768, 2, 64, seqlens=[24576, 8192], h_qk=16) == (64, 0)
+    assert pkg.plan_fwd(4 * 8192, 4, 64, h_qk=16)[0] == 128  # fused 1.059 ms, fwd_o 1.200
+    assert pkg.plan_fwd(8 * 1024, 8, 64, h_qk=16)[0] == 128  # 0.300 vs 0.332
+    assert pkg.plan_fwd(4 * 8192, 4, 32, h_qk=32)[0] == 128  # 32/32: 0.559 vs 0.719
+    assert pkg.plan_fwd(32768, 1, 64, h_qk=16) == (64, 16384)  # fwd_o split 1.558
+    assert pkg.plan_fwd(8 * 1024, 8, 8, h_qk=2) == (64, 0)  # 2/8 8x1024: fwd_o 0.059 ms
+    assert pkg.plan_fwd(32768, 1, 8, h_qk=2) == (64, 2048)  # 0.282 ms
     # the unsplit fused path runs no prep; every other path pays it
     from qlabench_kernels.plan import _final_cost
 
     lens = [8192] * 4
     assert pkg.split_cost(lens, 64, 0, block_v=128) == _final_cost(lens, 64, 0, 132, 128)
-    for seg, bv in ((2048, 128), (0, 64), (2048, 32)):
+    for seg, bv in ((2048, 128), (0, 64), (2048, 64)):
         assert pkg.split_cost(lens, 64, seg, block_v=bv) == _final_cost(lens, 64, seg, 132, bv) + pkg.prep_cost(lens, 64)
     # sequences too short to split are rated too (one 200-token sequence of 8 heads: 8 fused CTAs
-    # of 4 chunks against fwd_o's 32 at V block 32)
-    assert pkg.plan_fwd(200, 1, 8) == (32, 0)
-    # the 1% margin leaves fwd_o's picks where they were before the fused kernel (6 sweep layouts
-    # of h_v 32 moved to V block 64 split 4096 while prep widened it: 1.11x slower on the H200)
-    assert pkg.plan_fwd(32768, 2, 32, seqlens=[28672, 4096]) == (32, 0)
+    # of 4 chunks against fwd_o's 16)
+    assert pkg.plan_fwd(200, 1, 8) == (64, 0)
+    # fwd_o's CTAs share an SM two at a time: twice the CTAs of one round cost one round
+    from qlabench_kernels.plan import FWD_O_CTAS_PER_SM
+
+    assert FWD_O_CTAS_PER_SM == 2
+    assert _final_cost([4096], 132, 0, 132, 64) == _final_cost([4096], 66, 0, 132, 64)
 
 
 def test_prep_slices_share_loads_while_the_sms_stay_busy():

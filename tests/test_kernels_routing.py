@@ -34,12 +34,10 @@ def fwd(monkeypatch):
             calls.append(name)
             if name == "fwd_fused":  # (q, k, v, g, beta, stab, h_init, ...)
                 calls.append(("h_init", None if args[6] is None else tuple(args[6].shape)))
-            if name == "fwd_o":
-                calls.append(("block_v", kw["block_v"]))
 
         return run
 
-    def plan(T, N, h_v, sms, seqlens=None, blocks=(128, 64, 32), h_qk=None):
+    def plan(T, N, h_v, sms, seqlens=None, blocks=(128, 64), h_qk=None):
         assert (h_v, h_qk) == (2, 1)  # the driver prices prep with the q/k head count
         plans.append(blocks)
         return (blocks[0], 0)
@@ -66,15 +64,15 @@ def fwd(monkeypatch):
 
 def test_planned_fused_runs_no_prep(fwd):
     r, calls, plans = fwd()
-    assert plans == [(128, 64, 32)]
+    assert plans == [(128, 64)]
     assert calls == ["tables", "fwd_fused", ("h_init", None)]
     assert r["block_v"] == 128 and r["gcs"] is None and r["a_beta"] is None and r["p_all"] is None
 
 
 def test_save_prep_plans_fwd_o_and_returns_prep(fwd):
     r, calls, plans = fwd(save_prep=True)
-    assert plans == [(64, 32)]
-    assert calls == ["tables", "prep", "fwd_o", ("block_v", 64)]
+    assert plans == [(64,)]
+    assert calls == ["tables", "prep", "fwd_o"] and r["block_v"] == 64
     assert r["gcs"] is not None and r["a_beta"] is not None
 
 
@@ -87,7 +85,7 @@ def test_save_prep_with_the_fused_kernel_still_runs_prep(fwd):
 def test_a_split_given_alone_runs_fwd_o(fwd):
     r, calls, plans = fwd(split_tokens=256)
     assert plans == []
-    assert calls == ["tables", "prep", "seg_state", "fixup", "fwd_o", ("block_v", 64)]
+    assert calls == ["tables", "prep", "seg_state", "fixup", "fwd_o"]
     assert r["split_tokens"] == 256 and r["block_v"] == 64
 
 
@@ -99,10 +97,11 @@ def test_fused_split_starts_from_the_segment_states(fwd):
 
 
 def test_fwd_o_unsplit(fwd):
-    _, calls, _ = fwd(block_v=32, split_tokens=0)
-    assert calls == ["tables", "prep", "fwd_o", ("block_v", 32)]
+    r, calls, _ = fwd(block_v=64, split_tokens=0)
+    assert calls == ["tables", "prep", "fwd_o"] and r["block_v"] == 64
 
 
 def test_block_v_is_checked(fwd):
-    with pytest.raises(ValueError, match="block_v=96"):
-        fwd(block_v=96)
+    for bad in (96, 32):  # fwd_o has one V block (64)
+        with pytest.raises(ValueError, match=f"block_v={bad}"):
+            fwd(block_v=bad)

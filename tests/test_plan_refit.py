@@ -47,9 +47,8 @@ def _fwd_table(u, fused, prep):
         for hq, hv, lens in FWD_KEYS:
             T, N = sum(lens), len(lens)
             r = {"tl-fused": u * plan.split_cost(lens, hv, 0, 132, 128, h_qk=hq)}
-            for bv in (64, 32):
-                seg = plan.plan_split(T, N, hv, 132, block_v=bv, seqlens=list(lens), h_qk=hq)
-                r[f"tl-bv{bv}"] = u * plan.split_cost(lens, hv, seg, 132, bv, h_qk=hq)
+            seg = plan.plan_split(T, N, hv, 132, block_v=64, seqlens=list(lens), h_qk=hq)
+            r["tl-bv64"] = u * plan.split_cost(lens, hv, seg, 132, 64, h_qk=hq)
             r["tilelang"] = min(r.values())
             rows[(hq, hv, lens)] = r
         return pd.DataFrame.from_dict(rows, orient="index")
@@ -57,7 +56,7 @@ def _fwd_table(u, fused, prep):
 
 def _fwd_choice(lens, hv, hq):
     bv, seg = plan.plan_fwd(sum(lens), len(lens), hv, 132, seqlens=list(lens), h_qk=hq)
-    return {128: "tl-fused" if seg == 0 else None, 64: "tl-bv64", 32: "tl-bv32"}[bv]
+    return {128: "tl-fused" if seg == 0 else None, 64: "tl-bv64"}[bv]
 
 
 def _fwd_choices_with(**costs):
@@ -81,7 +80,7 @@ def test_fwd_refit_recovers_the_constants_that_made_the_latencies(refit, monkeyp
     assert now != new and res["changed"] == sum(now[k] != new[k] for k in now) > 0
     for (hq, hv, lens), p in zip(FWD_KEYS, res["per_point"]):
         assert (p["now"], p["new"]) == (now[(hq, hv, lens)], new[(hq, hv, lens)]), p["seqlens"]
-        assert p["best"] == min(("tl-fused", "tl-bv64", "tl-bv32"), key=lambda c: p[c])
+        assert p["best"] == min(("tl-fused", "tl-bv64"), key=lambda c: p[c])
     assert (tmp_path / "fit.json").is_file()
 
 

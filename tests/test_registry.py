@@ -55,7 +55,7 @@ def test_unknown_name_and_unknown_param_exit_2_naming_them(tmp_path):
 
     r = validate(["reference", "nope"])
     assert r.exit_code == 2 and "backends[1]" in r.output and "unknown backend 'nope'" in r.output
-    r = validate([{"name": "tilelang", "label": "tl-bv32", "params": {"fwd_bv": 32}}])
+    r = validate([{"name": "tilelang", "label": "tl-bv64", "params": {"fwd_bv": 64}}])
     assert r.exit_code == 2 and "fwd_bv: unknown parameter" in r.output
     assert "fwd_block_v" in r.output  # the backend's parameters are listed
     r = validate([{"name": "tilelang", "params": {"fwd_split_tokens": 100}}])
@@ -63,16 +63,16 @@ def test_unknown_name_and_unknown_param_exit_2_naming_them(tmp_path):
     r = validate([{"name": "flashinfer", "params": {"use_cp": "sometimes"}}])
     assert r.exit_code == 2 and "use_cp" in r.output
     assert validate([{"name": "flashinfer", "params": {"use_cp": False}},
-                     {"name": "tilelang", "label": "tl-bv32", "params": {"fwd_block_v": 32}}]).exit_code == 0
+                     {"name": "tilelang", "label": "tl-bv64", "params": {"fwd_block_v": 64}}]).exit_code == 0
 
 
 def test_params_dump_and_json():
-    s = C.parse({**BASE, "backends": ["reference", {"name": "tilelang", "label": "tl-bv32",
-                                                    "params": {"fwd_block_v": 32, "bwd_streams": True}}]})
-    e = s.entries()["tl-bv32"]
-    assert e.params_json == '{"fwd_block_v": 32}'  # defaults are not stored
+    s = C.parse({**BASE, "backends": ["reference", {"name": "tilelang", "label": "tl-bv64",
+                                                    "params": {"fwd_block_v": 64, "bwd_streams": True}}]})
+    e = s.entries()["tl-bv64"]
+    assert e.params_json == '{"fwd_block_v": 64}'  # defaults are not stored
     assert s.entries()["reference"].params_json == "{}"
-    assert s.model_dump(mode="json")["backends"][1]["params"] == {"fwd_block_v": 32, "bwd_streams": True}
+    assert s.model_dump(mode="json")["backends"][1]["params"] == {"fwd_block_v": 64, "bwd_streams": True}
     assert C.Sweep.model_validate(s.model_dump(mode="json")) == s
 
 

@@ -19,8 +19,8 @@ class TileLangParams(BaseModel):
     """The run-time choices of the in-repo kernels; ``None`` leaves each to its planner."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    #: the forward's final kernel: 128 the fused kernel, 64 or 32 fwd_o's V block; None: planned with the split
-    fwd_block_v: Literal[32, 64, 128] | None = None
+    #: the forward's final kernel: 128 the fused kernel, 64 fwd_o; None: planned with the split
+    fwd_block_v: Literal[64, 128] | None = None
     #: forward segment length in tokens (a multiple of 64); 0: never split; None: planned
     fwd_split_tokens: _Tokens | None = None
     #: backward chains' segment length in tokens (a multiple of 64); 0: never split; None: planned

@@ -117,7 +117,7 @@ def time_shape(pkg, name, seqlens, h_qk, h_v, results, fused_only=False):
         return
     T, N = sum(seqlens), len(seqlens)
     sms = sm_count(torch.device("cuda"))
-    bv, sp = plan_fwd(T, N, h_v, sms, seqlens=seqlens, blocks=(64, 32))
+    bv, sp = plan_fwd(T, N, h_v, sms, seqlens=seqlens, blocks=(64,))
     row = dict(shape=name, fwd_o_plan=f"bv{bv}/split{sp}", plan="bv{}/split{}".format(*plan_fwd(T, N, h_v, sms, seqlens=seqlens)))
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"])
     row["fwd_o_ms"] = graph_time_ms(lambda: pkg.chunk_gdn_fwd_lowlevel(*args, split_tokens=sp, block_v=bv, seqlens=seqlens))

@@ -288,7 +288,7 @@ def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages
             rec["stage_fixup"] = emu.rel_l2(r["h_start"][used], hs_e[used])
             init = r["h_start"]
         o_e, h_e = emu.emu_fwd_o(
-            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, 128**-0.5, len(seqlens), uw=True
+            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], init, 128**-0.5, len(seqlens)
         )
         rec["stage_fwd_o_o"] = emu.rel_l2(r["o"].float(), o_e)
         rec["stage_fwd_o_ht"] = emu.rel_l2(r["final_state"], h_e)

@@ -93,20 +93,15 @@ def emu_prep(k, g, beta, ctab, q=None, scale=None):
     return gcs_out, a_out, p_out
 
 
-def _chunk_step(S, qc, kc, vc, gch, ab, ln, scale, want_o, uw=False):
-    """One chunk of fwd_o / seg_state for all heads. S [H,K,W] fp32; qc,kc [H,64,K]; vc [H,64,W];
-    gch [H,64]; ab [H,64,64] (bf16 values). Returns (S_new, o [H,64,W] or None).
-    uw (variant uw=1): Vd = U₀ + (−W₀) S with U₀ = A_β V (fp32) and −W₀ = −A_β diag(e^g) K from the
-    bf16-rounded −A_β diag(e^g), itself rounded to bf16, as the kernel's U/W warpgroup does."""
+def _chunk_step(S, qc, kc, vc, gch, ab, ln, scale, want_o):
+    """One chunk of fwd_o / seg_state for all heads, with the kernels' algebra and bf16 roundings.
+    S [H,K,W] fp32; qc,kc [H,64,K]; vc [H,64,W]; gch [H,64]; ab [H,64,64] (bf16 values):
+    U = K S from S in bf16, Vd = A_β bf16(−e^g ⊙ U) + A_β V, V' = bf16(mask · e^{g_l − g} ⊙ Vd),
+    O = scale · e^g ⊙ (Q S) + P bf16(Vd). Returns (S_new, o [H,64,W] or None)."""
     s_sh = _r(S)
     eg = torch.exp(gch)[..., None]
-    if uw:
-        ae = _r(-ab.float() * torch.exp(gch)[..., None, :])
-        vd = ab.float() @ vc + _r(ae @ kc) @ s_sh
-    else:
-        u = kc @ s_sh
-        w = _r(vc - eg * u)
-        vd = ab.float() @ w
+    ab = ab.float()
+    vd = ab @ _r(-eg * (kc @ s_sh)) + ab @ vc
     glast = gch[:, ln - 1]
     mask = (torch.arange(C, device=S.device) < ln)[None, :, None]
     vp = _r(torch.where(mask, torch.exp(glast[:, None, None] - gch[..., None]) * vd, torch.zeros((), device=S.device)))
@@ -136,8 +131,8 @@ def _load_chunk(q, k, v, gcs, a_beta, G, t0, ln, r0, vcols=None):
     return qc, kc, vc, gch, ab
 
 
-def emu_fwd_o(q, k, v, gcs, a_beta, stab, h_init, scale, N, want_ht=True, uw=False):
-    """Mirror of fwd_o.py (``uw``: its U₀ − W₀ S algebra). Returns o [1,T,Hv,128] fp32 (unwritten
+def emu_fwd_o(q, k, v, gcs, a_beta, stab, h_init, scale, N, want_ht=True):
+    """Mirror of fwd_o.py. Returns o [1,T,Hv,128] fp32 (unwritten
     rows NaN) and ht [N,Hv,128,128] fp32."""
     T, h_qk, h_v = q.shape[1], q.shape[2], v.shape[2]
     G = h_v // h_qk
@@ -153,7 +148,7 @@ def emu_fwd_o(q, k, v, gcs, a_beta, stab, h_init, scale, N, want_ht=True, uw=Fal
             t0 = bos + ci * C
             ln = min(eos - t0, C)
             qc, kc, vc, gch, ab = _load_chunk(q, k, v, gcs, a_beta, G, t0, ln, (cslot + ci) * C)
-            S, oc = _chunk_step(S, qc, kc, vc, gch, ab, ln, scale, True, uw=uw)
+            S, oc = _chunk_step(S, qc, kc, vc, gch, ab, ln, scale, True)
             o[0, t0 : t0 + ln] = oc[:, :ln].permute(1, 0, 2)
         if want_ht and is_last == 1:
             ht[seq] = S
@@ -281,17 +276,6 @@ def emu_fwd_fused(q, k, v, g, beta, stab, h_init, scale, N, want_ht=True, factor
     return o, ht
 
 
-def _seg_state_step(S, kc, vc, gch, ab, ln):
-    """One chunk of seg_state on the augmented state S [H,K,W] (its algebra and bf16 roundings:
-    U = K S from S in bf16, Vd = A_β bf16(−e^g ⊙ U) + A_β V, V' = bf16(mask · e^{g_l − g} ⊙ Vd))."""
-    u = kc @ _r(S)
-    vd = ab @ _r(-torch.exp(gch)[..., None] * u) + ab @ vc
-    glast = gch[:, ln - 1]
-    mask = (torch.arange(C, device=S.device) < ln)[None, :, None]
-    vp = _r(torch.where(mask, torch.exp(glast[:, None, None] - gch[..., None]) * vd, torch.zeros((), device=S.device)))
-    return S * torch.exp(glast)[:, None, None] + kc.transpose(-1, -2) @ vp
-
-
 def emu_seg_state(k, v, gcs, a_beta, stab):
     """Mirror of seg_state.py. Returns e_end [NS,Hv,K,V] fp32 and m_tr [NS,Hv,K,K] fp32 (bf16 values);
     rows of unused / last segments are NaN."""
@@ -311,7 +295,7 @@ def emu_seg_state(k, v, gcs, a_beta, stab):
             ln = min(eos - t0, C)
             _, kc, vc, gch, ab = _load_chunk(None, k, v, gcs, a_beta, G, t0, ln, (cslot + ci) * C)
             vc = torch.cat([vc, torch.zeros_like(vc)], dim=2)
-            S = _seg_state_step(S, kc, vc, gch, ab.float(), ln)
+            S, _ = _chunk_step(S, None, kc, vc, gch, ab, ln, 1.0, False)
         e_end[s] = S[..., :D]
         m_tr[s] = _r(S[..., D:])
     return e_end, m_tr
@@ -331,7 +315,7 @@ def emu_fixup(m_tr, e_end, cu_segs, h0):
     return h_start
 
 
-def emu_pipeline(q, k, v, g, beta, scale=None, h0=None, cu=None, split_tokens=0, uw=False):
+def emu_pipeline(q, k, v, g, beta, scale=None, h0=None, cu=None, split_tokens=0):
     """The whole forward, emulated, with the same tables as the kernels. Returns a dict like
     chunk_gdn_fwd_lowlevel's (o fp32, final_state fp32, and each stage's output)."""
     from qlabench_kernels._common import chunk_table, default_cu_seqlens, segment_table
@@ -347,11 +331,11 @@ def emu_pipeline(q, k, v, g, beta, scale=None, h0=None, cu=None, split_tokens=0,
         stab, cu_segs = segment_table(cu, cu_chunks, T, N, split_tokens, split=True)
         e_end, m_tr = emu_seg_state(k, v, gcs, a_beta, stab)
         h_start = emu_fixup(m_tr, e_end, cu_segs, h0)
-        o, ht = emu_fwd_o(q, k, v, gcs, a_beta, stab, h_start, scale, N, uw=uw)
+        o, ht = emu_fwd_o(q, k, v, gcs, a_beta, stab, h_start, scale, N)
         out.update(stab=stab, cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
     else:
         stab, _ = segment_table(cu, cu_chunks, T, N, max(64, (T + 63) // 64 * 64), split=False)
-        o, ht = emu_fwd_o(q, k, v, gcs, a_beta, stab, h0, scale, N, uw=uw)
+        o, ht = emu_fwd_o(q, k, v, gcs, a_beta, stab, h0, scale, N)
         out.update(stab=stab)
     out.update(o=o, final_state=ht)
     return out

@@ -1,6 +1,6 @@
 """Whole-forward latency against the segment length of sequence splitting, on a Hopper GPU.
 
-    python tools/kernels/split_sweep.py [--block-v 64|32] [--cases NAME,...]
+    python tools/kernels/split_sweep.py [--cases NAME,...]
 
 For each case (head config + sequence lengths) the forward runs unsplit and with every segment
 length of ``SPLITS`` shorter than its longest sequence; every split output (o and final state)
@@ -92,7 +92,7 @@ def run_case(pkg, name, hq, hv, lens, block_v):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--block-v", type=int, default=64, choices=(64, 32), help="fwd_o's V block")
+    ap.add_argument("--block-v", type=int, default=64, choices=(64,), help="fwd_o's V block")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     args = ap.parse_args()
     pkg, _ = cf._import_pkg()

@@ -1,8 +1,8 @@
-"""CPU model of fwd_o.py's mbarrier protocol (no GPU): random interleavings of the four roles.
+"""CPU model of fwd_o.py's mbarrier protocol (no GPU): random interleavings of its three roles.
 
-Each warpgroup is one actor executing the same sequence of waits / arrives / buffer reads and
-writes as the kernel (a warpgroup's arrive = its 128 threads' arrivals, so barrier counts are in
-warpgroups: empty 3, the others 1). mbarriers follow PTX semantics: a phase completes when its
+The state warpgroup and the producer warps 4 (TMA) and 5 (tables) are one actor each, executing
+the same sequence of waits / arrives / buffer reads and writes as the kernel (an actor's arrive =
+its threads' arrivals, so barrier counts are in actors: full 2, the others 1). mbarriers follow PTX semantics: a phase completes when its
 pending count reaches 0 and its transaction bytes have landed; ``wait(P)`` passes iff the current
 (incomplete) phase's parity differs from P. TMA writes land at a random later time.
 Each run draws a random speed per role (50x skews), so one role lagging far behind is exercised.
@@ -35,46 +35,34 @@ class Bar:
 
 def programs(nchunks):
     """Per role: list of ops. ("wait", bar, idx, parity, intended_done) / ("arrive", bar, idx) /
-    ("read", buf, slot, chunk) / ("write", buf, slot, chunk) / ("tma", slot, chunk)."""
-    wg0, wg1, wg2, prod = [], [], [], []
+    ("read", buf, slot, chunk) / ("write", buf, slot, chunk) / ("tma", bar, idx, bufs, chunk)."""
+    state, prod, tab = [], [], []
     for c in range(nchunks):
         j, n = c % 2, c // 2
-        # WG0: state owner
-        wg0 += [("wait", "s_free", j, 1 - n % 2, n), ("write", "s", j, c), ("arrive", "s_ready", j),
-                ("wait", "full", j, n % 2, n + 1), ("read", "g", j, c),
-                ("wait", "vp_ready", 0, c % 2, c + 1), ("read", "k", j, c), ("read", "vp", 0, c),
-                ("arrive", "empty", j)]  # fmt: skip
-        # WG1: U, W, Vd, V'
-        wg1 += [("wait", "full", j, n % 2, n + 1), ("wait", "s_ready", j, n % 2, n + 1),
-                ("read", "k", j, c), ("read", "s", j, c), ("read", "v", j, c), ("read", "g", j, c),
-                ("read", "a", j, c), ("wait", "vd_free", j, 1 - n % 2, n),
-                ("write", "vd", j, c), ("read", "g", j, c), ("write", "vp", 0, c),
-                ("arrive", "vd_ready", j), ("arrive", "vp_ready", 0), ("arrive", "empty", j)]  # fmt: skip
-        # WG2: P, O
-        wg2 += [("wait", "full", j, n % 2, n + 1), ("read", "q", j, c), ("read", "k", j, c), ("read", "g", j, c),
-                ("wait", "s_ready", j, n % 2, n + 1), ("read", "s", j, c), ("arrive", "s_free", j),
-                ("wait", "vd_ready", j, n % 2, n + 1), ("read", "vd", j, c),
-                ("arrive", "vd_free", j), ("arrive", "empty", j)]  # fmt: skip
-        # producer (one thread)
-        prod += [("wait", "empty", j, 1 - n % 2, n), ("tma", j, c), ("arrive", "full", j)]
-    return {"wg0": wg0, "wg1": wg1, "wg2": wg2, "prod": prod}
+        # WG0: the state, the Q GEMM first (then Q's one buffer is free), the rest of the chunk
+        state += [("wait", "full", j, n % 2, n + 1), ("wait", "q_full", 0, c % 2, c + 1),
+                  ("read", "q", 0, c), ("arrive", "q_empty", 0),
+                  ("read", "k", j, c), ("read", "g", j, c), ("read", "a", j, c), ("read", "v", j, c),
+                  ("read", "p", j, c), ("arrive", "empty", j)]  # fmt: skip
+        # warp 4: the stage's TMA loads, then Q's once the state is done with the previous Q
+        prod += [("wait", "empty", j, 1 - n % 2, n), ("tma", "full", j, ("k", "v", "a", "p"), c), ("arrive", "full", j),
+                 ("wait", "q_empty", 0, 1 - c % 2, c), ("tma", "q_full", 0, ("q",), c), ("arrive", "q_full", 0)]  # fmt: skip
+        # warp 5: the per-token tables into the stage
+        tab += [("wait", "empty", j, 1 - n % 2, n), ("write", "g", j, c), ("arrive", "full", j)]
+    return {"state": state, "prod": prod, "tab": tab}
 
 
 def simulate(nchunks, seed, mutate=None):
     """One random interleaving; ``mutate(progs)`` may edit the programs (to test that bugs are caught)."""
     rng = random.Random(seed)
-    speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in ("wg0", "wg1", "wg2", "prod", "tma")}  # skewed roles
-    bars = {
-        "full": [Bar(1), Bar(1)], "empty": [Bar(3), Bar(3)], "s_ready": [Bar(1), Bar(1)],
-        "s_free": [Bar(1), Bar(1)], "vd_ready": [Bar(1), Bar(1)], "vd_free": [Bar(1), Bar(1)],
-        "vp_ready": [Bar(1)],
-    }  # fmt: skip
+    speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in ("state", "prod", "tab", "tma")}  # skewed roles
+    bars = {"full": [Bar(2), Bar(2)], "empty": [Bar(1), Bar(1)], "q_full": [Bar(1)], "q_empty": [Bar(1)]}
     bufs = {}  # (buf, slot) -> chunk whose data it holds
     progs = programs(nchunks)
     if mutate is not None:
         mutate(progs)
     pc = {r: 0 for r in progs}
-    in_flight = []  # TMA loads not yet landed: (slot, chunk)
+    in_flight = []  # TMA loads not yet landed: (bar, idx, bufs, chunk)
     steps = 0
     while True:
         steps += 1
@@ -90,11 +78,11 @@ def simulate(nchunks, seed, mutate=None):
             assert all(pc[r] == len(ops) for r, ops in progs.items()), f"deadlock at {pc}"
             return steps
         r = rng.choices(choices, weights=[speed[c] for c in choices])[0]
-        if r == "tma":  # one in-flight TMA lands: writes its stage, completes its tx bytes
-            slot, c = in_flight.pop(rng.randrange(len(in_flight)))
-            for b in ("q", "k", "v", "a", "g"):
-                bufs[(b, slot)] = c
-            bar = bars["full"][slot]
+        if r == "tma":  # one in-flight TMA lands: writes its buffers, completes its tx bytes
+            name, idx, names, c = in_flight.pop(rng.randrange(len(in_flight)))
+            for b in names:
+                bufs[(b, idx)] = c
+            bar = bars[name][idx]
             bar.tx -= 1
             bar._maybe_complete()
             continue
@@ -112,8 +100,8 @@ def simulate(nchunks, seed, mutate=None):
             got = bufs.get((op[1], op[2]))
             assert got == op[3], f"{r}: reads {op[1]}[{op[2]}] for chunk {op[3]} but it holds chunk {got}"
         elif kind == "tma":
-            bars["full"][op[1]].tx += 1  # expect_tx before the loads are issued
-            in_flight.append((op[1], op[2]))
+            bars[op[1]][op[2]].tx += 1  # expect_tx before the loads are issued
+            in_flight.append(op[1:])
 
 
 def run_programs(progs, bars, speed, rng, arrivals=None, bound=100000, tag=""):
