@@ -49,6 +49,7 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
+from .seg_state import gate_tables_macro
 
 #: CTAs per SM that ptxas must fit (``__launch_bounds__``): 256 threads at 128 registers each
 MIN_BLOCKS = 2
@@ -76,6 +77,7 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     N = T.dynamic("N")
     RS, RP = NREG
     FR = T.GemmWarpPolicy.FullRow
+    gate_tables = gate_tables_macro(NST)
 
     @T.prim_func
     def gdn_fwd_o(
@@ -115,7 +117,6 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
             egl = T.alloc_var("float32")
             gv = T.alloc_local((2,), "float32")
-            gl = T.alloc_var("float32")
 
             full = T.alloc_barrier([64] * NST)
             empty = T.alloc_barrier([128] * NST)
@@ -189,23 +190,7 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         T.tma_copy(q[0, t0 : t0 + C, hk, 0:D], q_sh, barrier=q_full[0])
                         T.barrier_arrive(q_full[0])
                 elif tx < 192:
-                    # warp 5: the per-token tables; lane l holds rows 2l, 2l + 1
-                    lane = tx - 160
-                    for ci in T.serial(nchunks):
-                        js = ci % NST
-                        pj = (ci // NST) % 2
-                        t0 = bos + ci * C
-                        ln = T.min(eos - t0, C)
-                        r0 = (cslot + ci) * C
-                        T.barrier_wait(empty[js], 1 - pj)
-                        for r in T.unroll(2):
-                            gv[r] = gcs[hv, r0 + 2 * lane + r]
-                        gl = T.shfl_sync(T.if_then_else((ln - 1) % 2 == 0, gv[0], gv[1]), (ln - 1) // 2)
-                        for r in T.unroll(2):
-                            gt_sh[js, 0, 2 * lane + r] = T.exp(gv[r])
-                            gt_sh[js, 1, 2 * lane + r] = T.if_then_else(2 * lane + r < ln, T.exp(gl - gv[r]), T.float32(0))
-                            gt_sh[js, 2, 2 * lane + r] = T.exp(gl)
-                        T.barrier_arrive(full[js])
+                    gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
 
     return gdn_fwd_o
 

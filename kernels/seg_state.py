@@ -47,6 +47,36 @@ assert NREG[0] + NREG[1] == 2 * NREG_LAUNCH
 NST = 2
 
 
+def gate_tables_macro(nst: int):
+    """The producer warp that writes a chunk's per-token tables into stage c % ``nst`` of
+    gt_sh [nst, 3, 64] (seg_state and fwd_o): for each chunk, once the stage is free, its gcs rows
+    (lane l holds rows 2l, 2l + 1) → e^g, mask · e^{g_l − g} and e^{g_l} (in every column), then
+    its arrive on full. ``gv`` (2 floats) is the warp's local."""
+    import tilelang.language as T
+
+    C = CHUNK
+
+    @T.macro
+    def gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, lane):
+        for ci in T.serial(nchunks):
+            js = ci % nst
+            pj = (ci // nst) % 2
+            t0 = bos + ci * C
+            ln = T.min(eos - t0, C)
+            r0 = (cslot + ci) * C
+            T.barrier_wait(empty[js], 1 - pj)
+            for r in T.unroll(2):
+                gv[r] = gcs[hv, r0 + 2 * lane + r]
+            gl = T.shfl_sync(T.if_then_else((ln - 1) % 2 == 0, gv[0], gv[1]), (ln - 1) // 2)
+            for r in T.unroll(2):
+                gt_sh[js, 0, 2 * lane + r] = T.exp(gv[r])
+                gt_sh[js, 1, 2 * lane + r] = T.if_then_else(2 * lane + r < ln, T.exp(gl - gv[r]), T.float32(0))
+                gt_sh[js, 2, 2 * lane + r] = T.exp(gl)
+            T.barrier_arrive(full[js])
+
+    return gate_tables
+
+
 def seg_state_program(h_qk: int, h_v: int):
     """The prim_func ``gdn_seg_state`` for one head config."""
     import tilelang.language as T
@@ -59,6 +89,7 @@ def seg_state_program(h_qk: int, h_v: int):
     NS = T.dynamic("NS")
     RS, RP = NREG
     FR = T.GemmWarpPolicy.FullRow
+    gate_tables = gate_tables_macro(NST)
 
     @T.prim_func
     def gdn_seg_state(
@@ -90,7 +121,6 @@ def seg_state_program(h_qk: int, h_v: int):
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
             egl = T.alloc_var("float32")
             gv = T.alloc_local((2,), "float32")
-            gl = T.alloc_var("float32")
 
             full = T.alloc_barrier([64] * NST)
             empty = T.alloc_barrier([128] * NST)
@@ -149,23 +179,7 @@ def seg_state_program(h_qk: int, h_v: int):
                         T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[js, :, :], barrier=full[js])
                         T.barrier_arrive(full[js])
                 elif tx < 192:
-                    # warp 5: the per-token tables; lane l holds rows 2l, 2l + 1
-                    lane = tx - 160
-                    for ci in T.serial(nchunks):
-                        js = ci % NST
-                        pj = (ci // NST) % 2
-                        t0 = bos + ci * C
-                        ln = T.min(eos - t0, C)
-                        r0 = (cslot + ci) * C
-                        T.barrier_wait(empty[js], 1 - pj)
-                        for r in T.unroll(2):
-                            gv[r] = gcs[hv, r0 + 2 * lane + r]
-                        gl = T.shfl_sync(T.if_then_else((ln - 1) % 2 == 0, gv[0], gv[1]), (ln - 1) // 2)
-                        for r in T.unroll(2):
-                            gt_sh[js, 0, 2 * lane + r] = T.exp(gv[r])
-                            gt_sh[js, 1, 2 * lane + r] = T.if_then_else(2 * lane + r < ln, T.exp(gl - gv[r]), T.float32(0))
-                            gt_sh[js, 2, 2 * lane + r] = T.exp(gl)
-                        T.barrier_arrive(full[js])
+                    gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
 
     return gdn_seg_state
 
