@@ -23,6 +23,8 @@
 #   5. the GPU test suite again, every cache warm, when the session's deadline allows;
 #   6. the comparisons.
 # JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
+# JOB_STEPS (set at setup; default "bwd_prev suite_first campaign suite_warm") names the steps 2-5 to
+# run, e.g. JOB_STEPS="campaign suite_warm" for the forward campaign and one GPU suite after it.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s); log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
@@ -53,6 +55,7 @@ export QLABENCH_PREV_KERNELS=/tmp/prevkernels
 export QLABENCH_FLASHINFER07_PATH=/tmp/fisite:/tmp/fisite/nvidia_cutlass_dsl/dsl_packages
 export JOB_DEADLINE=$(( $(date +%s) + ${DEVICE_LEFT_S:-1500} ))
 export QLABENCH_GIT_SHA=${SHA:-unknown}
+export JOB_STEPS="${JOB_STEPS:-bwd_prev suite_first campaign suite_warm}"
 EOF
   source "$ENVF"
   (cd /tmp/repo && python3 -m pip install -q --no-deps --no-build-isolation -e . > "$J/install.log" 2>&1) \
@@ -88,6 +91,7 @@ job)
   left() { echo $(( JOB_DEADLINE - $(date +%s) )); }
   step() {  # step NAME NEED MAX CMD...: CMD for at most MAX s (0: no cap) and the deadline less a minute
     local name=$1 need=$2 max=$3; shift 3; local b=$(( $(left) - 60 ))
+    [[ " $JOB_STEPS " == *" ${name%_resume} "* ]] || { log "skip $name: not in JOB_STEPS"; return 1; }
     [ "$max" -gt 0 ] && [ "$b" -gt "$max" ] && b=$max
     if [ "$b" -lt "$need" ]; then log "skip $name: ${b}s left"; return 1; fi
     log "start $name (budget ${b}s)"; local t=$(date +%s)
