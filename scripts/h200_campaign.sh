@@ -2,7 +2,8 @@
 # One H200 session's work as one background job, fed over the FlashInfer 0.7 relay
 # (../shared/device/README.md): device calls back to back on one warm machine, one GPU.
 #   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz
-#               [.tlcache/fqla_fwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz]:
+#               [.tlcache/fqla_fwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz
+#               (scripts/build_flashinfer06_aot.sh)]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
 #               here with `git archive HEAD -- . ':!results' | gzip`; its commit, which rows
 #               record as git_sha, from the archive's header), then the job below started
