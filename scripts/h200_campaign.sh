@@ -66,12 +66,14 @@ EOF
   if [ "${JOB:-campaign}" = none ]; then log "set up; no job started (JOB=none)"; exit 0; fi
   if [ "${JOB:-campaign}" = bwd ]; then  # the backward campaign alone (configs/h200_bwd.yaml), for STEP=wait to collect
     if [ -n "${RESUME_TGZ:-}" ]; then tar -xzf "$RESUME_TGZ" -C /tmp/repo || exit 1; fi  # a carried runs.tgz of a cut call
-    cd /tmp/repo && setsid nohup bash -c "timeout --signal=INT --kill-after=20 $(( JOB_DEADLINE - $(date +%s) - 60 )) \
-      qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume > $J/bwd.log 2>&1; touch $J/done" \
+    (cd /tmp/repo && exec setsid nohup bash -c "timeout --signal=INT --kill-after=20 $(( JOB_DEADLINE - $(date +%s) - 60 )) \
+      qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume > $J/bwd.log 2>&1; touch $J/done") \
       < /dev/null > /dev/null 2>&1 &
     sleep 15; tail -3 "$J/bwd.log"; log "backward campaign started"; exit 0
   fi
-  cd /tmp/repo && setsid nohup env STEP=job bash scripts/h200_campaign.sh > "$J/job.log" 2>&1 < /dev/null &
+  # the redirections on the subshell itself: one that kept this call's stdout (`| tee $OUT/log`)
+  # would hold the call open until the job ends
+  (cd /tmp/repo && exec setsid nohup env STEP=job bash scripts/h200_campaign.sh) > "$J/job.log" 2>&1 < /dev/null &
   sleep 20; cat "$J/job.log"; log "job started";;
 fi07a)
   cp .fi07a/ir.xz /tmp/fi07a.xz && ls -la /tmp/fi07a.xz; tail -5 "$J/job.log"; log done;;
