@@ -2,7 +2,7 @@
 # One H200 session's work as one background job, fed over the FlashInfer 0.7 relay
 # (../shared/device/README.md): device calls back to back on one warm machine, one GPU.
 #   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz
-#               [.tlcache/fqla_fwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz
+#               [.tlcache/fqla_fwd.tar.xz .tlcache/fqla_bwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz
 #               (scripts/build_flashinfer06_aot.sh)]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
 #               here with `git archive HEAD -- . ':!results' | gzip`; its commit, which rows
@@ -39,7 +39,7 @@ case "${STEP:?STEP=setup|fi07a|fi07b|wait|job}" in
 setup)
   mkdir -p "$J" /tmp/tlc
   tar -xJf .tlcache/all.tar.xz -C /tmp/tlc || exit 1
-  for f in fqla_fwd fqla_tests; do  # FlashQLA's kernels (sweep, tests), compiled offline
+  for f in fqla_fwd fqla_bwd fqla_tests; do  # FlashQLA's kernels (the sweeps, tests), compiled offline
     [ -f .tlcache/$f.tar.xz ] && tar -xJf .tlcache/$f.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/$f/. /tmp/tlc/all/
   done
   cp -r .run/prevkernels /tmp/prevkernels || exit 1
