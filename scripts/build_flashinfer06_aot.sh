@@ -8,7 +8,7 @@
 # checkpoints): those are compiled from FlashInfer's own sources; the other 60 are built as
 # functions that throw "variant ... not built", so a call that needs one fails with that message
 # (an error row) instead of running something else. h200_campaign.sh checks the module on the four
-# before use and falls back to the JIT build when the check fails. ~8 min on 2 cores.
+# before use and falls back to the JIT build when the check fails. ~5 min on 2 cores.
 # Needs .devsite/site312.tar.xz (bundle.sh), pip's nvidia-ml-py and apache-tvm-ffi 0.1.12 here.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,7 +54,8 @@ EOF
 # link against the toolkit's libcudart; libcuda is not referenced (an empty stub satisfies -lcuda)
 CUDART=$(dirname "$(find /usr/local -name 'libcudart.so' 2>/dev/null | head -1)")
 echo "" > "$W/stubs/e.c" && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 "$W/stubs/e.c" -o "$W/stubs/libcuda.so"
-sed -i "s#-L\$cuda_home/lib64 \\$#-L$CUDART -L$W/stubs \$#" "$NINJA"
+sed -i 's#-L$cuda_home/lib64 \$#-L'"$CUDART"' -L'"$W"'/stubs $#' "$NINJA"
+grep -q -- "-L$W/stubs" "$NINJA" || { echo "build.ninja: no -L\$cuda_home/lib64 line to replace"; exit 1; }
 ninja -j"$(nproc)" -f "$NINJA"
 SO=$(dirname "$NINJA")/gdn_prefill_sm90.so
 cp "$SO" "$W/out/flashinfer/data/aot/gdn_prefill_sm90/"
