@@ -1,9 +1,9 @@
 """Backward driver: :func:`chunk_gdn_bwd`, the gradients of the chunked prefill (FLA-style, every
 GEMM on wgmma):
 
-    bwd_h     (V block, segment, v-head)  recompute h per chunk (bf16) and v_new     [side stream]
+    bwd_h     (64-column V block, segment, v-head)  recompute h per chunk (bf16) and v_new   [side stream]
     bwd_pw    (chunk slot, qk head)       Pᵀ and W' per v-head of the GVA group
-    bwd_dhu   (V block, segment, v-head)  reverse: dh per chunk, dv_new, dh0
+    bwd_dhu   (segment, v-head)           reverse: dh per chunk, dv_new, dh0
     bwd_dqkwg persistent                  dq, dk (P and state parts), dw, dg (partial)
     bwd_wy    persistent                  through w, u, A: dk, dv, dβ, dg (+ in-chunk reverse cumsum)
 
@@ -32,9 +32,6 @@ from .seg_state import run_seg_state
 from .tables import run_tables
 
 __all__ = ["chunk_gdn_bwd"]
-
-#: V columns per CTA of the chains (bwd_h, bwd_dhu)
-BLOCK_V = 32
 
 _SIDE_STREAMS = {}
 
@@ -90,7 +87,7 @@ def chunk_gdn_bwd(
     ncs = T // CHUNK + N  # chunk slots (chunk_table's rows)
     seqlens = check_seqlens(seqlens, N, T)
     if split_tokens is None:
-        split_tokens = plan_bwd_split(T, N, h_v, sm_count(dev), BLOCK_V, seqlens)
+        split_tokens = plan_bwd_split(T, N, h_v, sm_count(dev), seqlens)
     split_tokens = int(split_tokens)
     if split_tokens and (split_tokens % CHUNK or split_tokens < 0):
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")

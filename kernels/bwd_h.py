@@ -1,28 +1,34 @@
-"""Backward kernel 1: recompute h at every chunk start (bf16) and v_new, with the forward's
-warp-specialised chain (before its U₀/W₀ split) without the output warpgroup.
+"""Backward kernel 1: recompute h at every chunk start (bf16) and v_new, the state in registers.
 
-One CTA of 384 threads = 3 warpgroups per (V block of 32 columns, segment, v-head):
+One CTA of 256 threads per (64-column V block, segment, v-head), two CTAs per SM; the forward's
+chain (seg_state's, fwd_o's without the output). The block's transposed state Sᵀ [64 V, 128 K]
+is fp32 in the registers of one warpgroup and every GEMM but the V term takes its A operand from
+registers (the accumulator cast to bf16; wgmma M = 64). Per chunk (C = 64 rows; g = chunk-local
+cumsum, g_l its last valid value; A_β from prep):
 
-    WG0 (tx   0..127)  owns S [128, bv] in fp32 registers: publish bf16 S to s_sh[c%2]; store it
-                       as h[slot] (global, from registers, while WG1 works); S *= e^{g_last};
-                       wait V'; S += Kᵀ V' (wgmma M = 128)
-    WG1 (tx 128..255)  per-row e^g, mask·e^{g_last − g} (row fragments, before the S hand-off);
-                       U = K S; W = V − e^g ⊙ U (w_sh); Vd = A_β W; V' → vp_sh; then v_new = bf16(Vd)
-                       (global, after the hand-off)
-    WG2 (tx 256..383)  producer: warp 8 waits, one elected lane issues the TMA loads of K, V, A_β, g
-                       of chunk c into stage c%2; warps 9-11 exit
+    h    = bf16(Sᵀ)ᵀ                       (stored as h_all[chunk slot], [K, V])
+    Xᵀ   = Sᵀ Kᵀ
+    Vdᵀ  = (−e^g ⊙ Xᵀ) A_βᵀ + Vᵀ A_βᵀ     (the V term with A = Vᵀ read transposed)
+    v_new = bf16(Vd)                        (stored as vnew rows of the chunk slot)
+    Sᵀ ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
-mbarriers (c = chunk, j = c % 2, n = c // 2): full[j] (count 32 + tx bytes; consumers wait parity
-n%2), empty[j] (count 256: WG0 + WG1 after their last read of stage j; producer waits parity
-(n+1)%2), s_ready[j] (count 128, WG0 -> WG1, parity n%2), vp_ready (count 128, WG1 -> WG0, parity
-c%2). No s_free: WG0 rewrites s_sh[j] (chunk c+2) only after vp_ready(c+1), which WG1 arrives after
-its K S of chunk c+1, itself after its K S of chunk c read s_sh[j]. vp_sh (single buffer) is
-rewritten by WG1 only after s_ready(c+1), which WG0 arrives after its synchronous Kᵀ V' gemm of
-chunk c read it (the forward's argument).
+Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to what two
+warpgroups hold):
+
+    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the four GEMMs, h and v_new
+            straight from the registers to HBM
+    WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block and A_β into stage
+            c % NST; warp 5: the chunk's gcs rows and the per-token tables e^g,
+            mask · e^{g_l − g}, e^{g_l} into the stage (``seg_state.gate_tables_macro``); warps
+            6-7 exit
+
+mbarriers: full[js] (64: warps 4 and 5 + TMA tx bytes; the state waits parity (c // NST) % 2),
+empty[js] (128: the state, done with stage js; the producers wait the other parity, which passes
+at once on a fresh barrier).
 
 Rows past a sequence's end: k and v are loaded unmasked (TMA zero-fills past T; rows of the next
-sequence are finite) and meet only zero columns of A_β, so U, W rows there do not reach Vd
-(A_β rows past the end are 0: Vd rows = 0); V' rows there are masked.
+sequence are finite) and meet only zero columns of A_β (prep), so Vd rows there are 0; the rows
+fed into the state update are masked by the table.
 
 Inputs:  k [1,T,Hqk,128] bf16, v [1,T,Hv,128] bf16, gcs, a_beta (prep), stab int32 [NS,8],
          h_init [R,Hv,128,128] fp32 (row stab[s, 4]; read when ``has_init``).
@@ -34,29 +40,37 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
+from .seg_state import gate_tables_macro
 
-#: setmaxnreg budgets of WG0 (state), WG1 (U/W/Vd), WG2 (producer); 384 threads.
-NREG = (216, 216, 40)
-assert sum(NREG) * 128 <= 65536 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
+#: CTAs per SM that ptxas must fit (``__launch_bounds__``): 256 threads at 128 registers each
+MIN_BLOCKS = 2
+NREG_LAUNCH = 65536 // (256 * MIN_BLOCKS)
+#: setmaxnreg budgets of the state warpgroup (.inc) and the producer warpgroup (.dec); they sum to
+#: what the launch gives two warpgroups
+NREG = (208, 48)
+assert NREG[0] + NREG[1] == 2 * NREG_LAUNCH
+#: input ring depth
+NST = 2
+#: the V block of a CTA (one warpgroup's wgmma M)
+BLOCK_V = 64
 
 
 def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
-    """The prim_func ``gdn_bwd_h_ws`` (V block 32)."""
+    """The prim_func ``gdn_bwd_h`` for one head config and initial-state flag."""
     import tilelang.language as T
 
-    block_v = 32
-
     G = check_heads(h_qk, h_v)
-    C, D, BV = CHUNK, HEAD_DIM, block_v
-    assert D % BV == 0 and BV in (32, 64)
+    C, D, BV = CHUNK, HEAD_DIM, BLOCK_V
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
     R = T.dynamic("R")
-    R0, R1, RP = NREG
+    RS, RP = NREG
+    FR = T.GemmWarpPolicy.FullRow
+    gate_tables = gate_tables_macro(NST)
 
     @T.prim_func
-    def gdn_bwd_h_ws(
+    def gdn_bwd_h(
         k: T.Tensor((1, Tn, h_qk, D), "bfloat16"),
         v: T.Tensor((1, Tn, h_v, D), "bfloat16"),
         gcs: T.Tensor((h_v, NCS * C), "float32"),
@@ -66,30 +80,29 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
         h_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
         vnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
     ):
-        with T.Kernel(D // BV, NS * h_v, threads=384) as (bv, sh):
+        with T.Kernel(D // BV, NS * h_v, threads=256) as (bv, sh):
+            T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
             v0 = bv * BV
 
-            k_sh = T.alloc_shared((2, C, D), "bfloat16")
-            v_sh = T.alloc_shared((2, C, BV), "bfloat16")
-            a_sh = T.alloc_shared((2, C, C), "bfloat16")
-            g_sh = T.alloc_shared((2, C), "float32")
-            s_sh = T.alloc_shared((2, D, BV), "bfloat16")
-            vp_sh = T.alloc_shared((C, BV), "bfloat16")
-            w_sh = T.alloc_shared((C, BV), "bfloat16")
+            k_sh = T.alloc_shared((NST, C, D), "bfloat16")
+            v_sh = T.alloc_shared((NST, C, BV), "bfloat16")
+            a_sh = T.alloc_shared((NST, C, C), "bfloat16")
+            # gt_sh[js, 0..2, i]: e^g, mask · e^{g_l − g}, e^{g_l} (in every column)
+            gt_sh = T.alloc_shared((NST, 3, C), "float32", scope="shared")
 
-            s_frag = T.alloc_fragment((D, BV), "float32")
-            u_frag = T.alloc_fragment((C, BV), "float32")
-            vd_frag = T.alloc_fragment((C, BV), "float32")
-            eg1 = T.alloc_fragment((C,), "float32")
-            el1 = T.alloc_fragment((C,), "float32")
+            s_acc = T.alloc_fragment((BV, D), "float32")  # Sᵀ [V, K]
+            s_bf = T.alloc_fragment((BV, D), "bfloat16")
+            x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
+            w_bf = T.alloc_fragment((BV, C), "bfloat16")
+            vp_bf = T.alloc_fragment((BV, C), "bfloat16")
+            egl = T.alloc_var("float32")
+            gv = T.alloc_local((2,), "float32")
 
-            full = T.alloc_barrier([32, 32])
-            empty = T.alloc_barrier([256, 256])
-            s_ready = T.alloc_barrier([128, 128])
-            vp_ready = T.alloc_barrier(128)
+            full = T.alloc_barrier([64] * NST)
+            empty = T.alloc_barrier([128] * NST)
 
             bos = stab[s, 0]
             eos = stab[s, 1]
@@ -97,76 +110,56 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
             cslot = stab[s, 3]
             irow = stab[s, 4]
             nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
-            egl = T.alloc_var("float32")
 
             tx = T.get_thread_binding()
-
             if tx < 128:
-                # ---------------- WG0: state owner, h store ----------------
-                T.set_max_nreg(R0, 1)
+                T.set_max_nreg(RS, 1)
                 if has_init:
-                    T.copy(h_init[irow, hv, 0:D, v0 : v0 + BV], s_frag)
+                    for i, j in T.Parallel(BV, D):
+                        s_acc[i, j] = h_init[irow, hv, j, v0 + i]
                 else:
-                    T.clear(s_frag)
+                    T.clear(s_acc)
                 for ci in T.serial(nchunks):
-                    j = ci % 2
-                    ph = (ci // 2) % 2
-                    ln = T.min(eos - (bos + ci * C), C)
-                    T.copy(s_frag, s_sh[j, :, :])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(s_ready[j])
-                    for i, jj in T.Parallel(D, BV):
-                        h_all[hv, cslot + ci, i, v0 + jj] = T.cast(s_frag[i, jj], "bfloat16")
-                    T.barrier_wait(full[j], ph)
-                    egl = T.exp(g_sh[j, ln - 1])
-                    for i, jj in T.Parallel(D, BV):
-                        s_frag[i, jj] = s_frag[i, jj] * egl
-                    T.barrier_wait(vp_ready[0], ci % 2)
-                    T.gemm(k_sh[j, :, :], vp_sh, s_frag, transpose_A=True)
-                    T.barrier_arrive(empty[j])
-            elif tx < 256:
-                # ---------------- WG1: U = K S, W, Vd, V', v_new ----------------
-                T.set_max_nreg(R1, 1)
-                for ci in T.serial(nchunks):
-                    j = ci % 2
-                    ph = (ci // 2) % 2
-                    ln = T.min(eos - (bos + ci * C), C)
+                    js = ci % NST
+                    pj = (ci // NST) % 2
                     r0 = (cslot + ci) * C
-                    T.barrier_wait(full[j], ph)
-                    for i in T.Parallel(C):
-                        eg1[i] = T.exp(g_sh[j, i])
-                    for i in T.Parallel(C):
-                        el1[i] = T.if_then_else(i < ln, T.exp(g_sh[j, ln - 1] - g_sh[j, i]), T.float32(0))
-                    T.barrier_wait(s_ready[j], ph)
-                    T.gemm(k_sh[j, :, :], s_sh[j, :, :], u_frag, clear_accum=True)
-                    for i, jj in T.Parallel(C, BV):
-                        w_sh[i, jj] = T.cast(T.cast(v_sh[j, i, jj], "float32") - eg1[i] * u_frag[i, jj], "bfloat16")
-                    T.fence_proxy_async()  # w_sh: generic writes -> wgmma reads
-                    T.gemm(a_sh[j, :, :], w_sh, vd_frag, clear_accum=True)
-                    for i, jj in T.Parallel(C, BV):
-                        vp_sh[i, jj] = T.cast(el1[i] * vd_frag[i, jj], "bfloat16")
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vp_ready[0])
-                    T.barrier_arrive(empty[j])
-                    for i, jj in T.Parallel(C, BV):
-                        vnew[hv, r0 + i, v0 + jj] = T.cast(vd_frag[i, jj], "bfloat16")
+                    T.copy(s_acc, s_bf)
+                    for i, j in T.Parallel(BV, D):
+                        h_all[hv, cslot + ci, j, v0 + i] = s_bf[i, j]
+                    T.barrier_wait(full[js], pj)
+                    T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    for i, j in T.Parallel(BV, C):
+                        w_bf[i, j] = T.cast(-gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
+                    T.gemm(w_bf, a_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    T.gemm(v_sh[js, :, :], a_sh[js, :, :], x_acc, transpose_A=True, transpose_B=True, policy=FR)
+                    for i, j in T.Parallel(BV, C):
+                        w_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
+                        vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * x_acc[i, j], "bfloat16")
+                    egl = gt_sh[js, 2, 0]
+                    for i, j in T.Parallel(BV, D):
+                        s_acc[i, j] = s_acc[i, j] * egl
+                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                    T.barrier_arrive(empty[js])
+                    for i, j in T.Parallel(BV, C):
+                        vnew[hv, r0 + j, v0 + i] = w_bf[i, j]
             else:
-                # ---------------- WG2: producer (warp 8; one elected lane issues the TMA loads) -----
                 T.set_max_nreg(RP, 0)
-                if tx < 288:
+                if tx < 160:
+                    # warp 4: TMA loads (one elected lane issues them)
                     for ci in T.serial(nchunks):
-                        j = ci % 2
-                        ph = (ci // 2) % 2
+                        js = ci % NST
+                        pj = (ci // NST) % 2
                         t0 = bos + ci * C
                         r0 = (cslot + ci) * C
-                        T.barrier_wait(empty[j], 1 - ph)
-                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[j, :, :], barrier=full[j])
-                        T.tma_copy(v[0, t0 : t0 + C, hv, v0 : v0 + BV], v_sh[j, :, :], barrier=full[j])
-                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[j, :, :], barrier=full[j])
-                        T.tma_copy(gcs[hv, r0 : r0 + C], g_sh[j, :], barrier=full[j])
-                        T.barrier_arrive(full[j])
+                        T.barrier_wait(empty[js], 1 - pj)
+                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
+                        T.tma_copy(v[0, t0 : t0 + C, hv, v0 : v0 + BV], v_sh[js, :, :], barrier=full[js])
+                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[js, :, :], barrier=full[js])
+                        T.barrier_arrive(full[js])
+                elif tx < 192:
+                    gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
 
-    return gdn_bwd_h_ws
+    return gdn_bwd_h
 
 
 @functools.cache

@@ -163,37 +163,34 @@ def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple, h_qk=None) ->
 
 
 #: Backward split cost model (µs per chunk step per CTA, H200), fitted by ``scripts/plan_refit.py
-#: bwd`` (non-negative least squares) to ``results/h200_planner/bwd_splits``: the backward sweep's
-#: four head configs at every segment length, where its picks are 1.016x the best candidate (geomean
-#: over 32 points). dhu's term fits to 0: on those layouts bwd_dhu's makespan moves with bwd_h's,
-#: whose term carries both chains. seg_state, the fix-ups and the launches price the split path's
-#: extra work, which measures well above its chains' share (two segments never pay).
-_BWD_SPLIT_COST = {"dhu": 0.0, "bwd_h": 1.65, "seg_state": 2.3, "fixup": 4.7, "launch": 15.0}
+#: bwd`` (non-negative least squares) to a run of ``configs/h200_bwd_splits.yaml``. Both chains walk
+#: a (segment, v-head) with full V per SM (bwd_dhu: one CTA of two state warpgroups; bwd_h: two CTAs
+#: of 64 V columns, two per SM), so each is one item per (segment, v-head) over the SMs. seg_state,
+#: the fix-ups and the launches price the split path's extra work.
+_BWD_SPLIT_COST = {"dhu": 0.0, "bwd_h": 6.6, "seg_state": 2.3, "fixup": 4.7, "launch": 15.0}
 
 
-def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 32) -> float:
+def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132) -> float:
     """Estimated time (µs-like units) of the backward's chains for sequences of ``lens`` tokens cut
     into ``seg``-token segments (0 = unsplit): bwd_h and bwd_dhu (two passes when split: pass 1 on
     every segment but the first of its sequence), plus seg_state and the two fix-ups when split."""
-    cpb = HEAD_DIM // block_v
     c = _BWD_SPLIT_COST
     if not seg:
-        items = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
-        return _lpt_makespan(items, 2 * num_sms) * c["dhu"] + _lpt_makespan(items, num_sms) * c["bwd_h"]
+        items = [(math.ceil(ln / CHUNK), h_v) for ln in lens if ln > 0]
+        return _lpt_makespan(items, num_sms) * (c["dhu"] + c["bwd_h"])
     every, not_first, not_last, serial = {}, {}, {}, 0
     for ln in lens:
         ns = max(1, math.ceil(ln / seg))
         for i in range(ns):
             ch = math.ceil(min(seg, ln - i * seg) / CHUNK)
-            every[ch] = every.get(ch, 0) + h_v * cpb
+            every[ch] = every.get(ch, 0) + h_v
             if i > 0:
-                not_first[ch] = not_first.get(ch, 0) + h_v * cpb
+                not_first[ch] = not_first.get(ch, 0) + h_v
             if i < ns - 1:
                 not_last[ch] = not_last.get(ch, 0) + h_v * 4
         serial = max(serial, ns - 1)
     return (
-        (_lpt_makespan(list(every.items()), 2 * num_sms) + _lpt_makespan(list(not_first.items()), 2 * num_sms))
-        * c["dhu"]
+        (_lpt_makespan(list(every.items()), num_sms) + _lpt_makespan(list(not_first.items()), num_sms)) * c["dhu"]
         + _lpt_makespan(list(every.items()), num_sms) * c["bwd_h"]
         + _lpt_makespan(list(not_last.items()), 2 * num_sms) * c["seg_state"]
         + 2 * serial * c["fixup"]
@@ -202,25 +199,25 @@ def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_bwd_lens(lens: tuple, h_v: int, num_sms: int, block_v: int) -> int:
+def _plan_bwd_lens(lens: tuple, h_v: int, num_sms: int) -> int:
     longest = max(lens, default=0)
     best, best_cost = 0, None
     for seg in (0, *_SPLIT_CANDIDATES[1:]):
         if seg and seg >= longest:
             break
-        c = bwd_split_cost(lens, h_v, seg, num_sms, block_v)
+        c = bwd_split_cost(lens, h_v, seg, num_sms)
         if best_cost is None or c < best_cost * 0.95:  # split only for a clear gain
             best, best_cost = seg, c
     return best
 
 
-def plan_bwd_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 32, seqlens=None) -> int:
+def plan_bwd_split(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None) -> int:
     """Segment length in tokens for the backward's sequence split (0 = unsplit), by
     :func:`bwd_split_cost` over 512..16384-token segments; host values only."""
     lens = _lens_of(T, N, seqlens)
     if not lens or max(lens) <= 512:
         return 0
-    return _plan_bwd_lens(lens, h_v, num_sms, block_v)
+    return _plan_bwd_lens(lens, h_v, num_sms)
 
 
 def _lens_of(T, N, seqlens):

@@ -47,32 +47,45 @@ assert NREG[0] + NREG[1] == 2 * NREG_LAUNCH
 NST = 2
 
 
-def gate_tables_macro(nst: int):
-    """The producer warp that writes a chunk's per-token tables into stage c % ``nst`` of
-    gt_sh [nst, 3, 64] (seg_state and fwd_o): for each chunk, once the stage is free, its gcs rows
-    (lane l holds rows 2l, 2l + 1) → e^g, mask · e^{g_l − g} and e^{g_l} (in every column), then
-    its arrive on full. ``gv`` (2 floats) is the warp's local."""
+def gate_tables_macro(nst: int, reverse: bool = False):
+    """The producer warp that writes a chunk's per-token tables into stage r % ``nst`` of
+    gt_sh [nst, 3, 64] (seg_state, fwd_o, bwd_h; bwd_dhu with ``reverse``: step r is chunk
+    nchunks − 1 − r): for each step, once the stage is free, its chunk's gcs rows (lane l holds
+    rows 2l, 2l + 1) → e^g, mask · e^{g_l − g} and e^{g_l} (in every column), then its arrive on
+    full. ``gv`` (2 floats) is the warp's local."""
     import tilelang.language as T
 
     C = CHUNK
 
     @T.macro
-    def gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, lane):
-        for ci in T.serial(nchunks):
-            js = ci % nst
-            pj = (ci // nst) % 2
-            t0 = bos + ci * C
-            ln = T.min(eos - t0, C)
-            r0 = (cslot + ci) * C
-            T.barrier_wait(empty[js], 1 - pj)
-            for r in T.unroll(2):
-                gv[r] = gcs[hv, r0 + 2 * lane + r]
-            gl = T.shfl_sync(T.if_then_else((ln - 1) % 2 == 0, gv[0], gv[1]), (ln - 1) // 2)
-            for r in T.unroll(2):
-                gt_sh[js, 0, 2 * lane + r] = T.exp(gv[r])
-                gt_sh[js, 1, 2 * lane + r] = T.if_then_else(2 * lane + r < ln, T.exp(gl - gv[r]), T.float32(0))
-                gt_sh[js, 2, 2 * lane + r] = T.exp(gl)
-            T.barrier_arrive(full[js])
+    def tables_of_chunk(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, lane, ci, js, pj):
+        t0 = bos + ci * C
+        ln = T.min(eos - t0, C)
+        r0 = (cslot + ci) * C
+        T.barrier_wait(empty[js], 1 - pj)
+        for r in T.unroll(2):
+            gv[r] = gcs[hv, r0 + 2 * lane + r]
+        gl = T.shfl_sync(T.if_then_else((ln - 1) % 2 == 0, gv[0], gv[1]), (ln - 1) // 2)
+        for r in T.unroll(2):
+            gt_sh[js, 0, 2 * lane + r] = T.exp(gv[r])
+            gt_sh[js, 1, 2 * lane + r] = T.if_then_else(2 * lane + r < ln, T.exp(gl - gv[r]), T.float32(0))
+            gt_sh[js, 2, 2 * lane + r] = T.exp(gl)
+        T.barrier_arrive(full[js])
+
+    if reverse:
+
+        @T.macro
+        def gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, lane):
+            for cr in T.serial(nchunks):
+                tables_of_chunk(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, lane, nchunks - 1 - cr, cr % nst,
+                                (cr // nst) % 2)  # fmt: skip
+
+    else:
+
+        @T.macro
+        def gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, lane):
+            for ci in T.serial(nchunks):
+                tables_of_chunk(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, lane, ci, ci % nst, (ci // nst) % 2)
 
     return gate_tables
 

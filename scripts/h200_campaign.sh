@@ -9,23 +9,28 @@
 #               record as git_sha, from the archive's header), then the job below started
 #               in its own process session (it outlives the call); returns at once.
 #               JOB=none: the environment only (/tmp/job/env.sh, /tmp/repo), no job, e.g. for
-#               scripts/h200_fixed_cost.sh run in the same or the next call. JOB=bwd: the backward
-#               campaign alone (configs/h200_bwd.yaml, --resume from RESUME_TGZ, a carried runs.tgz; FLA's
-#               autotuning and FlashQLA's compiles take most of a call), collected by STEP=wait.
+#               scripts/h200_fixed_cost.sh run in the same or the next call. RESUME_TGZ: a carried
+#               runs.tgz of a cut call, unpacked into /tmp/repo before the job (--resume continues it).
 #   STEP=fi07a  carry .fi07a: the CuTe-DSL MLIR library into /tmp.
 #   STEP=fi07b  carry .fi07b: /tmp/fisite (FlashInfer 0.7.4); the job starts the campaign once it is there.
 #   STEP=wait   until the job ends or the call's deadline: its logs and runs so far into $OUT.
-# The job (STEP=job, in /tmp/repo):
-#   1. FlashInfer 0.6.13's JIT module in the background (or the carried one);
-#   2. tilelang vs tilelang@prev on the backward sweep (configs/h200_bwd_kernels_prev.yaml);
-#   3. the GPU test suite in one job (its first run on this machine);
-#   4. the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4, flashqla,
-#      tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
-#   5. the GPU test suite again, every cache warm, when the session's deadline allows;
-#   6. the comparisons.
+# The job (STEP=job, in /tmp/repo), each step only when JOB_STEPS names it:
+#   FlashInfer 0.6.13's module checked (the carried one) or JIT-built in the background, when a
+#   step runs it (campaign, suite_*);
+#   check_bwd    tools/kernels/check_bwd.py --quick: every backward stage against its emulation,
+#                the gradients against the reference, stage times (into $J/checks);
+#   bwd_prev     tilelang vs tilelang@prev on the backward sweep (configs/h200_bwd_kernels_prev.yaml);
+#   bwd_splits   the backward planner's candidates side by side (configs/h200_bwd_splits.yaml);
+#   fwd_recipes  the forward sweep's points under the strong-decay and model recipes (tilelang);
+#   suite_first  the GPU test suite in one job (its first run on this machine);
+#   bwd          the backward campaign, configs/h200_bwd.yaml (fla, flashqla, tilelang) into runs/h200_bwd;
+#   campaign     the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4,
+#                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
+#   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
+# then the comparisons of the runs it made.
 # JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
-# JOB_STEPS (set at setup; default "bwd_prev suite_first campaign suite_warm") names the steps 2-5 to
-# run, e.g. JOB_STEPS="campaign suite_warm" for the forward campaign and one GPU suite after it.
+# JOB_STEPS (set at setup; default "bwd_prev suite_first campaign suite_warm") names the steps to run,
+# e.g. JOB_STEPS="campaign suite_warm" for the forward campaign and one GPU suite after it.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s); log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
@@ -33,7 +38,8 @@ J=/tmp/job; ENVF=$J/env.sh
 
 snapshot() {  # what the job has so far, into $OUT (small: no kernel caches)
   tar czf "$OUT/runs.tgz" -C /tmp/repo --exclude=_logs runs 2>/dev/null
-  cp "$J"/*.log "$J"/*.xml "$J"/*.csv "$OUT/" 2>/dev/null; ls -la "$OUT"; }
+  cp "$J"/*.log "$J"/*.xml "$J"/*.csv "$OUT/" 2>/dev/null; [ -d "$J/checks" ] && cp -r "$J/checks" "$OUT/"
+  ls -la "$OUT"; }
 
 case "${STEP:?STEP=setup|fi07a|fi07b|wait|job}" in
 setup)
@@ -64,13 +70,7 @@ EOF
   log "tilelang cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels"
   nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$J/nvidia-smi.csv"
   if [ "${JOB:-campaign}" = none ]; then log "set up; no job started (JOB=none)"; exit 0; fi
-  if [ "${JOB:-campaign}" = bwd ]; then  # the backward campaign alone (configs/h200_bwd.yaml), for STEP=wait to collect
-    if [ -n "${RESUME_TGZ:-}" ]; then tar -xzf "$RESUME_TGZ" -C /tmp/repo || exit 1; fi  # a carried runs.tgz of a cut call
-    (cd /tmp/repo && exec setsid nohup bash -c "timeout --signal=INT --kill-after=20 $(( JOB_DEADLINE - $(date +%s) - 60 )) \
-      qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume > $J/bwd.log 2>&1; touch $J/done") \
-      < /dev/null > /dev/null 2>&1 &
-    sleep 15; tail -3 "$J/bwd.log"; log "backward campaign started"; exit 0
-  fi
+  if [ -n "${RESUME_TGZ:-}" ]; then tar -xzf "$RESUME_TGZ" -C /tmp/repo || exit 1; fi  # a carried runs.tgz of a cut call
   # the redirections on the subshell itself: one that kept this call's stdout (`| tee $OUT/log`)
   # would hold the call open until the job ends
   (cd /tmp/repo && exec setsid nohup env STEP=job bash scripts/h200_campaign.sh) > "$J/job.log" 2>&1 < /dev/null &
@@ -88,7 +88,7 @@ wait)
   while [ ! -f "$J/done" ] && [ $(( $(date +%s) - T0 )) -lt "$left" ]; do  # a snapshot a minute:
     sleep 5; [ $(( ($(date +%s) - T0) % 60 )) -lt 5 ] && snapshot > /dev/null  # the call may be cut
   done
-  tail -30 "$J/job.log" "$J/bwd.log" 2>/dev/null; snapshot; log "$( [ -f "$J/done" ] && echo 'job done' || echo 'job still running')";;
+  tail -30 "$J/job.log" 2>/dev/null; snapshot; log "$( [ -f "$J/done" ] && echo 'job done' || echo 'job still running')";;
 job)
   source "$ENVF"
   left() { echo $(( JOB_DEADLINE - $(date +%s) )); }
@@ -113,18 +113,28 @@ for hq, hv in ((2, 8), (2, 2)):
         f(q=q,k=q,v=v,g=torch.rand(T,hv,device=dev),beta=torch.rand(T,hv,device=dev),initial_state=h0,
           cu_seqlens=torch.tensor([0,T],device=dev,dtype=torch.int64),output_final_state=True)
 torch.cuda.synchronize(); print('flashinfer ready')"
+  wants() { [[ " $JOB_STEPS " == *" $1 "* ]]; }
   AOT=/tmp/site312/flashinfer/data/aot/gdn_prefill_sm90/gdn_prefill_sm90.so
-  if [ -f "$AOT" ] && ! timeout 120 python3 -c "$fi_calls" > "$J/fi_aot.log" 2>&1; then
-    tail -5 "$J/fi_aot.log"; log "carried flashinfer module failed: JIT build instead"; rm -f "$AOT"
+  if wants campaign || wants suite_first || wants suite_warm; then
+    if [ -f "$AOT" ] && ! timeout 120 python3 -c "$fi_calls" > "$J/fi_aot.log" 2>&1; then
+      tail -5 "$J/fi_aot.log"; log "carried flashinfer module failed: JIT build instead"; rm -f "$AOT"
+    fi
+    if [ ! -f "$AOT" ]; then python3 -c "$fi_calls" > "$J/fi_jit.log" 2>&1 & FI_PID=$!; else log "flashinfer: carried module ok"; fi
   fi
-  if [ ! -f "$AOT" ]; then python3 -c "$fi_calls" > "$J/fi_jit.log" 2>&1 & FI_PID=$!; else log "flashinfer: carried module ok"; fi
-  step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml
+  mkdir -p "$J/checks"
+  step check_bwd 60 240 env OUT="$J/checks" python3 tools/kernels/check_bwd.py --quick
+  step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml --resume
+  step bwd_splits 120 420 qlabench run configs/h200_bwd_splits.yaml --resume
+  step fwd_recipes 120 360 qlabench run configs/h200_fwd_recipes.yaml --resume
   step suite_first 200 420 $(suite suite_first)
-  while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
-  tail -1 "$J/fi_jit.log" 2>/dev/null
-  log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
-  step campaign 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd
-  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_resume 90 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd --resume
+  step bwd 300 0 qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume
+  if wants campaign; then
+    while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
+    tail -1 "$J/fi_jit.log" 2>/dev/null
+    log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
+    step campaign 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd
+    [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_resume 90 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd --resume
+  fi
   step suite_warm 240 480 $(suite suite_warm)
   for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang"; do
     set -- $c; [ -d "$1" ] || continue
