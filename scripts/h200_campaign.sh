@@ -17,8 +17,9 @@
 # The job (STEP=job, in /tmp/repo), each step only when JOB_STEPS names it:
 #   FlashInfer 0.6.13's module checked (the carried one) or JIT-built in the background, when a
 #   step runs it (campaign, suite_*);
-#   check_bwd    tools/kernels/check_bwd.py --quick: every backward stage against its emulation,
-#                the gradients against the reference, stage times (into $J/checks);
+#   check_bwd    tools/kernels/check_bwd.py --quick [--cases $CHECK_BWD_CASES, set at setup]: every
+#                backward stage against its emulation, the gradients against the reference, stage
+#                times (into $J/checks);
 #   bwd_prev     tilelang vs tilelang@prev on the backward sweep (configs/h200_bwd_kernels_prev.yaml);
 #   bwd_splits   the backward planner's candidates side by side (configs/h200_bwd_splits.yaml);
 #   fwd_recipes  the forward sweep's points under the strong-decay and model recipes (tilelang);
@@ -63,6 +64,7 @@ export QLABENCH_FLASHINFER07_PATH=/tmp/fisite:/tmp/fisite/nvidia_cutlass_dsl/dsl
 export JOB_DEADLINE=$(( $(date +%s) + ${DEVICE_LEFT_S:-1500} ))
 export QLABENCH_GIT_SHA=${SHA:-unknown}
 export JOB_STEPS="${JOB_STEPS:-bwd_prev suite_first campaign suite_warm}"
+export CHECK_BWD_CASES="${CHECK_BWD_CASES:-}"
 EOF
   source "$ENVF"
   (cd /tmp/repo && python3 -m pip install -q --no-deps --no-build-isolation -e . > "$J/install.log" 2>&1) \
@@ -122,7 +124,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     if [ ! -f "$AOT" ]; then python3 -c "$fi_calls" > "$J/fi_jit.log" 2>&1 & FI_PID=$!; else log "flashinfer: carried module ok"; fi
   fi
   mkdir -p "$J/checks"
-  step check_bwd 60 240 env OUT="$J/checks" python3 tools/kernels/check_bwd.py --quick
+  step check_bwd 60 240 env OUT="$J/checks" python3 tools/kernels/check_bwd.py --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
   step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml --resume
   step bwd_splits 120 420 qlabench run configs/h200_bwd_splits.yaml --resume
   step fwd_recipes 120 360 qlabench run configs/h200_fwd_recipes.yaml --resume
