@@ -167,7 +167,7 @@ def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple, h_qk=None) ->
 #: a (segment, v-head) with full V per SM (bwd_dhu: one CTA of two state warpgroups; bwd_h: two CTAs
 #: of 64 V columns, two per SM), so each is one item per (segment, v-head) over the SMs. seg_state,
 #: the fix-ups and the launches price the split path's extra work.
-_BWD_SPLIT_COST = {"dhu": 0.0, "bwd_h": 6.6, "seg_state": 2.3, "fixup": 4.7, "launch": 15.0}
+_BWD_SPLIT_COST = {"dhu": 0.48, "bwd_h": 4.59, "seg_state": 1.38, "fixup": 2.78, "launch": 5.45}
 
 
 def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132) -> float:

@@ -34,24 +34,24 @@ def test_lpt_makespan_is_list_scheduling():
 
 
 def test_plan_bwd_split_cuts_only_few_long_chains():
-    """The backward's split planner cuts a long sequence when its chains (h_v x 4 V blocks) leave
-    SMs idle, never short ones, and reads the host lengths for unequal sequences."""
+    """The backward's split planner cuts a long sequence when its chains (one per sequence and v-head)
+    leave SMs idle, never short ones, and reads the host lengths for unequal sequences."""
     pkg = _pkg()
-    assert pkg.plan_bwd_split(32768, 1, 4) > 0  # 16 chains of 512 chunks
+    assert pkg.plan_bwd_split(32768, 1, 4) > 0  # 4 chains of 512 chunks
     assert pkg.plan_bwd_split(8192, 1, 4) > 0
     assert pkg.plan_bwd_split(400, 1, 4) == 0  # too short to cut
-    assert pkg.plan_bwd_split(32768, 8, 32) == 0  # 1024 chains already
+    assert pkg.plan_bwd_split(32768, 8, 32) == 0  # 256 chains already
     seg = pkg.plan_bwd_split(32768, 2, 4, seqlens=[32000, 768])
     assert seg > 0 and pkg.bwd_split_cost([32000, 768], 4, seg) < pkg.bwd_split_cost([32000, 768], 4, 0)
     assert pkg.bwd_split_cost([32768], 4, 0) > pkg.bwd_split_cost([32768], 4, 2048)
-    # measured on the H200 (results/h200_planner/bwd_splits, 2026-12-01, whole backward):
-    assert pkg.plan_bwd_split(32768, 1, 4) == 2048  # 2/4 1x32768: 0.770 ms (4096: 0.748, unsplit 1.295)
-    assert pkg.plan_bwd_split(8192, 1, 4) == 1024  # 2/4 1x8192: 0.249 ms (2048: 0.246, unsplit 0.345)
-    assert pkg.plan_bwd_split(32768, 1, 8) == 4096  # 4/8 1x32768: 1.380 ms (unsplit 1.562)
-    assert pkg.plan_bwd_split(8192, 1, 16) == 0  # 8/16 1x8192: 0.561 ms (1024: 0.753)
-    assert pkg.plan_bwd_split(32768, 1, 32) == 0  # 16/32 1x32768: 3.987 ms (16384: 4.748)
+    # measured on the H200 (results/h200_planner/bwd_splits_rs, 2026-12-03, whole backward):
+    assert pkg.plan_bwd_split(32768, 1, 4) == 1024  # 2/4 1x32768: 0.607 ms (2048: 0.633, unsplit 2.787)
+    assert pkg.plan_bwd_split(8192, 1, 4) == 512  # 2/4 1x8192: 0.210 ms (1024: 0.241, unsplit 0.748)
+    assert pkg.plan_bwd_split(32768, 1, 8) == 2048  # 4/8 1x32768: 1.051 ms (1024: 1.107, unsplit 3.225)
+    assert pkg.plan_bwd_split(8192, 1, 16) == 1024  # 8/16 1x8192: 0.550 ms (unsplit 1.012)
+    assert pkg.plan_bwd_split(32768, 1, 32) == 8192  # 16/32 1x32768: 3.858 ms (4096: 3.820, unsplit 4.944)
     eight = [3274, 1029, 2909, 5061, 2011, 3793, 9932, 4759]
-    assert pkg.plan_bwd_split(32768, 8, 8, seqlens=eight) == 0  # 4/8: 1.179 ms (1024: 1.415)
+    assert pkg.plan_bwd_split(32768, 8, 8, seqlens=eight) == 2048  # 4/8: 1.067 ms (1024: 1.058, unsplit 1.506)
 
 
 def test_plan_fwd_picks_the_faster_final_kernel():

@@ -78,8 +78,6 @@ def graph_time_ms(fn, reps=20, inner=None):
 
 TOL = {"dq": 4e-2, "dk": 4e-2, "dv": 4e-2, "dbeta": 4e-2, "dh0": 4e-2, "dg": 8e-2}
 LINES = []
-# issue 5 (lent H200, backward); 2/4 from the kept run results/h200_bwd (FlashQLA 0.1.3)
-FLASHQLA_MS = {"16_32_1x32768": 2.07, "4_8_8way32768": 0.665, "2_4_1x32768": 0.655, "2_4_1x8192": 0.381}
 
 
 def log(*a):
@@ -262,12 +260,9 @@ def time_case(pkg, name, seqlens, h_qk, h_v, timings, bwd_only=False):
         g_split = g["split_tokens"]
         st = stage_times_ms(x, r, g)
         del g
-        ref = FLASHQLA_MS.get(name)
-        rs = f" | FlashQLA bwd {ref:.3f} ms -> ratio {ref / ms_b:.2f}x" if ref else ""
         log(
             f"TIME {name:18s} split={g_split} bwd {ms_b:8.3f} ms  fwd {ms_f:7.3f}  fwd+bwd {ms_fb:8.3f} | "
             + " ".join(f"{k}={v:.3f}" for k, v in st.items())
-            + rs
         )
         timings.append(dict(case=name, split=g_split, bwd_ms=ms_b, fwd_ms=ms_f, fwdbwd_ms=ms_fb, stage_ms=st))
         torch.cuda.empty_cache()

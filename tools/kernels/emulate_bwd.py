@@ -111,7 +111,7 @@ def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split="", uw=Fa
     or 0; returns F [NS, Hv, K, V] as the third value (NaN rows elsewhere), dh_all / dvnew NaN.
     split="carry": every segment from dht[s] (row = segment); dh0 from first segments only.
 
-    uw=True: the dH-independent algebra of the warp-specialised bwd_dhu (bwd_dhu_ws.py + bwd_pw.py):
+    uw=True: the algebra of bwd_dhu.py with bwd_pw.py (the dH-independent parts first):
     Y = A_βᵀ dv_new = Y₀ + W' dH with Y₀ = A_βᵀ bf16(Pᵀ dO) and W' = bf16(A_βᵀ bf16(e^{g_l − g} ⊙ K)),
     both computable before dH arrives, so the chain per chunk is W' dH and Kᵀ(e^g ⊙ Y); dv_new (an
     output only) is formed as before."""
