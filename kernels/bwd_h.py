@@ -1,7 +1,7 @@
 """Backward kernel 1: recompute h at every chunk start (bf16) and v_new, the state in registers.
 
-One CTA of 256 threads per (64-column V block, segment, v-head), two CTAs per SM; the forward's
-chain (seg_state's, fwd_o's without the output). The block's transposed state Sᵀ [64 V, 128 K]
+One CTA of 256 threads per (64-column V block, segment, v-head), two CTAs per SM; seg_state's chain
+(``seg_state.chain_step_macro``, its loads ``seg_state.kva_loads_macro``) plus the stores. The block's transposed state Sᵀ [64 V, 128 K]
 is fp32 in the registers of one warpgroup and every GEMM but the V term takes its A operand from
 registers (the accumulator cast to bf16; wgmma M = 64). Per chunk (C = 64 rows; g = chunk-local
 cumsum, g_l its last valid value; A_β from prep):
@@ -40,7 +40,7 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
-from .seg_state import gate_tables_macro
+from .seg_state import chain_step_macro, gate_tables_macro, kva_loads_macro
 
 #: CTAs per SM that ptxas must fit (``__launch_bounds__``): 256 threads at 128 registers each
 MIN_BLOCKS = 2
@@ -66,8 +66,9 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
     NS = T.dynamic("NS")
     R = T.dynamic("R")
     RS, RP = NREG
-    FR = T.GemmWarpPolicy.FullRow
     gate_tables = gate_tables_macro(NST)
+    kva_loads = kva_loads_macro(NST, BV)
+    chain_step = chain_step_macro(BV)
 
     @T.prim_func
     def gdn_bwd_h(
@@ -98,7 +99,6 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
             x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
             w_bf = T.alloc_fragment((BV, C), "bfloat16")
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
-            egl = T.alloc_var("float32")
             gv = T.alloc_local((2,), "float32")
 
             full = T.alloc_barrier([64] * NST)
@@ -127,35 +127,14 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
                     for i, j in T.Parallel(BV, D):
                         h_all[hv, cslot + ci, j, v0 + i] = s_bf[i, j]
                     T.barrier_wait(full[js], pj)
-                    T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    for i, j in T.Parallel(BV, C):
-                        w_bf[i, j] = T.cast(-gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
-                    T.gemm(w_bf, a_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    T.gemm(v_sh[js, :, :], a_sh[js, :, :], x_acc, transpose_A=True, transpose_B=True, policy=FR)
-                    for i, j in T.Parallel(BV, C):
-                        w_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
-                        vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * x_acc[i, j], "bfloat16")
-                    egl = gt_sh[js, 2, 0]
-                    for i, j in T.Parallel(BV, D):
-                        s_acc[i, j] = s_acc[i, j] * egl
-                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                    chain_step(s_acc, s_bf, x_acc, w_bf, vp_bf, k_sh, v_sh, a_sh, gt_sh, js, True, True)
                     T.barrier_arrive(empty[js])
                     for i, j in T.Parallel(BV, C):
                         vnew[hv, r0 + j, v0 + i] = w_bf[i, j]
             else:
                 T.set_max_nreg(RP, 0)
-                if tx < 160:
-                    # warp 4: TMA loads (one elected lane issues them)
-                    for ci in T.serial(nchunks):
-                        js = ci % NST
-                        pj = (ci // NST) % 2
-                        t0 = bos + ci * C
-                        r0 = (cslot + ci) * C
-                        T.barrier_wait(empty[js], 1 - pj)
-                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
-                        T.tma_copy(v[0, t0 : t0 + C, hv, v0 : v0 + BV], v_sh[js, :, :], barrier=full[js])
-                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[js, :, :], barrier=full[js])
-                        T.barrier_arrive(full[js])
+                if tx < 160:  # warp 4: TMA loads (one elected lane issues them)
+                    kva_loads(k, v, a_beta, k_sh, v_sh, a_sh, empty, full, hk, hv, v0, bos, cslot, nchunks, True)
                 elif tx < 192:
                     gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
 

@@ -90,6 +90,62 @@ def gate_tables_macro(nst: int, reverse: bool = False):
     return gate_tables
 
 
+def kva_loads_macro(nst: int, bv: int):
+    """The producer warp of seg_state and bwd_h: for each chunk, once stage c % ``nst`` is free, the
+    elected lane's TMA loads of K (q/k head ``hk``), the ``bv``-column V block at ``c0`` (when
+    ``with_v``: a Python bool or a run-time condition) and A_β into the stage, then the warp's
+    arrive on full."""
+    import tilelang.language as T
+
+    C, D = CHUNK, HEAD_DIM
+
+    @T.macro
+    def kva_loads(k, v, a_beta, k_sh, v_sh, a_sh, empty, full, hk, hv, c0, bos, cslot, nchunks, with_v):
+        for ci in T.serial(nchunks):
+            js = ci % nst
+            pj = (ci // nst) % 2
+            t0 = bos + ci * C
+            r0 = (cslot + ci) * C
+            T.barrier_wait(empty[js], 1 - pj)
+            T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
+            if with_v:
+                T.tma_copy(v[0, t0 : t0 + C, hv, c0 : c0 + bv], v_sh[js, :, :], barrier=full[js])
+            T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[js, :, :], barrier=full[js])
+            T.barrier_arrive(full[js])
+
+    return kva_loads
+
+
+def chain_step_macro(bv: int):
+    """One chunk of the state recurrence on the ``bv`` columns of Sᵀ in one warpgroup's registers
+    (seg_state, bwd_h), stage ``js`` loaded: Xᵀ = bf16(Sᵀ) Kᵀ; Vdᵀ = bf16(−e^g ⊙ Xᵀ) A_βᵀ (+ Vᵀ A_βᵀ
+    when ``with_v``); Sᵀ ← e^{g_l} Sᵀ + bf16(mask · e^{g_l − g} ⊙ Vd)ᵀ K. ``s_bf`` must hold
+    bf16(Sᵀ); with ``keep_vd`` (a Python bool) bf16(Vdᵀ) is left in ``w_bf``."""
+    import tilelang.language as T
+
+    C = CHUNK
+    FR = T.GemmWarpPolicy.FullRow
+
+    @T.macro
+    def chain_step(s_acc, s_bf, x_acc, w_bf, vp_bf, k_sh, v_sh, a_sh, gt_sh, js, with_v, keep_vd):
+        T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+        for i, j in T.Parallel(bv, C):
+            w_bf[i, j] = T.cast(-gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
+        T.gemm(w_bf, a_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+        if with_v:
+            T.gemm(v_sh[js, :, :], a_sh[js, :, :], x_acc, transpose_A=True, transpose_B=True, policy=FR)
+        for i, j in T.Parallel(bv, C):
+            if keep_vd:
+                w_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
+            vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * x_acc[i, j], "bfloat16")
+        egl = gt_sh[js, 2, 0]
+        for i, j in T.Parallel(bv, HEAD_DIM):
+            s_acc[i, j] = s_acc[i, j] * egl
+        T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+
+    return chain_step
+
+
 def seg_state_program(h_qk: int, h_v: int):
     """The prim_func ``gdn_seg_state`` for one head config."""
     import tilelang.language as T
@@ -101,8 +157,9 @@ def seg_state_program(h_qk: int, h_v: int):
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
     RS, RP = NREG
-    FR = T.GemmWarpPolicy.FullRow
     gate_tables = gate_tables_macro(NST)
+    kva_loads = kva_loads_macro(NST, BV)
+    chain_step = chain_step_macro(BV)
 
     @T.prim_func
     def gdn_seg_state(
@@ -132,7 +189,6 @@ def seg_state_program(h_qk: int, h_v: int):
             x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
             w_bf = T.alloc_fragment((BV, C), "bfloat16")
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
-            egl = T.alloc_var("float32")
             gv = T.alloc_local((2,), "float32")
 
             full = T.alloc_barrier([64] * NST)
@@ -156,18 +212,7 @@ def seg_state_program(h_qk: int, h_v: int):
                     pj = (ci // NST) % 2
                     T.barrier_wait(full[js], pj)
                     T.copy(s_acc, s_bf)
-                    T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    for i, j in T.Parallel(BV, C):
-                        w_bf[i, j] = T.cast(-gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
-                    T.gemm(w_bf, a_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    if c0 < D:
-                        T.gemm(v_sh[js, :, :], a_sh[js, :, :], x_acc, transpose_A=True, transpose_B=True, policy=FR)
-                    for i, j in T.Parallel(BV, C):
-                        vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * x_acc[i, j], "bfloat16")
-                    egl = gt_sh[js, 2, 0]
-                    for i, j in T.Parallel(BV, D):
-                        s_acc[i, j] = s_acc[i, j] * egl
-                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                    chain_step(s_acc, s_bf, x_acc, w_bf, vp_bf, k_sh, v_sh, a_sh, gt_sh, js, c0 < D, False)
                     T.barrier_arrive(empty[js])
                 if seq >= 0 and is_last == 0:
                     if c0 < D:
@@ -178,19 +223,8 @@ def seg_state_program(h_qk: int, h_v: int):
                             m_tr[s, hv, j, c0 - D + i] = T.cast(s_acc[i, j], "bfloat16")
             else:
                 T.set_max_nreg(RP, 0)
-                if tx < 160:
-                    # warp 4: TMA loads (one elected lane issues them)
-                    for ci in T.serial(nchunks):
-                        js = ci % NST
-                        pj = (ci // NST) % 2
-                        t0 = bos + ci * C
-                        r0 = (cslot + ci) * C
-                        T.barrier_wait(empty[js], 1 - pj)
-                        T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
-                        if c0 < D:
-                            T.tma_copy(v[0, t0 : t0 + C, hv, c0 : c0 + BV], v_sh[js, :, :], barrier=full[js])
-                        T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[js, :, :], barrier=full[js])
-                        T.barrier_arrive(full[js])
+                if tx < 160:  # warp 4: TMA loads (one elected lane issues them)
+                    kva_loads(k, v, a_beta, k_sh, v_sh, a_sh, empty, full, hk, hv, c0, bos, cslot, nchunks, c0 < D)
                 elif tx < 192:
                     gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
 
