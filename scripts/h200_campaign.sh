@@ -8,12 +8,17 @@
 #               here with `git archive HEAD -- . ':!results' | gzip`; its commit, which rows
 #               record as git_sha, from the archive's header), then the job below started
 #               in its own process session (it outlives the call); returns at once.
+#               The tree travels with every call, and results/ (~33 MB) beside .devsite (~47 MB)
+#               is over the 64 MiB a call takes: take results/ out of the index for the device
+#               calls (`git rm -r --cached -q results` and `/results/` in .git/info/exclude), and
+#               put it back after them (drop that line, `git reset -q -- results`).
 #               JOB=none: the environment only (/tmp/job/env.sh, /tmp/repo), no job, e.g. for
 #               scripts/h200_fixed_cost.sh run in the same or the next call. RESUME_TGZ: a carried
 #               runs.tgz of a cut call, unpacked into /tmp/repo before the job (--resume continues it).
 #   STEP=fi07a  carry .fi07a: the CuTe-DSL MLIR library into /tmp.
 #   STEP=fi07b  carry .fi07b: /tmp/fisite (FlashInfer 0.7.4); the job starts the campaign once it is there.
-#   STEP=wait   until the job ends or the call's deadline: its logs and runs so far into $OUT.
+#   STEP=wait   until the job ends or the call's deadline: its runs so far ($OUT/runs.tgz) and its
+#               logs, test reports and checks ($OUT/job.tgz) into $OUT (write nothing else there).
 # The job (STEP=job, in /tmp/repo), each step only when JOB_STEPS names it:
 #   FlashInfer 0.6.13's module checked (the carried one) or JIT-built in the background, when a
 #   step runs it (campaign, suite_*);
@@ -37,9 +42,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s); log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
 J=/tmp/job; ENVF=$J/env.sh
 
-snapshot() {  # what the job has so far, into $OUT (small: no kernel caches)
+snapshot() {  # what the job has so far, into $OUT as two files (a call brings back at most 8
+  # files: loose logs beside them were seen to push runs.tgz out); small: no kernel caches
   tar czf "$OUT/runs.tgz" -C /tmp/repo --exclude=_logs runs 2>/dev/null
-  cp "$J"/*.log "$J"/*.xml "$J"/*.csv "$OUT/" 2>/dev/null; [ -d "$J/checks" ] && cp -r "$J/checks" "$OUT/"
+  (cd "$J" && shopt -s nullglob && f=(*.log *.xml *.csv) && { [ ! -d checks ] || f+=(checks); } \
+    && tar czf "$OUT/job.tgz" "${f[@]}")
   ls -la "$OUT"; }
 
 case "${STEP:?STEP=setup|fi07a|fi07b|wait|job}" in
