@@ -11,7 +11,8 @@
 #               The tree travels with every call, and results/ (~33 MB) beside .devsite (~47 MB)
 #               is over the 64 MiB a call takes: take results/ out of the index for the device
 #               calls (`git rm -r --cached -q results` and `/results/` in .git/info/exclude), and
-#               put it back after them (drop that line, `git reset -q -- results`).
+#               put it back after them (drop that line, `git reset -q -- results`); commit nothing
+#               in between, or the commit deletes results/.
 #               JOB=none: the environment only (/tmp/job/env.sh, /tmp/repo), no job, e.g. for
 #               scripts/h200_fixed_cost.sh run in the same or the next call. RESUME_TGZ: a carried
 #               runs.tgz of a cut call, unpacked into /tmp/repo before the job (--resume continues it).
@@ -29,7 +30,8 @@
 #   bwd_splits   the backward planner's candidates side by side (configs/h200_bwd_splits.yaml);
 #   fwd_recipes  the forward sweep's points under the strong-decay and model recipes (tilelang);
 #   suite_first  the GPU test suite in one job (its first run on this machine);
-#   bwd          the backward campaign, configs/h200_bwd.yaml (fla, flashqla, tilelang) into runs/h200_bwd;
+#   bwd          the backward campaign, configs/h200_bwd.yaml (fla, flashqla, tilelang) into runs/h200_bwd
+#                (no cap but the deadline: a campaign step after it gets what is left);
 #   campaign     the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4,
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
 #   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
@@ -43,7 +45,7 @@ T0=$(date +%s); log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*";
 J=/tmp/job; ENVF=$J/env.sh
 
 snapshot() {  # what the job has so far, into $OUT as two files (a call brings back at most 8
-  # files: loose logs beside them were seen to push runs.tgz out); small: no kernel caches
+  # files); small: no kernel caches
   tar czf "$OUT/runs.tgz" -C /tmp/repo --exclude=_logs runs 2>/dev/null
   (cd "$J" && shopt -s nullglob && f=(*.log *.xml *.csv) && { [ ! -d checks ] || f+=(checks); } \
     && tar czf "$OUT/job.tgz" "${f[@]}")
@@ -51,6 +53,7 @@ snapshot() {  # what the job has so far, into $OUT as two files (a call brings b
 
 case "${STEP:?STEP=setup|fi07a|fi07b|wait|job}" in
 setup)
+  case "${JOB:-campaign}" in campaign|none) ;; *) echo "JOB=${JOB}: campaign (default) or none; the steps are JOB_STEPS" >&2; exit 2;; esac
   mkdir -p "$J" /tmp/tlc
   tar -xJf .tlcache/all.tar.xz -C /tmp/tlc || exit 1
   for f in fqla_fwd fqla_bwd fqla_tests; do  # FlashQLA's kernels (the sweeps, tests), compiled offline

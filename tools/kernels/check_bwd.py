@@ -4,8 +4,10 @@
 
 For each case: forward (chunk_gdn_fwd_lowlevel) then chunk_gdn_bwd with intermediates;
 every gradient (dq, dk, dv, dg, dβ, dh0) against autograd through the chunked fp32 reference
-(qlabench.backends.reference.gdn_chunked_grads), and every stage against its torch emulation
-fed the kernel's own inputs (emulate_bwd.stage_errors), so a wrong kernel is named. Then the
+(qlabench.backends.reference.gdn_chunked_grads); then the stages: a case the planner splits
+against the same backward unsplit (h, dh, v_new, dv_new), an unsplit one (without ``--quick`` on
+the big cases) against its torch emulation fed the kernel's own inputs (emulate_bwd.stage_errors),
+so a wrong kernel is named. Then the
 backward alone (saved forward tensors) and forward+backward are timed with CUDA-graph replay
 (median), plus per-stage event times. Each case runs in try/except.
 Writes check_bwd.json and check_bwd.txt to $OUT when set.
