@@ -55,7 +55,7 @@ import functools
 
 import torch
 
-from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, parse_target, target_key
+from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 from .plan import sm_count
 
 #: setmaxnreg budgets of the consumer warpgroups (WG0, WG1) and the producer warpgroup (WG2)
@@ -339,7 +339,7 @@ def bwd_wy_program(h_qk: int, h_v: int):
 
 @functools.cache
 def get_bwd_wy_kernel(h_qk: int, h_v: int, target_k=None):
-    return compile_program(bwd_wy_program(h_qk, h_v), target=parse_target(target_k))
+    return compile_program(bwd_wy_program(h_qk, h_v), target=parse_target(target_k), pass_configs=FAST_MATH)
 
 
 _GRIDS = {}

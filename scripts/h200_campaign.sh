@@ -29,6 +29,7 @@
 #   bwd_prev     tilelang vs tilelang@prev on the backward sweep (configs/h200_bwd_kernels_prev.yaml);
 #   bwd_splits   the backward planner's candidates side by side (configs/h200_bwd_splits.yaml);
 #   fwd_recipes  the forward sweep's points under the strong-decay and model recipes (tilelang);
+#   suite_kernels the in-repo kernels' GPU tests only (tests/test_kernels_gpu.py, test_kernels_bwd_gpu.py);
 #   suite_first  the GPU test suite in one job (its first run on this machine);
 #   bwd          the backward campaign, configs/h200_bwd.yaml (fla, flashqla, tilelang) into runs/h200_bwd
 #                (no cap but the deadline: a campaign step after it gets what is left);
@@ -114,7 +115,7 @@ job)
     tail -3 "$J/$name.log"; log "end $name: exit $rc, $(( $(date +%s) - t )) s"; return $rc; }
   suite() { echo env QLABENCH_TEST_TIMEOUT_S=240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
     --durations=25 --junitxml="$J/$1.xml" tests/test_kernels_gpu.py tests/test_kernels_bwd_gpu.py \
-    tests/test_poison_gpu.py tests/test_backends_gpu.py; }
+    $([ "$1" = suite_kernels ] || echo tests/test_poison_gpu.py tests/test_backends_gpu.py); }
   # FlashInfer 0.6.13 on the head shapes of the sweeps and tests (GVA or not, with and without h0)
   fi_calls="
 import torch; from flashinfer.gdn_prefill import chunk_gated_delta_rule as f
@@ -135,6 +136,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   fi
   mkdir -p "$J/checks"
   step check_bwd 60 240 env OUT="$J/checks" python3 tools/kernels/check_bwd.py --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
+  step suite_kernels 120 300 $(suite suite_kernels)
   step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml --resume
   step bwd_splits 120 420 qlabench run configs/h200_bwd_splits.yaml --resume
   step fwd_recipes 120 360 qlabench run configs/h200_fwd_recipes.yaml --resume
