@@ -110,17 +110,15 @@ def test_fwd_o_ws_barrier_protocol():
 
 
 def test_bwd_wy_barrier_protocol():
-    """bwd_wy's protocol (modelled in tools/kernels/wy_protocol.py: two consumer warpgroups on
-    alternate items, one stage each, the producer and the store warp in pair order) never deadlocks,
-    never passes a parity wait at the wrong phase and never lets the store warp read another tile's
-    dv / dk, for GVA groups of 1..4 v-heads and odd item counts; dropping any one needed wait is caught."""
+    """bwd_wy's protocol (modelled in tools/kernels/wy_protocol.py) never deadlocks, never passes a
+    parity wait at the wrong phase and never lets the store warp read another tile's dv / dk, for GVA
+    groups of 1..4 v-heads; the earlier single dk_ready barrier deadlocks for G = 1 (its hand-off is
+    lapped) and holds for G >= 2."""
     wyp = _tool("wy_protocol")
-    wsp = _tool("ws_protocol")
     assert wyp.check(groups=(1, 2, 3, 4), seeds=60)
-    for role, bar in [("cons0", "full"), ("cons1", "full"), ("prod", "empty"), ("store", "dv_ready"),
-                      ("store", "dk_ready")]:  # fmt: skip
-        with pytest.raises(AssertionError):
-            wyp.check(seeds=30, mutate=wsp.drop_ops(role, lambda op, b=bar: op[0] == "wait" and op[1] == b))
+    assert wyp.check(groups=(2, 3, 4), seeds=60, pair=False)
+    with pytest.raises(AssertionError, match="deadlock|phases done"):
+        wyp.check(groups=(1,), seeds=60, pair=False)
 
 
 def test_fwd_fused_barrier_protocol():
