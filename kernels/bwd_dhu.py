@@ -22,7 +22,8 @@ accumulator cast to bf16, or dO read transposed from shared memory, scaled and c
     dv_newᵀ  = (Pᵀ dO)ᵀ + el ⊙ (bf16(dHᵀ) Kᵀ)       (not in pass 1 of a split)
     dHᵀ     ← e^{g_l} dHᵀ + bf16(scale eg ⊙ dO)ᵀ Q + bf16(−eg ⊙ Y)ᵀ K
 
-and dh and dv_new go to HBM straight from the registers.
+and dh and dv_new go to HBM through staging tiles in shared memory (written transposed from the
+registers, swizzled; read back in rows and stored 16 bytes per thread).
 
 Roles (the launch gives each thread ``NREG_LAUNCH`` registers; the state's .inc is what the
 producer's .dec releases):
@@ -118,6 +119,7 @@ def dh_io_macros(split: str, has_dht: bool, has_dh0: bool, D: int):
 def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: str = ""):
     """The prim_func ``gdn_bwd_dhu`` for one head config, state flags and split mode."""
     import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
 
     assert split in ("", "seg", "carry")
     dh_start, dh_end = dh_io_macros(split, has_dht, has_dh0, HEAD_DIM)
@@ -161,6 +163,11 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
             w_sh = T.alloc_shared((NST, C, D), "bfloat16")
             # gt_sh[js, 0..2, i]: e^g, mask · e^{g_l − g}, e^{g_l} (in every column)
             gt_sh = T.alloc_shared((NST, 3, C), "float32", scope="shared")
+            # dh [K, V] and dv_new [C, V] of the chunk on their way out: written from the registers
+            # (transposed), read back in rows for 16-byte global stores
+            dhs_sh = T.alloc_shared((D, D), "bfloat16")
+            dvs_sh = T.alloc_shared((C, D), "bfloat16")
+            T.annotate_layout({dhs_sh: make_swizzled_layout(dhs_sh), dvs_sh: make_swizzled_layout(dvs_sh)})
 
             dh_acc = T.alloc_fragment((D, D), "float32")  # dHᵀ [V, K]
             dh_bf = T.alloc_fragment((D, D), "bfloat16")
@@ -202,7 +209,9 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
                     T.copy(dh_acc, dh_bf)
                     if split != "seg":
                         for i, j in T.Parallel(D, D):
-                            dh_all[hv, cslot + ci, j, i] = dh_bf[i, j]
+                            dhs_sh[j, i] = dh_bf[i, j]
+                        for j, i in T.Parallel(D, D):
+                            dh_all[hv, cslot + ci, j, i] = dhs_sh[j, i]
                     T.barrier_wait(full[js], pj)
                     T.gemm(do_sh[js, :, :], pt_sh[js, :, :], pdo_acc, transpose_A=True, transpose_B=True,
                            clear_accum=True, policy=FR)  # fmt: skip
@@ -214,7 +223,9 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
                     if split != "seg":
                         T.gemm(dh_bf, k_sh[js, :, :], y_acc, transpose_B=True, clear_accum=True, policy=FR)
                         for i, j in T.Parallel(D, C):
-                            dvnew[hv, r0 + j, i] = T.cast(pdo_acc[i, j] + gt_sh[js, 1, j] * y_acc[i, j], "bfloat16")
+                            dvs_sh[j, i] = T.cast(pdo_acc[i, j] + gt_sh[js, 1, j] * y_acc[i, j], "bfloat16")
+                        for j, i in T.Parallel(C, D):
+                            dvnew[hv, r0 + j, i] = dvs_sh[j, i]
                     for i, j in T.Parallel(D, C):
                         qdo_bf[i, j] = T.cast(
                             T.if_then_else(j < ln, scale * gt_sh[js, 0, j], T.float32(0))

@@ -16,7 +16,8 @@ Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to
 warpgroups hold):
 
     WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the four GEMMs, h and v_new
-            straight from the registers to HBM
+            written transposed from the registers into staging tiles in shared memory (swizzled),
+            then read back in rows and stored to HBM 16 bytes per thread
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block and A_β into stage
             c % NST; warp 5: the chunk's gcs rows and the per-token tables e^g,
             mask · e^{g_l − g}, e^{g_l} into the stage (``seg_state.gate_tables_macro``); warps
@@ -58,6 +59,7 @@ BLOCK_V = 64
 def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
     """The prim_func ``gdn_bwd_h`` for one head config and initial-state flag."""
     import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
 
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, BLOCK_V
@@ -93,6 +95,11 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
             a_sh = T.alloc_shared((NST, C, C), "bfloat16")
             # gt_sh[js, 0..2, i]: e^g, mask · e^{g_l − g}, e^{g_l} (in every column)
             gt_sh = T.alloc_shared((NST, 3, C), "float32", scope="shared")
+            # h [K, V block] and v_new [C, V block] of the chunk on their way out: written from the
+            # registers (transposed), read back in rows for 16-byte global stores
+            hs_sh = T.alloc_shared((D, BV), "bfloat16")
+            vs_sh = T.alloc_shared((C, BV), "bfloat16")
+            T.annotate_layout({hs_sh: make_swizzled_layout(hs_sh), vs_sh: make_swizzled_layout(vs_sh)})
 
             s_acc = T.alloc_fragment((BV, D), "float32")  # Sᵀ [V, K]
             s_bf = T.alloc_fragment((BV, D), "bfloat16")
@@ -125,12 +132,16 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
                     r0 = (cslot + ci) * C
                     T.copy(s_acc, s_bf)
                     for i, j in T.Parallel(BV, D):
-                        h_all[hv, cslot + ci, j, v0 + i] = s_bf[i, j]
+                        hs_sh[j, i] = s_bf[i, j]
+                    for j, i in T.Parallel(D, BV):
+                        h_all[hv, cslot + ci, j, v0 + i] = hs_sh[j, i]
                     T.barrier_wait(full[js], pj)
                     chain_step(s_acc, s_bf, x_acc, w_bf, vp_bf, k_sh, v_sh, a_sh, gt_sh, js, True, True)
                     T.barrier_arrive(empty[js])
                     for i, j in T.Parallel(BV, C):
-                        vnew[hv, r0 + j, v0 + i] = w_bf[i, j]
+                        vs_sh[j, i] = w_bf[i, j]
+                    for j, i in T.Parallel(C, BV):
+                        vnew[hv, r0 + j, v0 + i] = vs_sh[j, i]
             else:
                 T.set_max_nreg(RP, 0)
                 if tx < 160:  # warp 4: TMA loads (one elected lane issues them)
