@@ -194,20 +194,24 @@ Gate = Annotated[
 
 
 class Thresholds(_Strict):
-    """Relative L2 error limits per output, ``‖out − ref‖ / ‖ref‖`` against the fp32 reference.
+    """Relative L2 error limits per output, ``‖out − ref‖ / ‖ref‖`` against the fp32 reference;
+    the local checks (``qlabench/gate.py``) allow multiples of them.
 
-    Calibrated from what FLA's Triton kernels reach with bf16 operands (~5e-3 on o and the
-    state); gradients pass through more bf16 GEMMs and the triangular solve, so they get more.
+    Derived, not chosen: twice the largest error FLA, FlashInfer and FlashQLA reach on the
+    published sweeps' kept runs (``results/h200_fwd``, ``results/h200_bwd``: 171 forward and 32
+    backward points, bf16 operands), rounded up to two digits — ``gate.derive_limits``, printed by
+    ``python scripts/derive_thresholds.py results/h200_fwd results/h200_bwd``. They are judged on
+    other layouts and head configs (``configs/h200_serving.yaml``, the quick configs' recipes).
     """
 
-    o: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2e-2
-    final_state: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2e-2
-    dq: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
-    dk: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
-    dv: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
-    dg: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 8e-2
-    dbeta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
-    dh0: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 4e-2
+    o: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 9.1e-3
+    final_state: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 8.1e-3
+    dq: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 9.5e-3
+    dk: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.2e-2
+    dv: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 8.8e-3
+    dg: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.2e-2
+    dbeta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 9.6e-3
+    dh0: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 5.9e-3
 
     def get(self, name: str) -> float:
         return getattr(self, name)

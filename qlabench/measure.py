@@ -2,8 +2,8 @@
 
 For each backend of a :class:`Task`: its availability and support, then (the inputs and the
 reference built once, lazily, for the task) :func:`measure_backend` — prepare, the correctness
-gate (:mod:`qlabench.gate`), timing, the timed graph's and one more eager call's outputs checked,
-kernel breakdown and derived metrics against the run's ceilings — and one row each, sent through
+gate (:mod:`qlabench.gate`), timing, the timed path checked on fresh inputs (every call of one
+more replay or timed-style call) and one more eager call, kernel breakdown and derived metrics against the run's ceilings — and one row each, sent through
 ``emit``. An exception costs that backend's row (``oom`` / ``crashed``), not the task. A row's
 identity (:func:`base_row`) includes the device it was measured on (:func:`device_uuid`).
 """
@@ -11,6 +11,7 @@ identity (:func:`base_row`) includes the device it was measured on (:func:`devic
 from __future__ import annotations
 
 import os
+import random
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 from . import backends as B
 from . import metrics, timing
 from .config import Sweep
-from .gate import check_outputs, check_replay, checked_call, reference_outputs
+from .gate import check_outputs, check_timed_path, checked_call, reference_outputs, refill
 from .sweep import Point
 from .workloads import Inputs, make
 
@@ -89,12 +90,26 @@ def _fail(row: dict, t_wall: float, reason: str) -> dict:
     return row
 
 
+#: the timed graph's unrolled calls must each cost at least this share of the mean per-call
+#: time (``timing.TimingResult.marginal_ratio``); n calls doing the work of one give ~0, and a
+#: first call slowed by a cold L2 or the graph's launch moves an honest ratio by a few percent
+MIN_MARGINAL_RATIO = 0.5
+
+
+def fresh_inputs(p: Point, direction: str, device: str, seed: int) -> Inputs:
+    """Inputs of ``p`` drawn from another seed: the values the timed path is checked on."""
+    return make(p, device, with_grads=direction != "fwd", seed=seed)
+
+
 def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: Sweep,
-                    row: dict, expected_out_bytes: int, ceilings: dict) -> dict:
-    """Prepare, check, time one backend on one point × direction, then check the timed graph's
-    own outputs and one more eager call. ``ceilings``: the run's measured GPU ceilings
-    (``matmul_tflops``, ``copy_gbps``; empty: no roofline), which the derived columns use. Fills
-    and returns ``row``."""
+                    row: dict, expected_out_bytes: int, ceilings: dict,
+                    fresh=None) -> dict:
+    """Prepare, check, time one backend on one point × direction, then check the timed path on
+    fresh inputs (:func:`gate.check_timed_path`) and one more eager call. ``fresh()``: (fresh
+    inputs of the point, their reference, their seed) — a new seed, recorded as ``check_seed``;
+    None: no check of the timed path (unit use only). ``ceilings``: the run's measured GPU
+    ceilings (``matmul_tflops``, ``copy_gbps``; empty: no roofline), which the derived columns
+    use. Fills and returns ``row``. ``x`` holds the fresh values afterwards."""
     t_wall = time.perf_counter()
     try:
         prep = be.prepare(x, direction)
@@ -132,15 +147,22 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
                samples_ms=tr.samples_ms, n_samples=tr.n_samples, timing_mode=tr.timing_mode,
                timing_fallback=tr.fallback_reason, stop_reason=tr.stop_reason,
                calls_per_sample=tr.calls_per_sample, l2=tr.l2)
-    if graph is not None:  # what the timed graph computes, not only what an eager call does
-        g_worst, bad_g = check_replay(be, graph.replay, tr.outputs, x, direction, ref, sweep,
-                                      prep.outputs)
-        row["graph_max_rel_l2"] = g_worst
-        if bad_g:
-            return _fail(row, t_wall, "the timed CUDA graph's outputs differ from the reference "
-                         "(another path under capture?): " + "; ".join(bad_g))
-    tr.outputs = None
-    # the timed calls ran on the same inputs: check one more call (races, carried state)
+    row["marginal_ratio"] = tr.marginal_ratio
+    if tr.marginal_ratio is not None and not tr.marginal_ratio >= MIN_MARGINAL_RATIO:
+        return _fail(row, t_wall, f"the {tr.calls_per_sample} calls unrolled in the timed graph "
+                     f"cost about as much as one (marginal cost {tr.marginal_ratio:.2f} of the "
+                     f"mean, below {MIN_MARGINAL_RATIO}): the latency would not be one call's")
+    if fresh is not None:  # what the timed path computes, on inputs it has not seen
+        x2, ref, row["check_seed"] = fresh()
+        t_worst, bad_t = check_timed_path(be, prep, tr.rerun, x, x2, direction, ref, sweep)
+        del x2
+        row["timed_max_rel_l2"] = t_worst
+        if bad_t:
+            return _fail(row, t_wall, f"the timed path ({tr.timing_mode}) on fresh inputs differs "
+                         "from their reference (another path when timed, or an answer cached "
+                         "from the checked inputs?): " + "; ".join(bad_t))
+    tr.rerun = None
+    # one more eager call, poisoned (races, state carried between calls)
     outs, _ = checked_call(be, prep, x, direction, expected_out_bytes)
     _, _, bad2 = check_outputs(outs, ref, x, direction, sweep)
     del outs
@@ -226,7 +248,17 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                                             sweep.reference.dtype)
                 out_bytes = (x.v.numel() * 2 + (x.h0.numel() * 4 if x.h0 is not None else 0)) \
                     * (1 if direction == "fwd" else 3)
-                row = measure_backend(be, x, direction, ref, sweep, row, out_bytes, ceilings)
+
+                def fresh():
+                    seed = random.SystemRandom().randrange(1, 2 ** 31)
+                    x2 = fresh_inputs(p, direction, dev, seed)
+                    return x2, reference_outputs(x2, direction, sweep.reference.impl,
+                                                 sweep.reference.dtype), seed
+                try:
+                    row = measure_backend(be, x, direction, ref, sweep, row, out_bytes,
+                                          ceilings, fresh)
+                finally:  # the next backend starts from the point's own inputs
+                    refill(x, make(p, dev, with_grads=direction != "fwd"))
             except Exception as e:
                 status = "oom" if _is_oom(e) else "crashed"
                 tb = traceback.format_exc(limit=4)

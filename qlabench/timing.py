@@ -21,6 +21,11 @@ fixes it for every backend when an exactly equal unrolling is wanted.
 Stopping rule: at least ``min_samples``; stop once the relative standard error of the mean of
 the samples falls below ``rse_target``, or ``budget_s`` or ``max_samples`` is reached. All samples
 are kept.
+
+Every mode also hands back ``rerun``: the timed path run once more exactly as it was timed (the
+graph replayed; one more call of the sample loop), so the gate can check what the timed calls
+compute. Graph-batch with more than one call per replay also measures ``marginal_ratio``, the
+marginal cost of an unrolled call over the mean: n calls that do the work of one show it near 0.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from .config import Timing
 
@@ -46,9 +50,14 @@ class TimingResult:
     stop_reason: str = ""
     fallback_reason: str = ""
     flush_ms: float | None = None
-    #: raw outputs of the last call captured in the timing graph (graph modes; its buffers are
-    #: the graph's, rewritten by every replay), for the check of the timed path
-    outputs: Any = None
+    #: runs the timed path once more exactly as it was timed (the timed graph replayed, or one
+    #: timed-style call) and returns the raw outputs of every call it made, for the check of
+    #: the timed path (:func:`qlabench.gate.check_timed_path`)
+    rerun: Callable[[], list] | None = None
+    #: graph-batch with n > 1 calls per replay: (replay time - one-call replay time) / (n - 1)
+    #: over the mean per-call time. About 1 when each unrolled call does its own work; near 0
+    #: when the n calls do the work of one (the per-call latency would be n times too small)
+    marginal_ratio: float | None = None
 
     @property
     def n_samples(self) -> int:
@@ -95,14 +104,21 @@ def _collect(sample: Callable[[], float], opts: Timing) -> tuple[list[float], st
 def measure_cpu(fn: Callable, opts: Timing) -> TimingResult:
     for _ in range(opts.warmup):
         fn()
+    last: dict = {}
 
     def one() -> float:
         t = time.perf_counter()
-        fn()
+        last["out"] = fn()
         return (time.perf_counter() - t) * 1e3
 
     samples, why = _collect(one, opts)
-    return TimingResult(samples, "cpu", "n/a", 1, why)
+    last.clear()
+
+    def rerun() -> list:
+        one()
+        return [last.pop("out")]
+
+    return TimingResult(samples, "cpu", "n/a", 1, why, rerun=rerun)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -199,13 +215,14 @@ def measure_gpu(fn: Callable, opts: Timing, graph_safe: bool = True) -> tuple[Ti
     if mode in ("graph-batch", "graph-single"):
         n = 1 if mode == "graph-single" else calls_per_replay(est, opts)
         cold = opts.l2 == "cold"
-        last: dict = {}
+        captured: list = []
         try:
             def body():
+                captured.clear()
                 for _ in range(n):
                     if cold:
                         flusher()
-                    last["out"] = fn()
+                    captured.append(fn())
             g = _capture(body)
             flush_ms = 0.0
             if cold:
@@ -214,23 +231,65 @@ def measure_gpu(fn: Callable, opts: Timing, graph_safe: bool = True) -> tuple[Ti
                                                                       "max_samples": 20}), None)
                 flush_ms = statistics.median(fl)
             samples, why = _time_replays(g, n, opts, None if cold else flusher, flush_ms)
+            marginal = None
+            if n > 1:
+                marginal = _marginal_ratio(fn, n, samples, opts, flusher, cold, flush_ms)
+
+            def rerun() -> list:
+                g.replay()
+                return list(captured)
+
             return TimingResult(samples, mode, opts.l2, n, why,
                                 flush_ms=(flush_ms / n if cold else None),
-                                outputs=last.get("out")), g
+                                rerun=rerun, marginal_ratio=marginal), g
         except Exception as e:  # capture failed: fall back to events, say so
             torch.cuda.synchronize()
             fallback = f"graph capture failed: {type(e).__name__}: {str(e)[:160]}"
             mode = "events"
+
+    last: dict = {}
 
     def one() -> float:
         if opts.l2 == "cold":
             flusher()
         a, b = _events()
         a.record()
-        fn()
+        last["out"] = fn()
         b.record()
         b.synchronize()
         return a.elapsed_time(b)
 
     samples, why = _collect(one, opts)
-    return TimingResult(samples, "events", opts.l2, 1, why, fallback_reason=fallback), None
+    last.clear()
+
+    def rerun() -> list:
+        one()
+        return [last.pop("out")]
+
+    return TimingResult(samples, "events", opts.l2, 1, why, fallback_reason=fallback,
+                        rerun=rerun), None
+
+
+#: replays of the one-call graph behind ``marginal_ratio``
+MARGINAL_REPLAYS = 5
+
+
+def _marginal_ratio(fn: Callable, n: int, samples: list[float], opts: Timing,
+                    flusher: _Flusher, cold: bool, flush_ms: float) -> float:
+    """Marginal cost of an unrolled call over the mean per-call cost: a graph of the same call
+    captured as the timed graph was, one call instead of n, is replayed as it was (L2 flushed
+    before each replay, or inside the graph and its time subtracted); (n x the timed per-call
+    median - the one-call replay's median) / (n - 1), over the per-call median."""
+    def body():
+        if cold:
+            flusher()
+        fn()
+    g1 = _capture(body)
+    one, _ = _time_replays(g1, 1, opts.model_copy(update={
+        "min_samples": MARGINAL_REPLAYS, "max_samples": MARGINAL_REPLAYS}),
+        None if cold else flusher, flush_ms / n if cold else 0.0)
+    del g1
+    per_call = statistics.median(samples)
+    if per_call <= 0:
+        return float("nan")
+    return (n * per_call - statistics.median(one)) / (n - 1) / per_call

@@ -10,6 +10,8 @@ fwd_sweep  configs/h200_fwd.yaml: the forward's kernels with initial + final sta
 bwd_sweep  configs/h200_bwd.yaml: forward (saved tensors) and backward with h0 and d(final state),
            4 head configs
 sweep      both sweeps; all = tests + sweep
+--config F the head configs and directions of a sweep YAML instead (repeatable; initial + final
+           state, as the sweeps run)
 
 The list per head config is ``qlabench_kernels.compile.default_kernels``; the target is sm_90a, the
 runtime default, so the cache is the one the H200 loads. ``--jobs N`` compiles N head configs at a
@@ -28,8 +30,9 @@ FWD_SWEEP_HEADS = [(2, 8), (16, 64), (4, 16), (8, 32), (16, 32), (8, 24), (16, 4
 BWD_SWEEP_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 
 
-def plan(which):
-    """[(h_qk, h_v, default_kernels kwargs)] for a target; a head config in several targets gets the union."""
+def plan(which, configs=()):
+    """[(h_qk, h_v, default_kernels kwargs)] for a target (or the sweep YAMLs ``configs``); a head
+    config in several targets gets the union."""
     jobs = {}
 
     def add(heads, fwd_flags, bwd_flags):
@@ -38,6 +41,14 @@ def plan(which):
             f.update(fwd_flags)
             b.update(bwd_flags)
 
+    if configs:
+        from qlabench.config import load
+        from qlabench.sweep import points
+        for c in configs:
+            sw = load(c)
+            heads = sorted({(p.h_qk, p.h_v) for p in points(sw)})
+            add(heads, [(1, 1)], [(1, 1)] if set(sw.directions) - {"fwd"} else [])
+        which = None
     if which in ("tests", "all"):
         add(TEST_HEADS, ALL_FLAGS, ALL_FLAGS)
     if which in ("fwd_sweep", "sweep", "all"):
@@ -57,8 +68,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", nargs="?", default="all", choices=("tests", "fwd_sweep", "bwd_sweep", "sweep", "all"))
     ap.add_argument("--jobs", type=int, default=1, help="head configs compiled at a time (worker processes)")
+    ap.add_argument("--config", action="append", default=[], help="a sweep YAML (repeatable)")
     args = ap.parse_args(argv)
-    jobs = plan(args.which)
+    jobs = plan(args.which, args.config)
     if args.jobs <= 1:
         for hq, hv, kw in jobs:
             print(build(hq, hv, kw), flush=True)

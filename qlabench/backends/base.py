@@ -26,12 +26,18 @@ class Prepared:
     """A ready-to-call operation. ``fn()`` runs one call (graph-capturable where the library
     allows) and returns the library's raw outputs. ``graph_safe`` False forces events timing.
     ``outputs``: buffers ``fn`` writes that the backend allocated once in ``prepare`` (the runner
-    fills them with NaN before every checked call, as it does with what ``fn`` allocates)."""
+    fills them with NaN before every checked call, as it does with what ``fn`` allocates).
+    ``refresh``: re-derives, in place and outside the timed calls, whatever ``prepare`` computed
+    from the input values that ``fn`` reads instead of the inputs themselves (converted copies,
+    a forward's saved tensors for a backward); the check of the timed path writes fresh values
+    into the canonical input tensors and calls it before running the timed path again. A backend
+    whose ``fn`` reads only the canonical inputs (or views of them) needs none."""
 
     fn: Callable[[], Any]
     graph_safe: bool = True
     notes: str = ""
     outputs: tuple = ()
+    refresh: Callable[[], None] | None = None
 
 
 class Unsupported(Exception):

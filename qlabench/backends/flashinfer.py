@@ -129,7 +129,15 @@ class FlashInferBackend(Backend):
                 initial_state=a["initial_state"], output_final_state=x.output_final_state,
                 cu_seqlens=a["cu_seqlens"], output=out, output_state=st, **extra)
 
-        return Prepared(fn=fn, outputs=(out, st), notes=f"api={api}")
+        def refresh():  # the converted copies, from the canonical inputs' current values
+            now = to_flashinfer(x)
+            if p.gate_domain == "log":
+                now["g"] = x.g.reshape(T, hv).float()
+            for k, t in now.items():
+                if isinstance(t, torch.Tensor) and t.data_ptr() != a[k].data_ptr():
+                    a[k].copy_(t)
+
+        return Prepared(fn=fn, outputs=(out, st), notes=f"api={api}", refresh=refresh)
 
     def outputs_to_canonical(self, raw, x, direction):
         o, st = (raw if isinstance(raw, tuple) else (raw, None))

@@ -119,7 +119,11 @@ class TileLangBackend(Backend):
 
         if direction == "bwd":
             sv = saved()  # a forward's saved tensors, outside the timed region
-            return Prepared(fn=lambda: bwd(sv))
+
+            def refresh():
+                for k, t in saved().items():
+                    sv[k].copy_(t)
+            return Prepared(fn=lambda: bwd(sv), refresh=refresh)
         return Prepared(fn=lambda: bwd(saved()))
 
     def outputs_to_canonical(self, raw, x, direction):

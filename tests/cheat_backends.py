@@ -1,0 +1,178 @@
+"""Backends that cheat or are subtly wrong, for the gate's tests (CPU) and its GPU acceptance.
+
+Each wraps an honest backend (``base``: the torch reference by default) and breaks one thing the
+gate must catch. ``Noisy`` adds bf16-sized noise to an honest answer first, so that the limits
+are tested as a kernel meets them (an exact answer would fail every injected bug on the global
+norm alone, whatever the local checks do).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from qlabench.backends.base import Prepared
+from qlabench.backends.reference import ReferenceBackend
+
+#: relative RMS of the noise ``Noisy`` adds: where bf16 kernels land (~4e-3 on o and the state)
+NOISE = 4e-3
+
+
+def noisy(t: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=t.device).manual_seed(seed)
+    n = torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32)
+    return t + (NOISE * t.float().pow(2).mean().sqrt() * n).to(t.dtype)
+
+
+class Noisy(ReferenceBackend):
+    """The reference plus noise of relative RMS ``NOISE`` on every output: passes the gate."""
+
+    name = "noisy"
+
+    def damage(self, out: dict, x) -> dict:
+        return out
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        be = self
+
+        def fn():
+            raw = inner.fn()
+            out = ReferenceBackend.outputs_to_canonical(be, raw, x, direction)
+            out = {k: (None if v is None else noisy(v, i)) for i, (k, v) in enumerate(out.items())}
+            return be.damage(out, x)
+        return Prepared(fn=fn, graph_safe=False)
+
+    def outputs_to_canonical(self, raw, inputs, direction):
+        return raw
+
+
+def _seq_bounds(x):
+    cu = x.cu_seqlens.tolist()
+    return list(zip(cu[:-1], cu[1:]))
+
+
+class LastTokenZeroed(Noisy):
+    """The last token of every sequence zeroed (o; dq, dk, dv, dg, dbeta)."""
+
+    name = "last-token-zeroed"
+
+    def damage(self, out, x):
+        for k in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+            if out.get(k) is not None:
+                for _, e in _seq_bounds(x):
+                    out[k][0, e - 1] = 0
+        return out
+
+
+class ChunkScaled(Noisy):
+    """One 64-token chunk of one head x 1.2 (the middle chunk of the first sequence, head 1)."""
+
+    name = "chunk-scaled"
+
+    def damage(self, out, x):
+        s, e = _seq_bounds(x)[0]
+        c = ((e - s) // 64 // 2) * 64 + s
+        for k in ("o", "dv"):
+            if out.get(k) is not None:
+                out[k][0, c:c + 64, 1] *= 1.2
+        return out
+
+
+class HeadScaled(Noisy):
+    """One v-head: o x 1.055 and the final state x 1.028 (dv and dh0 in the backward)."""
+
+    name = "head-scaled"
+
+    def damage(self, out, x):
+        for k in ("o", "dv"):
+            if out.get(k) is not None:
+                out[k][0, :, 1] *= 1.055
+        for k in ("final_state", "dh0"):
+            if out.get(k) is not None:
+                out[k][:, 1] *= 1.028
+        return out
+
+
+class AllScaled(Noisy):
+    """Every output x 1.019."""
+
+    name = "all-scaled"
+
+    def damage(self, out, x):
+        return {k: (None if v is None else v * 1.019) for k, v in out.items()}
+
+
+class Cached(ReferenceBackend):
+    """Computes its answer once, in ``prepare``; every call copies it into its output buffers."""
+
+    name = "cached"
+
+    def prepare(self, x, direction):
+        if direction != "fwd":
+            raise NotImplementedError
+        inner = super().prepare(x, direction)
+        o, ht = inner.fn()
+        bufs = (torch.empty_like(o), torch.empty_like(ht))
+
+        def fn():
+            bufs[0].copy_(o)
+            bufs[1].copy_(ht)
+            return bufs
+        return Prepared(fn=fn, graph_safe=False, outputs=bufs)
+
+
+class HungOnInputs(ReferenceBackend):
+    """Computes its answer in ``prepare`` and hangs it on the inputs object (an attribute beside
+    the input tensors); every call returns it without computing."""
+
+    name = "hung-on-inputs"
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        x.answer = inner.fn()
+        return Prepared(fn=lambda: x.answer, graph_safe=False)
+
+
+class NanLazy(ReferenceBackend):
+    """Computes only when its preallocated output holds NaN — what a poisoned, checked call looks
+    like; otherwise returns its buffers as they are, at no cost."""
+
+    name = "nan-lazy"
+
+    def prepare(self, x, direction):
+        if direction != "fwd":
+            raise NotImplementedError
+        inner = super().prepare(x, direction)
+        T, hv, d = x.v.shape[1], x.v.shape[2], x.v.shape[3]
+        bufs = (torch.empty(1, T, hv, d, dtype=torch.float32, device=x.v.device),
+                torch.empty(x.N, hv, d, d, dtype=torch.float32, device=x.v.device))
+
+        def fn():
+            if torch.isnan(bufs[0]).any():
+                o, ht = inner.fn()
+                bufs[0].copy_(o)
+                bufs[1].copy_(ht)
+            return bufs
+        return Prepared(fn=fn, graph_safe=False, outputs=bufs)
+
+
+class ModeLazy(ReferenceBackend):
+    """Computes only while a dispatch mode is active (the gate's poisoning of allocations);
+    otherwise returns its last answer."""
+
+    name = "mode-lazy"
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        last: list = []
+
+        def fn():
+            if _get_current_dispatch_mode() is not None or not last:
+                last[:] = [inner.fn()]
+            return last[0]
+        return Prepared(fn=fn, graph_safe=False)
+
+
+CHEATS = {c.name: c for c in (LastTokenZeroed, ChunkScaled, HeadScaled, AllScaled, Cached,
+                              HungOnInputs, NanLazy, ModeLazy)}

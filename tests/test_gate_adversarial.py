@@ -1,0 +1,46 @@
+"""The gate against wrong or lazy kernels (tests/cheat_backends.py), through the runner, on the
+CPU: each injected bug is `incorrect`, while the same backend without the bug (bf16-sized noise
+on the reference's answer) is `ok` on the same layouts — one sequence of one token among them."""
+
+import cheat_backends as CB
+import pytest
+
+from qlabench import backends as B
+from qlabench import config as C
+from qlabench import runner
+
+#: layouts of the kind the issue's review used, scaled to a CPU reference: one long sequence,
+#: several equal ones, single tokens beside long ones, lengths of 1 mod 64
+LAYOUTS = [[1024], [1, 400, 1, 129, 65]]
+CFG = {"name": "adv", "models": [{"name": "m", "h_qk": 1, "h_v": 4, "head_dim": 32}],
+       "seqlens": LAYOUTS, "backends": ["faulty"], "isolate": False,
+       "reference": {"impl": "chunked", "dtype": "fp64"},
+       "timing": {"min_samples": 2, "max_samples": 3, "budget_s": 0.05}}
+
+
+def _rows(tmp_path, monkeypatch, cls, directions=("fwd",)):
+    monkeypatch.setattr(B, "get", lambda n, params=None: cls())
+    sw = C.parse({**CFG, "directions": list(directions)})
+    return runner.run(sw, tmp_path, log=lambda m: None).rows
+
+
+def test_noise_of_a_bf16_kernel_passes_every_output(tmp_path, monkeypatch):
+    rows = _rows(tmp_path, monkeypatch, CB.Noisy, ("fwd", "bwd"))
+    assert [r["status"] for r in rows] == ["ok"] * len(rows), [r["reason"] for r in rows]
+
+
+@pytest.mark.parametrize("name,direction", [
+    ("last-token-zeroed", "fwd"), ("chunk-scaled", "fwd"), ("head-scaled", "fwd"),
+    ("all-scaled", "fwd"), ("last-token-zeroed", "bwd"), ("head-scaled", "bwd")])
+def test_subtly_wrong_outputs_are_incorrect(tmp_path, monkeypatch, name, direction):
+    rows = _rows(tmp_path, monkeypatch, CB.CHEATS[name], (direction,))
+    assert {r["status"] for r in rows} == {"incorrect"}, [(r["layout"], r["reason"]) for r in rows]
+
+
+@pytest.mark.parametrize("name", ["cached", "hung-on-inputs", "nan-lazy", "mode-lazy"])
+def test_lazy_backends_are_caught_on_the_timed_path(tmp_path, monkeypatch, name):
+    """Each passes the eager, poisoned checks; the timed path on fresh inputs gives it away."""
+    rows = _rows(tmp_path, monkeypatch, CB.CHEATS[name])
+    for r in rows:
+        assert r["status"] == "incorrect", (r["layout"], r["reason"])
+        assert "timed path" in r["reason"] and r["latency_ms"] is None
