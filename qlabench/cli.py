@@ -195,8 +195,14 @@ def run(
                                      "deterministic); combine shard outputs with `qlabench merge`"),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="with --resume, also re-run "
                                       "crashed / timeout / oom rows"),
+    append_other: bool = typer.Option(False, "--append-other", help="add this run's rows to an "
+                                      "--out that holds rows of another sweep, input recipe or "
+                                      "GPU (refused otherwise, exit 2; a --resume over rows of "
+                                      "another input recipe stays refused)"),
 ):
-    """Run a sweep: every backend checked against the reference, then timed; one Parquet row each."""
+    """Run a sweep: every backend checked against the reference, then timed; one Parquet row each.
+    An --out holding rows of another sweep, input recipe or GPU is refused (exit 2) unless
+    --append-other."""
     s = _load(config)
     from . import runner
     try:
@@ -238,12 +244,12 @@ def run(
             summary = runner.run(s, out_dir, config_name=str(config), backend_names=names,
                                  limit=limit, resume=resume, progress=progress,
                                  shard=shard_t, devices=devices, retry_failed=retry_failed,
-                                 refuse_unrunnable=out is None,
+                                 refuse_unrunnable=out is None, append_other=append_other,
                                  log=(lambda m: prog.console.print(m, highlight=False, markup=False))
                                  if sys.stdout.isatty() else (lambda m: print(m, flush=True)))
         except runner.NothingRunnable as e:
             _unrunnable_into_kept(config, out_dir, e)
-        except (runner.RecipeMismatch, _method_mismatch()) as e:
+        except (runner.OtherRows, _method_mismatch()) as e:
             err.print(f"error: {e}", highlight=False)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
@@ -292,9 +298,23 @@ def compare(
                                             "labels: this one's rows in BASE (e.g. flashinfer@0.6.13)"),
     new_backend: str | None = typer.Option(None, "--new-backend", help="... against this one's "
                                            "rows in NEW (e.g. flashinfer@0.7.4), per point"),
+    allow_incomparable: bool = typer.Option(False, "--allow-incomparable", help="pairs whose rows "
+                                            "differ in timing method, GPU model or input recipe "
+                                            "stay unjudged without exit 3; the exit code is the "
+                                            "other pairs' (0 or 1)"),
 ):
-    """Compare two runs row by row, or two backend labels point by point; exit 1 if any row is
-    slower beyond threshold and test (or broken)."""
+    """Compare two runs row by row, or two backend labels point by point.
+
+    \b
+    Exit codes (the first that applies):
+      2  bad input: a path missing, unreadable or without rows, required columns missing, no key
+         in common, every pair the same stored row, bad --out / --threshold / --alpha
+      3  method, GPU or recipe differ from the baseline: some pair's rows differ in timing_mode,
+         l2, gpu_name, recipe_hash or gate_recipe (incomparable; not with --allow-incomparable)
+      1  a row is slower (beyond --threshold and Mann-Whitney p < --alpha) or broken (ok in BASE,
+         not ok or missing in NEW)
+      0  otherwise
+    """
     from .compare import compare_cmd
     if (base_backend is None) != (new_backend is None):
         err.print("error: --base-backend and --new-backend go together", highlight=False)
@@ -305,7 +325,7 @@ def compare(
         raise typer.Exit(2)
     raise typer.Exit(compare_cmd(base, new if new is not None else base, threshold=threshold,
                                  alpha=alpha, out=out, base_backend=base_backend,
-                                 new_backend=new_backend))
+                                 new_backend=new_backend, allow_incomparable=allow_incomparable))
 
 
 @app.command()
@@ -318,7 +338,10 @@ def summary(
     threshold: float = typer.Option(0.01, "--threshold", help="differences up to this are ties (0.01 = 1%)"),
 ):
     """Per point: the fastest correct backend, its latency (p10-p90), runner-up, margin, tie,
-    speedup over the baseline and correctness; per model: geomean speedups and wins."""
+    speedup over the baseline and correctness; per model: geomean speedups and wins.
+
+    Exit codes: 0 tables printed; 2 bad input (one error line on stderr: a path missing or
+    unreadable, no rows, no ok row, an unknown --model or --direction)."""
     from .summary import summary_cmd
     raise typer.Exit(summary_cmd(results_dir, model, direction, baseline, alpha, threshold))
 
@@ -334,7 +357,10 @@ def recommend(
     threshold: float = typer.Option(0.01, "--threshold", help="differences up to this are ties (0.01 = 1%)"),
 ):
     """Dispatch table: per head config and shape bucket, the fastest correct backend, judged by
-    leave-one-layout-out per model (accuracy and geomean regret printed and stored)."""
+    leave-one-layout-out per model (accuracy and geomean regret printed and stored).
+
+    Exit codes: 0 table written; 2 bad input (one error line on stderr: a path missing or
+    unreadable, no ok row of --direction, a --backends label without rows)."""
     from .dispatch import recommend_cmd
     raise typer.Exit(recommend_cmd(results_dir, out, direction, backends, alpha, threshold))
 
@@ -344,7 +370,10 @@ def report(
     results_dirs: list[Path] = typer.Argument(..., help="one or more results directories"),
     out: Path = typer.Option(Path("site"), "--out", help="output folder for the static HTML dashboard"),
 ):
-    """Static HTML dashboard (no server) over one or more results directories."""
+    """Static HTML dashboard (no server) over one or more results directories.
+
+    Exit codes: 0 page written; 2 bad input (one error line on stderr: a path missing or
+    unreadable, no rows in any directory)."""
     from .report import report_cmd
     raise typer.Exit(report_cmd(results_dirs, out))
 
@@ -357,7 +386,11 @@ def reproduce(
                                       "of the set's sweep (needed: reproduce only reads rows)"),
     out: Path = typer.Option(Path("runs/reproduce"), "--out", help="where to write the side-by-side table and figure"),
 ):
-    """Published speedup table vs measured rows (--from), side by side, with a summary."""
+    """Published speedup table vs measured rows (--from), side by side, with a summary.
+
+    Exit codes: 0 report written (whatever the agreement); 2 bad input (one error line on
+    stderr: an unknown set or --direction, no --from, --from missing, unreadable or without rows
+    of that direction)."""
     from .reproduce import reproduce_cmd
     raise typer.Exit(reproduce_cmd(name, direction, from_, out))
 

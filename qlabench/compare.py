@@ -16,9 +16,14 @@ side (:func:`qlabench.results.latest`). For each pair:
 
 Verdicts: ``slower`` when ratio > 1 + threshold **and** p < alpha; ``faster`` when
 ratio < 1 / (1 + threshold) and p < alpha; ``same`` otherwise; ``incomparable`` when the two rows
-cannot be compared — the base row is not ``ok``, ``timing_mode`` / ``l2`` / ``gpu_name`` / input
-recipe differ, or there are too few samples for the test to ever reach alpha — with the reason in
-the ``reason`` column.
+cannot be compared — the base row is not ``ok``, the rows differ in timing method
+(``timing_mode``, ``l2``), GPU model (``gpu_name``) or input recipe (``recipe_hash``,
+``gate_recipe``), or there are too few samples for the test to ever reach alpha — with the reason
+in the ``reason`` column. The :data:`MUST_MATCH` columns in which a pair's rows differ are listed
+in ``differs``: such a ratio measures the change of method, GPU or inputs, not of the code, so any
+such pair makes :func:`compare_cmd` exit 3 (a CI gate must not pass a run timed another way or on
+another GPU); with ``--allow-incomparable`` those pairs are left unjudged and the exit code is the
+other pairs'.
 
 Why both gates: samples within one run are many and tight (graph replays, ~1% spread), so the test
 alone flags 1% drifts that come and go between runs (clocks, other tenants); the threshold alone
@@ -48,9 +53,16 @@ point key without the backend) and judged the same way; the ``backend`` column r
 Points label B has no row for are ``only_base``, not judged. Rows of one run on one GPU pair
 cleanly; anything else carries its ``pairing`` tag (``cross-campaign``, ...).
 
-Exit codes of :func:`compare_cmd`: 1 if any row is ``slower`` or ``broken``; 2 on bad input (a path
-missing, unreadable or without rows, required columns missing, no key in common, every pair the
-same stored row, bad ``--out``); 0 otherwise.
+Exit codes of :func:`compare_cmd` (and of ``qlabench compare``; the first that applies):
+
+- 2: bad input — a path missing, unreadable or without rows, required columns missing, no key in
+  common, every pair the same stored row, bad ``--out`` / ``--threshold`` / ``--alpha``;
+- 3: a pair's rows differ in timing method, GPU model or input recipe (``differs``), unless
+  ``--allow-incomparable``; stderr names the columns, how many pairs, an example of each change;
+- 1: a row is ``slower`` or ``broken``;
+- 0: otherwise.
+
+Codes 2 and 3 come with one ``error: ...`` line on stderr; the table is printed before code 3.
 """
 
 from __future__ import annotations
@@ -74,6 +86,11 @@ _INFO = ("model", "tp", "layout", "total_tokens", "point_index", "h_qk", "h_v")
 BOOTSTRAP_N = 1000
 #: the pair's :func:`results.pairing` columns carried into the table
 PAIR_FIELDS = ("pairing", "same_gpu", "same_campaign", "throttled", "gpu_known", "campaign_known")
+#: columns whose values must agree for two rows to be compared (column -> word in the reason):
+#: the timing method, the GPU model and the input recipe. A pair whose rows differ in any of them
+#: is ``incomparable`` and lists those columns in ``differs``; :func:`compare_cmd` exits 3 on it.
+MUST_MATCH = {"timing_mode": "timing_mode", "l2": "l2", "gpu_name": "gpu",
+              "recipe_hash": "input recipe", "gate_recipe": "gate recipe"}
 
 
 class BadInput(Exception):
@@ -126,13 +143,16 @@ def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: fl
     has no row for this key (``broken`` when the base row is ``ok``).
 
     Returns ``{base_ms, new_ms, ratio, ratio_lo, ratio_hi, p_value, n_base, n_new, verdict,
-    reason}``; ``ratio`` is new/base (> 1: slower). ``ci=False`` skips the bootstrap interval
-    (it does not enter the verdict; the report's history judges thousands of pairs)."""
+    reason, differs}``; ``ratio`` is new/base (> 1: slower); ``differs``: the
+    :data:`MUST_MATCH` columns both rows carry with different values, comma-separated ("" when
+    none, or when a side has no row or both sides hold the same row). ``ci=False`` skips the
+    bootstrap interval (it does not enter the verdict; the report's history judges thousands of
+    pairs)."""
     from scipy.stats import mannwhitneyu
 
     out = {"base_ms": _val(base, "latency_ms"), "new_ms": _val(new or {}, "latency_ms"),
            "ratio": None, "ratio_lo": None, "ratio_hi": None, "p_value": None,
-           "n_base": 0, "n_new": 0, "verdict": "incomparable", "reason": ""}
+           "n_base": 0, "n_new": 0, "verdict": "incomparable", "reason": "", "differs": ""}
     why = []
     sb = _val(base, "status")
     if new is None:
@@ -148,6 +168,9 @@ def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: fl
                          f"started {_val(new, 'started_at')})")
         return out
     sn = _val(new, "status")
+    changed = [c for c in MUST_MATCH if _val(base, c) is not None and _val(new, c) is not None
+               and _val(base, c) != _val(new, c)]
+    out["differs"] = ",".join(changed)
     if sb == "ok" and sn != "ok":
         rr = _val(new, "reason")
         out["verdict"] = "broken"
@@ -162,11 +185,7 @@ def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: fl
             if st != "ok":
                 rr = _val(r, "reason")
                 why.append(f"{side} status {st}" + (f" ({str(rr)[:60]})" if rr else ""))
-    for col, label in (("timing_mode", "timing_mode"), ("l2", "l2"), ("gpu_name", "gpu"),
-                       ("recipe_hash", "input recipe")):
-        a, b = _val(base, col), _val(new, col)
-        if a is not None and b is not None and a != b:
-            why.append(f"{label} {a} vs {b}")
+    why += [f"{MUST_MATCH[c]} {_val(base, c)} vs {_val(new, c)}" for c in changed]
     if why:
         out["reason"] = "; ".join(why)
         return out
@@ -242,7 +261,10 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
     Returns (one row per judged key with the key, info columns, :func:`judge`'s fields, both run
     ids and shas, both ``calls_per_sample`` and the pair's :func:`results.pairing` columns; a
     summary dict with counts per verdict, ``only_base`` and ``only_new`` key counts, ``pairs``
-    (pairs with a ratio) and ``pairing`` (:func:`results.pairing_label` over those)).
+    (pairs with a ratio), ``pairing`` (:func:`results.pairing_label` over those),
+    ``differs_pairs`` (pairs whose rows differ in a :data:`MUST_MATCH` column), ``differs``
+    (column -> that many pairs) and ``differs_example`` (column -> its first change,
+    ``"<base> vs <new>"``)).
     With ``base_backend`` and ``new_backend`` (labels) only those labels' rows are paired, per
     point and direction, and the key's backend reads ``"<new> vs <base>"``."""
     if base_backend is not None:
@@ -260,9 +282,12 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
     measured = {(k[0], k[2]) for k in n}  # (point_key, direction) the new side has rows for
     keys = [k for k in n if k in b] + [k for k in b if k not in n and (k[0], k[2]) in measured]
     rows = []
+    examples: dict[str, str] = {}  # MUST_MATCH column -> its first change, "base vs new"
     for k in keys:
         rb, rn = b[k], n.get(k)
         j = judge(rb, rn, threshold, alpha)
+        for c in filter(None, j["differs"].split(",")):
+            examples.setdefault(c, f"{_val(rb, c)} vs {_val(rn, c)}")
         info = {c: (_val(rn or {}, c) if _val(rn or {}, c) is not None else _val(rb, c))
                 for c in _INFO}
         pr = results.pair(rb, rn or {})
@@ -274,7 +299,7 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
                      "base_run_id": _val(rb, "run_id"), "new_run_id": _val(rn or {}, "run_id"),
                      "base_sha": _val(rb, "git_sha"), "new_sha": _val(rn or {}, "git_sha")})
     cols = [*KEY, *_INFO, "base_backend", "new_backend", "base_ms", "new_ms", "ratio", "ratio_lo", "ratio_hi", "p_value",
-            "n_base", "n_new", "verdict", "reason", "base_calls_per_sample",
+            "n_base", "n_new", "verdict", "reason", "differs", "base_calls_per_sample",
             "new_calls_per_sample", *PAIR_FIELDS,
             "base_run_id", "new_run_id", "base_sha", "new_sha"]
     df = pd.DataFrame(rows, columns=cols)
@@ -289,7 +314,20 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
     judged = df[df["ratio"].notna()] if not df.empty else df
     summary["pairs"] = len(judged)
     summary["pairing"] = results.pairing_label(judged)
+    summary["differs_pairs"] = int((df["differs"] != "").sum()) if not df.empty else 0
+    summary["differs"] = {c: n for c in MUST_MATCH
+                          if (n := sum(c in d.split(",") for d in df["differs"]))}
+    summary["differs_example"] = {c: examples[c] for c in summary["differs"]}
     return df, summary
+
+
+def differs_line(summary: dict, n_pairs: int) -> str:
+    """One line on the pairs whose rows differ in timing method, GPU or input recipe (from
+    :func:`compare_frames`' summary): how many, in which columns, an example of each."""
+    what = "; ".join(f"{c} in {n} (e.g. {summary['differs_example'][c]})"
+                     for c, n in summary["differs"].items())
+    return (f"method, GPU or recipe differ from the baseline in {summary['differs_pairs']} of "
+            f"{n_pairs} pairs: {what}")
 
 
 def _fmt(x, spec: str) -> str:
@@ -338,6 +376,9 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshol
                   + (f" ({', '.join(extra)})" if extra else ""), highlight=False)
     console.print(f"pairing of the {summary['pairs']} ratios: {summary['pairing']}",
                   highlight=False, markup=False)
+    if summary["differs_pairs"]:
+        console.print(f"incomparable: {differs_line(summary, len(df))}", highlight=False,
+                      markup=False)
     for r in df[df["verdict"].isin(["slower", "broken", "faster"])].to_dict("records"):
         what = (f"{r['ratio']:.3f}x (p={r['p_value']:.2g})" if r["verdict"] != "broken"
                 else f"broken: {r['reason']}")
@@ -371,9 +412,11 @@ def write_out(df: pd.DataFrame, summary: dict, out: Path, base: Path, new: Path,
 
 def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0.01,
                 out: Path | None = None, base_backend: str | None = None,
-                new_backend: str | None = None) -> int:
+                new_backend: str | None = None, allow_incomparable: bool = False) -> int:
     """``qlabench compare BASE NEW`` (or ``BASE --base-backend A --new-backend B``: two labels):
-    table on stdout, optional ``--out`` (.json/.csv), exit code."""
+    table on stdout, optional ``--out`` (.json/.csv), an exit code (module doc).
+    ``allow_incomparable``: pairs whose rows differ in timing method, GPU or input recipe stay
+    ``incomparable`` (not judged) without exit 3; the exit code is that of the other pairs."""
     from rich.console import Console
 
     console = Console(soft_wrap=True, width=None if _isatty() else 200)
@@ -408,7 +451,14 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
                   f"both sides ({new} holds {base}'s rows): nothing was re-measured, so this says "
                   "nothing about repeatability", highlight=False, markup=False)
         return 2
-    return 1 if (summary["slower"] or summary.get("broken")) else 0
+    failed = summary["slower"] + summary["broken"]
+    if summary["differs_pairs"] and not allow_incomparable:
+        also = f"; besides, {failed} pairs are slower or broken" if failed else ""
+        err.print(f"error: {differs_line(summary, len(df))}{also}. Their ratios measure that "
+                  "change, not the code: measure NEW like BASE, or pass --allow-incomparable to "
+                  "judge the other pairs only", highlight=False, markup=False)
+        return 3
+    return 1 if failed else 0
 
 
 def _isatty() -> bool:

@@ -13,8 +13,7 @@ Three layers, because no single one covers every way an output buffer is obtaine
   pool (allocations of 1 MiB or less) as well as the large one, and the free parts of segments a
   live tensor keeps cached — is overwritten with NaN bytes, and NaN-filled free segments are left
   in both pools, so even memory taken without the dispatcher (``raw_alloc``) starts poisoned.
-- :func:`fill_nan`: outputs a backend preallocates (``Prepared.outputs``) and the outputs of a
-  captured graph, before it is replayed for the check of the timed path.
+- :func:`fill_nan`: outputs a backend preallocates (``Prepared.outputs``).
 
 Only floating-point tensors are filled (integer scratch such as semaphores is the library's).
 ``0xFF`` bytes are NaN in every float format (fp64, fp32, bf16, fp16).
@@ -62,13 +61,12 @@ def _tensors(obj) -> Iterable[torch.Tensor]:
             yield from _tensors(o)
 
 
-def fill_nan(obj, keep: Iterable[torch.Tensor] = ()) -> int:
-    """Fill every floating-point tensor in ``obj`` (nested tuple/list/dict) with NaN, except those
-    sharing storage with a tensor of ``keep`` (inputs a library hands back). Returns the count."""
-    protected = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
+def fill_nan(obj) -> int:
+    """Fill every floating-point tensor in ``obj`` (nested tuple/list/dict) with NaN. Returns the
+    count."""
     n = 0
     for t in _tensors(obj):
-        if t.is_floating_point() and t.numel() and t.untyped_storage().data_ptr() not in protected:
+        if t.is_floating_point() and t.numel():
             t.fill_(float("nan"))
             n += 1
     return n

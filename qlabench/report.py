@@ -118,7 +118,8 @@ def load_dirs(dirs: list[Path]) -> tuple[pd.DataFrame, dict[str, dict], list[str
         df = df.assign(_src=str(d))
         frames.append(df)
         for rid, m in results.load_meta(d if d.is_dir() else d.parent).items():
-            metas.setdefault(rid, {**m, "_src": str(d)})
+            if isinstance(m, dict):  # a metadata file that is not a JSON object says nothing
+                metas.setdefault(rid, {**m, "_src": str(d)})
     if not frames:
         raise Q.BadInput(f"{', '.join(map(str, dirs))}: no result rows to report")
     df = pd.concat(frames, ignore_index=True)
@@ -382,7 +383,8 @@ def _winners_section(lat: pd.DataFrame, slug: str) -> str:
             "model": w["model"], "h_qk/h_v": w["tp"], "layout": w["layout"],
             "winner": w["winner"].fillna("— (no ok row)"),
             "latency_ms (p10–p90)": [
-                "" if not np.isfinite(m) else f"{m:.4f} ({lo:.4f}–{hi:.4f})"
+                "" if not np.isfinite(m) else f"{m:.4f}" + (
+                    f" ({lo:.4f}–{hi:.4f})" if np.isfinite(lo) and np.isfinite(hi) else "")
                 for m, lo, hi in zip(w["winner_ms"].astype(float), w["winner_p10_ms"].astype(float),
                                      w["winner_p90_ms"].astype(float))],
             "runner-up": w["runner_up"].fillna(""),

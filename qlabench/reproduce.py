@@ -49,6 +49,9 @@ WITHIN = 0.10          # "agrees" = measured within ±10% of published
 N_EXTREMES = 5         # worst / best points printed
 MISSING = "missing"
 DIRECTIONS = ("fwd", "bwd")
+#: columns of the measured rows this reads
+MEASURED_COLUMNS = ("point_key", "backend", "direction", "status", "reason", "latency_ms",
+                    "h_qk", "h_v", "seqlens", "started_at", "run_id")
 
 
 class ReproduceError(Exception):
@@ -157,10 +160,18 @@ def measured_rows(from_: Path, direction: str) -> pd.DataFrame:
     from_ = Path(from_)
     if not from_.exists():
         raise ReproduceError(f"--from {from_}: no such file or directory")
-    df = results.load(from_)
+    try:
+        df = results.load(from_)
+    except Exception as e:  # unreadable Parquet, permissions, ...
+        raise ReproduceError(f"--from {from_}: cannot read results ({type(e).__name__}: "
+                             f"{str(e)[:120]})") from None
     if df.empty:
         raise ReproduceError(
             f"--from {from_}: no result rows (expected {from_}/parts/*.parquet from `qlabench run`)")
+    missing = [c for c in MEASURED_COLUMNS if c not in df.columns]
+    if missing:
+        raise ReproduceError(f"--from {from_}: not a qlabench results table (missing column(s) "
+                             f"{', '.join(missing)})")
     df = results.latest(df)
     sub = df[df["direction"] == direction]
     if sub.empty:
@@ -370,7 +381,10 @@ def notes_for(pub: Published, rows: pd.DataFrame, meta: dict[str, dict]) -> Note
     prov = pub.provenance
     notes = Notes()
     run_ids = set(rows["run_id"].dropna()) if not rows.empty and "run_id" in rows else set()
-    envs = [m.get("env", {}) for rid, m in meta.items() if not run_ids or rid in run_ids]
+    # run metadata as stored: a file that is not a JSON object, or without an ``env`` object,
+    # tells nothing about versions
+    envs = [m["env"] for rid, m in meta.items() if (not run_ids or rid in run_ids)
+            and isinstance(m, dict) and isinstance(m.get("env"), dict)]
     dists = prov.get("dists", {})
     shown = set(pub.backends) | ({EXTRA_BACKEND} if not rows.empty and (rows["backend"] == EXTRA_BACKEND).any()
                                  else set())

@@ -16,11 +16,12 @@ into one moves that metadata to ``_runs/`` first. The columns are documented in
 ``docs/schema.md``, generated from :data:`SCHEMA` and :data:`FIELDS`
 (``python -m qlabench.results --schema-md docs/schema.md``).
 
-Resume key: (point key, backend, direction, backend version), ``backend`` being the entry's
-label (``flashinfer@0.7.4``; a plain entry's label is its name, so such keys are the ones stored
-before labels existed); a key whose stored rows were made from a different input recipe is
-refused instead of mixed. ``backend_name`` is the registry name (``flashinfer``); rows stored
-before it existed load with ``backend_name = backend``.
+Resume key (:func:`resume_key`): (point key, backend, direction, backend version, backend
+parameters), ``backend`` being the entry's label (``flashinfer@0.7.4``; a plain entry's label is
+its name, so such keys are the ones stored before labels existed). ``backend_name`` is the
+registry name (``flashinfer``); rows stored before it existed load with ``backend_name =
+backend``. One directory holds one sweep: :func:`owners` says which sweep, input recipe and GPU
+its rows are of, and :func:`qlabench.runner.run` refuses to add rows of another.
 """
 
 from __future__ import annotations
@@ -74,11 +75,14 @@ SCHEMA = pa.schema(
         # correctness (per output)
         *[(f"rel_l2_{o}", _f) for o in OUTPUTS],
         *[(f"max_abs_{o}", _f) for o in OUTPUTS],
-        # worst sequence x head (final_state, dh0) or 1024-token block x head (the others)
+        # worst 64-token chunk x head (token outputs) or sequence x head (final_state, dh0)
         *[(f"local_rel_l2_{o}", _f) for o in OUTPUTS],
+        # worst sequence x head of the token outputs
+        *[(f"seq_rel_l2_{o}", _f) for o in OUTPUTS],
         ("max_rel_l2", _f), ("worst_block_rel_l2", _f),
-        # the timed path's own outputs (one graph replay, outputs poisoned first) vs the reference
-        ("graph_max_rel_l2", _f),
+        # the timed path on fresh inputs (seed ``check_seed``) vs their reference; the marginal
+        # cost of an unrolled call of the timed graph
+        ("timed_max_rel_l2", _f), ("check_seed", _i), ("marginal_ratio", _f),
         # derived
         ("flops", _f), ("min_bytes", _f), ("intensity_flop_per_byte", _f), ("roofline_ms", _f),
         ("tflops", _f), ("gbps", _f), ("pct_roofline", _f),
@@ -95,8 +99,9 @@ COLUMNS = [f.name for f in SCHEMA]
 #: where run metadata lived before ``_runs`` (read, and moved by a store writing there)
 LEGACY_RUNS_DIR = "runs"
 
-_LOCAL = "worst (1024-token block x head) for o, dq, dk, dv, dg, dbeta; worst (sequence x head) " \
-         "for final_state, dh0"
+_LOCAL = "worst (64-token chunk x head) RMS error in units of the (sequence x head)'s reference " \
+         "RMS for o, dq, dk, dv, dg, dbeta (`qlabench/gate.py`); worst (sequence x head) relative L2 " \
+         "error for final_state, dh0"
 #: column -> (unit, meaning); ``docs/schema.md`` is generated from this and :data:`SCHEMA`
 FIELDS: dict[str, tuple[str, str]] = {
     "run_id": ("", "the run that wrote the row: `<YYYYmmddTHHMMSS>-<6 hex>` (its metadata: "
@@ -186,9 +191,16 @@ FIELDS: dict[str, tuple[str, str]] = {
        for o in OUTPUTS},
     **{f"local_rel_l2_{o}": ("ratio", f"relative L2 error of `{o}`, {_LOCAL}") for o in OUTPUTS},
     "max_rel_l2": ("ratio", "largest `rel_l2_*` of the row"),
-    "worst_block_rel_l2": ("ratio", "largest `local_rel_l2_*` of the row"),
-    "graph_max_rel_l2": ("ratio", "largest relative L2 error of the timed CUDA graph's own outputs "
-                         "(one replay, outputs poisoned first) against the reference"),
+    **{f"seq_rel_l2_{o}": ("ratio", f"worst (sequence x head) RMS error of `{o}` in units of its "
+                           "reference RMS (token outputs; null for states)") for o in OUTPUTS},
+    "worst_block_rel_l2": ("ratio", "largest `local_rel_l2_*` / `seq_rel_l2_*` of the row"),
+    "timed_max_rel_l2": ("ratio", "largest relative L2 error of the timed path's own outputs, every "
+                         "call of one more graph replay or timed-style call, on fresh inputs "
+                         "(seed `check_seed`) against their reference"),
+    "check_seed": ("", "seed of the fresh inputs the timed path was checked on"),
+    "marginal_ratio": ("ratio", "graph-batch: marginal cost of one unrolled call of the timed "
+                       "graph over the mean per-call time (about 1; near 0 when the calls do "
+                       "the work of one, which the gate fails below 0.5)"),
     "flops": ("FLOP per call", "FLOP model of the chunked algorithm (`qlabench/metrics.py`)"),
     "min_bytes": ("bytes per call", "minimum HBM traffic: every input read and output written once"),
     "intensity_flop_per_byte": ("FLOP/byte", "`flops / min_bytes`"),
@@ -274,6 +286,14 @@ def environment() -> dict:
     return env
 
 
+def resume_key(point_key: str, backend: str, direction: str, backend_version: str,
+               backend_params: str) -> tuple:
+    """What ``--resume`` matches a row to measure against the finished rows stored: point,
+    backend label, direction, backend version and parameters (JSON) — another version or other
+    parameters of a label are measured again."""
+    return (point_key, backend, direction, backend_version, backend_params)
+
+
 class MethodMismatch(Exception):
     """--resume into a directory whose rows were timed with another method."""
 
@@ -321,15 +341,16 @@ class ResultStore:
         return load(self.out)
 
     def done_keys(self, retry_failed: bool = False) -> dict[tuple, str]:
-        """(point_key, backend, direction, backend_version, backend_params) -> recipe_hash of
-        finished rows. With ``retry_failed`` also crashed/timeout/oom rows are run again."""
+        """:func:`resume_key` -> recipe_hash of the finished rows: every status but
+        :data:`RETRY_STATUSES` (an ``incorrect`` row is a finished result), and with
+        ``retry_failed`` but :data:`FAILED_STATUSES` too (crashed / timeout / oom run again)."""
         df = self.load()
         if df.empty:
             return {}
         retry = RETRY_STATUSES + (FAILED_STATUSES if retry_failed else ())
         df = df[~df["status"].isin(retry)]
-        return {(r.point_key, r.backend, r.direction, r.backend_version, r.backend_params):
-                r.recipe_hash for r in df.itertuples()}
+        return {resume_key(r.point_key, r.backend, r.direction, r.backend_version,
+                           r.backend_params): r.recipe_hash for r in df.itertuples()}
 
     def check_method(self, mode: str, l2: str) -> None:
         """Refuse to resume into a directory whose GPU rows were timed another way."""
@@ -347,13 +368,6 @@ class ResultStore:
                 f"{self.out}: {len(other)} rows were timed with timing_mode={r['timing_mode']}, "
                 f"l2={r['l2']}; this config asks for {mode}, l2={l2}. Rows timed differently are "
                 "never mixed: use a new --out directory instead of --resume")
-
-    def recipes(self) -> dict[tuple, str]:
-        """(point_key, direction) -> recipe_hash over all stored rows."""
-        df = self.load()
-        if df.empty:
-            return {}
-        return {(r.point_key, r.direction): r.recipe_hash for r in df.itertuples()}
 
 
 def compact(path: str | Path) -> dict:
@@ -398,6 +412,41 @@ def _part_files(parts_dir: Path) -> list[Path]:
 def holds_rows(path: str | Path) -> bool:
     """Whether a results directory holds at least one stored row file."""
     return bool(_part_files(Path(path) / PARTS_DIR))
+
+
+#: what a stored row says about the sweep, input recipe and GPU it belongs to (:func:`owners`)
+OWNER_COLUMNS = ("run_id", "config", "point_key", "direction", "recipe_hash", "gate_recipe",
+                 "gpu_name")
+
+
+def owners(path: str | Path) -> pd.DataFrame:
+    """Per stored row of a results directory: :data:`OWNER_COLUMNS` (null where a row lacks one)
+    and ``sweep``, the sweep's name from its run's metadata (``sweep.name`` in
+    ``_runs/<run_id>.json``), else the stem of its ``config`` where that names a YAML file, else
+    null. Reads only these columns (thousands of one-row parts in about a second); no rows: an
+    empty frame with these columns."""
+    import pyarrow.dataset as ds
+    cols = list(OWNER_COLUMNS)
+    files = _part_files(Path(path) / PARTS_DIR)
+    if not files:
+        return pd.DataFrame(columns=[*cols, "sweep"])
+    try:
+        df = ds.dataset([str(f) for f in files], format="parquet",
+                        schema=pa.schema([SCHEMA.field(c) for c in cols])).to_table().to_pandas()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, NotImplementedError):  # a part of another schema
+        df = load(path).reindex(columns=cols)
+    names = {rid: (m.get("sweep") or {}).get("name") for rid, m in load_meta(path).items()
+             if isinstance(m, dict)}
+
+    def sweep_of(run_id, config):
+        name = names.get(run_id)
+        if name:
+            return str(name)
+        c = str(config or "")
+        return Path(c).stem if c.endswith((".yaml", ".yml")) else None
+
+    df["sweep"] = [sweep_of(r, c) for r, c in zip(df["run_id"], df["config"])]
+    return df
 
 
 def load(path: str | Path, latest: bool = False) -> pd.DataFrame:

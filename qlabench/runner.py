@@ -4,12 +4,13 @@
 and starts the workers first thing, one per backend label (:class:`qlabench.supervisor.Lanes`):
 each imports torch and its library and reports its availability and version, while this process
 — which never imports a backend's library when the points run in workers — reads the results
-directory (``--resume`` refused over rows of another input recipe), the GPU's ceilings (cached per
-GPU) and the environment. Once the first label is available (every label, for a ``--resume``,
-which needs every version for its done rows and campaign, and for several GPUs) the run writes
-its metadata (versions, environment, campaign: :func:`campaign_for`, timeline; rewritten as later
-checks come in) and the rows start: on one GPU each point x direction x label in sweep order among
-the labels checked so far, a label checked later catching up from its first point
+directory (refused, before any row, when it holds rows of another sweep, input recipe or GPU:
+:func:`other_rows`), the GPU's ceilings (cached per GPU) and the environment. Once the first
+label is available (every label, for a ``--resume``, which needs every version for its done rows
+and campaign, and for several GPUs) the run writes its metadata (versions, environment,
+campaign: :func:`campaign_for`, timeline; rewritten as later checks come in) and the rows start:
+on one GPU each point x direction x label in sweep order among the labels checked so far, a
+label checked later catching up from its first point
 (:func:`_dispatch`); on several GPUs whole tasks, heaviest first from one queue
 (:func:`_run_on_devices`); with ``isolate: false`` in this process, which then checks the backends
 itself. Each row is measured by :func:`qlabench.measure.measure_task`; every row is appended to
@@ -48,13 +49,25 @@ from .supervisor import (
 )
 from .sweep import Point, point_cost, scheduled_points
 
-__all__ = ["CAMPAIGN_HOURS", "NothingRunnable", "RecipeMismatch", "RunSummary", "campaign_for",
-           "check_backends", "check_isolated", "fixed_cost", "note_timeline",
-           "process_started_at", "run"]
+__all__ = ["CAMPAIGN_HOURS", "NothingRunnable", "OtherRows", "RecipeMismatch", "RunSummary",
+           "campaign_for", "check_backends", "check_isolated", "fixed_cost", "note_timeline",
+           "other_rows", "process_started_at", "run"]
 
 
-class RecipeMismatch(Exception):
-    """--resume found rows for the same key made from a different input recipe."""
+class OtherRows(Exception):
+    """The results directory holds rows of another sweep, input recipe or GPU than the run's
+    (:func:`other_rows`); nothing was written. ``what``: the kinds that differ, of ``sweep``,
+    ``recipe``, ``gpu``."""
+
+    def __init__(self, message: str, what=()):
+        super().__init__(message)
+        self.what = tuple(what)
+
+
+class RecipeMismatch(OtherRows):
+    """Among the rows of another kind: rows of one of the run's point keys made from another
+    input recipe (refused for a ``--resume`` even with ``append_other``: its done rows would be
+    of the other recipe)."""
 
 
 class NothingRunnable(Exception):
@@ -111,16 +124,67 @@ def campaign_for(store, uuids: list[str], resume: bool, sweep_dump: dict | None 
     return "c" + new_run_id()
 
 
+def other_rows(held, sweep: Sweep, pts: list[Point], gpu_name: str,
+               config_name: str = "") -> dict[str, str]:
+    """What of a results directory's rows is not of this run: ``held`` is its
+    :func:`qlabench.results.owners`; the run is ``sweep`` (its ``name``; ``config_name``, the
+    YAML as given, only named), its points ``pts`` and the GPU it measures on, ``gpu_name``
+    (``cpu`` without CUDA). Returns kind -> phrase for each kind that differs: ``sweep`` (rows of
+    another sweep name), ``gpu`` (rows measured on a GPU of another name), ``recipe`` (rows of
+    one of ``pts``' keys with another ``recipe_hash``; the phrase names the first such point, both
+    hashes and both gate recipes). A value a row lacks is not compared."""
+    out: dict[str, str] = {}
+    if held.empty:
+        return out
+
+    def known(col: str):
+        return held[held[col].notna() & (held[col].astype(str) != "")]
+
+    sw = known("sweep")
+    sw = sw[sw["sweep"] != sweep.name]
+    if len(sw):
+        theirs = []
+        for name, g in sw.groupby("sweep", sort=True):
+            cfgs = sorted({str(c) for c in g["config"].dropna() if str(c)})
+            theirs.append(f"'{name}' ({', '.join([*cfgs, f'{len(g)} rows'])})")
+        out["sweep"] = (f"rows of sweep {', '.join(theirs)}, not of this run's sweep "
+                        f"'{sweep.name}'" + (f" ({config_name})" if config_name else ""))
+    gpus = known("gpu_name")
+    gpus = gpus[gpus["gpu_name"] != gpu_name]["gpu_name"].value_counts()
+    if len(gpus):
+        out["gpu"] = (f"rows measured on {', '.join(f'{k} ({v} rows)' for k, v in gpus.items())}, "
+                      f"not on this run's {gpu_name}")
+    mine = {p.key: p for p in pts}
+    rec = known("recipe_hash")
+    rec = rec[rec["point_key"].isin(list(mine))]
+    bad = rec[[h != mine[k].recipe_hash for k, h in zip(rec["point_key"], rec["recipe_hash"])]]
+    if len(bad):
+        r = bad.iloc[0]
+        p = mine[r["point_key"]]
+        gate = r["gate_recipe"] if isinstance(r["gate_recipe"], str) and r["gate_recipe"] else None
+        why = (f"gate recipe {gate} vs this run's {p.gate_label}" if gate != p.gate_label
+               else f"the same gate recipe {gate}: the input seed or state flags differ")
+        more = bad["point_key"].nunique() - 1
+        out["recipe"] = (f"rows for point {p.describe()} ({r['direction']}) made from another "
+                         f"input recipe (recipe_hash {r['recipe_hash']} vs this run's "
+                         f"{p.recipe_hash}, {why})"
+                         + (f", and for {more} more of this run's points" if more else ""))
+    return out
+
+
 def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=None,
         limit: int | None = None, resume: bool = False, progress=None, log=print,
         isolate: bool | None = None, shard: tuple[int, int] | None = None,
         devices: list[str] | None = None, retry_failed: bool = False,
-        refuse_unrunnable: bool = False) -> RunSummary:
+        refuse_unrunnable: bool = False, append_other: bool = False) -> RunSummary:
     """Run a sweep into ``out_dir``. With ``isolate`` (default: the sweep's ``isolate``), points
     run in supervised worker processes, one per backend label (:class:`supervisor.Lanes`): a
-    crash or a hang costs one row, not the sweep. With ``refuse_unrunnable``, a run whose
-    backends cannot run here while ``out_dir`` already holds rows raises :class:`NothingRunnable`
-    and writes nothing."""
+    crash or a hang costs one row, not the sweep. An ``out_dir`` that holds rows of another
+    sweep, input recipe or GPU (:func:`other_rows`) raises :class:`OtherRows`
+    (:class:`RecipeMismatch` where a recipe differs) before any row, and nothing is written;
+    ``append_other`` adds the run's rows to it anyway, except a ``--resume`` over rows of
+    another recipe. With ``refuse_unrunnable``, a run whose backends cannot run here while
+    ``out_dir`` already holds rows raises :class:`NothingRunnable` and writes nothing."""
     t_run = time.time()
     tl: dict = {}  # the run's timeline (seconds from the run's start), stored in the metadata
     t_proc = process_started_at()
@@ -136,7 +200,9 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     one_device = not (devices and len(devices) > 1)
     first_device = devices[0] if devices else None  # the one a single-GPU run is pinned to
     logs = Path(out_dir) / LOGS_DIR
-    logs_existed = logs.exists()
+    # what a refused run keeps of the log directory (a worker's log is named by this process's
+    # id: a run in the process of an earlier one appends to the earlier one's log)
+    earlier_logs = set(logs.iterdir()) if logs.is_dir() else None
     with contextlib.ExitStack() as started:  # every worker started is closed however the run ends
         own = {n: e for n, e in entries.items() if e.own_environment}
         pool = ThreadPoolExecutor(max_workers=max(1, len(own)))
@@ -162,19 +228,26 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         import torch
 
         from .measure import device
-        from .results import ResultStore, environment, git_sha, holds_rows, load_meta, new_run_id
+        from .results import ResultStore, environment, git_sha, load_meta, new_run_id, owners, resume_key
         store = ResultStore(out_dir)
-        refuse = refuse_unrunnable and holds_rows(out_dir)
+        gpu_name = (torch.cuda.get_device_name(int(devices[0]) if devices else 0)
+                    if torch.cuda.is_available() else "cpu")
+        held = owners(out_dir)
+        refuse = refuse_unrunnable and not held.empty
+        other = {k: v for k, v in other_rows(held, sweep, pts, gpu_name, config_name).items()
+                 if not append_other or (k == "recipe" and resume)}
+        if other:
+            started.close()
+            _discard_worker_logs(lanes, logs, earlier_logs)
+            hint = ("use a new --out directory (a --resume never mixes input recipes)"
+                    if "recipe" in other and resume else
+                    "use a new --out directory, or pass --append-other to add this run's rows "
+                    "to it anyway")
+            raise (RecipeMismatch if "recipe" in other else OtherRows)(
+                f"{out_dir} holds {'; '.join(other.values())}; {hint}", other)
         done = store.done_keys(retry_failed) if resume else {}
         if resume:
             store.check_method(sweep.timing.mode, sweep.timing.l2)
-            for (pk, direction), rh in store.recipes().items():
-                for p in pts:
-                    if p.key == pk and rh != p.recipe_hash:
-                        raise RecipeMismatch(
-                            f"{out_dir}: rows for point {p.describe()} ({direction}) were made from "
-                            f"a different input recipe ({rh} vs {p.recipe_hash}: gate, seed, dtype or "
-                            "state flags changed); use a new --out directory instead of --resume")
         params_json = {n: e.params_json for n, e in entries.items()}
 
         ceilings, ceilings_source = {}, None
@@ -229,21 +302,13 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
             log(f"ceilings ({ceilings_source}): {ceilings}")
         if refuse and not runnable:
             started.close()
-            for ln in lanes.values():
-                for lane in ln.lanes.values():
-                    for f in (lane.sup.log_paths if lane.sup else []):
-                        f.unlink(missing_ok=True)
-            if not logs_existed:
-                with contextlib.suppress(OSError):
-                    logs.rmdir()
+            _discard_worker_logs(lanes, logs, earlier_logs)
             raise NothingRunnable(avail)
 
         run_id = new_run_id()
         uuids = _device_uuids(devices)
         campaign_id = campaign_for(store, uuids, resume, sweep.model_dump(mode="json"), versions)
         sha = git_sha(str(Path(__file__).resolve().parent.parent))
-        gpu_name = (torch.cuda.get_device_name(int(devices[0]) if devices else 0)
-                    if torch.cuda.is_available() else "cpu")
         meta = {"run_id": run_id, "git_sha": sha, "config": config_name,
                 "sweep": sweep.model_dump(mode="json"), "backends": names,
                 "backend_names": {n: e.name for n, e in entries.items()},
@@ -298,7 +363,7 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
 
         def todo(n: str) -> list[int]:  # what label n still has to measure, in sweep order
             keep = [i for i, (p, d) in enumerate(order)
-                    if (p.key, n, d, versions[n], params_json[n]) not in done]
+                    if resume_key(p.key, n, d, versions[n], params_json[n]) not in done]
             summary.skipped_done += len(order) - len(keep)
             return keep
 
@@ -328,6 +393,20 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
                 meta["gpu_uuids"] = seen
             store.write_meta(run_id, meta)
         return summary
+
+
+def _discard_worker_logs(lanes: dict, logs: Path, earlier: set | None) -> None:
+    """Remove the logs a refused run's (closed) workers created: ``lanes``, device -> its Lanes;
+    ``earlier``, the files ``logs`` held before the run (kept), None where there was no such
+    directory (then removed, if left empty)."""
+    for ln in lanes.values():
+        for lane in ln.lanes.values():
+            for f in (lane.sup.log_paths if lane.sup else []):
+                if f not in (earlier or ()):
+                    f.unlink(missing_ok=True)
+    if earlier is None:
+        with contextlib.suppress(OSError):
+            logs.rmdir()
 
 
 def _dispatch(lanes: Lanes, order: list, names: list, todo, on_resolved, ctx: dict, on_row,

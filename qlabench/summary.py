@@ -174,8 +174,22 @@ def model_footer(df: pd.DataFrame, table: pd.DataFrame, baseline: str | None) ->
     return pd.DataFrame(rows)
 
 
-def _f(x, spec: str) -> str:
-    return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+def _missing(x) -> bool:
+    """A table cell without a value: None, NaN or pandas' NA (a str column of pandas >= 3 holds
+    NaN where the records held None)."""
+    return x is None or x is pd.NA or (isinstance(x, float) and math.isnan(x))
+
+
+def _f(x, spec: str, suffix: str = "") -> str:
+    """``x`` formatted with ``spec`` plus ``suffix``; "" when missing or not finite."""
+    if _missing(x) or (isinstance(x, float) and not math.isfinite(x)):
+        return ""
+    return format(x, spec) + suffix
+
+
+def _s(x) -> str:
+    """A label cell: "" when missing."""
+    return "" if _missing(x) else str(x)
 
 
 def print_summary(df: pd.DataFrame, console=None, baseline: str = BASELINE,
@@ -190,7 +204,7 @@ def print_summary(df: pd.DataFrame, console=None, baseline: str = BASELINE,
     base = resolve_baseline(df, baseline)
     bname = base or baseline
     for (direction, hq, hv, model), t in table.groupby(["direction", "h_qk", "h_v", "model"],
-                                                       sort=False):
+                                                       sort=False, dropna=False):
         tab = Table(title=f"{model} ({hq}/{hv}) {direction}: fastest correct backend per layout "
                     f"(tie: not distinguishable, Mann–Whitney p ≥ {alpha:g} or ≤ {threshold:.0%})")
         for c, j in (("layout", "left"), ("winner", "left"), ("ms", "right"),
@@ -202,19 +216,19 @@ def print_summary(df: pd.DataFrame, console=None, baseline: str = BASELINE,
         for r in t.to_dict("records"):
             bad = ", ".join(w for w in (f"{r['n_incorrect']} incorrect" if r["n_incorrect"] else "",
                                         f"{r['n_failed']} failed" if r["n_failed"] else "") if w)
-            tags = [f"vs runner-up: {r['pairing']}" if r["pairing"] else "",
-                    f"vs {bname}: {r['baseline_pairing']}" if r["baseline_pairing"] else ""]
-            if r["winner"] is None:
-                tab.add_row(str(r["layout"]), "[red]no ok row[/red]", "", "", "", "", "", "", "",
+            tags = [f"vs runner-up: {_s(r['pairing'])}" if _s(r["pairing"]) else "",
+                    f"vs {bname}: {_s(r['baseline_pairing'])}" if _s(r["baseline_pairing"]) else ""]
+            if _missing(r["winner"]):
+                tab.add_row(_s(r["layout"]), "[red]no ok row[/red]", "", "", "", "", "", "", "",
                             "", f"0/{r['n_backends']}", bad, "")
                 continue
-            p1090 = (f"{_f(r['winner_p10_ms'], '.4f')}–{_f(r['winner_p90_ms'], '.4f')}"
-                     if r["winner_p10_ms"] is not None else "")
-            tab.add_row(str(r["layout"]), r["winner"], _f(r["winner_ms"], ".4f"), p1090,
-                        r["runner_up"] or "", _f(r["runner_up_ms"], ".4f"),
-                        _f(r["margin"], ".3f") + ("×" if r["margin"] is not None else ""),
+            p10, p90 = _f(r["winner_p10_ms"], ".4f"), _f(r["winner_p90_ms"], ".4f")
+            tab.add_row(_s(r["layout"]), _s(r["winner"]), _f(r["winner_ms"], ".4f"),
+                        f"{p10}–{p90}" if p10 and p90 else "",
+                        _s(r["runner_up"]), _f(r["runner_up_ms"], ".4f"),
+                        _f(r["margin"], ".3f", "×"),
                         "[yellow]tie[/yellow]" if r["tie"] else "",
-                        _f(r["speedup"], ".2f") + ("×" if r["speedup"] is not None else ""),
+                        _f(r["speedup"], ".2f", "×"),
                         _f(r["winner_max_rel_l2"], ".1e"), f"{r['n_ok']}/{r['n_backends']}", bad,
                         "; ".join(x for x in tags if x))
         console.print(tab)
@@ -222,8 +236,8 @@ def print_summary(df: pd.DataFrame, console=None, baseline: str = BASELINE,
         foot = model_footer(rows, t, base)
         parts = []
         for f in foot.to_dict("records"):
-            sp = (f"{f['geomean_speedup']:.2f}× over {bname} ({f['points']} pts)"
-                  if f["geomean_speedup"] is not None and f["backend"] != base else "")
+            gm = _f(f["geomean_speedup"], ".2f", "×")
+            sp = f"{gm} over {bname} ({f['points']} pts)" if gm and f["backend"] != base else ""
             w = f"{f['wins']} win{'s' * (f['wins'] != 1)}" + (f" ({f['tied_wins']} tie)" if f["tied_wins"] else "")
             parts.append(f"{f['backend']}: " + ", ".join(x for x in (sp, w) if x))
         console.print(f"{model} ({hq}/{hv}) {direction}, {len(t)} points — " + "; ".join(parts),

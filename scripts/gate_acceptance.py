@@ -11,7 +11,11 @@ outputs are found through the backend's own ``outputs_to_canonical``):
   which is left unwritten (the allocator may hand back a buffer holding a right answer);
 - ``dg-block``: one 1024-token block of one head of ``dg`` is written 1.5x too large;
 - ``graph-only``: eager calls are right, but under CUDA-graph capture the last 64 tokens of one
-  head of ``o`` come out NaN, as if unwritten (a library that takes another path when captured).
+  head of ``o`` come out NaN, as if unwritten (a library that takes another path when captured);
+- ``cached``: the answer is computed once, in ``prepare``; every call copies it out (a graph of
+  copies: right on the inputs it was checked on, wrong on any other);
+- ``work-once``: a call computes only when checked (under the poisoning mode) or every 8th time,
+  and otherwise hands back the last answer (a timed graph of n calls doing the work of n / 8).
 
 Writes ``OUT/<variant>/`` result directories and ``OUT/summary.json``; exits 1 if any row of a
 broken variant is not ``incorrect``.
@@ -25,6 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from qlabench import backends as B
 from qlabench import config as C
@@ -55,6 +60,27 @@ def broken(base: type, variant: str):
             t1 = min(t0 + 1024, int(x.cu_seqlens[s + 1]))
             j = x.N // 2
 
+            if variant == "cached":
+                r0 = inner.fn()
+                cache = ({k: v.clone() for k, v in r0.items()} if isinstance(r0, dict)
+                         else [v.clone() if isinstance(v, torch.Tensor) else v for v in r0])
+
+                def copies():
+                    if isinstance(cache, dict):
+                        return {k: v.clone() for k, v in cache.items()}
+                    return tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in cache)
+                return Prepared(fn=copies, graph_safe=inner.graph_safe)
+            if variant == "work-once":
+                calls, last = [0], []
+
+                def lazy():
+                    calls[0] += 1
+                    if (_get_current_dispatch_mode() is not None or calls[0] % 8 == 1
+                            or not last):
+                        last[:] = [inner.fn()]
+                    return last[0]
+                return Prepared(fn=lazy, graph_safe=inner.graph_safe, refresh=inner.refresh)
+
             def fn():
                 r0 = inner.fn()
                 raw = dict(r0) if isinstance(r0, dict) else list(r0)
@@ -74,12 +100,13 @@ def broken(base: type, variant: str):
                     o[0, -64:, 0] = float("nan")  # as if never written
                     raw[_slot(raw, c["o"])] = o
                 return raw if isinstance(raw, dict) else tuple(raw)
-            return Prepared(fn=fn, graph_safe=inner.graph_safe)
+            return Prepared(fn=fn, graph_safe=inner.graph_safe, refresh=inner.refresh)
 
     return Broken
 
 
-VARIANTS = {"state-hole": "fwd", "dg-block": "bwd", "graph-only": "fwd"}
+VARIANTS = {"state-hole": "fwd", "dg-block": "bwd", "graph-only": "fwd", "cached": "fwd",
+            "work-once": "fwd"}
 
 
 def main(argv=None) -> int:

@@ -36,6 +36,14 @@
 #   campaign     the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4,
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
 #   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
+#   gate_tests   the gate's GPU tests (the fp32 reference against the fp64 recurrence, poisoning);
+#   gate_accept  scripts/gate_acceptance.py on FLA: every broken variant must be `incorrect`;
+#   last_tokens  tools/gate/last_tokens.py: the error of a sequence's last tokens per backend;
+#   bwd_quick    configs/h200_bwd_quick.yaml (fla, flashqla, tilelang) into runs/h200_bwd_quick;
+#   fwd_quick    configs/h200_fwd_quick.yaml (FlashInfer 0.6.13 and 0.7.4 among them), once
+#                /tmp/fisite is ready, into runs/h200_fwd_quick;
+#   serving      configs/h200_serving.yaml, every backend, into runs/h200_serving (resumed once
+#                if cut);
 # then the comparisons of the runs it made.
 # JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
 # JOB_STEPS (set at setup; default "bwd_prev suite_first campaign suite_warm") names the steps to run,
@@ -60,7 +68,7 @@ setup)
   for f in fqla_fwd fqla_bwd fqla_tests; do  # FlashQLA's kernels (the sweeps, tests), compiled offline
     [ -f .tlcache/$f.tar.xz ] && tar -xJf .tlcache/$f.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/$f/. /tmp/tlc/all/
   done
-  cp -r .run/prevkernels /tmp/prevkernels || exit 1
+  if [ -d .run/prevkernels ]; then cp -r .run/prevkernels /tmp/prevkernels || exit 1; fi
   source .devsite/setup.sh || exit 1
   # FlashInfer 0.6.13's GDN module built offline (the bf16 variants the sweeps and tests call) in
   # its precompiled slot; the job checks it and falls back to the JIT build when it fails
@@ -128,7 +136,7 @@ for hq, hv in ((2, 8), (2, 2)):
 torch.cuda.synchronize(); print('flashinfer ready')"
   wants() { [[ " $JOB_STEPS " == *" $1 "* ]]; }
   AOT=/tmp/site312/flashinfer/data/aot/gdn_prefill_sm90/gdn_prefill_sm90.so
-  if wants campaign || wants suite_first || wants suite_warm; then
+  if wants campaign || wants suite_first || wants suite_warm || wants fwd_quick || wants serving; then
     if [ -f "$AOT" ] && ! timeout 120 python3 -c "$fi_calls" > "$J/fi_aot.log" 2>&1; then
       tail -5 "$J/fi_aot.log"; log "carried flashinfer module failed: JIT build instead"; rm -f "$AOT"
     fi
@@ -149,6 +157,19 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     step campaign 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd
     [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_resume 90 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd --resume
   fi
+  step gate_tests 60 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
+    --junitxml="$J/gate_tests.xml" tests/test_reference.py tests/test_poison_gpu.py
+  step gate_accept 120 420 python3 scripts/gate_acceptance.py --fwd configs/h200_fwd_quick.yaml \
+    --bwd configs/h200_bwd_quick.yaml --out runs/gate_acceptance
+  step last_tokens 60 240 python3 tools/gate/last_tokens.py --out "$J/checks"
+  step bwd_quick 120 420 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
+  if wants fwd_quick || wants serving; then
+    while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
+    log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
+  fi
+  step fwd_quick 120 420 qlabench run configs/h200_fwd_quick.yaml --out runs/h200_fwd_quick --resume
+  step serving 300 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
+  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step serving_resume 90 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
   step suite_warm 240 480 $(suite suite_warm)
   for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang"; do
     set -- $c; [ -d "$1" ] || continue

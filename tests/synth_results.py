@@ -111,3 +111,15 @@ def copy_scaled(src: Path, dst: Path, factors: dict[str, float], run_id: str = "
         r["seqlens"] = [int(x) for x in r["seqlens"]]
         rows.append(r)
     return write_rows(Path(dst), rows)
+
+
+def restamp(out: Path, **columns) -> None:
+    """Set ``columns`` on every stored row of a results directory, in place (rows as if measured
+    on another GPU, with another backend version, ...)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for f in sorted((Path(out) / results.PARTS_DIR).glob("*.parquet")):
+        rows = pq.read_table(f).to_pylist()
+        for r in rows:
+            r.update(columns)
+        pq.write_table(pa.Table.from_pylist(rows, schema=results.SCHEMA), f)

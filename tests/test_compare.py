@@ -113,16 +113,77 @@ def test_too_few_samples_is_incomparable():
     assert j["ratio"] == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("change,word", [
-    ({"timing_mode": "events"}, "timing_mode graph-batch vs events"),
-    ({"gpu_name": "NVIDIA H100 80GB HBM3"}, "gpu NVIDIA H200 vs NVIDIA H100"),
-])
-def test_different_method_or_gpu_is_incomparable(base, tmp_path, change, word):
+METHOD_CHANGES = [
+    ({"timing_mode": "events"}, "timing_mode", "timing_mode graph-batch vs events"),
+    ({"l2": "cold"}, "l2", "l2 warm vs cold"),
+    ({"gpu_name": "NVIDIA H100 80GB HBM3"}, "gpu_name", "gpu NVIDIA H200 vs NVIDIA H100"),
+    ({"recipe_hash": "0123456789ab"}, "recipe_hash", "input recipe "),
+    ({"gate_recipe": "zero0.5/seed0"}, "gate_recipe", "gate recipe zero0.25/seed0 vs zero0.5/seed0"),
+]
+
+
+@pytest.mark.parametrize("change,col,word", METHOD_CHANGES, ids=[c for _, c, _ in METHOD_CHANGES])
+def test_different_method_gpu_or_recipe_is_incomparable_and_exits_3(base, tmp_path, capsys, change,
+                                                                    col, word):
     new = S.copy_scaled(base, tmp_path / "new", {"fla": 1.5}, **change)
-    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 0  # never a regression
-    rows = _json(tmp_path / "v.json")["rows"]
-    assert {r["verdict"] for r in rows} == {"incomparable"}
-    assert all(word in r["reason"] for r in rows)
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 3
+    out = _json(tmp_path / "v.json")
+    assert {r["verdict"] for r in out["rows"]} == {"incomparable"}
+    assert all(word in r["reason"] and r["differs"] == col for r in out["rows"])
+    assert out["summary"]["differs_pairs"] == 24 and out["summary"]["differs"] == {col: 24}
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"error: method, GPU or recipe differ from the baseline in 24 of 24 pairs: {col} in 24 (e.g. ")
+    assert "--allow-incomparable" in err[0] and "Traceback" not in cap.err
+    assert "incomparable: method, GPU or recipe differ" in cap.out  # the table is printed too
+    # a human who knows: the pairs stay unjudged, the exit code is the other pairs' (none here)
+    assert Q.compare_cmd(base, new, allow_incomparable=True) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_method_change_takes_precedence_over_a_regression_until_allowed(base, tmp_path, capsys):
+    """flashqla 10% slower (same method); fla re-timed with per-call events: exit 3 naming the
+    slower pairs too; --allow-incomparable: exit 1 for flashqla, fla unjudged."""
+    new = S.copy_scaled(base, tmp_path / "new", {"flashqla": 1.10})
+    df = results.load(new)
+    df.loc[df["backend"] == "fla", "timing_mode"] = "events"
+    rewrite(new, df)
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 3
+    err = capsys.readouterr().err
+    assert "in 8 of 24 pairs: timing_mode in 8" in err and "besides, 8 pairs are slower or broken" in err
+    by = {}
+    for r in _json(tmp_path / "v.json")["rows"]:
+        by.setdefault(r["backend"], set()).add((r["verdict"], r["differs"]))
+    assert by == {"fla": {("incomparable", "timing_mode")}, "flashqla": {("slower", "")},
+                  "tilelang": {("same", "")}}
+    assert Q.compare_cmd(base, new, allow_incomparable=True) == 1
+
+
+def test_same_method_and_gpu_model_keep_exit_0_and_1(base, tmp_path):
+    """Another H200 (gpu_uuid) of another campaign is the same GPU model: 0 or 1, never 3."""
+    other = {"gpu_uuid": "GPU-2", "campaign_id": "c9"}
+    same = S.copy_scaled(base, tmp_path / "same", {}, **other)
+    assert Q.compare_cmd(base, same, out=tmp_path / "v.json") == 0
+    out = _json(tmp_path / "v.json")
+    assert out["summary"]["differs_pairs"] == 0 and {r["differs"] for r in out["rows"]} == {""}
+    slow = S.copy_scaled(base, tmp_path / "slow", {"fla": 1.10}, **other)
+    assert Q.compare_cmd(base, slow) == 1
+
+
+def test_cli_exit_3_and_allow_incomparable(base, tmp_path):
+    new = S.copy_scaled(base, tmp_path / "new", {"fla": 2.0}, gpu_name="NVIDIA H100 80GB HBM3")
+    r = CliRunner().invoke(app, ["compare", str(base), str(new)])
+    assert r.exit_code == 3 and r.stderr.startswith("error: method, GPU or recipe differ"), r.output
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = CliRunner().invoke(app, ["compare", str(base), str(new), "--allow-incomparable"])
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    h = CliRunner().invoke(app, ["compare", "--help"], env={"COLUMNS": "200"})
+    assert h.exit_code == 0
+    text = " ".join(h.output.split())
+    for code in ("2 bad input", "3 method, GPU or recipe differ from the baseline", "1 a row is slower",
+                 "0 otherwise", "--allow-incomparable"):
+        assert code in text, code
 
 
 def test_ok_turned_incorrect_is_broken_and_fails(base, tmp_path):

@@ -78,6 +78,23 @@ def test_held_out_counts_the_lone_odd_point_wrong(tmp_path):
     assert ho["per_model"][0]["model"] == "m 4/16" and ho["per_model"][0]["right"] == n - 1
 
 
+def test_held_out_point_is_left_out_of_the_table_that_judges_it(tmp_path):
+    """Three points, one bucket (too few to split). `a` wins the first two by 10%, `b` the third
+    by 50%: with every point the bucket picks `b`; without the third (held out) it picks `a`, so
+    held out every point gets the other label: none right."""
+    lat = {(1024,): (1.0, 1.1), (2048,): (1.0, 1.1), (4096,): (1.5, 1.0)}
+    rows = []
+    for i, (lay, (a, b)) in enumerate(lat.items()):
+        kw = dict(seqlens=lay, model="m 4/16", hq=4, hv=16, point_index=i, noise=0.001)
+        rows += [row("a", a, seed=2 * i, **kw), row("b", b, seed=2 * i + 1, **kw)]
+    t, _ = table_of(tmp_path, rows)
+    assert [b["choice"] for b in t["buckets"]] == ["b"] and t["buckets"][0]["winner_or_tie"] == 1
+    ho = t["held_out"]
+    assert ho["points"] == 3 and ho["right"] == 0 and ho["accuracy"] == 0.0
+    got = {m["layout"]: (m["chosen"], m["winner"], round(m["regret"], 6)) for m in ho["misses"]}
+    assert got == {"1x1024": ("b", "a", 1.1), "1x2048": ("b", "a", 1.1), "1x4096": ("a", "b", 1.5)}
+
+
 def test_tie_counts_as_right_in_held_out(tmp_path):
     rows = rows_short_long()
     # on one short-side point `long` wins, but only by 0.3%: held out, that point gets `short`

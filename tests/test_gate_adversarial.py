@@ -18,15 +18,25 @@ CFG = {"name": "adv", "models": [{"name": "m", "h_qk": 1, "h_v": 4, "head_dim": 
        "timing": {"min_samples": 2, "max_samples": 3, "budget_s": 0.05}}
 
 
-def _rows(tmp_path, monkeypatch, cls, directions=("fwd",)):
+def _rows(tmp_path, monkeypatch, cls, directions=("fwd",), seqlens=LAYOUTS):
     monkeypatch.setattr(B, "get", lambda n, params=None: cls())
-    sw = C.parse({**CFG, "directions": list(directions)})
+    sw = C.parse({**CFG, "directions": list(directions), "seqlens": seqlens})
     return runner.run(sw, tmp_path, log=lambda m: None).rows
 
 
 def test_noise_of_a_bf16_kernel_passes_every_output(tmp_path, monkeypatch):
     rows = _rows(tmp_path, monkeypatch, CB.Noisy, ("fwd", "bwd"))
     assert [r["status"] for r in rows] == ["ok"] * len(rows), [r["reason"] for r in rows]
+
+
+@pytest.mark.parametrize("name,length", [("last-token-zeroed", 32768), ("chunk-scaled", 16384)])
+def test_one_wrong_token_or_chunk_in_a_long_sequence_is_incorrect(tmp_path, monkeypatch, name,
+                                                                   length):
+    """Long enough that the global norm (and the sequence x head figure) let it through: only
+    the chunk check stands between it and `ok`."""
+    rows = _rows(tmp_path, monkeypatch, CB.CHEATS[name], seqlens=[[length]])
+    assert rows[0]["status"] == "incorrect" and "chunk x head" in rows[0]["reason"], rows[0]["reason"]
+    assert rows[0]["rel_l2_o"] < C.Thresholds().o
 
 
 @pytest.mark.parametrize("name,direction", [

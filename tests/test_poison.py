@@ -90,10 +90,10 @@ def test_poison_mode_fills_every_empty_factory_and_spares_integers():
     assert not torch.isnan(z).any() and i.dtype == torch.int64
 
 
-def test_fill_nan_spares_inputs_handed_back():
-    inp, out = torch.ones(3), torch.ones(4)
-    assert poison.fill_nan((out, inp, {"x": torch.arange(3)}), keep=[inp]) == 1
-    assert torch.isnan(out).all() and (inp == 1).all()
+def test_fill_nan_fills_every_floating_point_tensor_and_spares_integers():
+    a, b, i = torch.ones(3), torch.ones(2, 2, dtype=torch.bfloat16), torch.arange(3)
+    assert poison.fill_nan((a, [b], {"i": i})) == 2
+    assert torch.isnan(a).all() and torch.isnan(b.float()).all() and (i == torch.arange(3)).all()
 
 
 class WrongAfterFirstCall(ReferenceBackend):
@@ -264,3 +264,54 @@ def test_block_gate_on_token_outputs_of_rank_three():
     out = ref.clone()
     out[0, 1100:1200, 2] = 0
     assert gate.token_local_errs(out, ref, cu_seqlens_of([2048]))[0] > 0.2
+
+
+class StaleBuffer(ReferenceBackend):
+    """Preallocates its outputs and fills them with the right answer in ``prepare`` (a warm-up
+    call), then leaves the last token of ``o`` unwritten on every call."""
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        o, ht = inner.fn()
+        bufs = (o.clone(), ht.clone())
+
+        def fn():
+            o2, ht2 = inner.fn()
+            bufs[0][0, :-1].copy_(o2[0, :-1])
+            bufs[1].copy_(ht2)
+            return bufs
+        return Prepared(fn=fn, graph_safe=False, outputs=bufs)
+
+
+def test_checked_call_poisons_preallocated_outputs():
+    sw, x, ref = _tiny()
+    be = StaleBuffer()
+    prep = be.prepare(x, "fwd")
+    outs, _ = gate.checked_call(be, prep, x, "fwd", 0)
+    assert torch.isnan(outs["o"][0, -1]).all() and not torch.isnan(outs["o"][0, :-1]).any()
+    assert gate.check_outputs(outs, ref, x, "fwd", sw)[2]
+
+
+def test_marginal_ratio_tells_n_calls_from_the_work_of_one(monkeypatch):
+    clock = [0.0]
+
+    class Ev:
+        def record(self):
+            self.t = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(timing, "_events", lambda: (Ev(), Ev()))
+    monkeypatch.setattr(timing, "_synchronize", lambda: None)
+    launch, per_call, n = 0.01, 0.25, 40
+    monkeypatch.setattr(timing, "_capture", lambda body: FakeGraph(clock, 1, per_call + launch))
+    opts = C.Timing()
+    honest = [(n * per_call + launch) / n] * 10  # n calls each doing its work, one launch
+    lazy = [(per_call + launch) / n] * 10  # the n calls do the work of one
+    r_honest = timing._marginal_ratio(None, n, honest, opts, lambda: None, False, 0.0)
+    r_lazy = timing._marginal_ratio(None, n, lazy, opts, lambda: None, False, 0.0)
+    assert r_honest == pytest.approx(1.0, abs=0.05) and r_lazy < 0.05

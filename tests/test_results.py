@@ -68,6 +68,44 @@ def test_unavailable_rows_are_retried_on_resume(tmp_path, monkeypatch):
     assert set(results.latest(results.load(tmp_path))["status"]) == {"ok"}
 
 
+def test_resume_does_not_measure_incorrect_rows_again(tmp_path, monkeypatch):
+    """An `incorrect` row is a finished result: a --resume (with --retry-failed too) keeps it,
+    even where the backend would now pass."""
+    from qlabench.backends.reference import ReferenceBackend
+
+    orig = ReferenceBackend.outputs_to_canonical
+
+    def wrong(self, raw, x, d):
+        out = orig(self, raw, x, d)
+        out["o"] = out["o"] * 1.1
+        return out
+
+    s = C.parse({**CFG, "isolate": False})  # the patched backend lives in this process
+    monkeypatch.setattr(ReferenceBackend, "outputs_to_canonical", wrong)
+    first = runner.run(s, tmp_path, log=lambda m: None)
+    assert [r["status"] for r in first.rows] == ["incorrect"] * 2
+    monkeypatch.undo()  # the backend passes now
+    for retry_failed in (False, True):
+        again = runner.run(s, tmp_path, resume=True, retry_failed=retry_failed, log=lambda m: None)
+        assert again.skipped_done == 2 and not again.rows
+    assert list(results.latest(results.load(tmp_path))["status"]) == ["incorrect"] * 2
+
+
+def test_resume_measures_rows_of_another_backend_version_again(tmp_path):
+    """The resume key holds the backend version: rows stored under another version of the
+    label are measured again, the run's own are not."""
+    from synth_results import restamp
+
+    s = C.parse({**CFG, "isolate": False})
+    runner.run(s, tmp_path, log=lambda m: None)
+    restamp(tmp_path, backend_version="0.0-older")
+    again = runner.run(s, tmp_path, resume=True, log=lambda m: None)
+    assert again.skipped_done == 0 and [r["status"] for r in again.rows] == ["ok"] * 2
+    assert all(r["backend_version"] != "0.0-older" for r in again.rows)
+    last = runner.run(s, tmp_path, resume=True, log=lambda m: None)
+    assert last.skipped_done == 2 and not last.rows
+
+
 def test_resume_refuses_changed_recipe(tmp_path):
     runner.run(C.parse(CFG), tmp_path, log=lambda m: None)
     changed = C.parse({**CFG, "gate": {"zero_frac": 0.5, "seed": 0}})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -137,6 +138,25 @@ def test_cli_summary_table_and_bad_input(tmp_path):
     bad = write(tmp_path / "bad", [row("fla", None, status="incorrect")])
     r = CliRunner().invoke(app, ["summary", str(bad)])
     assert r.exit_code == 2 and "no ok rows" in r.output
+
+
+def test_points_without_runner_up_or_winner_print(tmp_path):
+    """One point with two ok labels, one with a single ok label (no runner-up), one with none:
+    the table prints blanks for what a point lacks."""
+    two = (4096, 4096)
+    d = write(tmp_path, [row("fla", 1.0, seed=1), row("a", 0.5, seed=2),
+                         row("fla", 2.0, two, seed=3, point_index=1),
+                         row("a", None, two, status="crashed", point_index=1),
+                         row("fla", None, (1024,), status="incorrect", point_index=2)])
+    t = summary.point_table(results.latest(results.load(d))).set_index("num_seqs")
+    assert pd.isna(t.loc[2, "runner_up"]) and pd.isna(t.loc[2, "margin"])
+    r = CliRunner().invoke(app, ["summary", str(d)])
+    assert r.exit_code == 0, r.output
+    lines = {ln.split("│")[1].strip(): ln for ln in r.stdout.splitlines() if ln.count("│") > 3}
+    assert "2.00×" in lines["1x8192"] and "nan" not in r.stdout
+    assert "1/2" in lines["2x4096"] and "1 failed" in lines["2x4096"]
+    assert "no ok row" in lines["1x1024"]
+    assert "3 points — a: 2.00× over fla (1 pts), 1 win; fla: 1 win" in r.stdout
 
 
 def test_run_summary_without_ok_rows_says_so(tmp_path, capsys):

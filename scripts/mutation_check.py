@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Mutation check: does the test suite fail when the code breaks in these ways?
+
+Each entry of :data:`MUTATIONS` is a file (relative to the repository root), an exact snippet of
+it, the snippet that replaces it, what the replacement breaks, and the pytest node ids that must
+fail under it. For each entry the script replaces the snippet in the file in place (it must
+occur exactly once), runs ``python3 -m pytest -q -x -p no:cacheprovider <ids>`` from the
+repository root (``PYTHONPATH`` starting with that root, so the tree under test is the one
+imported), records ``killed`` (the tests failed, did not import, or ran past ``--timeout``)
+or ``survived`` (they passed), and puts the file back — always: in a ``finally``, on Ctrl-C and SIGTERM too. The
+file is put back by replacing the mutated snippet with the original one, so an edit made
+elsewhere in the file meanwhile is kept; where the mutated snippet is no longer there once, the
+whole original text is written back. Before the mutations, the listed tests run once on the
+unmutated tree (``--no-baseline`` skips it): a test that fails there would kill every mutation
+and prove nothing.
+
+It prints a table and exits 0 when every mutation was killed, 1 when any survived, 2 when an
+entry is bad (snippet not found exactly once, unknown ``--only`` name, node ids pytest does not
+run) or the baseline fails, 130 when interrupted.
+
+Not part of the test run (each entry runs its tests once: minutes). By hand, from anywhere:
+
+    python3 scripts/mutation_check.py                 # every mutation
+    python3 scripts/mutation_check.py --only NAME     # one (repeat --only, or NAME,NAME)
+    python3 scripts/mutation_check.py --list          # the entries
+
+It edits the tree it lives in while it runs: where others use that tree at the same time, run a
+copy of it (``cp -r`` of the repository, then ``python3 COPY/scripts/mutation_check.py``).
+
+Adding one is an entry of :data:`MUTATIONS`: name, file, original snippet, mutated snippet, what
+it breaks, the node ids that must catch it::
+
+    M("NAME", "qlabench/FILE.py",
+      "exact original snippet", "the mutated snippet",
+      "what the mutation breaks, in words",
+      ["tests/test_FILE.py::test_NAME"]),
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class M(NamedTuple):
+    name: str
+    file: str  # relative to the repository root
+    original: str  # occurs exactly once in the file
+    mutated: str
+    breaks: str  # what the mutation breaks, in words
+    tests: list[str]  # pytest node ids of which at least one must fail
+
+
+MUTATIONS: list[M] = [
+    M("no-poison-of-preallocated-outputs", "qlabench/gate.py",
+      "    poison.fill_nan(prep.outputs)\n", "",
+      "a checked call sees the preallocated outputs as the last call left them",
+      ["tests/test_poison.py::test_checked_call_poisons_preallocated_outputs"]),
+    M("timed-path-check-ignored", "qlabench/measure.py",
+      "        if bad_t:\n", "        if False:\n",
+      "measure ignores the check of the timed path on fresh inputs",
+      ["tests/test_gate_adversarial.py::test_lazy_backends_are_caught_on_the_timed_path"]),
+    M("timed-path-on-the-checked-inputs", "qlabench/gate.py",
+      "        t.data.copy_(new)\n", "        pass\n",
+      "the timed path is checked on the inputs it was timed on (a cached answer passes)",
+      ["tests/test_poison.py::test_timed_path_check_runs_on_fresh_inputs_and_checks_every_call",
+       "tests/test_gate_adversarial.py::test_noise_of_a_bf16_kernel_passes_every_output"]),
+    M("timed-path-checks-one-call", "qlabench/gate.py",
+      "    for i, raw in enumerate(raws):\n", "    for i, raw in enumerate(raws[-1:]):\n",
+      "only the last unrolled call of the timed graph is checked",
+      ["tests/test_poison.py::test_timed_path_check_runs_on_fresh_inputs_and_checks_every_call"]),
+    M("marginal-cost-of-one-replay", "qlabench/timing.py",
+      "    return (n * per_call - statistics.median(one)) / (n - 1) / per_call\n",
+      "    return n * per_call / statistics.median(one)\n",
+      "the marginal cost compares a replay with a replay, blind to n calls doing one's work",
+      ["tests/test_poison.py::test_marginal_ratio_tells_n_calls_from_the_work_of_one"]),
+    M("local-check-against-own-norm", "qlabench/gate.py",
+      "    chunk = _worst_rel(unit_d2 / (unit_tok[:, None] * D), scale[unit_seq])\n",
+      "    unit_r2 = torch.zeros(nu, H, dtype=torch.float64, device=a.device).index_add_(0, unit, r2t)\n"
+      "    chunk = _worst_rel(unit_d2, unit_r2)\n",
+      "a chunk is judged against its own norm (a one-token sequence against one scalar)",
+      ["tests/test_gate.py::test_a_one_token_sequence_is_judged_against_its_sequence_scale_not_its_own_norm"]),
+    M("no-chunk-check", "qlabench/gate.py",
+      "    return [(f\"{CHUNK_TOKENS}-token chunk x head\", chunk, CHUNK_FACTOR),\n",
+      "    return [(f\"{CHUNK_TOKENS}-token chunk x head\", 0.0, CHUNK_FACTOR),\n",
+      "the chunk check is skipped: one wrong chunk or token passes",
+      ["tests/test_gate_adversarial.py::test_one_wrong_token_or_chunk_in_a_long_sequence_is_incorrect"]),
+    M("resume-retries-incorrect", "qlabench/results.py",
+      'RETRY_STATUSES = ("unavailable",)', 'RETRY_STATUSES = ("unavailable", "incorrect")',
+      "--resume measures `incorrect` rows again (until they pass) instead of keeping them",
+      ["tests/test_results.py::test_resume_does_not_measure_incorrect_rows_again"]),
+    M("resume-key-without-version", "qlabench/results.py",
+      "return (point_key, backend, direction, backend_version, backend_params)",
+      "return (point_key, backend, direction, backend_params)",
+      "the resume key ignores backend_version: rows of another version count as done",
+      ["tests/test_results.py::test_resume_measures_rows_of_another_backend_version_again"]),
+    M("held-out-point-not-held-out", "qlabench/dispatch.py",
+      'rest = [q for q in pts if not (q["point_key"] == p["point_key"] and q["model"] == p["model"])]',
+      "rest = list(pts)",
+      "leave-one-out judges each point with a table built from it too",
+      ["tests/test_dispatch.py::test_held_out_point_is_left_out_of_the_table_that_judges_it"]),
+    M("out-dir-any-sweep", "qlabench/runner.py",
+      'sw = sw[sw["sweep"] != sweep.name]', 'sw = sw.iloc[:0]',
+      "run adds rows to a directory of another sweep",
+      ["tests/test_out_dir.py::test_another_sweep_is_refused_unless_append_other"]),
+    M("out-dir-any-gpu", "qlabench/runner.py",
+      'gpus = gpus[gpus["gpu_name"] != gpu_name]["gpu_name"].value_counts()',
+      'gpus = gpus.iloc[:0]["gpu_name"].value_counts()',
+      "run adds rows to a directory of rows measured on another GPU",
+      ["tests/test_out_dir.py::test_another_gpu_is_refused_unless_append_other"]),
+    M("out-dir-any-recipe", "qlabench/runner.py",
+      "bad = rec[[h != mine[k].recipe_hash", "bad = rec[[False and h != mine[k].recipe_hash",
+      "run (and --resume) adds rows of another input recipe under the same point keys",
+      ["tests/test_out_dir.py::test_another_input_recipe_is_refused_unless_append_other",
+       "tests/test_results.py::test_resume_refuses_changed_recipe"]),
+    M("out-dir-append-other-resumes-any-recipe", "qlabench/runner.py",
+      'if not append_other or (k == "recipe" and resume)}', "if not append_other}",
+      "--resume --append-other resumes over rows of another input recipe (their keys count as done)",
+      ["tests/test_out_dir.py::test_another_input_recipe_is_refused_unless_append_other"]),
+    M("out-dir-refusal-keeps-worker-logs", "qlabench/runner.py",
+      "_discard_worker_logs(lanes, logs, earlier_logs)\n            hint = ",
+      "hint = ",
+      "a refused run leaves its workers' logs in the other sweep's directory",
+      ["tests/test_out_dir.py::test_another_gpu_is_refused_unless_append_other"]),
+]
+
+
+def check(m: M) -> str:
+    """The file's text; SystemExit(2) unless the original snippet occurs in it exactly once."""
+    path = ROOT / m.file
+    if not path.is_file():
+        sys.exit(f"{m.name}: no file {m.file}")
+    text = path.read_text()
+    n = text.count(m.original)
+    if n != 1:
+        sys.exit(f"{m.name}: the original snippet occurs {n} times in {m.file} (expected once):\n"
+                 f"{m.original}")
+    return text
+
+
+def pytest(ids: list[str], timeout: float) -> tuple[int | None, float, str]:
+    """Run the node ids; (exit status, or None past ``timeout``; seconds; output tail). The
+    tests run in a session of their own, ended as a group past the timeout or on Ctrl-C."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                             *ids], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        out, rc = "", None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return rc, time.time() - t0, (out or "").strip()[-2000:]
+
+
+def restore(m: M, original_text: str) -> None:
+    path = ROOT / m.file
+    now = path.read_text()
+    if now == original_text:
+        return
+    if now.count(m.mutated) == 1 and now.count(m.original) == 0:
+        path.write_text(now.replace(m.mutated, m.original))  # keeps edits made elsewhere meanwhile
+    else:
+        path.write_text(original_text)
+
+
+def run_one(m: M, timeout: float) -> tuple[str, float, str]:
+    text = check(m)
+    try:
+        (ROOT / m.file).write_text(text.replace(m.original, m.mutated))
+        rc, secs, out = pytest(m.tests, timeout)
+    finally:
+        restore(m, text)
+    if rc is None:
+        return "killed (timeout)", secs, out
+    if rc == 0:
+        return "survived", secs, out
+    if rc == 1:
+        return "killed", secs, out
+    if rc == 2:  # the mutated tree did not import (collection error)
+        return "killed (import)", secs, out
+    return f"error (pytest exit {rc})", secs, out  # 4: usage error, 5: no tests collected
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run only this mutation (repeatable; or NAME,NAME)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds per pytest run; past it the mutation counts as killed")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the run of the listed tests on the unmutated tree")
+    ap.add_argument("--show", action="store_true",
+                    help="print the end of each mutation's pytest output (what failed, and how)")
+    a = ap.parse_args(argv)
+
+    def interrupted(signum, frame):  # SIGTERM ends the run like Ctrl-C: the file is put back
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    if a.list:
+        for m in MUTATIONS:
+            print(f"{m.name:<42} {m.file:<24} {m.breaks}")
+        return 0
+    want = [n for o in a.only for n in o.split(",") if n]
+    names = {m.name for m in MUTATIONS}
+    if len(names) != len(MUTATIONS):
+        print("error: two mutations share a name", file=sys.stderr)
+        return 2
+    unknown = [n for n in want if n not in names]
+    if unknown:
+        print(f"error: --only {', '.join(unknown)}: no such mutation (--list)", file=sys.stderr)
+        return 2
+    todo = [m for m in MUTATIONS if not want or m.name in want]
+    for m in todo:
+        check(m)
+    results = []
+    try:
+        if not a.no_baseline:
+            ids = list(dict.fromkeys(t for m in todo for t in m.tests))
+            rc, secs, out = pytest(ids, a.timeout)
+            if rc != 0:
+                print(f"{out}\nerror: the listed tests do not pass on the unmutated tree (pytest "
+                      f"exit {rc}, {secs:.0f} s): fix them first", file=sys.stderr)
+                return 2
+            print(f"baseline: {len(ids)} tests pass unmutated ({secs:.0f} s)", flush=True)
+        for m in todo:
+            verdict, secs, out = run_one(m, a.timeout)
+            results.append((m, verdict, secs))
+            print(f"{m.name}: {verdict} ({secs:.0f} s)", flush=True)
+            if a.show or verdict.startswith("error"):
+                print("    " + "\n    ".join(out.splitlines()[-25:]), flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: no file is left mutated", file=sys.stderr)
+        return 130
+    w = max(len(m.name) for m, _, _ in results)
+    print(f"\n{'mutation':<{w}}  {'result':<16} {'s':>5}  file: what it breaks")
+    for m, verdict, secs in results:
+        print(f"{m.name:<{w}}  {verdict:<16} {secs:5.0f}  {m.file}: {m.breaks}")
+    survived = [m.name for m, v, _ in results if v == "survived"]
+    errors = [m.name for m, v, _ in results if v.startswith("error")]
+    print(f"\n{len(results) - len(survived) - len(errors)} killed, {len(survived)} survived"
+          + (f", {len(errors)} errors" if errors else "")
+          + (f": {', '.join(survived + errors)}" if survived or errors else ""))
+    return 1 if survived else 2 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
