@@ -93,6 +93,11 @@ MUTATIONS: list[M] = [
       "the local check ignores the reference's bf16-rounding sensitivity: a correct kernel's "
       "gradient of a one-token sequence is called incorrect",
       ["tests/test_gate.py::test_one_token_gradients_of_a_correct_bf16_computation_pass"]),
+    M("marginal-ratio-ignored", "qlabench/measure.py",
+      "    if tr.marginal_ratio is not None and not tr.marginal_ratio >= MIN_MARGINAL_RATIO:\n",
+      "    if False:\n",
+      "measure ignores a timed graph whose unrolled calls cost about as much as one",
+      ["tests/test_gate_adversarial.py::test_a_timed_graph_whose_calls_do_the_work_of_one_is_incorrect"]),
     M("no-chunk-check", "qlabench/gate.py",
       "             token_local_err(out, ref, cu_seqlens, rounded, limit), CHUNK_FACTOR)]\n",
       "             0.0, CHUNK_FACTOR)]\n",

@@ -54,3 +54,20 @@ def test_lazy_backends_are_caught_on_the_timed_path(tmp_path, monkeypatch, name)
     for r in rows:
         assert r["status"] == "incorrect", (r["layout"], r["reason"])
         assert "timed path" in r["reason"] and r["latency_ms"] is None
+
+
+def test_a_timed_graph_whose_calls_do_the_work_of_one_is_incorrect(tmp_path, monkeypatch):
+    """The graph-batch marginal cost below ``MIN_MARGINAL_RATIO`` fails the row (on the CPU the
+    timing result is handed in as the GPU path would hand it)."""
+    from qlabench import measure, timing
+
+    real = timing.measure_cpu
+
+    def once_in_n(fn, opts):
+        tr = real(fn, opts)
+        tr.calls_per_sample, tr.marginal_ratio = 20, 0.05
+        return tr
+    monkeypatch.setattr(timing, "measure_cpu", once_in_n)
+    rows = _rows(tmp_path, monkeypatch, CB.Noisy, seqlens=[[64]])
+    assert rows[0]["status"] == "incorrect" and "unrolled" in rows[0]["reason"]
+    assert rows[0]["marginal_ratio"] == 0.05 < measure.MIN_MARGINAL_RATIO
