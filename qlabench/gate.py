@@ -81,9 +81,8 @@ def derive_limits(rows, margin: float = LIMIT_MARGIN) -> dict[str, float]:
         if col not in ok or not ok[col].notna().any():
             continue
         v = margin * float(ok[col].max())
-        e = math.floor(math.log10(v)) - 1
-        out[n] = math.ceil(round(v / 10 ** e, 6)) * 10 ** e
-        out[n] = float(f"{out[n]:.2g}")
+        e = math.floor(math.log10(v)) - 1  # two significant digits, rounded up
+        out[n] = float(f"{math.ceil(round(v / 10 ** e, 6)) * 10 ** e:.2g}")
     return out
 
 

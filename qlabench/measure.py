@@ -3,8 +3,8 @@
 For each backend of a :class:`Task`: its availability and support, then (the inputs and the
 reference built once, lazily, for the task) :func:`measure_backend` — prepare, the correctness
 gate (:mod:`qlabench.gate`), timing, the timed path checked on fresh inputs (every call of one
-more replay or timed-style call) and one more eager call, kernel breakdown and derived metrics against the run's ceilings — and one row each, sent through
-``emit``. An exception costs that backend's row (``oom`` / ``crashed``), not the task. A row's
+more replay or timed-style call) and one more eager call, kernel breakdown and derived metrics
+against the run's ceilings — and one row each, sent through ``emit``. An exception costs that backend's row (``oom`` / ``crashed``), not the task. A row's
 identity (:func:`base_row`) includes the device it was measured on (:func:`device_uuid`).
 """
 

@@ -112,13 +112,17 @@ def measure_cpu(fn: Callable, opts: Timing) -> TimingResult:
         return (time.perf_counter() - t) * 1e3
 
     samples, why = _collect(one, opts)
+    return TimingResult(samples, "cpu", "n/a", 1, why, rerun=_rerun_of(one, last))
+
+
+def _rerun_of(one: Callable[[], float], last: dict) -> Callable[[], list]:
+    """The ``rerun`` of a sample loop whose ``one()`` leaves its call's outputs in ``last``."""
     last.clear()
 
     def rerun() -> list:
         one()
         return [last.pop("out")]
-
-    return TimingResult(samples, "cpu", "n/a", 1, why, rerun=rerun)
+    return rerun
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -260,14 +264,8 @@ def measure_gpu(fn: Callable, opts: Timing, graph_safe: bool = True) -> tuple[Ti
         return a.elapsed_time(b)
 
     samples, why = _collect(one, opts)
-    last.clear()
-
-    def rerun() -> list:
-        one()
-        return [last.pop("out")]
-
     return TimingResult(samples, "events", opts.l2, 1, why, fallback_reason=fallback,
-                        rerun=rerun), None
+                        rerun=_rerun_of(one, last)), None
 
 
 #: replays of the one-call graph behind ``marginal_ratio``
