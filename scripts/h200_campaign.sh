@@ -37,7 +37,8 @@
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
 #   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
 #   gate_tests   the gate's GPU tests (the fp32 reference against the fp64 recurrence, poisoning);
-#   gate_accept  scripts/gate_acceptance.py on FLA: every broken variant must be `incorrect`;
+#   gate_accept  scripts/gate_acceptance.py on FLA: every broken variant must be `incorrect`
+#                (GATE_ONLY, set at setup: the variants to run, comma-separated; default all);
 #   last_tokens  tools/gate/last_tokens.py: the error of a sequence's last tokens per backend;
 #   bwd_quick    configs/h200_bwd_quick.yaml (fla, flashqla, tilelang) into runs/h200_bwd_quick;
 #   fwd_quick    configs/h200_fwd_quick.yaml (FlashInfer 0.6.13 and 0.7.4 among them), once
@@ -84,6 +85,7 @@ export JOB_DEADLINE=$(( $(date +%s) + ${DEVICE_LEFT_S:-1500} ))
 export QLABENCH_GIT_SHA=${SHA:-unknown}
 export JOB_STEPS="${JOB_STEPS:-bwd_prev suite_first campaign suite_warm}"
 export CHECK_BWD_CASES="${CHECK_BWD_CASES:-}"
+export GATE_ONLY="${GATE_ONLY:-}"
 EOF
   source "$ENVF"
   (cd /tmp/repo && python3 -m pip install -q --no-deps --no-build-isolation -e . > "$J/install.log" 2>&1) \
@@ -160,7 +162,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step gate_tests 60 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
     --junitxml="$J/gate_tests.xml" tests/test_reference.py tests/test_poison_gpu.py
   step gate_accept 120 420 python3 scripts/gate_acceptance.py --fwd configs/h200_fwd_quick.yaml \
-    --bwd configs/h200_bwd_quick.yaml --out runs/gate_acceptance
+    --bwd configs/h200_bwd_quick.yaml --out runs/gate_acceptance ${GATE_ONLY:+--only "$GATE_ONLY"}
   step last_tokens 60 240 python3 tools/gate/last_tokens.py --out "$J/checks"
   step bwd_quick 120 420 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   if wants fwd_quick || wants serving; then
