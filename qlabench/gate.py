@@ -117,16 +117,17 @@ def token_units(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.T
 
 
 def token_local_err(out: torch.Tensor, ref: torch.Tensor, cu_seqlens: torch.Tensor,
-                    rounded: torch.Tensor | None = None, limit: float = 1.0) -> float:
+                    rounded: torch.Tensor | None = None) -> float:
     """Worst (chunk x head) RMS error of a [1, T, H, D] or [1, T, H] token output, in units of
     its (sequence, head)'s scale: the larger of the sequence's own reference RMS and the head's
     RMS over the whole batch — and, given ``rounded`` (the reference with bf16-rounded state
-    operands, :class:`Reference`), of the chunk's RMS difference between the two over ``limit``
-    (the output's global limit), so that a chunk whose reference moves by more than the limit
-    when a correct kernel rounds as it must is allowed that much. A global norm hides a wrong
-    chunk, head, sequence or token; this does not, while a one-token sequence (one scalar of dg
-    per head) or a sequence's last token is judged against a scale that neither vanishes with it
-    nor falls below its own size or its rounding sensitivity."""
+    operands, :class:`Reference`), of the chunk's rounding sensitivity (its RMS difference
+    between the two) over the whole output's (the relative L2 difference of the two), so that a
+    chunk may be as far from the reference, in units of its own sensitivity, as the whole
+    output may be in units of the whole output's. A global norm hides a wrong chunk, head,
+    sequence or token; this does not, while a one-token sequence (one scalar of dg per head) or
+    a sequence's last token is judged against a scale that neither vanishes with it nor falls
+    below its own size or what its conditioning makes of a correct kernel's bf16 rounding."""
     T, H = out.shape[1], out.shape[2]
     if T == 0:
         return 0.0
@@ -150,9 +151,11 @@ def token_local_err(out: torch.Tensor, ref: torch.Tensor, cu_seqlens: torch.Tens
     unit_scale = scale[unit_seq]
     if rounded is not None:
         c = rounded.detach().reshape(T, H, -1).to(torch.float64).to(a.device)
-        s2 = torch.zeros(nu, H, dtype=torch.float64, device=a.device).index_add_(
-            0, unit, ((c - b) ** 2).sum(-1))
-        unit_scale = torch.maximum(unit_scale, s2 / (unit_tok[:, None] * D) / limit ** 2)
+        s2t = ((c - b) ** 2).sum(-1)  # [T, H]
+        sens2 = float(s2t.sum() / r2t.sum().clamp(min=1e-300))  # the output's, squared
+        if sens2 > 0:
+            s2 = torch.zeros(nu, H, dtype=torch.float64, device=a.device).index_add_(0, unit, s2t)
+            unit_scale = torch.maximum(unit_scale, s2 / (unit_tok[:, None] * D) / sens2)
     return _worst_rel(unit_d2 / (unit_tok[:, None] * D), unit_scale)
 
 
@@ -164,13 +167,12 @@ def worst_state_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def local_checks(name: str, out: torch.Tensor, ref: torch.Tensor, cu_seqlens: torch.Tensor,
-                 rounded: torch.Tensor | None = None,
-                 limit: float = 1.0) -> list[tuple[str, float, float]]:
+                 rounded: torch.Tensor | None = None) -> list[tuple[str, float, float]]:
     """The local figures of an output: (what, value, factor over the global limit) each."""
     if name in STATE_OUTPUTS:
         return [("sequence x head", worst_state_rel_err(out, ref), SEQ_FACTOR)]
     return [(f"{CHUNK_TOKENS}-token chunk x head",
-             token_local_err(out, ref, cu_seqlens, rounded, limit), CHUNK_FACTOR)]
+             token_local_err(out, ref, cu_seqlens, rounded), CHUNK_FACTOR)]
 
 
 class Reference(dict):
@@ -227,7 +229,7 @@ def check_outputs(outs: dict, ref: dict, x: Inputs, direction: str, sweep: Sweep
         rel, mx = rel_err(outs[n], ref[n])
         lim = sweep.thresholds.get(n)
         rounded = (getattr(ref, "rounded", None) or {}).get(n)
-        locs = local_checks(n, outs[n], ref[n], x.cu_seqlens, rounded, lim)
+        locs = local_checks(n, outs[n], ref[n], x.cu_seqlens, rounded)
         if row is not None:
             row[f"rel_l2_{n}"], row[f"max_abs_{n}"] = rel, mx
             row[f"local_rel_l2_{n}"] = locs[0][1]

@@ -103,29 +103,37 @@ def test_final_state_not_requested_is_not_required(tmp_path):
     assert [r["status"] for r in s.rows] == ["ok"]
 
 
-def test_one_token_gradients_of_a_correct_bf16_computation_pass():
-    """The gradient of a one-token sequence is a sum over the K x V state with cancellation:
-    rounding the fp32 state operands to bf16 (as every bf16 kernel's GEMMs do) moves it by far
-    more than it moves the rest — on the H200, FLA, FlashQLA and ours were all off there alike.
-    An error twice the reference's own rounding sensitivity (a kernel rounding at two places)
-    fails without the allowance for it and passes with it; a wrong token still fails."""
+def test_one_token_gradients_of_a_correct_bf16_kernel_pass():
+    """The gradient of a one-token sequence is a sum over the K x V state with cancellation, so
+    a correct bf16 kernel is off there by far more than elsewhere (on the H200 FLA, FlashQLA
+    and ours alike). A bf16 chunked kernel emulated on the CPU (tests/bf16_kernel.py) fails the
+    chunk check without the allowance for the reference's rounding sensitivity and passes with
+    it; a token not written, or one head's dg 20% off on a one-token sequence where it is not
+    small against the head's RMS, still fails."""
+    from bf16_kernel import bwd as emulated_bwd
+
     from qlabench import config as C
     from qlabench import gate
     from qlabench.sweep import Point
     from qlabench.workloads import make
 
-    p = Point("x", 2, 8, 64, (1, 512, 1, 1, 256, 1), "bf16", 0.25, 0, 0)
+    p = Point("x", 2, 8, 128, (1, 4096, 1, 1, 2048, 1), "bf16", 0.25, 0, 0)
     x = make(p, with_grads=True)
     ref = gate.reference_outputs(x, "bwd", "chunked", "fp32")
-    kernel = {n: ref[n] + 2 * (ref.rounded[n] - ref[n]) for n in ref}
-    sw = C.parse({"name": "t", "models": [{"name": "m", "h_qk": 2, "h_v": 8, "head_dim": 64}],
+    kernel = emulated_bwd(x)
+    sw = C.parse({"name": "t", "models": [{"name": "m", "h_qk": 2, "h_v": 8, "head_dim": 128}],
                   "seqlens": [list(p.seqlens)], "directions": ["bwd"], "backends": ["reference"]})
     bare = gate.Reference(ref)  # the same reference without its rounded twin
-    assert any(b.startswith("dg worst") for b in gate.check_outputs(kernel, bare, x, "bwd", sw)[2])
+    assert any(" worst " in b for b in gate.check_outputs(kernel, bare, x, "bwd", sw)[2])
     assert gate.check_outputs(kernel, ref, x, "bwd", sw)[2] == []
+    one = 4097  # the second one-token sequence
     bad = {k: v.clone() for k, v in kernel.items()}
-    bad["dk"][0, 513] = 0  # the second one-token sequence's dk not written
+    bad["dk"][0, one] = 0  # its dk not written
     assert any(b.startswith("dk") for b in gate.check_outputs(bad, ref, x, "bwd", sw)[2])
-    bad = {k: v.clone() for k, v in kernel.items()}
-    bad["dg"][0, 513, 6] *= 1.1  # its dg 10% off on one head
-    assert any(b.startswith("dg worst") for b in gate.check_outputs(bad, ref, x, "bwd", sw)[2])
+    head_rms = ref["dg"][0].pow(2).mean(0).sqrt()
+    heads = [h for h in range(8) if abs(float(ref["dg"][0, one, h])) >= float(head_rms[h])]
+    assert len(heads) >= 4
+    for h in heads:  # its dg 20% off on one head where it is not small against the head
+        bad = {k: v.clone() for k, v in kernel.items()}
+        bad["dg"][0, one, h] *= 1.2
+        assert any(b.startswith("dg worst") for b in gate.check_outputs(bad, ref, x, "bwd", sw)[2])
