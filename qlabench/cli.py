@@ -1,5 +1,6 @@
 """The ``qlabench`` command: run | list | validate | submit | merge | compact (measure, schedule,
-combine), summary | compare | recommend | report | reproduce (read stored rows), profile."""
+combine), summary | compare | recommend | report | reproduce (read stored rows), profile,
+precompile (the in-repo kernels into a TileLang cache, offline)."""
 
 from __future__ import annotations
 
@@ -416,6 +417,21 @@ def profile_cmd(
     s = _load(config)
     raise typer.Exit(profile_main(s, config, point, model, backend, direction, ncu, out, console, err,
                                   ncu_set=ncu_set, ncu_kernel=ncu_kernel))
+
+
+@app.command()
+def precompile(
+    targets: list[str] = typer.Argument(..., metavar="CONFIG", help="sweep YAMLs, or named sets: "
+                                        "tests | fwd_sweep | bwd_sweep | sweep | all"),
+    jobs: int = typer.Option(1, "--jobs", help="head configs compiled at a time (worker processes)"),
+):
+    """Compile the in-repo TileLang kernels the sweeps need (sm_90a, offline: nvcc, no GPU) into
+    $TILELANG_CACHE_DIR."""
+    from .precompile import NAMED, precompile_targets
+    for t in targets:  # every YAML checked before anything compiles
+        if t not in NAMED:
+            _load(Path(t))
+    raise typer.Exit(precompile_targets(targets, jobs, echo=lambda line: console.print(line, highlight=False)))
 
 
 def main():  # pragma: no cover

@@ -195,11 +195,11 @@ Gate = Annotated[
 
 class Thresholds(_Strict):
     """Relative L2 error limits per output, ``‖out − ref‖ / ‖ref‖`` against the fp32 reference;
-    the local checks (``qlabench/gate.py``) allow multiples of them.
+    the local checks (``qlabench/correctness.py``) allow multiples of them.
 
     Derived, not chosen: twice the largest error FLA, FlashInfer and FlashQLA reach on the
     published sweeps' kept runs (``results/h200_fwd``, ``results/h200_bwd``: 171 forward and 32
-    backward points, bf16 operands), rounded up to two digits — ``gate.derive_limits``, printed by
+    backward points, bf16 operands), rounded up to two digits — ``correctness.derive_limits``, printed by
     ``python scripts/derive_thresholds.py results/h200_fwd results/h200_bwd``. They are judged on
     other layouts and head configs (``configs/h200_serving.yaml``, the quick configs' recipes).
     """

@@ -2,7 +2,7 @@
 
 For each backend of a :class:`Task`: its availability and support, then (the inputs and the
 reference built once, lazily, for the task) :func:`measure_backend` — prepare, the correctness
-gate (:mod:`qlabench.gate`), timing, the timed path checked on fresh inputs (every call of one
+check (:mod:`qlabench.correctness`), timing, the timed path checked on fresh inputs (every call of one
 more replay or timed-style call) and one more eager call, kernel breakdown and derived metrics
 against the run's ceilings — and one row each, sent through ``emit``. An exception costs that backend's row (``oom`` / ``crashed``), not the task. A row's
 identity (:func:`base_row`) includes the device it was measured on (:func:`device_uuid`).
@@ -22,7 +22,7 @@ import torch
 from . import backends as B
 from . import metrics, timing
 from .config import Sweep
-from .gate import check_outputs, check_timed_path, checked_call, reference_outputs, refill
+from .correctness import check_outputs, check_timed_path, checked_call, reference_outputs, refill
 from .sweep import Point
 from .workloads import Inputs, make
 
@@ -105,7 +105,7 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
                     row: dict, expected_out_bytes: int, ceilings: dict,
                     fresh=None) -> dict:
     """Prepare, check, time one backend on one point × direction, then check the timed path on
-    fresh inputs (:func:`gate.check_timed_path`) and one more eager call. ``fresh()``: (fresh
+    fresh inputs (:func:`correctness.check_timed_path`) and one more eager call. ``fresh()``: (fresh
     inputs of the point, their reference, their seed) — a new seed, recorded as ``check_seed``;
     None: no check of the timed path (unit use only). ``ceilings``: the run's measured GPU
     ceilings (``matmul_tflops``, ``copy_gbps``; empty: no roofline), which the derived columns

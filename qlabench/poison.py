@@ -1,5 +1,5 @@
 """Poisoning: memory a checked call is about to write holds NaN, so an output element a kernel
-forgets to write is NaN (the gate fails it), never a stale right answer left by an earlier call.
+forgets to write is NaN (the correctness check fails it), never a stale right answer left by an earlier call.
 
 Three layers, because no single one covers every way an output buffer is obtained:
 

@@ -23,7 +23,7 @@ the samples falls below ``rse_target``, or ``budget_s`` or ``max_samples`` is re
 are kept.
 
 Every mode also hands back ``rerun``: the timed path run once more exactly as it was timed (the
-graph replayed; one more call of the sample loop), so the gate can check what the timed calls
+graph replayed; one more call of the sample loop), so the correctness check can check what the timed calls
 compute. Graph-batch with more than one call per replay also measures ``marginal_ratio``, the
 marginal cost of an unrolled call over the mean: n calls that do the work of one show it near 0.
 """
@@ -52,7 +52,7 @@ class TimingResult:
     flush_ms: float | None = None
     #: runs the timed path once more exactly as it was timed (the timed graph replayed, or one
     #: timed-style call) and returns the raw outputs of every call it made, for the check of
-    #: the timed path (:func:`qlabench.gate.check_timed_path`)
+    #: the timed path (:func:`qlabench.correctness.check_timed_path`)
     rerun: Callable[[], list] | None = None
     #: graph-batch with n > 1 calls per replay: (replay time - one-call replay time) / (n - 1)
     #: over the mean per-call time. About 1 when each unrolled call does its own work; near 0

@@ -1,4 +1,4 @@
-"""Print the correctness limits derived from kept runs (``qlabench.gate.derive_limits``): twice
+"""Print the correctness limits derived from kept runs (``qlabench.correctness.derive_limits``): twice
 the largest global error of the libraries' ``ok`` rows, per output, as a ``thresholds:`` block.
 
     python scripts/derive_thresholds.py results/h200_fwd results/h200_bwd
@@ -10,7 +10,7 @@ import argparse
 
 import pandas as pd
 
-from qlabench import gate
+from qlabench import correctness
 from qlabench import results as R
 
 
@@ -21,7 +21,7 @@ def main() -> None:
     a = ap.parse_args()
     rows = pd.concat([R.load(d) for d in a.dirs], ignore_index=True)
     print("thresholds:")
-    for name, lim in gate.derive_limits(rows, a.margin).items():
+    for name, lim in correctness.derive_limits(rows, a.margin).items():
         print(f"  {name}: {lim:g}")
 
 

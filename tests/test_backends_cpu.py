@@ -102,7 +102,7 @@ def _fake_library(name, x, ref_fwd, ref_bwd):
 def test_fla_and_flashqla_canonical_mapping(tiny_point, monkeypatch, name, direction):
     """prepare + outputs_to_canonical over a library that computes the right answer give the
     reference's outputs (a wrong slot would pick a look-alike or the wrong shape)."""
-    from qlabench.gate import reference_outputs, rel_err
+    from qlabench.correctness import reference_outputs, rel_err
 
     x = make(tiny_point, with_grads=True)
     ref_fwd = reference_outputs(x, "fwd", "chunked", "fp32")

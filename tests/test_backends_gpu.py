@@ -5,7 +5,7 @@ import torch
 
 from qlabench import backends as B
 from qlabench.config import Thresholds, Timing
-from qlabench.gate import reference_outputs, rel_err
+from qlabench.correctness import reference_outputs, rel_err
 from qlabench.sweep import Point
 from qlabench.workloads import make
 

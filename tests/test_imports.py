@@ -41,6 +41,6 @@ def test_the_check_sees_imports_inside_functions(graph):
 def test_reproduce_only_reads_results(graph):
     """``reproduce`` compares stored rows with a published table: no path from it to the code
     that measures."""
-    for m in ("qlabench.runner", "qlabench.measure", "qlabench.gate", "qlabench.supervisor"):
+    for m in ("qlabench.runner", "qlabench.measure", "qlabench.correctness", "qlabench.supervisor"):
         chain = graph.find_shortest_chain(importer="qlabench.reproduce", imported=m)
         assert chain is None, " -> ".join(chain)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlabench import backends as B
 from qlabench import config as C
-from qlabench import gate, poison, runner, timing
+from qlabench import correctness, poison, runner, timing
 from qlabench.backends.base import Prepared
 from qlabench.backends.reference import ReferenceBackend
 from qlabench.workloads import cu_seqlens_of
@@ -123,7 +123,7 @@ def _tiny(direction="fwd"):
     from qlabench.workloads import make
     sw = C.parse({**CFG, "directions": [direction]})
     x = make(points(sw)[0], with_grads=direction != "fwd")
-    return sw, x, gate.reference_outputs(x, direction, "chunked", "fp64")
+    return sw, x, correctness.reference_outputs(x, direction, "chunked", "fp64")
 
 
 class HandsBackH0(ReferenceBackend):
@@ -139,7 +139,7 @@ def test_timed_path_check_runs_on_fresh_inputs_and_checks_every_call():
     sw, x, _ = _tiny()
     p = points(sw)[0]
     fresh = make(p, seed=12345)
-    ref2 = gate.reference_outputs(fresh, "fwd", "chunked", "fp64")
+    ref2 = correctness.reference_outputs(fresh, "fwd", "chunked", "fp64")
     be = HandsBackH0()
     seen = {}
 
@@ -149,14 +149,14 @@ def test_timed_path_check_runs_on_fresh_inputs_and_checks_every_call():
         return [good, good]
 
     version = x.q._version
-    worst, bad = gate.check_timed_path(be, Prepared(fn=None), rerun, x, fresh, "fwd", ref2, sw)
+    worst, bad = correctness.check_timed_path(be, Prepared(fn=None), rerun, x, fresh, "fwd", ref2, sw)
     assert bad == [] and worst < 1e-6
     assert torch.equal(seen["q"], fresh.q) and x.q._version == version  # same tensors, new values
 
     def rerun_second_call_stale():
         return [(ref2["o"], ref2["final_state"], x.h0), (ref2["o"] * 0, ref2["final_state"], x.h0)]
 
-    _, bad = gate.check_timed_path(be, Prepared(fn=None), rerun_second_call_stale, x, fresh,
+    _, bad = correctness.check_timed_path(be, Prepared(fn=None), rerun_second_call_stale, x, fresh,
                                    "fwd", ref2, sw)
     assert bad and bad[0].startswith("call 2 of 2")
 
@@ -169,7 +169,7 @@ def test_state_gate_catches_one_wrong_sequence_the_global_norm_hides():
     glob = ((bad - ref).norm() / ref.norm()).item()
     lim = C.Thresholds().final_state
     assert glob < lim  # passes the global limit ...
-    assert gate.worst_state_rel_err(bad, ref) > gate.SEQ_FACTOR * lim  # ... not this one
+    assert correctness.worst_state_rel_err(bad, ref) > correctness.SEQ_FACTOR * lim  # ... not this one
 
 
 LOCAL = {**CFG, "models": [{"name": "m", "h_qk": 1, "h_v": 4, "head_dim": 16}],
@@ -183,15 +183,15 @@ def test_small_gradients_are_gated_locally(name, factor):
     from qlabench.workloads import make
     sw = C.parse({**LOCAL, "directions": ["bwd"]})
     x = make(points(sw)[0], with_grads=True)
-    ref = gate.reference_outputs(x, "bwd", "chunked", "fp64")
+    ref = correctness.reference_outputs(x, "bwd", "chunked", "fp64")
     outs = {k: v.clone() for k, v in ref.items()}
-    assert gate.check_outputs(outs, ref, x, "bwd", sw)[2] == []
+    assert correctness.check_outputs(outs, ref, x, "bwd", sw)[2] == []
     if name == "dh0":
         outs[name][1, 2] *= factor  # sequence 1, head 2
     else:
         outs[name][0, 2000:2040, 2] *= factor  # all of sequence 1, head 2
     row: dict = {}
-    _, _, bad = gate.check_outputs(outs, ref, x, "bwd", sw, row)
+    _, _, bad = correctness.check_outputs(outs, ref, x, "bwd", sw, row)
     assert row[f"rel_l2_{name}"] < sw.thresholds.get(name)  # passes the global threshold ...
     assert [b for b in bad if b.startswith(f"{name} worst")] == bad and bad  # ... not the local one
 
@@ -269,7 +269,7 @@ def test_block_gate_on_token_outputs_of_rank_three():
     ref = torch.randn(1, 2048, 3)
     out = ref.clone()
     out[0, 1100:1200, 2] = 0
-    assert gate.token_local_err(out, ref, cu_seqlens_of([2048])) > 0.2
+    assert correctness.token_local_err(out, ref, cu_seqlens_of([2048])) > 0.2
 
 
 class StaleBuffer(ReferenceBackend):
@@ -293,9 +293,9 @@ def test_checked_call_poisons_preallocated_outputs():
     sw, x, ref = _tiny()
     be = StaleBuffer()
     prep = be.prepare(x, "fwd")
-    outs, _ = gate.checked_call(be, prep, x, "fwd", 0)
+    outs, _ = correctness.checked_call(be, prep, x, "fwd", 0)
     assert torch.isnan(outs["o"][0, -1]).all() and not torch.isnan(outs["o"][0, :-1]).any()
-    assert gate.check_outputs(outs, ref, x, "fwd", sw)[2]
+    assert correctness.check_outputs(outs, ref, x, "fwd", sw)[2]
 
 
 def test_marginal_ratio_tells_n_calls_from_the_work_of_one(clock, monkeypatch):

@@ -84,15 +84,15 @@ def test_fp32_chunked_reference_against_fp64_recurrence_every_output(seqlens, de
     layout — single tokens, lengths of 1 mod 64, a tail of one token — every output far inside
     the gate's limits (1% of the tightest)."""
     from qlabench import config as C
-    from qlabench import gate
+    from qlabench import correctness
     from qlabench.backends.reference import gdn_recurrent
     from qlabench.sweep import Point
     from qlabench.workloads import make
 
     p = Point("serving", 2, 4, 32, seqlens, "bf16", 0.25, 0, 0)
     x = make(p, device, with_grads=True)
-    fwd = gate.reference_outputs(x, "fwd", "chunked", "fp32")
-    bwd = gate.reference_outputs(x, "bwd", "chunked", "fp32")
+    fwd = correctness.reference_outputs(x, "fwd", "chunked", "fp32")
+    bwd = correctness.reference_outputs(x, "bwd", "chunked", "fp32")
     leaves = {n: getattr(x, n).detach().to(torch.float64).requires_grad_(True)
               for n in ("q", "k", "v", "g", "beta", "h0")}
     o, ht = gdn_recurrent(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), x.scale,
@@ -103,7 +103,7 @@ def test_fp32_chunked_reference_against_fp64_recurrence_every_output(seqlens, de
              **{"d" + n: gr for n, gr in zip(leaves, grads)}}
     tightest = min(C.Thresholds().model_dump().values())
     for name, ours in {**fwd, **bwd}.items():
-        rel, _ = gate.rel_err(ours, exact[name])
-        loc = (gate.worst_state_rel_err(ours, exact[name]) if name in gate.STATE_OUTPUTS
-               else gate.token_local_err(ours, exact[name], x.cu_seqlens))
+        rel, _ = correctness.rel_err(ours, exact[name])
+        loc = (correctness.worst_state_rel_err(ours, exact[name]) if name in correctness.STATE_OUTPUTS
+               else correctness.token_local_err(ours, exact[name], x.cu_seqlens))
         assert max(rel, loc) < tightest / 100, (name, rel, loc)

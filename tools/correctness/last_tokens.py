@@ -21,7 +21,7 @@ import torch
 
 from qlabench import backends as B
 from qlabench import config as C
-from qlabench import gate
+from qlabench import correctness
 from qlabench.sweep import points
 from qlabench.workloads import make
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     for p in points(sw):
         for direction in sw.directions:
             x = make(p, dev, with_grads=direction != "fwd")
-            ref = gate.reference_outputs(x, direction, "chunked", "fp32")
+            ref = correctness.reference_outputs(x, direction, "chunked", "fp32")
             for name in a.backends.split(","):
                 be = B.get(name)
                 ok, why = be.available()
@@ -72,9 +72,9 @@ def main(argv=None) -> int:
                     print(f"{name}: {why or 'unsupported'}")
                     continue
                 prep = be.prepare(x, direction)
-                outs, _ = gate.checked_call(be, prep, x, direction, 0)
+                outs, _ = correctness.checked_call(be, prep, x, direction, 0)
                 for out_name, t in outs.items():
-                    if out_name in gate.STATE_OUTPUTS or t is None:
+                    if out_name in correctness.STATE_OUTPUTS or t is None:
                         continue
                     for r in profile(t, ref[out_name], x.cu_seqlens):
                         r.update(backend=name, layout=p.layout_label, recipe=p.gate_recipe,

@@ -1,11 +1,11 @@
-"""Correctness-gate details and the resume/merge semantics found in review."""
+"""Correctness-check details and the resume/merge semantics found in review."""
 
 import pytest
 import torch
 
 from qlabench import config as C
 from qlabench import results, runner
-from qlabench.gate import CHUNK_TOKENS, token_local_err, token_units
+from qlabench.correctness import CHUNK_TOKENS, token_local_err, token_units
 from qlabench.workloads import cu_seqlens_of
 
 
@@ -113,27 +113,27 @@ def test_one_token_gradients_of_a_correct_bf16_kernel_pass():
     from bf16_kernel import bwd as emulated_bwd
 
     from qlabench import config as C
-    from qlabench import gate
+    from qlabench import correctness
     from qlabench.sweep import Point
     from qlabench.workloads import make
 
     p = Point("x", 2, 8, 128, (1, 4096, 1, 1, 2048, 1), "bf16", 0.25, 0, 0)
     x = make(p, with_grads=True)
-    ref = gate.reference_outputs(x, "bwd", "chunked", "fp32")
+    ref = correctness.reference_outputs(x, "bwd", "chunked", "fp32")
     kernel = emulated_bwd(x)
     sw = C.parse({"name": "t", "models": [{"name": "m", "h_qk": 2, "h_v": 8, "head_dim": 128}],
                   "seqlens": [list(p.seqlens)], "directions": ["bwd"], "backends": ["reference"]})
-    bare = gate.Reference(ref)  # the same reference without its rounded twin
-    assert any(" worst " in b for b in gate.check_outputs(kernel, bare, x, "bwd", sw)[2])
-    assert gate.check_outputs(kernel, ref, x, "bwd", sw)[2] == []
+    bare = correctness.Reference(ref)  # the same reference without its rounded twin
+    assert any(" worst " in b for b in correctness.check_outputs(kernel, bare, x, "bwd", sw)[2])
+    assert correctness.check_outputs(kernel, ref, x, "bwd", sw)[2] == []
     one = 4097  # the second one-token sequence
     bad = {k: v.clone() for k, v in kernel.items()}
     bad["dk"][0, one] = 0  # its dk not written
-    assert any(b.startswith("dk") for b in gate.check_outputs(bad, ref, x, "bwd", sw)[2])
+    assert any(b.startswith("dk") for b in correctness.check_outputs(bad, ref, x, "bwd", sw)[2])
     head_rms = ref["dg"][0].pow(2).mean(0).sqrt()
     heads = [h for h in range(8) if abs(float(ref["dg"][0, one, h])) >= float(head_rms[h])]
     assert len(heads) >= 4
     for h in heads:  # its dg 20% off on one head where it is not small against the head
         bad = {k: v.clone() for k, v in kernel.items()}
         bad["dg"][0, one, h] *= 1.2
-        assert any(b.startswith("dg worst") for b in gate.check_outputs(bad, ref, x, "bwd", sw)[2])
+        assert any(b.startswith("dg worst") for b in correctness.check_outputs(bad, ref, x, "bwd", sw)[2])

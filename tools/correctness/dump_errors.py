@@ -2,7 +2,7 @@
 deriving and judging the gate's local checks offline: for each point x direction x backend, an
 ``.npz`` (float32, a few hundred KB at most) with, per output, ``d2_<out>`` = sum of (out - ref)^2
 and ``r2_<out>`` = sum of ref^2 over each (64-token unit, head) of a token output
-(``qlabench.gate.token_units``) or each (sequence, head) of a state, and ``n_<out>`` the elements
+(``qlabench.correctness.token_units``) or each (sequence, head) of a state, and ``n_<out>`` the elements
 per unit; ``unit_seq`` (the sequence of each unit) and ``cu_seqlens``. Any scale the gate could
 use (the sequence's, the head's, the unit's own) can be rebuilt from these.
 
@@ -21,7 +21,7 @@ import torch
 
 from qlabench import backends as B
 from qlabench import config as C
-from qlabench import gate
+from qlabench import correctness
 from qlabench.sweep import points
 from qlabench.workloads import make
 
@@ -35,7 +35,7 @@ def energies(out: torch.Tensor, ref: torch.Tensor, cu: torch.Tensor, state: bool
     else:
         T, H = a.shape[1], a.shape[2]
         a, b = a.reshape(T, H, -1), b.reshape(T, H, -1)
-        _, unit = gate.token_units(cu.to(a.device), T)
+        _, unit = correctness.token_units(cu.to(a.device), T)
         nu = int(unit.max()) + 1 if T else 0
         z = torch.zeros(nu, H, dtype=torch.float64, device=a.device)
         d2 = z.clone().index_add_(0, unit, ((a - b) ** 2).sum(-1))
@@ -70,10 +70,10 @@ def main(argv=None) -> int:
                         continue
                     t0 = time.time()
                     x = make(p, dev, with_grads=direction != "fwd")
-                    ref = gate.reference_outputs(x, direction, "chunked", "fp32")
+                    ref = correctness.reference_outputs(x, direction, "chunked", "fp32")
                     prep = be.prepare(x, direction)
-                    outs, _ = gate.checked_call(be, prep, x, direction, 0)
-                    seq, unit = gate.token_units(x.cu_seqlens, x.T)
+                    outs, _ = correctness.checked_call(be, prep, x, direction, 0)
+                    seq, unit = correctness.token_units(x.cu_seqlens, x.T)
                     unit_seq = torch.zeros(int(unit.max()) + 1, dtype=torch.int64,
                                            device=unit.device).scatter_(0, unit, seq)
                     arrs = {"cu_seqlens": x.cu_seqlens.cpu().numpy(),
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
                     for n, t in outs.items():
                         if t is None or ref.get(n) is None:
                             continue
-                        e = energies(t, ref[n], x.cu_seqlens, n in gate.STATE_OUTPUTS)
+                        e = energies(t, ref[n], x.cu_seqlens, n in correctness.STATE_OUTPUTS)
                         arrs.update({f"{k}_{n}": v for k, v in e.items()})
                     f = out / f"{sw.name}__{p.index}__{direction}__{name}.npz"
                     np.savez_compressed(f, **arrs)

@@ -1,4 +1,4 @@
-"""The gate against wrong or lazy kernels (tests/cheat_backends.py), through the runner, on the
+"""The correctness check against wrong or lazy kernels (tests/cheat_backends.py), through the runner, on the
 CPU: each injected bug is `incorrect`, while the same backend without the bug (bf16-sized noise
 on the reference's answer) is `ok` on the same layouts — one sequence of one token among them."""
 

@@ -1,4 +1,4 @@
-"""The correctness gate: a backend's outputs against the reference, before and after timing.
+"""The correctness check: a backend's outputs against the reference, before and after timing.
 
 :func:`reference_outputs` computes the reference of one point x direction. :func:`check_outputs`
 gates each canonical output globally (relative L2 against the sweep's limit for that output) and
