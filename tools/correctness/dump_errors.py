@@ -6,7 +6,7 @@ and ``r2_<out>`` = sum of ref^2 over each (64-token unit, head) of a token outpu
 per unit; ``unit_seq`` (the sequence of each unit) and ``cu_seqlens``. Any scale the gate could
 use (the sequence's, the head's, the unit's own) can be rebuilt from these.
 
-    python tools/gate/dump_errors.py CONFIG... --out DIR [--backends flashqla,tilelang] [--directions bwd]
+    python -m qlabench_tools.correctness.dump_errors CONFIG... --out DIR [--backends flashqla,tilelang] [--directions bwd]
 """
 
 from __future__ import annotations

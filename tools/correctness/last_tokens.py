@@ -3,7 +3,7 @@ of its first and middle chunks, in units of the (sequence, head)'s reference RMS
 local scale), per backend on the same inputs — to tell a defect in a sequence's last tokens from
 the noise every bf16 kernel has there.
 
-    python tools/gate/last_tokens.py [--backends fla,flashqla,tilelang] [--out DIR]
+    python -m qlabench_tools.correctness.last_tokens [--backends fla,flashqla,tilelang] [--out DIR]
 
 Layouts with a 1 mod 64 / 1 mod 1024 tail ([4097], [1, 4097, 65]) under the published and model
 gate recipes, backward and forward, head config 16/32. Prints one line per (backend, recipe,

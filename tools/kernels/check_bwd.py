@@ -1,6 +1,6 @@
 """Correctness and timing check of the TileLang GDN backward on a Hopper GPU.
 
-    python tools/kernels/check_bwd.py [--quick] [--no-time] [--no-check] [--cases NAME,...] [--bwd-only]
+    python -m qlabench_tools.kernels.check_bwd [--quick] [--no-time] [--no-check] [--cases NAME,...] [--bwd-only]
 
 For each case: forward (chunk_gdn_fwd_lowlevel) then chunk_gdn_bwd with intermediates;
 every gradient (dq, dk, dv, dg, dβ, dh0) against autograd through the chunked fp32 reference
@@ -27,19 +27,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _import_pkg():
-    try:
-        import qlabench_kernels as pkg  # noqa: F401
-    except ImportError:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location(
-            "qlabench_kernels",
-            ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["qlabench_kernels"] = mod
-        spec.loader.exec_module(mod)
     import qlabench_kernels as pkg
 
     return pkg, None
@@ -133,7 +120,7 @@ def run_fwd(pkg, x):
 def check_case(
     pkg, name, seqlens, h_qk, h_v, results, stages=True, with_h0=True, with_dht=True, split=None
 ):
-    import emulate_bwd as eb
+    from qlabench_tools.kernels import emulate_bwd as eb
 
     from qlabench.backends.reference import gdn_chunked_grads
 
@@ -302,7 +289,6 @@ def main():
     ap.add_argument("--cases", default="", help="comma-separated case names (default all)")
     ap.add_argument("--bwd-only", action="store_true", help="time the backward alone (not fwd, fwd+bwd)")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     pkg, _ = _import_pkg()
     log(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     want = set(filter(None, args.cases.split(",")))

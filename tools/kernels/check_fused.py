@@ -1,6 +1,6 @@
 """Correctness and timing of the fused forward kernel (fwd_fused.py) on a Hopper GPU.
 
-    python tools/kernels/check_fused.py [--cases small|all] [--no-time] [--timing SHAPE,...] [--fused-only]
+    python -m qlabench_tools.kernels.check_fused [--cases small|all] [--no-time] [--timing SHAPE,...] [--fused-only]
 
 Correctness, per case: o and the final state of the fused kernel (outputs poisoned with NaN
 first) against the fp32 token recurrence (rel L2) and against the fwd_o path (block_v 64), both
@@ -23,8 +23,7 @@ import traceback
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from check_fwd import LINES, _import_pkg, graph_time_ms, log, make_inputs, reference_fp32  # noqa: E402
+from qlabench_tools.kernels.check_fwd import LINES, _import_pkg, graph_time_ms, log, make_inputs, reference_fp32
 
 CORRECT = [
     # (name, seqlens, h_qk, h_v, split_tokens, with_h0)

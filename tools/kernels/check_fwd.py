@@ -1,6 +1,6 @@
 """Correctness and timing check of the TileLang GDN forward on a Hopper GPU.
 
-    python tools/kernels/check_fwd.py [--quick] [--no-time] [--cases NAME,...] [--stage prep]
+    python -m qlabench_tools.kernels.check_fwd [--quick] [--no-time] [--cases NAME,...] [--stage prep]
 
 For each case: runs chunk_gdn_fwd_lowlevel on fwd_o's paths (``save_prep``; the fused kernel:
 check_fused.py), compares o / final state with an fp32 token
@@ -30,21 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _import_pkg():
-    try:
-        import qlabench_kernels as pkg  # noqa: F401
-    except ImportError:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location(
-            "qlabench_kernels",
-            ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["qlabench_kernels"] = mod
-        spec.loader.exec_module(mod)
-    import emulate as emu
     import qlabench_kernels as pkg
+
+    from qlabench_tools.kernels import emulate as emu
 
     return pkg, emu
 

@@ -1,6 +1,6 @@
 """Dump the generated CUDA source of every kernel the default paths compile, without nvcc.
 
-    python tools/kernels/dump_cuda.py OUTDIR [--heads 2/8,1/3,...] [--quick]
+    python -m qlabench_tools.kernels.dump_cuda OUTDIR [--heads 2/8,1/3,...] [--quick]
 
 Patches ``tilelang.compile`` so that each getter only lowers its program (TileLang's passes and
 CUDA codegen under the same pass configs, no nvcc): writes OUTDIR/<hqk>_<hv>/<name>.cu and

@@ -25,7 +25,7 @@ Never imported by the kernels; imports nothing from ``qlabench``.
 """
 
 import torch
-from emulate import _r
+from qlabench_tools.kernels.emulate import _r
 
 C, D = 64, 128
 bf16 = torch.bfloat16
@@ -342,7 +342,7 @@ def group_sum(x_v, h_qk):
 def emu_bwd_pipeline(q, k, v, g, beta, do, dht=None, scale=None, h0=None, cu=None, uw=False):
     """The whole backward, emulated (the forward's prep emulated too). Returns a dict with
     dq, dk [1,T,Hqk,K], dv [1,T,Hv,V], dg, dbeta [1,T,Hv], dh0 (or None) and each stage's output."""
-    from emulate import emu_prep
+    from qlabench_tools.kernels.emulate import emu_prep
     from qlabench_kernels._common import chunk_table, default_cu_seqlens, segment_table
 
     T, h_qk = q.shape[1], q.shape[2]

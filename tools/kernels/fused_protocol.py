@@ -19,7 +19,7 @@ barrier ends with its phase closed and no bytes in flight (the counts match the 
 
 import random
 
-from ws_protocol import Bar, run_programs
+from qlabench_tools.kernels.ws_protocol import Bar, run_programs
 
 COUNTS = {"full": 64, "empty": 384, "t_ready": 128, "t_free": 256}
 NAMED = {"o_sync": 256}

@@ -1,6 +1,6 @@
 """Registers and stack of the in-repo kernels as compiled for sm_90a, offline (nvcc, no GPU).
 
-    python tools/kernels/res_usage.py [--heads 16/64,2/8] [--kernel fwd_fused] [--bwd] [--cache DIR]
+    python -m qlabench_tools.kernels.res_usage [--heads 16/64,2/8] [--kernel fwd_fused] [--bwd] [--cache DIR]
 
 Compiles every kernel of ``qlabench_kernels.compile.default_kernels`` (forward with initial and
 final state; ``--bwd`` adds the backward's) whose name contains ``--kernel``, for each head config,

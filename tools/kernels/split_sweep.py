@@ -1,6 +1,6 @@
 """Whole-forward latency against the segment length of sequence splitting, on a Hopper GPU.
 
-    python tools/kernels/split_sweep.py [--cases NAME,...]
+    python -m qlabench_tools.kernels.split_sweep [--cases NAME,...]
 
 For each case (head config + sequence lengths) the forward runs unsplit and with every segment
 length of ``SPLITS`` shorter than its longest sequence; every split output (o and final state)
@@ -10,7 +10,6 @@ CUDA-graph replay (median). The case's automatic choice (``plan_split``) is mark
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -19,10 +18,7 @@ import traceback
 
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("_check_fwd", HERE / "check_fwd.py")
-cf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cf)
+from qlabench_tools.kernels import check_fwd as cf
 
 SPLITS = [0, 256, 512, 1024, 2048, 4096, 8192, 16384]  # 256 only for sequences up to 4096 tokens
 

@@ -1,6 +1,6 @@
 """Per-role timeline of the fused forward kernel (kernels/fwd_fused.py) on a Hopper GPU.
 
-    python tools/kernels/trace_fused.py [--shapes NAME,...] [--compile-only]
+    python -m qlabench_tools.kernels.trace_fused [--shapes NAME,...] [--compile-only]
 
 A copy of the kernel's program gets, before every line marked ``# @trace NAME`` there, a store of
 the SM clock (``clock64``) by one thread of the line's role (state: thread 0, aux: thread 256,
@@ -23,8 +23,7 @@ import re
 import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from check_fwd import LINES, _import_pkg, log  # noqa: E402
+from qlabench_tools.kernels.check_fwd import LINES, _import_pkg, log
 
 SHAPES = {  # name: (seqlens, h_qk, h_v)
     "16/64 4x8192": ([8192] * 4, 16, 64),
@@ -116,8 +115,8 @@ def _valid(nch, tc, skip):
 
 def run_shape(pkg, mod, names, name, seqlens, h_qk, h_v, results):
     import torch
-    from check_fused import _fused_call, rel
-    from check_fwd import graph_time_ms, make_inputs
+    from qlabench_tools.kernels.check_fused import _fused_call, rel
+    from qlabench_tools.kernels.check_fwd import graph_time_ms, make_inputs
 
     x = make_inputs(seqlens, h_qk, h_v)
     tc = max(seqlens) // 64 + 1

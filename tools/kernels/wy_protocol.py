@@ -13,7 +13,7 @@ lapped for G = 1, where every tile is an item.
 
 import random
 
-from ws_protocol import Bar, run_programs
+from qlabench_tools.kernels.ws_protocol import Bar, run_programs
 
 LOADS = ("k", "v", "dw", "du", "a", "g", "dgp")
 

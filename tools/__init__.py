@@ -1,0 +1,5 @@
+"""Developer tools (installed as ``qlabench_tools`` from ``tools/``; not part of the benchmark's
+API): ``qlabench_tools.kernels`` checks, emulates, traces and dumps the in-repo TileLang kernels,
+``qlabench_tools.correctness`` looks into the correctness check's errors, and a few run-directory
+reports (``fixed_cost_report``, ``plan_refit``, ``ncu_stalls``) that thin scripts in ``scripts/``
+also run. Each tool runs as ``python -m qlabench_tools.<module> ...``."""
