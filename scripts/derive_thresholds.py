@@ -17,7 +17,7 @@ from qlabench import results as R
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("dirs", nargs="+", help="results directories (Parquet parts)")
-    ap.add_argument("--margin", type=float, default=gate.LIMIT_MARGIN)
+    ap.add_argument("--margin", type=float, default=correctness.LIMIT_MARGIN)
     a = ap.parse_args()
     rows = pd.concat([R.load(d) for d in a.dirs], ignore_index=True)
     print("thresholds:")

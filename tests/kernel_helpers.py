@@ -1,6 +1,6 @@
-"""Shared by the kernel tests: import the in-repo kernels (installed, or straight from kernels/) and
-the developer tools (tools/kernels/), say why offline sm_90a compilation is impossible here, if it
-is, and a per-test watchdog for the GPU tests."""
+"""Shared by the kernel tests: say why offline sm_90a compilation is impossible here, if it is, and
+a per-test watchdog for the GPU tests. (The tests import the kernels as ``qlabench_kernels`` and
+the developer tools as ``qlabench_tools.kernels``, both installed by ``pip install -e .``.)"""
 
 import faulthandler
 import importlib
@@ -8,26 +8,10 @@ import importlib.util
 import os
 import pathlib
 import shutil
-import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def kernels_pkg():
-    try:
-        return importlib.import_module("qlabench_kernels")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "qlabench_kernels",
-            ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["qlabench_kernels"] = mod
-        spec.loader.exec_module(mod)
-        return mod
 
 
 def why_cannot_compile():
@@ -38,14 +22,6 @@ def why_cannot_compile():
     except Exception as e:  # noqa: BLE001 - any import failure means no compilation
         return f"tilelang not importable: {e!r}"
     return None
-
-
-def tool(name):
-    """A module of tools/kernels/ (developer tools, not installed), by file name."""
-    path = str(ROOT / "tools" / "kernels")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    return importlib.import_module(name)
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""scripts/fixed_cost_report.py: a run's fixed cost by phase from its ``timeline_s``, in the
+"""qlabench_tools.fixed_cost_report (tools/fixed_cost_report.py): a run's fixed cost by phase from its ``timeline_s``, in the
 layout with one worker per backend label (``worker_timeline_s`` per label, ``first_ready``), in
 the one where one worker reports the checks (``worker_timeline_s``, ``worker_warm_s``), in the
 one before it (``worker_started``, ``first_row_compile_s``: checks in the run's process) and in
@@ -6,7 +6,6 @@ the old one (7a7503c: no first-row compile in the timeline; it comes from the ro
 first); ``-X importtime`` lines in a run's logs summed per package."""
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,11 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def rep():
-    spec = importlib.util.spec_from_file_location("fixed_cost_report",
-                                                  ROOT / "scripts" / "fixed_cost_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from qlabench_tools import fixed_cost_report
+
+    return fixed_cost_report
 
 
 def _run_dir(d: Path, run_id: str, tl: dict, rows=(), shell=None, worker_log=None, **meta) -> Path:

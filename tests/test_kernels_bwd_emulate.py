@@ -5,9 +5,9 @@ the launch glue of ``chunk_gdn_bwd`` with the kernels swapped for their emulatio
 import importlib
 
 import pytest
+import qlabench_kernels
 import torch
-from kernel_helpers import kernels_pkg as _kernels_pkg
-from kernel_helpers import tool as _tool
+from qlabench_tools.kernels import emulate, emulate_bwd
 
 from qlabench.backends.reference import gdn_chunked_grads
 
@@ -18,8 +18,7 @@ TOL = {"dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "dbeta": 2e-2, "dh0": 2e-2, "dg": 4e-
 
 
 def _inputs(seqlens, h_qk, h_v, with_h0, with_dht, seed=0):
-    _kernels_pkg()
-    emu = _tool("emulate")
+    emu = emulate
     x = emu.make_inputs(seqlens, h_qk, h_v, seed=seed, with_h0=with_h0)
     gen = torch.Generator().manual_seed(seed + 7)
     T, N = sum(seqlens), len(seqlens)
@@ -35,7 +34,7 @@ def _ref(x):
 
 
 def _check(got, ref, with_h0):
-    emu = _tool("emulate")
+    emu = emulate
     names = ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if with_h0 else [])
     for n in names:
         assert torch.isfinite(got[n].float()).all(), n
@@ -48,8 +47,7 @@ def _check(got, ref, with_h0):
     [((1, 63, 64, 65, 130), 2, 4, True, True), ((70, 0, 129), 1, 3, False, False), ((65, 200), 2, 2, True, False)],
 )
 def test_emulated_backward_matches_reference(seqlens, h_qk, h_v, with_h0, with_dht):
-    _kernels_pkg()
-    eb = _tool("emulate_bwd")
+    eb = emulate_bwd
     x = _inputs(seqlens, h_qk, h_v, with_h0, with_dht)
     r = eb.emu_bwd_pipeline(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"], None, x["h0"], x["cu"])
     _check(r, _ref(x), with_h0)
@@ -59,24 +57,23 @@ def test_emulated_backward_matches_reference(seqlens, h_qk, h_v, with_h0, with_d
 def test_dhu_uw_algebra_matches_reference(seqlens, with_h0, with_dht):
     """bwd_dhu's algebra (Y = Y₀ + W' dH, with its bf16 rounding points): the gradients stay within
     the thresholds and within bf16 noise of the direct form Y = A_βᵀ dv_new."""
-    _kernels_pkg()
-    eb = _tool("emulate_bwd")
+    eb = emulate_bwd
     x = _inputs(seqlens, 2, 4, with_h0, with_dht, seed=17)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], x["dht"], None, x["h0"], x["cu"])
     new, old = eb.emu_bwd_pipeline(*args, uw=True), eb.emu_bwd_pipeline(*args)
     _check(new, _ref(x), with_h0)
-    emu = _tool("emulate")
+    emu = emulate
     for n in ("dq", "dk", "dv", "dg", "dbeta"):
         assert emu.rel_l2(new[n].float(), old[n].float()) < 1e-2, n
 
 
 def _patch_kernels(monkeypatch):
     """Swap the backward launchers (and the forward) for their torch emulations."""
-    pkg = _kernels_pkg()
+    pkg = qlabench_kernels
     bw = importlib.import_module("qlabench_kernels.backward")
     ag = importlib.import_module("qlabench_kernels.autograd")
-    eb = _tool("emulate_bwd")
-    emu = _tool("emulate")
+    eb = emulate_bwd
+    emu = emulate
     bf = torch.bfloat16
 
     def fake_h(k, v, gcs, a_beta, stab, h_init, h_all=None, vnew=None, target=None):
@@ -143,7 +140,7 @@ def _patch_kernels(monkeypatch):
 def test_chunk_gdn_bwd_glue_with_emulated_kernels(monkeypatch):
     """chunk_gdn_bwd's tables, buffers, GVA group sums and dtypes, kernels replaced by emulations."""
     pkg = _patch_kernels(monkeypatch)
-    emu = _tool("emulate")
+    emu = emulate
     bf = torch.bfloat16
     common = importlib.import_module("qlabench_kernels._common")
     seqlens, h_qk, h_v = (1, 63, 64, 65, 130), 2, 6
@@ -170,7 +167,7 @@ def test_split_backward_with_emulated_kernels(monkeypatch, seqlens, split, with_
     """The split chains (seg_state + fixup start states, bwd_dhu pass 1, the reverse fix-up,
     pass 2) give the unsplit gradients: kernels replaced by emulations, against the reference."""
     pkg = _patch_kernels(monkeypatch)
-    emu = _tool("emulate")
+    emu = emulate
     common = importlib.import_module("qlabench_kernels._common")
     x = _inputs(seqlens, 2, 4, with_h0, with_dht, seed=11)
     T, N = sum(seqlens), len(seqlens)
@@ -186,7 +183,7 @@ def test_split_backward_with_emulated_kernels(monkeypatch, seqlens, split, with_
 
 
 def test_split_tokens_bad_value():
-    pkg = _kernels_pkg()
+    pkg = qlabench_kernels
     x = _inputs((100,), 1, 1, False, False)
     with pytest.raises(ValueError, match="split_tokens=100 must be a multiple of 64"):
         pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], cu_seqlens=x["cu"],
@@ -223,7 +220,6 @@ def test_autograd_function_with_emulated_kernels(monkeypatch):
 def test_wy_launcher_checks_dk_before_compiling():
     """The persistent wy launcher refuses a dk partial it cannot complete (fp32, or per v-head) with a
     message naming the expected shape and dtype, before any compile."""
-    _kernels_pkg()
     wy = importlib.import_module("qlabench_kernels.bwd_wy")
     k = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
     v = torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)
@@ -243,7 +239,7 @@ def test_every_group_size_runs_the_persistent_kernels(monkeypatch, h_qk, h_v):
     for name in ("run_bwd_dqkwg", "run_bwd_wy"):
         fn = getattr(bw, name)
         monkeypatch.setattr(bw, name, lambda *a, _fn=fn, _n=name, **kw: (seen.append(_n), _fn(*a, **kw))[1])
-    emu = _tool("emulate")
+    emu = emulate
     common = importlib.import_module("qlabench_kernels._common")
     x = _inputs((63, 65, 200), h_qk, h_v, True, True, seed=23)
     ctab, _ = common.chunk_table(x["cu"].long(), 328, 3)
@@ -389,7 +385,7 @@ def test_split_backward_poisoned_on_two_streams(monkeypatch, order):
         pick = (lambda r: r[-1]) if order == "side_first" else (lambda r: r[0])
     sim = _Streams(pick)
     pkg = _on_two_streams(monkeypatch, sim)
-    emu = _tool("emulate")
+    emu = emulate
     common = importlib.import_module("qlabench_kernels._common")
     seqlens = (130, 455)  # 128-token segments: 2 and 4 per sequence
     x = _inputs(seqlens, 2, 4, True, True, seed=29)

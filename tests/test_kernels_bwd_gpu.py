@@ -13,10 +13,10 @@ import sys
 import textwrap
 
 import pytest
+import qlabench_kernels
 import torch
-from kernel_helpers import kernels_pkg as _kernels_pkg
 from kernel_helpers import per_test_timeout  # noqa: F401 (autouse watchdog)
-from kernel_helpers import tool as _tool
+from qlabench_tools.kernels import emulate_bwd
 
 from qlabench.backends.reference import gdn_chunked_grads
 
@@ -85,7 +85,7 @@ def _assert_close(got, ref, names):
 @pytest.mark.parametrize("with_h0", [True, False])
 @pytest.mark.parametrize("h_qk,h_v", HEADS)
 def test_chunk_gdn_bwd_matches_reference(h_qk, h_v, with_h0, with_dht):
-    pkg = _kernels_pkg()
+    pkg = qlabench_kernels
     x, ref = _case(h_qk, h_v, with_h0, with_dht)
     h0 = x["h0"] if with_h0 else None
     r = pkg.chunk_gdn_fwd_lowlevel(
@@ -109,7 +109,7 @@ def test_chunk_gdn_bwd_matches_reference(h_qk, h_v, with_h0, with_dht):
 
 def test_recomputed_prep():
     """gcs / A_β recomputed inside chunk_gdn_bwd (no forward outputs given)."""
-    pkg = _kernels_pkg()
+    pkg = qlabench_kernels
     x, ref = _case(1, 3, True, True)
     dq, dk, dv, dg, db, dh0 = pkg.chunk_gdn_bwd(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"]
@@ -119,7 +119,7 @@ def test_recomputed_prep():
 
 def test_autograd_chunk_gdn():
     """Training path: chunk_gdn + loss.backward() gives the reference gradients on every leaf."""
-    pkg = _kernels_pkg()
+    pkg = qlabench_kernels
     x, ref = _case(2, 8, True, True)
     leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "h0")}
     o, ht = pkg.chunk_gdn(
@@ -136,8 +136,8 @@ def test_autograd_chunk_gdn():
 
 def test_stages_match_emulation():
     """Stage check: each backward kernel against its torch emulation fed the kernel's own inputs."""
-    pkg = _kernels_pkg()
-    eb = _tool("emulate_bwd")
+    pkg = qlabench_kernels
+    eb = emulate_bwd
     x, _ = _case(1, 3, True, True)
     r = pkg.chunk_gdn_bwd(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
@@ -155,7 +155,7 @@ def test_split_chains_match_reference(split, streams):
     """The split chains (seg_state / fixup start states, bwd_dhu pass 1, reverse fix-up, pass 2),
     with and without the second stream, give the reference gradients and the unsplit h / dh on
     every defined row."""
-    pkg = _kernels_pkg()
+    pkg = qlabench_kernels
     x, ref = _case(2, 4, True, True)
     kw = dict(dht=x["dht"], initial_state=x["h0"], cu_seqlens=x["cu"], return_intermediates=True)
     got = pkg.chunk_gdn_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], split_tokens=split, streams=streams,

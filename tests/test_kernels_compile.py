@@ -7,7 +7,6 @@ Needs nvcc and tilelang (skipped otherwise). One head config (2/8), one build pe
 import importlib
 
 import pytest
-from kernel_helpers import kernels_pkg as _kernels_pkg
 from kernel_helpers import why_cannot_compile as _why_cannot_compile
 
 pytestmark = pytest.mark.skipif(_why_cannot_compile() is not None, reason=str(_why_cannot_compile()))
@@ -16,7 +15,6 @@ TARGET_K = '{"arch": "sm_90a", "kind": "cuda"}'
 
 
 def _mod(name):
-    _kernels_pkg()
     return importlib.import_module(f"qlabench_kernels.{name}")
 
 

@@ -12,9 +12,9 @@
 import importlib
 
 import pytest
+import qlabench_kernels
 import torch
-from kernel_helpers import kernels_pkg as _pkg
-from kernel_helpers import tool as _tool
+from qlabench_tools.kernels import emulate, fused_protocol, ws_protocol, wy_protocol
 
 
 def _cu(lens):
@@ -35,9 +35,8 @@ LAYOUTS = [
 @pytest.mark.parametrize("lens", LAYOUTS, ids=lambda x: f"N{len(x)}")
 @pytest.mark.parametrize("seg", [None, 64, 1024])
 def test_tl_tables_algorithm_equals_torch_tables(lens, seg):
-    _pkg()
     common = importlib.import_module("qlabench_kernels._common")
-    emu = _tool("emulate")
+    emu = emulate
     cu = _cu(lens)
     T, N = int(cu[-1]), len(lens)
     split = seg is not None
@@ -57,8 +56,7 @@ def test_prep_mirror_matches_exact_solve(strong):
     chunks and an unused slot: A_β against the fp64 solve (I + L)⁻¹ diag β and P against scale·Γ⊙QKᵀ,
     both within what bf16 storage allows, zero past each sequence's end; gcs the chunk-local cumsum.
     ``strong``: gates whose chunks exceed the factored-gating bound take the per-element path."""
-    _pkg()
-    emu = _tool("emulate")
+    emu = emulate
     common = importlib.import_module("qlabench_kernels._common")
     lens = [1, 63, 130, 700]
     x = emu.make_inputs(lens, 2, 4, seed=3)
@@ -101,8 +99,7 @@ def test_fwd_o_ws_barrier_protocol():
     """The mbarrier protocol of fwd_o.py (modelled in tools/kernels/ws_protocol.py) never deadlocks,
     never passes a parity wait at the wrong phase and never lets a read see another chunk's data, over
     random skewed interleavings; dropping a needed wait is caught."""
-    _pkg()
-    wsp = _tool("ws_protocol")
+    wsp = ws_protocol
     assert wsp.check(seeds=100)
     for role, bar in [("state", "full"), ("state", "q_full"), ("prod", "empty"), ("prod", "q_empty"), ("tab", "empty")]:
         with pytest.raises(AssertionError):
@@ -114,7 +111,7 @@ def test_bwd_wy_barrier_protocol():
     parity wait at the wrong phase and never lets the store warp read another tile's dv / dk, for GVA
     groups of 1..4 v-heads; the earlier single dk_ready barrier deadlocks for G = 1 (its hand-off is
     lapped) and holds for G >= 2."""
-    wyp = _tool("wy_protocol")
+    wyp = wy_protocol
     assert wyp.check(groups=(1, 2, 3, 4), seeds=60)
     assert wyp.check(groups=(2, 3, 4), seeds=60, pair=False)
     with pytest.raises(AssertionError, match="deadlock|phases done"):
@@ -129,9 +126,8 @@ def test_fwd_fused_barrier_protocol():
     state warpgroups' wait on full: the t_ready they wait on next is
     arrived by aux only after its own wait on the same full phase, so it implies it (kept in the
     kernel: one passing try_wait)."""
-    _pkg()
     fused = importlib.import_module("qlabench_kernels.fwd_fused")
-    fp = _tool("fused_protocol")
+    fp = fused_protocol
     src = open(fused.__file__).read()
     assert fused.NST == fp.NST and all(f"{b} = T.alloc_barrier([{n}" in src for b, n in fp.COUNTS.items())
     assert fp.check(seeds=100)
@@ -166,8 +162,7 @@ def test_fwd_o_algebra_matches_reference(split_tokens):
     O = scale e^g ⊙ Q S + P bf16(Vd): the emulated forward stays at the bf16 operands' error from the
     fp64 token recurrence, on mixed lengths with g = 0 heads, an initial state, split or unsplit, and
     a sign error in the V term is caught."""
-    _pkg()
-    emu = _tool("emulate")
+    emu = emulate
     x = emu.make_inputs([1, 63, 64, 65, 300], 2, 4, seed=3)
     ref_o, ref_h = emu.reference(x["q"], x["k"], x["v"], x["g"], x["beta"], h0=x["h0"], cu=x["cu"])
     kw = dict(h0=x["h0"], cu=x["cu"], split_tokens=split_tokens)
@@ -179,7 +174,7 @@ def test_fwd_o_algebra_matches_reference(split_tokens):
 
 
 def test_seqlens_hint_is_checked():
-    pkg = _pkg()
+    pkg = qlabench_kernels
     T, h = 192, 2
     q = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
     v = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
@@ -194,7 +189,7 @@ def test_seqlens_hint_is_checked():
 def test_forward_refuses_more_chunk_slots_than_preps_grid_holds():
     """prep's grid has the chunk slots on gridDim.y (at most 65535): a longer batch is an error that
     says so, before any allocation (meta tensors stand in for 4.2 M tokens)."""
-    pkg = _pkg()
+    pkg = qlabench_kernels
     T = 65535 * 64
     q = torch.empty(1, T, 1, 128, dtype=torch.bfloat16, device="meta")
     g = torch.empty(1, T, 1, device="meta")
@@ -210,7 +205,7 @@ def test_fused_algebra_matches_reference(lens, h_qk, h_v, with_h0, split):
     from the split path's segment start states (seg_state + fixup, emulated)."""
     from qlabench_kernels._common import chunk_table, segment_table
 
-    emu = _tool("emulate")
+    emu = emulate
     inp = emu.make_inputs(lens, h_qk, h_v, seed=3, with_h0=with_h0)
     T, N = sum(lens), len(lens)
     cu = inp["cu"].long()
@@ -230,7 +225,7 @@ def test_fused_algebra_matches_reference(lens, h_qk, h_v, with_h0, split):
 def test_fused_inverse_beats_bf16_rounding_on_correlated_keys():
     """fp16 operands keep the tensor-core inverse's error below A_β's own bf16 rounding where
     keys are correlated (bf16 operands do not: ~4x that rounding)."""
-    emu = _tool("emulate")
+    emu = emulate
     gen = torch.Generator().manual_seed(0)
     H, C = 8, 64
     base = torch.randn(1, 1, 128, generator=gen)
@@ -293,7 +288,7 @@ def test_fused_factored_gating_matches_per_element(kind):
     per-element fallback). Where taken, L and P (fp32) are within fp32 error of the fp64 values,
     and A_β (fp16 inverse) and P (bf16), what the kernel stores, as close to them as the
     per-element path's."""
-    emu = _tool("emulate")
+    emu = emulate
     fused = importlib.import_module("qlabench_kernels.fwd_fused")
     assert emu.FACTOR_RANGE == fused.FACTOR_RANGE
     scale = 128**-0.5
@@ -320,7 +315,7 @@ def test_fused_factored_gating_bound_and_fallback():
     """Where the flag is off the per-element path is what keeps the result finite: a 250-nat chunk
     gated by factors anyway (bound removed) gives inf / NaN (factors e^{±125} overflow fp32); a
     positive gate or a NaN gate clears the flag too (the cumsum then is not monotone)."""
-    emu = _tool("emulate")
+    emu = emulate
     scale = 128**-0.5
     kc, qc, bch, gr, gch = _chunk_inputs("over")
     gr, gch = gr * (250 / 141), gch * (250 / 141)
@@ -344,7 +339,7 @@ def test_fused_factored_forward_matches_reference(kind):
     fallback: both runs then identical)."""
     from qlabench_kernels._common import chunk_table, segment_table
 
-    emu = _tool("emulate")
+    emu = emulate
     lens = [1, 63, 64, 65, 300] if kind == "ordinary" else [256, 64, 128]
     inp = emu.make_inputs(lens, 2, 4, seed=5)
     inp["g"] = _gates(kind, lens, 4, seed=5)
@@ -377,7 +372,7 @@ def test_fused_factored_gating_flushes_only_what_fp16_drops():
     bit on the chunk's last row (g_63 − m = −69.5) for β_63 from 1e-3 down to 1e-12 (one head
     each). With a 160-nat bound the same holds only for β above 6.6e-4: a last row of β = 1e-4
     loses its elements."""
-    emu = _tool("emulate")
+    emu = emulate
     scale = 128**-0.5
     small = torch.tensor([1e-3, 1e-4, 1e-5, 1e-7, 3e-8, 1e-8, 1e-10, 1e-12])
     for rng, bound, ok in ((139.0, 140.0, True), (159.0, 160.0, False)):

@@ -10,10 +10,10 @@ split, on fwd_o and on the fused kernel.
 import importlib
 
 import pytest
+import qlabench_kernels
 import torch
-from kernel_helpers import kernels_pkg as _kernels_pkg
 from kernel_helpers import per_test_timeout  # noqa: F401 (autouse watchdog)
-from kernel_helpers import tool as _tool
+from qlabench_tools.kernels import emulate
 
 pytestmark = pytest.mark.gpu
 
@@ -91,7 +91,7 @@ def _case(h_qk, h_v, with_h0):
 @pytest.mark.parametrize("with_h0", [True, False])
 @pytest.mark.parametrize("h_qk,h_v", HEADS)
 def test_chunk_gdn_fwd_matches_recurrence(h_qk, h_v, with_h0, with_ht, split_tokens, block_v):
-    pkg = _kernels_pkg()
+    pkg = qlabench_kernels
     x, (ref_o, ref_h) = _case(h_qk, h_v, with_h0)
     T, N = x["q"].shape[1], len(SEQLENS)
     o = torch.full((1, T, h_v, D), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -117,7 +117,7 @@ def test_chunk_gdn_fwd_matches_recurrence(h_qk, h_v, with_h0, with_ht, split_tok
 
 def test_public_call_and_planned_split():
     """chunk_gdn_fwd on one 8192-token sequence of 2/8 heads: the planner splits it."""
-    pkg = _kernels_pkg()
+    pkg = qlabench_kernels
     x = make_inputs((8192,), 2, 8, seed=1)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert pkg.plan_fwd(8192, 1, 8, sms)[1] > 0
@@ -133,7 +133,7 @@ def test_fused_strong_decay_both_gating_paths(split_tokens):
     chunks' range 138.6, just under the factored-gating bound of 140: factors near e^{±69}), 2.3
     (144.9: the per-element fallback), uniform in [-4.5, 0] (chunks on both sides of it); o and the
     final state against the recurrence, every element written."""
-    pkg = _kernels_pkg()
+    pkg = qlabench_kernels
     x = make_inputs(SEQLENS, 2, 8, seed=2)
     gen = torch.Generator(device="cpu").manual_seed(3)
     g = x["g"].clone()
@@ -160,8 +160,7 @@ def test_prep_matches_emulation_and_p(slices):
     """prep's g cumsum and A·diag(β) against the torch emulation; its P equals scale·Γ⊙QKᵀ (causal
     incl. the diagonal) built in fp32 from its own gcs, and is zero past each sequence's end; the
     same whichever way the group's four v-heads are sliced over CTAs."""
-    _kernels_pkg()
-    emu = _tool("emulate")
+    emu = emulate
     common = importlib.import_module("qlabench_kernels._common")
     prep = importlib.import_module("qlabench_kernels.prep")
     h_qk, h_v = 2, 8
@@ -207,7 +206,6 @@ def test_prep_matches_emulation_and_p(slices):
 @pytest.mark.parametrize("seg", [None, 1024])
 def test_tables_kernel_equals_torch_tables(lens, seg):
     """The one-launch tables kernel builds exactly the torch builders' tables."""
-    _kernels_pkg()
     common = importlib.import_module("qlabench_kernels._common")
     tables = importlib.import_module("qlabench_kernels.tables")
     cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], dtype=torch.int64, device="cuda")

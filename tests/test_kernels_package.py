@@ -1,6 +1,6 @@
 """CPU test of the installed kernel package's boundaries: ``kernels/`` imports nothing from
 ``qlabench`` (the library stands alone), holds only the library (developer tools live in
-tools/kernels/, not installed), and stays small."""
+tools/kernels/, installed apart as ``qlabench_tools.kernels``), and stays small."""
 
 import ast
 import pathlib
@@ -41,9 +41,12 @@ def test_package_is_flat_and_small():
 
 def test_pyproject_installs_only_the_library():
     text = (ROOT / "pyproject.toml").read_text()
-    pkgs = re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*)\]", text, re.M).group(1))
+    pkgs = re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, re.M | re.S).group(1))
     assert [p for p in pkgs if p.startswith("qlabench_kernels")] == ["qlabench_kernels"]
     assert re.search(r'^qlabench_kernels = "kernels"$', text, re.M)
+    # the developer tools: a package of their own, from tools/
+    assert {"qlabench_tools", "qlabench_tools.kernels", "qlabench_tools.correctness"} <= set(pkgs)
+    assert re.search(r'^qlabench_tools = "tools"$', text, re.M)
 
 
 def test_no_private_imports_back_from_the_package_init():

@@ -1,13 +1,13 @@
 """CPU tests of the planners (kernels/plan.py): their picks on cases the H200 measured, from host
 values only."""
 
-from kernel_helpers import kernels_pkg as _pkg
+import qlabench_kernels
 
 
 def test_plan_split_from_shapes_only():
     """The split planner's picks on the cases the H200 timed for today's kernels (check_fwd's CUDA-graph
     medians of the whole forward, results/h200_kernels_prev/fwd_o_rs/_notes/checks)."""
-    pkg = _pkg()
+    pkg = qlabench_kernels
     assert pkg.plan_split(32768, 1, 8) == 2048  # 2/8: 0.286 ms (4096: 0.275, 1024: 0.331, unsplit 0.845)
     assert pkg.plan_split(2048, 1, 8) == 256  # 0.048 ms (512: 0.046, 1024: 0.061)
     assert pkg.plan_split(8192, 1, 8) == 1024  # 0.094 ms (512: 0.109, 2048: 0.116, unsplit 0.219)
@@ -23,7 +23,7 @@ def test_plan_split_from_shapes_only():
 
 
 def test_lpt_makespan_is_list_scheduling():
-    pkg = _pkg()
+    pkg = qlabench_kernels
     from qlabench_kernels.plan import _lpt_makespan as lpt
     assert lpt([(10, 1), (1, 2)], 2) == 10  # both short jobs go to the idle slot
     assert lpt([(4, 264)], 132) == 8  # two full rounds
@@ -36,7 +36,7 @@ def test_lpt_makespan_is_list_scheduling():
 def test_plan_bwd_split_cuts_only_few_long_chains():
     """The backward's split planner cuts a long sequence when its chains (one per sequence and v-head)
     leave SMs idle, never short ones, and reads the host lengths for unequal sequences."""
-    pkg = _pkg()
+    pkg = qlabench_kernels
     assert pkg.plan_bwd_split(32768, 1, 4) > 0  # 4 chains of 512 chunks
     assert pkg.plan_bwd_split(8192, 1, 4) > 0
     assert pkg.plan_bwd_split(400, 1, 4) == 0  # too short to cut
@@ -58,7 +58,7 @@ def test_plan_fwd_picks_the_faster_final_kernel():
     """plan_fwd between the fused kernel and fwd_o on layouts the H200 timed in one run
     (results/h200_kernels_prev/fwd_o_rs and fwd_o_rs_batch: the fused kernel's rows are the
     tilelang@prev label, the same kernel): the fused kernel where it measured faster, fwd_o where it did."""
-    pkg = _pkg()
+    pkg = qlabench_kernels
     assert pkg.plan_fwd(4 * 8192, 4, 64, h_qk=16)[0] == 128  # fused 1.059 ms, fwd_o 1.200
     assert pkg.plan_fwd(8 * 1024, 8, 64, h_qk=16)[0] == 128  # 0.300 vs 0.332
     assert pkg.plan_fwd(4 * 8192, 4, 32, h_qk=32)[0] == 128  # 32/32: 0.559 vs 0.719

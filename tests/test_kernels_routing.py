@@ -6,14 +6,12 @@ import importlib
 
 import pytest
 import torch
-from kernel_helpers import kernels_pkg as _pkg
 
 D = 128
 
 
 @pytest.fixture
 def fwd(monkeypatch):
-    _pkg()
     mod = importlib.import_module("qlabench_kernels.forward")
     common = importlib.import_module("qlabench_kernels._common")
     calls, plans = [], []

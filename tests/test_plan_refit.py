@@ -1,7 +1,6 @@
-"""scripts/plan_refit.py: on latencies made from the planners' own cost models with known constants,
+"""qlabench_tools.kernels.plan_refit (tools/kernels/plan_refit.py): on latencies made from the planners' own cost models with known constants,
 the refit recovers them, and the choices it reports are measured rows of the run."""
 
-import importlib.util
 from pathlib import Path
 
 import pandas as pd
@@ -12,10 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("plan_refit", ROOT / "scripts" / "plan_refit.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from qlabench_tools.kernels import plan_refit
+
+    return plan_refit
 
 
 REFIT = _load_script()

@@ -55,15 +55,11 @@ def test_ncu_command_profiles_only_the_marked_call():
 
 
 def test_ncu_stalls_summary_from_source_page(tmp_path, capsys):
-    """scripts/ncu_stalls.py reads ncu's SASS source page (CSV, optionally .xz): totals per stall
+    """qlabench_tools.kernels.ncu_stalls reads ncu's SASS source page (CSV, optionally .xz): totals per stall
     reason, per USETMAXREG region, and the most-stalled instructions."""
-    import importlib.util
     import lzma
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("ncu_stalls", Path(__file__).parents[1] / "scripts" / "ncu_stalls.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from qlabench_tools.kernels import ncu_stalls as mod
     hdr = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
            "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
     rows = [["0x100", "MOV R1, R2", "5", "10", "1", "4", "0"],

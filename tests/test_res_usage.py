@@ -1,11 +1,6 @@
 """tools/kernels/res_usage.py: cuobjdump's resource lines per kernel, and its input errors (no GPU)."""
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools" / "kernels"))
-
-import res_usage as ru  # noqa: E402
+from qlabench_tools.kernels import res_usage as ru
 
 SAMPLE = """
 Resource usage:

@@ -1,16 +1,13 @@
 """tools/kernels/trace_fused.py: the traced copy of the fused kernel's program (no GPU)."""
 
 import pathlib
-import sys
 
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools" / "kernels"))
 
 
 def test_traced_source_stamps_every_marked_line_per_role():
     import qlabench_kernels as pkg
-    import trace_fused as tf
+    from qlabench_tools.kernels import trace_fused as tf
 
     src = pathlib.Path(pkg.fwd_fused.__file__).read_text()
     text, names = tf.traced_source(src)
@@ -31,7 +28,7 @@ def test_traced_source_stamps_every_marked_line_per_role():
 def test_traced_program_builds_and_the_package_program_has_no_stamps():
     pytest.importorskip("tilelang")
     import qlabench_kernels as pkg
-    import trace_fused as tf
+    from qlabench_tools.kernels import trace_fused as tf
 
     mod, names = tf.traced_module(pkg)
     traced = mod.fwd_fused_program(2, 8, True, True).script()
@@ -45,7 +42,7 @@ def test_traced_program_builds_and_the_package_program_has_no_stamps():
 
 def test_summary_medians_per_phase_and_unwritten_stamps():
     torch = pytest.importorskip("torch")
-    import trace_fused as tf
+    from qlabench_tools.kernels import trace_fused as tf
 
     names = ["s_a", "s_b", "a_x", "a_y", "p_q"]
     tr = torch.zeros(2, 7, tf.NSLOT, dtype=torch.int64)

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import time
 import traceback
 

@@ -22,7 +22,6 @@ import time
 import traceback
 
 import torch
-
 from qlabench_tools.kernels.check_fwd import LINES, _import_pkg, graph_time_ms, log, make_inputs, reference_fp32
 
 CORRECT = [

@@ -20,7 +20,6 @@ import inspect
 import json
 import os
 import pathlib
-import sys
 import time
 import traceback
 
@@ -31,7 +30,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def _import_pkg():
     import qlabench_kernels as pkg
-
     from qlabench_tools.kernels import emulate as emu
 
     return pkg, emu

@@ -342,8 +342,8 @@ def group_sum(x_v, h_qk):
 def emu_bwd_pipeline(q, k, v, g, beta, do, dht=None, scale=None, h0=None, cu=None, uw=False):
     """The whole backward, emulated (the forward's prep emulated too). Returns a dict with
     dq, dk [1,T,Hqk,K], dv [1,T,Hv,V], dg, dbeta [1,T,Hv], dh0 (or None) and each stage's output."""
-    from qlabench_tools.kernels.emulate import emu_prep
     from qlabench_kernels._common import chunk_table, default_cu_seqlens, segment_table
+    from qlabench_tools.kernels.emulate import emu_prep
 
     T, h_qk = q.shape[1], q.shape[2]
     scale = D**-0.5 if scale is None else scale

@@ -17,7 +17,6 @@ import sys
 import traceback
 
 import torch
-
 from qlabench_tools.kernels import check_fwd as cf
 
 SPLITS = [0, 256, 512, 1024, 2048, 4096, 8192, 16384]  # 256 only for sequences up to 4096 tokens
