@@ -3,7 +3,7 @@ PY ?= python3
 
 .PHONY: deps install test lint smoke bench-quick bench-fwd bench-bwd
 deps:               ## install only when something is missing
-	@$(PY) -c "import torch, qlabench, qlabench_kernels, pytest, hypothesis, ruff" 2>/dev/null || $(MAKE) install
+	@$(PY) -c "import torch, qlabench, qlabench_kernels, qlabench_tools, pytest, hypothesis, ruff" 2>/dev/null || $(MAKE) install
 
 install:            ## CPU machine: torch (CPU build) first, then the package with dev extras
 	$(PY) -m pip install torch==2.13.0
@@ -13,7 +13,7 @@ test: deps          ## the test suite (GPU tests skip without CUDA)
 	$(PY) -m pytest -q
 
 lint:
-	ruff check qlabench kernels tests
+	ruff check qlabench kernels tools tests
 
 smoke: deps         ## the smoke sweep (CPU: the reference backend; GPU: every backend)
 	qlabench run configs/smoke.yaml

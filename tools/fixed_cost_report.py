@@ -27,14 +27,14 @@ reported). The phases are :func:`qlabench.runner.fixed_cost` over the run's ``ti
 Where a run's logs hold Python's ``-X importtime`` lines (a run with ``PYTHONPROFILEIMPORTTIME=1``
 in its environment, which its worker inherits), the report adds the seconds each top-level
 package took to import, in the worker (``_logs/worker-*.log``) and in the run's own process (the
-``<run>.log`` that ``scripts/h200_fixed_cost.sh`` keeps).
+``<run>.log`` that ``scripts/airgapped/h200_fixed_cost.sh`` keeps).
 
 Timelines written before ``first_row_compile_s`` was recorded (the old commit 7a7503c:
 ``process_start``, ``backends_checked``, ``ceilings_measured``, ``first_row``, ``last_row``,
 ``finished``, ``figures_s``) get it from the run's rows: the ``compile_s`` of the row that
 started first (``started_at``; rows of one worker are measured and sent one at a time), so both
 layouts go through the same definition. ``shell.json`` in a RUN_DIR (written by
-``scripts/h200_fixed_cost.sh``) adds the run's label, commit, exit status and the wall time the
+``scripts/airgapped/h200_fixed_cost.sh``) adds the run's label, commit, exit status and the wall time the
 shell measured around the process (``shell.json`` and ``<run>.log`` may also sit in the run
 directory's ``_notes/``, as in a committed copy).
 

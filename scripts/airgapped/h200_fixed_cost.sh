@@ -3,11 +3,11 @@
 # with fla, flashqla and tilelang) at the old commit and the new one, back to back in one job.
 #
 # Runs inside a device job environment already set up by
-#   STEP=setup JOB=none bash scripts/h200_campaign.sh     (carry .devsite .tlcache/all.tar.xz
+#   STEP=setup JOB=none bash scripts/airgapped/h200_campaign.sh     (carry .devsite .tlcache/all.tar.xz
 #   .tlcache/fqla_fwd.tar.xz .run/prevkernels .run/repo.tar.gz .run/repo_old.tar.gz)
 # which leaves /tmp/job/env.sh (PYTHONPATH=/tmp/site312, TILELANG_CACHE_DIR, TRITON_CACHE_AUTOTUNING,
 # QLABENCH_GIT_SHA of the new tree ...) and the new commit in /tmp/repo, installed editable.
-# Called from the call's repo root:  bash scripts/h200_fixed_cost.sh
+# Called from the call's repo root:  bash scripts/airgapped/h200_fixed_cost.sh
 #
 # The two trees (both the package `qlabench`):
 #   NEW=/tmp/repo      the new commit (its editable install is the one pip knows);
@@ -42,16 +42,16 @@
 #
 # Back in $OUT (at most 8 files come back, 2 folders down, so everything else is in one tarball):
 #   fixed_cost.log       this script's output, every run's output tee'd into it (PYTHONUNBUFFERED=1)
-#   fixed_cost.txt       scripts/fixed_cost_report.py's table over the runs
+#   fixed_cost.txt       qlabench_tools.fixed_cost_report's table over the runs
 #   fixed_cost.csv       the same table
 #   fixed_cost_meta.json every run's metadata (run dir name -> run_id -> the _runs/*.json)
 #   fixed_cost_runs.tgz  the run dirs (parts, _runs, _logs, _figures, shell.json, <run>.log)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-HERE=$(cd "$(dirname "$0")/.." && pwd)
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
 ENVF=${ENVF-/tmp/job/env.sh}   # ENVF= (empty) runs in the current environment
 if [ -n "$ENVF" ]; then
-  [ -f "$ENVF" ] || { echo "no $ENVF: run STEP=setup JOB=none bash scripts/h200_campaign.sh first"; exit 1; }
+  [ -f "$ENVF" ] || { echo "no $ENVF: run STEP=setup JOB=none bash scripts/airgapped/h200_campaign.sh first"; exit 1; }
   source "$ENVF"
 fi
 export PYTHONUNBUFFERED=1

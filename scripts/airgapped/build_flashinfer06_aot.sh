@@ -1,8 +1,8 @@
 #!/bin/bash
 # FlashInfer 0.6.13's SM90 GDN prefill module (CUTLASS "flat"), built offline (nvcc, no GPU) into
 # the slot FlashInfer loads before it would JIT-build (flashinfer/data/aot/gdn_prefill_sm90/):
-#   bash scripts/build_flashinfer06_aot.sh      -> .tlcache/fi0613_jit.tar.xz (carried by
-#                                                  scripts/h200_campaign.sh STEP=setup, ~0.2 MB)
+#   bash scripts/airgapped/build_flashinfer06_aot.sh      -> .tlcache/fi0613_jit.tar.xz (carried by
+#                                                  scripts/airgapped/h200_campaign.sh STEP=setup, ~0.2 MB)
 # On the H200 a first FlashInfer 0.6.13 call JIT-builds 64 CUTLASS instances (~340 s). The sweeps
 # and tests call four of them (bf16, beta and alpha given, GVA or not, with or without h0, no
 # checkpoints): those are compiled from FlashInfer's own sources; the other 60 are built as
@@ -11,7 +11,7 @@
 # before use and falls back to the JIT build when the check fails. ~5 min on 2 cores.
 # Needs .devsite/site312.tar.xz (bundle.sh), pip's nvidia-ml-py and apache-tvm-ffi 0.1.12 here.
 set -euo pipefail
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
 W=${WORK:-/tmp/fi06_aot}; rm -rf "$W"; mkdir -p "$W/py" "$W/stubs" "$W/out/flashinfer/data/aot/gdn_prefill_sm90"
 tar -xJf "$REPO/.devsite/site312.tar.xz" -C "$W" site312/flashinfer
 ln -s "$W/site312/flashinfer" "$W/py/flashinfer"

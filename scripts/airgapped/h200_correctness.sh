@@ -1,8 +1,8 @@
 #!/bin/bash
-# One device call: the correctness gate's acceptance on the H200 (issue "Close the correctness
+# One device call: the correctness check's acceptance on the H200 (issue "Close the correctness
 # gate's holes"). Expects carried: .devsite (bundle.sh), .tlcache/tl.tar.xz (TileLang cache of our
 # kernels and FlashQLA's, filled offline), and the tree to run in $TREE (default: .).
-#   1. GPU tests of the poisoning; 2. broken FLA variants must be `incorrect` (gate_acceptance.py);
+#   1. GPU tests of the poisoning; 2. broken FLA variants must be `incorrect` (correctness_acceptance.py);
 #   3. the quick forward / backward points on the published recipe (FlashInfer after its JIT,
 #      which a background process starts at once); 4. the same points under the strong-decay and
 #      model recipes; 5. compare against the kept runs at 2%.
@@ -28,7 +28,7 @@ FI=$!
 sweep() { local b; b=$(left); [ "$b" -lt 25 ] && { log "no time for $*"; return; }; log "sweep $* (budget ${b}s)"
   timeout --signal=INT --kill-after=15 $(( b - 10 )) qlabench run "$@" --resume >> "$OUT/sweeps.log" 2>&1; tail -3 "$OUT/sweeps.log"; }
 has tests && { log "gpu tests"; timeout 120 python3 -m pytest -q -m gpu tests/test_poison_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5; }
-has accept && { log "broken variants ${ACCEPT:-all}"; timeout $(( $(left) - 200 )) python3 scripts/gate_acceptance.py --fwd configs/h200_fwd_quick.yaml --bwd configs/h200_bwd_quick.yaml --out runs/gate_acceptance ${ACCEPT:+--only $ACCEPT} ${ACCEPT_BACKEND:+--backend $ACCEPT_BACKEND} > "$OUT/acceptance.log" 2>&1; grep -E "incorrect$|^\[ " "$OUT/acceptance.log" | tail -30; }
+has accept && { log "broken variants ${ACCEPT:-all}"; timeout $(( $(left) - 200 )) python3 scripts/airgapped/correctness_acceptance.py --fwd configs/h200_fwd_quick.yaml --bwd configs/h200_bwd_quick.yaml --out runs/correctness_acceptance ${ACCEPT:+--only $ACCEPT} ${ACCEPT_BACKEND:+--backend $ACCEPT_BACKEND} > "$OUT/acceptance.log" 2>&1; grep -E "incorrect$|^\[ " "$OUT/acceptance.log" | tail -30; }
 for st in $STEPS; do case $st in  # the sweeps run in the order STEPS names them
   fq) sweep configs/h200_fwd_quick.yaml --out runs/fq --backends fla,flashqla,tilelang;;
   bq) sweep configs/h200_bwd_quick.yaml --out runs/bq;;

@@ -36,7 +36,7 @@ job() {  # job N GPUVAR JOBSPEC
   ( set -a; eval "$3"; set +a
     export OUT=/tmp/o$1 SKIP_INSTALL=1 MAX_DEADLINE_S=$CAP
     if [ "$2" = pin ]; then export CUDA_VISIBLE_DEVICES=$1; else export GPU=$1; fi
-    timeout --signal=INT --kill-after=10 "$LIMIT" bash scripts/h200_session.sh > /tmp/o$1/job.log 2>&1 )
+    timeout --signal=INT --kill-after=10 "$LIMIT" bash scripts/airgapped/h200_session.sh > /tmp/o$1/job.log 2>&1 )
 }
 job 0 pin "${JOB0:-}" &
 job 1 free "${JOB1:-}" &

@@ -2,10 +2,10 @@
 # One device call on the lent H200: install, GPU tests, then the sweeps named in $SWEEPS
 # (config[:outdir[:extra args joined by '+']] separated by spaces), each under a time limit so that the
 # results are always packed into $OUT before the call ends.
-#   SWEEPS="configs/h200_fwd_quick.yaml:runs/quick" TESTS=1 bash scripts/h200_session.sh
+#   SWEEPS="configs/h200_fwd_quick.yaml:runs/quick" TESTS=1 bash scripts/airgapped/h200_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
-# a TileLang cache filled offline (scripts/precompile_cache.py), carried compressed
+# a TileLang cache filled offline (qlabench precompile), carried compressed
 if [ -f .devsite/tlcache.tar.xz ] && [ -z "${TILELANG_CACHE_DIR:-}" ]; then
   [ -d /tmp/tlcache-full ] || tar -xJf .devsite/tlcache.tar.xz -C /tmp
   export TILELANG_CACHE_DIR=/tmp/tlcache-full

@@ -1,8 +1,8 @@
 """Fill a TileLang cache offline (no GPU, nvcc only) with FlashQLA's Hopper kernels for the H200.
 
-    TILELANG_CACHE_DIR=/tmp/tlcache-full python scripts/precompile_flashqla.py \
+    TILELANG_CACHE_DIR=/tmp/tlcache-full python scripts/airgapped/precompile_flashqla.py \
         --config configs/h200_fwd.yaml --config configs/h200_bwd.yaml [--only 2/8,4/16] [--list]
-    TILELANG_CACHE_DIR=... python scripts/precompile_flashqla.py --heads 2/8 --dirs fwd,bwd
+    TILELANG_CACHE_DIR=... python scripts/airgapped/precompile_flashqla.py --heads 2/8 --dirs fwd,bwd
 
 How the cache key is reproduced (tilelang 0.1.15, tilelang/cache/kernel_cache.py::_generate_key):
 sha256(json{func: sha256(PrimFunc.script(show_meta=True)), out_idx, args_repr: () (jit passes none),
@@ -34,7 +34,7 @@ import time
 import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SITE_TAR = REPO / ".devsite" / "site312.tar.xz"
 H200_SMS = 132
 DEFAULT_LAYOUTS_NOTE = "layouts of configs/h200_fwd.yaml (fwd) and configs/h200_bwd.yaml (bwd)"

@@ -1,8 +1,8 @@
 """Deliberately broken variants of a backend (default FLA), run through the real runner on a GPU:
-each must come out ``incorrect`` on every point it touches (the gate's acceptance run).
+each must come out ``incorrect`` on every point it touches (the correctness check's acceptance run).
 
-    python scripts/gate_acceptance.py --fwd configs/h200_fwd_quick.yaml \
-        --bwd configs/h200_bwd_quick.yaml --out runs/gate_acceptance [--backend tilelang]
+    python scripts/airgapped/correctness_acceptance.py --fwd configs/h200_fwd_quick.yaml \
+        --bwd configs/h200_bwd_quick.yaml --out runs/correctness_acceptance [--backend tilelang]
 
 Variants (each a subclass of the backend's class, patched in for its name, in-process; the
 outputs are found through the backend's own ``outputs_to_canonical``):
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         cls = broken(base, name)
         B.get = lambda n, params=None, cls=cls: cls(params) if n == a.backend else real_get(n, params)
         try:
-            s = runner.run(sw, Path(a.out) / name, config_name=f"gate-acceptance:{name}",
+            s = runner.run(sw, Path(a.out) / name, config_name=f"correctness-acceptance:{name}",
                            isolate=False)
         finally:
             B.get = real_get

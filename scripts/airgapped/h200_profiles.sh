@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue #6 on the device: the kernel breakdown (torch.profiler) of every backend on one point,
 # then Nsight Compute on the in-repo kernels, into $OUT/profile.
-#   POINT=1x32768 MODEL=2/8 NCU_BACKENDS="tilelang" bash scripts/h200_profiles.sh
+#   POINT=1x32768 MODEL=2/8 NCU_BACKENDS="tilelang" bash scripts/airgapped/h200_profiles.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/profile"
 export FLA_FLASH_QLA=0 TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}

@@ -3,8 +3,8 @@
 # `pytest -m gpu` on tests/test_kernels_gpu.py and tests/test_kernels_bwd_gpu.py, each test under a
 # watchdog ($QLABENCH_TEST_TIMEOUT_S, default 150 s) and the whole run under $DEADLINE_S (default 500 s).
 # Logs under $OUT: nvidia-smi.csv, install.log, gpu_tests.log, junit.xml.
-#   bash scripts/h200_kernels_check.sh          (carry .devsite and .tlcache/tests.tar.xz)
-# The cache: TILELANG_CACHE_DIR=.tlcache/tests python scripts/precompile_cache.py tests --jobs 2, then
+#   bash scripts/airgapped/h200_kernels_check.sh          (carry .devsite and .tlcache/tests.tar.xz)
+# The cache: TILELANG_CACHE_DIR=.tlcache/tests qlabench precompile tests --jobs 2, then
 #   tar -cf - -C .tlcache --exclude=cuda-binaries --exclude=.staging tests | xz -T2 -6 > .tlcache/tests.tar.xz
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -8,7 +8,7 @@
 # and again last (base2: drift): tools/kernels/check_fused.py --cases small --fused-only [--timing TIMING];
 # then trace_fused.py for TRACE (default "base"; " " for none) on TSHAPES; --cases all for FULL; the
 # full check_fused timing for TIMEFULL. Everything into one $OUT/ab.tgz (the device returns few files).
-#   VARIANTS="A B" TRACE="base A" bash scripts/h200_fused_ab.sh 2>&1 | tee $OUT/ab.log
+#   VARIANTS="A B" TRACE="base A" bash scripts/airgapped/h200_fused_ab.sh 2>&1 | tee $OUT/ab.log
 set -uo pipefail
 : "${VARIANTS:?VARIANTS='name ...' (each VARIANT_DIR/pkg_name/qlabench_kernels)}"
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/abo; rm -rf $OUT; mkdir -p "$OUT" "$FINAL"; T0=$(date +%s)
@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format
 run_v() {  # name [pkg]
   local name=$1 pkg=${2:-}; mkdir -p "$OUT/$name"
   PYTHONPATH=${pkg:+$PWD/$pkg:}$PYTHONPATH OUT=$OUT/$name timeout --kill-after=10 ${CHECK_S:-150} \
-    python3 tools/kernels/check_fused.py --cases small --fused-only ${TIMING:+--timing "$TIMING"} > "$OUT/$name/log" 2>&1
+    python3 -m qlabench_tools.kernels.check_fused --cases small --fused-only ${TIMING:+--timing "$TIMING"} > "$OUT/$name/log" 2>&1
   log "$name: exit $?"; grep -E "ok=|fused_ms|Error|error" "$OUT/$name/log" | sed 's/^/    /' | cut -c1-220
 }
 run_v base
@@ -31,19 +31,19 @@ run_v base2
 for v in ${TRACE:-base}; do
   mkdir -p "$OUT/trace_$v"; pkg=""; [ "$v" != base ] && pkg=$PWD/${VARIANT_DIR:-.run/var}/pkg_$v
   PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/trace_$v timeout --kill-after=10 90 \
-    python3 tools/kernels/trace_fused.py --shapes "${TSHAPES:-16/64 4x8192}" > "$OUT/trace_$v.log" 2>&1
+    python3 -m qlabench_tools.kernels.trace_fused --shapes "${TSHAPES:-16/64 4x8192}" > "$OUT/trace_$v.log" 2>&1
   log "trace $v: exit $?"; grep -v WARNING "$OUT/trace_$v.log" | tail -30
 done
 for v in ${FULL:-}; do  # every correctness case, no timing
   pkg=""; [ "$v" != base ] && pkg=$PWD/${VARIANT_DIR:-.run/var}/pkg_$v; mkdir -p "$OUT/full_$v"
   PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/full_$v timeout --kill-after=10 150 \
-    python3 tools/kernels/check_fused.py --cases all --no-time > "$OUT/full_$v/log" 2>&1
+    python3 -m qlabench_tools.kernels.check_fused --cases all --no-time > "$OUT/full_$v/log" 2>&1
   log "full $v: exit $?"; grep -E "ok=|Error" "$OUT/full_$v/log" | cut -c1-200
 done
 for v in ${TIMEFULL:-}; do  # the timing of check_fused with every column (fwd_o, planned, fused splits)
   pkg=""; [ "$v" != base ] && pkg=$PWD/${VARIANT_DIR:-.run/var}/pkg_$v; mkdir -p "$OUT/timefull_$v"
   PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/timefull_$v timeout --kill-after=10 200 \
-    python3 tools/kernels/check_fused.py --cases small > "$OUT/timefull_$v/log" 2>&1
+    python3 -m qlabench_tools.kernels.check_fused --cases small > "$OUT/timefull_$v/log" 2>&1
   log "timefull $v: exit $?"; grep -E "shape=|Error" "$OUT/timefull_$v/log" | cut -c1-300
 done
 log done

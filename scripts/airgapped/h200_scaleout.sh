@@ -2,7 +2,7 @@
 # Issue #10 / #3 on a two-GPU machine: the quick sweep with warm caches on 1 GPU, on 2 GPUs and on
 # 1 GPU again (wall time of each whole `qlabench run`, compile excluded by the warm-up run), into
 # fresh directories under runs/scaleout/. Wall times go to $OUT/scaleout.txt.
-#   source .devsite/setup.sh && bash scripts/h200_scaleout.sh
+#   source .devsite/setup.sh && bash scripts/airgapped/h200_scaleout.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 CFG=${CFG:-configs/h200_fwd_quick.yaml}

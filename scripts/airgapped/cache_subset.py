@@ -1,10 +1,11 @@
 """Copy only the TileLang cache entries that some precompile runs use into a new cache directory
 (for a device call's carry, which has a size limit).
 
-    TILELANG_CACHE_DIR=/tmp/tlcache-full python scripts/cache_subset.py /tmp/tlcache-min "tests" "bwd_sweep" ...
+    TILELANG_CACHE_DIR=/tmp/tlcache-full python scripts/airgapped/cache_subset.py /tmp/tlcache-min "tests" "bwd_sweep" ...
 
-Each quoted argument is one ``scripts/precompile_cache.py`` argument list, run in this process
-(``--jobs`` stays 1: worker processes are not recorded) with TileLang's cache-path lookup recorded
+Each quoted argument is one ``qlabench precompile`` target list (sweep YAMLs or named sets:
+tests, fwd_sweep, bwd_sweep, sweep, all), compiled in this process (one job: worker processes are
+not recorded) with TileLang's cache-path lookup recorded
 (entries missing from the source cache are compiled into it first). The used entries are copied
 to the same relative paths under the output directory, which then works as a TILELANG_CACHE_DIR of
 its own.
@@ -12,12 +13,13 @@ its own.
 
 import os
 import pathlib
-import runpy
 import shlex
 import shutil
 import sys
 
 import tilelang.cache.kernel_cache as kc
+
+from qlabench.precompile import precompile_targets
 
 
 def main():
@@ -33,14 +35,8 @@ def main():
         return p
 
     kc.KernelCache._get_cache_path = recording
-    script = str(pathlib.Path(__file__).with_name("precompile_cache.py"))
-    for args in sys.argv[2:]:
-        sys.argv = [script, *shlex.split(args)]
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:  # the script's main() exits; a failure stops here
-            if e.code:
-                raise
+    for args in sys.argv[2:]:  # a failure raises and stops here
+        precompile_targets(shlex.split(args), jobs=1)
     src_root = pathlib.Path(os.environ.get("TILELANG_CACHE_DIR", pathlib.Path.home() / ".tilelang" / "cache"))
     n = 0
     for p in sorted(used):

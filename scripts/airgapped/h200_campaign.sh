@@ -3,7 +3,7 @@
 # (../shared/device/README.md): device calls back to back on one warm machine, one GPU.
 #   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz
 #               [.tlcache/fqla_fwd.tar.xz .tlcache/fqla_bwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz
-#               (scripts/build_flashinfer06_aot.sh)]:
+#               (scripts/airgapped/build_flashinfer06_aot.sh)]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
 #               here with `git archive HEAD -- . ':!results' | gzip`; its commit, which rows
 #               record as git_sha, from the archive's header), then the job below started
@@ -14,7 +14,7 @@
 #               put it back after them (drop that line, `git reset -q -- results`); commit nothing
 #               in between, or the commit deletes results/.
 #               JOB=none: the environment only (/tmp/job/env.sh, /tmp/repo), no job, e.g. for
-#               scripts/h200_fixed_cost.sh run in the same or the next call. RESUME_TGZ: a carried
+#               scripts/airgapped/h200_fixed_cost.sh run in the same or the next call. RESUME_TGZ: a carried
 #               runs.tgz of a cut call, unpacked into /tmp/repo before the job (--resume continues it).
 #   STEP=fi07a  carry .fi07a: the CuTe-DSL MLIR library into /tmp.
 #   STEP=fi07b  carry .fi07b: /tmp/fisite (FlashInfer 0.7.4); the job starts the campaign once it is there.
@@ -36,10 +36,10 @@
 #   campaign     the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4,
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
 #   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
-#   gate_tests   the gate's GPU tests (the fp32 reference against the fp64 recurrence, poisoning);
-#   gate_accept  scripts/gate_acceptance.py on FLA: every broken variant must be `incorrect`
-#                (GATE_ONLY, set at setup: the variants to run, comma-separated; default all);
-#   last_tokens  tools/gate/last_tokens.py: the error of a sequence's last tokens per backend;
+#   correctness_tests   the correctness check's GPU tests (the fp32 reference against the fp64 recurrence, poisoning);
+#   correctness_accept  scripts/airgapped/correctness_acceptance.py on FLA: every broken variant must be `incorrect`
+#                (CORRECTNESS_ONLY, set at setup: the variants to run, comma-separated; default all);
+#   last_tokens  tools/correctness/last_tokens.py: the error of a sequence's last tokens per backend;
 #   bwd_quick    configs/h200_bwd_quick.yaml (fla, flashqla, tilelang) into runs/h200_bwd_quick;
 #   fwd_quick    configs/h200_fwd_quick.yaml (FlashInfer 0.6.13 and 0.7.4 among them), once
 #                /tmp/fisite is ready, into runs/h200_fwd_quick;
@@ -85,7 +85,7 @@ export JOB_DEADLINE=$(( $(date +%s) + ${DEVICE_LEFT_S:-1500} ))
 export QLABENCH_GIT_SHA=${SHA:-unknown}
 export JOB_STEPS="${JOB_STEPS:-bwd_prev suite_first campaign suite_warm}"
 export CHECK_BWD_CASES="${CHECK_BWD_CASES:-}"
-export GATE_ONLY="${GATE_ONLY:-}"
+export CORRECTNESS_ONLY="${CORRECTNESS_ONLY:-}"
 EOF
   source "$ENVF"
   (cd /tmp/repo && python3 -m pip install -q --no-deps --no-build-isolation -e . > "$J/install.log" 2>&1) \
@@ -96,7 +96,7 @@ EOF
   if [ -n "${RESUME_TGZ:-}" ]; then tar -xzf "$RESUME_TGZ" -C /tmp/repo || exit 1; fi  # a carried runs.tgz of a cut call
   # the redirections on the subshell itself: one that kept this call's stdout (`| tee $OUT/log`)
   # would hold the call open until the job ends
-  (cd /tmp/repo && exec setsid nohup env STEP=job bash scripts/h200_campaign.sh) > "$J/job.log" 2>&1 < /dev/null &
+  (cd /tmp/repo && exec setsid nohup env STEP=job bash scripts/airgapped/h200_campaign.sh) > "$J/job.log" 2>&1 < /dev/null &
   sleep 20; cat "$J/job.log"; log "job started";;
 fi07a)
   cp .fi07a/ir.xz /tmp/fi07a.xz && ls -la /tmp/fi07a.xz; tail -5 "$J/job.log"; log done;;
@@ -145,7 +145,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     if [ ! -f "$AOT" ]; then python3 -c "$fi_calls" > "$J/fi_jit.log" 2>&1 & FI_PID=$!; else log "flashinfer: carried module ok"; fi
   fi
   mkdir -p "$J/checks"
-  step check_bwd 60 240 env OUT="$J/checks" python3 tools/kernels/check_bwd.py --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
+  step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
   step suite_kernels 120 300 $(suite suite_kernels)
   step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml --resume
   step bwd_splits 120 420 qlabench run configs/h200_bwd_splits.yaml --resume
@@ -159,11 +159,11 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     step campaign 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd
     [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_resume 90 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd --resume
   fi
-  step gate_tests 60 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
-    --junitxml="$J/gate_tests.xml" tests/test_reference.py tests/test_poison_gpu.py
-  step gate_accept 120 420 python3 scripts/gate_acceptance.py --fwd configs/h200_fwd_quick.yaml \
-    --bwd configs/h200_bwd_quick.yaml --out runs/gate_acceptance ${GATE_ONLY:+--only "$GATE_ONLY"}
-  step last_tokens 60 240 python3 tools/gate/last_tokens.py --out "$J/checks"
+  step correctness_tests 60 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
+    --junitxml="$J/correctness_tests.xml" tests/test_reference.py tests/test_poison_gpu.py
+  step correctness_accept 120 420 python3 scripts/airgapped/correctness_acceptance.py --fwd configs/h200_fwd_quick.yaml \
+    --bwd configs/h200_bwd_quick.yaml --out runs/correctness_acceptance ${CORRECTNESS_ONLY:+--only "$CORRECTNESS_ONLY"}
+  step last_tokens 60 240 python3 -m qlabench_tools.correctness.last_tokens --out "$J/checks"
   step bwd_quick 120 420 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   if wants fwd_quick || wants serving; then
     while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
