@@ -57,3 +57,22 @@ def test_no_private_imports_back_from_the_package_init():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 1 and not node.module:
                 raise AssertionError(f"{p.name} imports from the package __init__: {[a.name for a in node.names]}")
+
+
+def test_every_developer_tool_imports_from_the_installed_package():
+    """tools/ is the installed package ``qlabench_tools``: each module imports by its package name
+    (no sys.path edits, no loading by file path), so ``python -m qlabench_tools.kernels.X`` runs."""
+    import importlib
+    import pkgutil
+
+    import qlabench_tools
+
+    assert pathlib.Path(qlabench_tools.__file__).resolve().parent == ROOT / "tools"
+    names = [m.name for m in pkgutil.walk_packages(qlabench_tools.__path__, "qlabench_tools.")]
+    assert {"qlabench_tools.kernels.check_fwd", "qlabench_tools.correctness.dump_errors",
+            "qlabench_tools.fixed_cost_report"} <= set(names)
+    for name in names:
+        importlib.import_module(name)
+    for p in sorted((ROOT / "tools").rglob("*.py")):
+        text = p.read_text()
+        assert "sys.path.insert" not in text and "sys.path.append" not in text, p.relative_to(ROOT)
