@@ -245,7 +245,7 @@ class Timing(_Strict):
 
 
 class Reference(_Strict):
-    """Reference used by the correctness gate: chunked (fast) or recurrent (tiny cases)."""
+    """Reference used by the correctness check: chunked (fast) or recurrent (tiny cases)."""
 
     impl: Literal["chunked", "recurrent"] = "chunked"
     dtype: Literal["fp32", "fp64"] = "fp32"

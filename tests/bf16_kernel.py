@@ -1,4 +1,4 @@
-"""A correct bf16 chunked GDN kernel emulated on the CPU, for the gate's tests: the chunked
+"""A correct bf16 chunked GDN kernel emulated on the CPU, for the correctness check's tests: the chunked
 reference with every intermediate a chunked kernel keeps in bf16 between its GEMMs (the WY
 factors, the state, v_new, the attention tile, the outputs) rounded to bf16, forward and
 backward (the gradients through those intermediates rounded likewise). Its errors have the size

@@ -1,4 +1,4 @@
-"""Backends that cheat or are subtly wrong, for the gate's tests (CPU) and its GPU acceptance.
+"""Backends that cheat or are subtly wrong, for the correctness check's tests (CPU) and its GPU acceptance.
 
 Each wraps an honest backend (``base``: the torch reference by default) and breaks one thing the
 gate must catch. ``Noisy`` adds bf16-sized noise to an honest answer first, so that the limits
@@ -25,7 +25,7 @@ def noisy(t: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 class Noisy(ReferenceBackend):
-    """The reference plus noise of relative RMS ``NOISE`` on every output: passes the gate."""
+    """The reference plus noise of relative RMS ``NOISE`` on every output: passes the correctness check."""
 
     name = "noisy"
 
@@ -158,7 +158,7 @@ class NanLazy(ReferenceBackend):
 
 
 class ModeLazy(ReferenceBackend):
-    """Computes only while a dispatch mode is active (the gate's poisoning of allocations);
+    """Computes only while a dispatch mode is active (the correctness check's poisoning of allocations);
     otherwise returns its last answer."""
 
     name = "mode-lazy"

@@ -1,4 +1,4 @@
-"""The correctness gate's defences, on the CPU: poisoning, the check after timing, the check of
+"""The correctness check's defences, on the CPU: poisoning, the check after timing, the check of
 the timed graph's outputs, the per-sequence / per-block gate, and graph-batch arithmetic.
 
 Each test carries its negative control: without the defence, the broken backend would pass."""

@@ -79,10 +79,10 @@ def test_grads_group_summed_shapes(tiny_point):
     pytest.param((1, 4097, 1, 1025, 64), "cuda", marks=pytest.mark.gpu),
 ])
 def test_fp32_chunked_reference_against_fp64_recurrence_every_output(seqlens, device):
-    """The gate's reference (chunked, fp32; gradients by autograd through it) against the fp64
+    """The correctness check's reference (chunked, fp32; gradients by autograd through it) against the fp64
     token-by-token recurrence (gradients by autograd through the recurrence) on a short serving
     layout — single tokens, lengths of 1 mod 64, a tail of one token — every output far inside
-    the gate's limits (1% of the tightest)."""
+    the check's limits (1% of the tightest)."""
     from qlabench import config as C
     from qlabench import correctness
     from qlabench.backends.reference import gdn_recurrent

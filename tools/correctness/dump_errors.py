@@ -1,9 +1,9 @@
 """Error and reference energy of every backend's outputs on a sweep's points, per gate unit, for
-deriving and judging the gate's local checks offline: for each point x direction x backend, an
+deriving and judging the correctness check's local checks offline: for each point x direction x backend, an
 ``.npz`` (float32, a few hundred KB at most) with, per output, ``d2_<out>`` = sum of (out - ref)^2
 and ``r2_<out>`` = sum of ref^2 over each (64-token unit, head) of a token output
 (``qlabench.correctness.token_units``) or each (sequence, head) of a state, and ``n_<out>`` the elements
-per unit; ``unit_seq`` (the sequence of each unit) and ``cu_seqlens``. Any scale the gate could
+per unit; ``unit_seq`` (the sequence of each unit) and ``cu_seqlens``. Any scale the check could
 use (the sequence's, the head's, the unit's own) can be rebuilt from these.
 
     python -m qlabench_tools.correctness.dump_errors CONFIG... --out DIR [--backends flashqla,tilelang] [--directions bwd]

@@ -1,5 +1,5 @@
 """Where in a sequence a backend's error sits: the error of each of a sequence's last tokens, and
-of its first and middle chunks, in units of the (sequence, head)'s reference RMS (the gate's
+of its first and middle chunks, in units of the (sequence, head)'s reference RMS (the correctness check's
 local scale), per backend on the same inputs — to tell a defect in a sequence's last tokens from
 the noise every bf16 kernel has there.
 
