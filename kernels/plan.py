@@ -27,28 +27,16 @@ def sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
-#: the fused kernel's chunk step (units of _SPLIT_COST; H200, 16/64 4x8192: 256 CTAs in two rounds):
-#: 3.4 against fwd_o's register-state form, the value at which the planner sends every batch layout
-#: back to the fused kernel where fwd_o measured slower (results/h200_kernels_prev/fwd_o_rs: at 4.2
-#: it sent 32 of them to fwd_o, 1.13x slower in geomean; at 3.4, fwd_o_rs_batch: 0.962x over the
-#: 54 batch layouts, worst 1.03x)
+#: the fused kernel's chunk step (units of _SPLIT_COST): the value at which every batch layout where
+#: the fused kernel measured faster than fwd_o is sent to it (H200, docs/kernels.md "Planners")
 FUSED_STEP = 3.4
 #: fwd_o's CTAs resident per SM (kernels/fwd_o.py: 256 threads at 128 registers, 98 KB of shared
 #: memory); the model schedules its CTAs on this many slots per SM
 FWD_O_CTAS_PER_SM = 2
-#: Cost model of the split path (relative units; the constants other than fwd_o's and the fused
-#: kernel's fitted to the H200 split sweeps of 2026-11-30, over the fwd_o and seg_state forms of that
-#: day): fwd_o chunk step per CTA slot (FWD_O_CTAS_PER_SM per SM), seg_state chunk step per CTA (two
-#: per SM), fixup per segment, the split path's launches; the fused kernel's chunk step per CTA and
-#: prep's SM time per (chunk, v-head) in the same units (prep: check_fwd's stage time of the
-#: tensor-core prep, 0.642 ms on 16/64 1x32768, the 3.35 of its predecessor's 0.90 ms scaled).
-#: fwd_o's 1.8 is its register-state form's step at two CTAs per SM, set from check_fwd's stage
-#: times (16/64 4x8192: 0.723 ms for 512 CTAs of 128 chunks; 2/8 1x32768 unsplit: 0.775 ms for 32
-#: CTAs of 512) and kept where the sweep measured its picks at 0.938x the kernels before
-#: (results/h200_kernels_prev/fwd_o_rs). seg_state's 1.5 predates its register-state form (0.6x the
-#: stage time): priced at 0.9 with the fwd_o before, 32 picks moved and measured 1.02x slower
-#: (results/h200_kernels_prev/seg_state_rs_plan); a refit over every candidate
-#: (``scripts/plan_refit.py fwd``) is what would price both.
+#: Forward cost model (relative units): fwd_o's chunk step per CTA slot, seg_state's per CTA (two
+#: per SM), the fix-up per segment, the split path's launches, the fused kernel's step, and prep's
+#: SM time per (chunk, v-head) and per (chunk, q/k head). fwd_o's and prep's from check_fwd's H200
+#: stage times, the others fitted to the H200 split sweeps (docs/kernels.md "Planners").
 _SPLIT_COST = {"fwd_o": 1.8, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 1.43, "prep_qk": 0.85}
 _SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -162,13 +150,9 @@ def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple, h_qk=None) ->
     return best
 
 
-#: Backward split cost model (µs per chunk step per CTA, H200), fitted by ``scripts/plan_refit.py
-#: bwd`` (non-negative least squares) to ``results/h200_planner/bwd_splits_rs`` (a run of
-#: ``configs/h200_bwd_splits.yaml``), where its picks are 1.0055x the best candidate (geomean over
-#: the 32 points). Both chains walk
-#: a (segment, v-head) with full V per SM (bwd_dhu: one CTA of two state warpgroups; bwd_h: two CTAs
-#: of 64 V columns, two per SM), so each is one item per (segment, v-head) over the SMs. seg_state,
-#: the fix-ups and the launches price the split path's extra work.
+#: Backward split cost model (µs per chunk step per item, H200): both chains one item per (segment,
+#: v-head) over the SMs; seg_state, the fix-ups and the launches price the split path's extra work.
+#: Fitted by ``scripts/plan_refit.py bwd`` to ``results/h200_planner/bwd_splits_rs`` (docs/kernels.md).
 _BWD_SPLIT_COST = {"dhu": 0.48, "bwd_h": 4.59, "seg_state": 1.38, "fixup": 2.78, "launch": 5.45}
 
 
