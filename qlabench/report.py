@@ -273,13 +273,12 @@ def _runs_section(runs: pd.DataFrame, df: pd.DataFrame, metas: dict, site: Path)
         src = Path(r.src)
         pdir = src / "parts" if (src / "parts").is_dir() else src
         files = sorted(pdir.glob(f"{r.run_id}-*.parquet")) if pdir.is_dir() else [src]
+        if not files and pdir.is_dir():  # a compacted run: its rows are in the shared file(s)
+            files = [f for f in sorted(pdir.glob("*.parquet")) if not f.name.startswith((".", "_"))
+                     and not f.name.startswith(tuple(runs["run_id"].astype(str)))]
         links = "".join(f'<li><a href="{_href(f, site)}">{_e(f.name)}</a></li>' for f in files)
         meta = metas.get(r.run_id)
-        # run metadata: ``_runs/`` (``runs/`` in directories written before it)
-        mfile = next((src / d / f"{r.run_id}.json"
-                      for d in (results.RUNS_DIR, results.LEGACY_RUNS_DIR)
-                      if (src / d / f"{r.run_id}.json").exists()),
-                     src / results.RUNS_DIR / f"{r.run_id}.json")
+        mfile = src / results.RUNS_DIR / f"{r.run_id}.json"
         env = _table(_env_rows(meta)) if meta else \
             "<p class='muted'>no _runs/*.json for this run</p>"
         open_ = " open" if r.run_pos == runs["run_pos"].max() else ""

@@ -4,23 +4,21 @@ Layout of an output directory (every path that is not rows starts with ``_`` —
 discovery skips names starting with ``_`` or ``.`` and tries to read every other file as Parquet)::
 
     OUT/parts/<run_id>-<n>-<backend>-<direction>.parquet   one row each (the truth)
+    OUT/parts/rows.parquet (or compact-*.parquet)           a kept run's rows in one file
     OUT/_runs/<run_id>.json                                 run metadata + environment
     OUT/_logs/, OUT/_figures/, OUT/_shards/, OUT/_notes/    worker logs, figures, submit shards,
                                                             kept notes (README, logs, verdicts)
 
-``pandas.read_parquet(OUT)`` reads every stored row of every run in it as stored (its columns
-those of the first file pyarrow finds); :func:`load` reads them in today's schema (columns added
-since filled where they can be derived) and ``load(OUT, latest=True)`` gives one row per key.
-Directories written before ``_runs`` (metadata in ``OUT/runs/``) load the same; a store writing
-into one moves that metadata to ``_runs/`` first. The columns are documented in
+``pandas.read_parquet(OUT)`` and :func:`load` read every stored row of every run in it, one-row
+parts and compacted files alike (``--resume`` adds parts beside them); ``load(OUT, latest=True)``
+gives one row per key. Rows are read as stored, in today's schema (the kept runs were rewritten
+into it once; older layouts are not upgraded on load). The columns are documented in
 ``docs/schema.md``, generated from :data:`SCHEMA` and :data:`FIELDS`
 (``python -m qlabench.results --schema-md docs/schema.md``).
 
 Resume key (:func:`resume_key`): (point key, backend, direction, backend version, backend
 parameters), ``backend`` being the entry's label (``flashinfer@0.7.4``; a plain entry's label is
-its name, so such keys are the ones stored before labels existed). ``backend_name`` is the
-registry name (``flashinfer``); rows stored before it existed load with ``backend_name =
-backend``. One directory holds one sweep: :func:`owners` says which sweep, input recipe and GPU
+its name). ``backend_name`` is the registry name (``flashinfer``). One directory holds one sweep: :func:`owners` says which sweep, input recipe and GPU
 its rows are of, and :func:`qlabench.runner.run` refuses to add rows of another.
 """
 
@@ -93,9 +91,6 @@ SCHEMA = pa.schema(
     ]
 )
 COLUMNS = [f.name for f in SCHEMA]
-
-#: where run metadata lived before ``_runs`` (read, and moved by a store writing there)
-LEGACY_RUNS_DIR = "runs"
 
 _LOCAL = "worst (64-token chunk x head) RMS error in units of the larger of the (sequence x " \
          "head)'s and the head's reference RMS for o, dq, dk, dv, dg, dbeta (`qlabench/gate.py`); " \
@@ -304,7 +299,6 @@ class ResultStore:
     def ensure(self) -> None:
         self.parts.mkdir(parents=True, exist_ok=True)
         self.runs.mkdir(parents=True, exist_ok=True)
-        migrate_meta(self.out)
 
     def write_meta(self, run_id: str, meta: dict) -> Path:
         self.ensure()
@@ -385,21 +379,6 @@ def compact(path: str | Path) -> dict:
     return {"files": len(files), "rows": len(df), "file": name}
 
 
-def migrate_meta(out_dir: str | Path) -> int:
-    """Move run metadata of the old layout (``OUT/runs/*.json``) into ``OUT/_runs/``, so that
-    ``pandas.read_parquet(OUT)`` does not meet it; returns how many files moved."""
-    old, new = Path(out_dir) / LEGACY_RUNS_DIR, Path(out_dir) / RUNS_DIR
-    if not old.is_dir() or not (Path(out_dir) / PARTS_DIR).is_dir():
-        return 0
-    new.mkdir(parents=True, exist_ok=True)
-    n = 0
-    for f in sorted(old.glob("*.json")):
-        if not (new / f.name).exists():
-            os.replace(f, new / f.name)
-            n += 1
-    return n
-
-
 def _part_files(parts_dir: Path) -> list[Path]:
     return sorted(f for f in parts_dir.glob("*.parquet") if not f.name.startswith((".", "_"))
                   and f.is_file())
@@ -446,14 +425,12 @@ def owners(path: str | Path) -> pd.DataFrame:
 
 
 def load(path: str | Path, latest: bool = False) -> pd.DataFrame:
-    """The rows under a results directory (its ``parts/*.parquet``; every other file under it is
-    ignored) or of a single Parquet file, in today's schema: columns added since a row was stored
-    are filled where they can be derived (``backend_name``, ``tp_degree``, ``layout`` in the
-    one label scheme; see ``docs/schema.md``). With ``latest``: one row per key
+    """The rows under a results directory (its ``parts/*.parquet``, one-row parts or a compacted
+    ``rows.parquet``; every other file under it is ignored) or of a single Parquet file, as
+    stored (``docs/schema.md``). With ``latest``: one row per key
     (point, backend label, direction), as :func:`latest` picks it — the documented way to get
     "the" result of each point."""
     p = Path(path)
-    meta: dict = {}
     if p.is_file():
         df = pq.read_table(p).to_pandas()
     else:
@@ -463,44 +440,7 @@ def load(path: str | Path, latest: bool = False) -> pd.DataFrame:
             return pd.DataFrame(columns=COLUMNS)
         tables = [pq.read_table(f) for f in files]
         df = pa.concat_tables(tables, promote_options="default").to_pandas()
-        meta = load_meta(p)
-    df = _upgrade(df, meta)
     return globals()["latest"](df) if latest else df
-
-
-def _upgrade(df: pd.DataFrame, meta: dict | None = None) -> pd.DataFrame:
-    """Stored rows in today's schema: rows from before labels carry ``backend_name = backend``;
-    rows from before ``tp_degree`` get it from the model name; a ``layout`` not in the one label
-    scheme (``8192x4``, ``28672+4096``, ``32768/8seq``) is re-derived from ``seqlens`` and, for a
-    random split, the seed in the run's stored sweep (``_runs/<run_id>.json``)."""
-    if df.empty:
-        return df
-    from .sweep import label_fits, layout_label, spec_labels, tp_degree
-    if "backend" in df.columns:
-        df["backend_name"] = backend_names(df)
-        params = df["backend_params"] if "backend_params" in df.columns else None
-        df["backend_params"] = "{}" if params is None else params.fillna("{}").replace("", "{}")
-    if "model" in df.columns:
-        derived = df["model"].map(tp_degree).astype("Int64")
-        if "tp_degree" in df.columns:
-            stored = pd.Series(pd.array(df["tp_degree"], dtype="Int64"), index=df.index)
-            derived = stored.fillna(derived)
-        df["tp_degree"] = derived
-    if "seqlens" in df.columns:
-        old = df["layout"] if "layout" in df.columns else pd.Series([None] * len(df), index=df.index)
-        specs: dict[str, dict] = {}
-        labels = []
-        for run_id, lab, lens in zip(df.get("run_id", [None] * len(df)), old, df["seqlens"]):
-            if lens is None or label_fits(lab, lens):
-                labels.append(lab)
-                continue
-            lens = tuple(int(x) for x in lens)
-            if run_id not in specs:
-                specs[run_id] = spec_labels(((meta or {}).get(run_id) or {})
-                                            .get("sweep", {}).get("seqlens"))
-            labels.append(specs[run_id].get(lens) or layout_label(lens))
-        df["layout"] = labels
-    return df
 
 
 def backend_names(df: pd.DataFrame) -> pd.Series:
@@ -512,12 +452,8 @@ def backend_names(df: pd.DataFrame) -> pd.Series:
 
 
 def meta_files(path: str | Path) -> list[Path]:
-    """The run metadata files of a results directory (``_runs/``, then the old ``runs/``)."""
-    out: dict[str, Path] = {}
-    for sub in (LEGACY_RUNS_DIR, RUNS_DIR):  # _runs wins over a same-named old file
-        for f in sorted((Path(path) / sub).glob("*.json")):
-            out[f.name] = f
-    return [out[k] for k in sorted(out)]
+    """The run metadata files of a results directory (``_runs/*.json``)."""
+    return sorted((Path(path) / RUNS_DIR).glob("*.json"))
 
 
 def load_meta(path: str | Path) -> dict[str, dict]:

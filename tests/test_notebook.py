@@ -1,5 +1,5 @@
 """notebooks/analysis.ipynb executes headless (nbclient, kernel python3) on a synthetic run and on
-the committed backward sweep results/h200_bwd (or an empty folder when it is not there)."""
+rows cut from the kept backward sweep (tests/fixtures/results/h200_bwd)."""
 
 import shutil
 from pathlib import Path
@@ -50,10 +50,11 @@ def test_notebook_draws_figures_for_a_tiny_run(tmp_path, monkeypatch):
 
 
 def test_notebook_on_committed_results(tmp_path, monkeypatch):
-    """CI's run on real rows: the committed backward sweep (results/h200_bwd, several runs, so the
-    history section draws too), or an empty folder when it is not committed (the notebook says so).
+    """CI's run on real rows: measured H200 rows cut from the kept backward sweep
+    (tests/fixtures/results/h200_bwd: 4 head configs x 2 layouts, several runs, so the history
+    section draws too), or an empty folder when it is not there (the notebook says so).
     The notebook's code is the same for every run directory; one keeps this test near 30 s."""
-    src = ROOT / "results" / "h200_bwd"
+    src = ROOT / "tests" / "fixtures" / "results" / "h200_bwd"
     res = tmp_path / "results"
     if any(src.glob("parts/*.parquet")):
         shutil.copytree(src, res / "h200_bwd")

@@ -1,11 +1,9 @@
 """The row schema's documentation, the results layout ``pandas.read_parquet`` reads, and the
-columns derived on load (``tp_degree``, the one layout-label scheme)."""
+layout labels and ``tp_degree`` of stored rows."""
 
-import json
 from pathlib import Path
 
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -14,6 +12,7 @@ from qlabench import results as R
 from qlabench.sweep import label_fits, layout_label, points, tp_degree
 
 ROOT = Path(__file__).resolve().parents[1]
+FIX = ROOT / "tests" / "fixtures" / "results"  # rows cut from the kept runs
 
 
 def test_every_column_is_documented_and_nothing_else():
@@ -70,22 +69,6 @@ def test_load_ignores_non_parquet_files_anywhere(tmp_path):
     assert len(R.load(tmp_path)) == 1
 
 
-def test_old_layout_metadata_loads_and_moves_on_write(tmp_path):
-    """A directory of the old layout (metadata in runs/): loaded as is; a store writing into it
-    moves the metadata to _runs/ so pd.read_parquet can read the directory."""
-    pq.write_table(pa.Table.from_pylist([{c: _row().get(c) for c in R.COLUMNS}], schema=R.SCHEMA),
-                   (tmp_path / "parts").mkdir() or tmp_path / "parts" / "a.parquet")
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "runs" / "r1.json").write_text(json.dumps({"run_id": "r1"}))
-    assert set(R.load_meta(tmp_path)) == {"r1"}
-    with pytest.raises((pa.ArrowInvalid, OSError)):
-        pd.read_parquet(tmp_path)
-    R.ResultStore(tmp_path).append(_row(point_index=1))
-    assert not list((tmp_path / "runs").glob("*.json"))
-    assert set(R.load_meta(tmp_path)) == {"r1"}
-    assert len(pd.read_parquet(tmp_path)) == 2
-
-
 def test_committed_results_have_no_metadata_outside_underscore_dirs():
     for parts in (ROOT / "results").glob("**/parts"):
         d = parts.parent
@@ -94,6 +77,16 @@ def test_committed_results_have_no_metadata_outside_underscore_dirs():
                  not p.name.startswith(("_", ".")) and p.suffix != ".png"]
         assert not stray, f"{d}: {stray} would break pd.read_parquet({d})"
         assert R.load_meta(d), f"{d}: no run metadata found"
+
+
+def test_committed_results_are_stored_in_todays_schema():
+    """The loader does not upgrade rows: every kept run directory is one or more Parquet files of
+    exactly :data:`SCHEMA` (read from the files' footers only)."""
+    for parts in sorted((ROOT / "results").glob("**/parts")):
+        files = R._part_files(parts)
+        assert files, f"{parts}: no rows"
+        for f in files:
+            assert pq.read_schema(f).remove_metadata().equals(R.SCHEMA), f
 
 
 # ---- layout labels ---------------------------------------------------------------------------
@@ -129,34 +122,6 @@ def test_random_splits_of_different_seeds_get_different_labels():
     assert a.key != b.key and "s42" not in a.key  # keys are built from the lengths, not labels
 
 
-def test_old_rows_get_the_new_labels_on_load(tmp_path):
-    """Labels stored before the scheme are re-derived: from the lengths, and for a random split
-    from the seed in the run's stored sweep; point keys stay as stored."""
-    sweep = C.parse({"name": "x", "models": ["397B/122B TP8", "35B/9B/4B TP8"],
-                     "seqlens": [{"count": 4, "length": 8192}, [28672, 4096],
-                                 {"total": 8192, "num_seqs": 4, "seed": 42}]})
-    pts = points(sweep)
-    store = R.ResultStore(tmp_path)
-    old = {0: "8192x4", 1: "28672+4096", 2: "8192/4seq"}
-    for p in pts:
-        store.append(_row(run_id="r1", point_index=p.index, model=p.model, tp=p.tp_label,
-                          seqlens=list(p.seqlens), layout=old[p.index % 3], point_key=p.key,
-                          tp_degree=None))
-    store.write_meta("r1", {"run_id": "r1", "sweep": sweep.model_dump(mode="json")})
-    # rows written before tp_degree existed: drop the column from the stored file
-    for f in store.parts.glob("*.parquet"):
-        t = pq.read_table(f)
-        pq.write_table(t.drop_columns(["tp_degree"]), f)
-    df = R.load(tmp_path).sort_values("point_index")
-    assert list(df["layout"]) == [p.layout_label for p in pts]
-    assert list(df["layout"])[:3] == ["4x8192", "2x[28672,4096]", "4x~2048s42"]
-    assert list(df["point_key"]) == [p.key for p in pts]
-    assert df["tp_degree"].tolist() == [8] * 6  # both names state TP8
-    # without the run metadata a random split is named by its lengths (still unique)
-    one = R.load(next(store.parts.glob("*-0002-*.parquet")))
-    assert one["layout"].iloc[0] == layout_label(pts[2].seqlens)
-
-
 def test_tp_degree_from_model_names_and_new_rows(tmp_path):
     assert [tp_degree(m) for m in ("397B/122B TP8", "27B TP2", "hk16_hv32", "Sym h32", None)] == \
         [8, 2, None, None, None]
@@ -164,22 +129,22 @@ def test_tp_degree_from_model_names_and_new_rows(tmp_path):
     assert pd.read_parquet(tmp_path)["tp_degree"].tolist() == [8]
 
 
-def test_committed_rows_load_with_unique_labels_and_tp_degree():
-    df = R.load(ROOT / "results/h200_fwd", latest=True)
+def test_kept_rows_load_with_unique_labels_and_tp_degree():
+    df = R.load(FIX / "h200_fwd", latest=True)
     assert not df.duplicated(R.KEY).any()
     per_model = df.groupby(["model", "backend", "direction"])["layout"].nunique()
     assert (per_model == df.groupby(["model", "backend", "direction"])["point_key"].nunique()).all()
     assert all(label_fits(lab, lens) for lab, lens in zip(df["layout"], df["seqlens"]))
     tp8 = df[df["model"] == "397B/122B TP8"]
     assert len(tp8) and set(tp8["tp_degree"]) == {8} and set(tp8["tp"]) == {"2/8"}
-    bwd = R.load(ROOT / "results/h200_bwd", latest=True)
+    bwd = R.load(FIX / "h200_bwd", latest=True)
     assert {"2x~4096s42", "8x~4096s42"} <= set(bwd["layout"])
     assert set(zip(bwd["tp"], bwd["tp_degree"])) == {("16/32", 1), ("8/16", 2), ("4/8", 4), ("2/4", 8)}
 
 
 def test_results_latest_still_works():
-    df = R.load(ROOT / "results/h200_fwd_quick")
-    assert R.latest(df).equals(R.load(ROOT / "results/h200_fwd_quick", latest=True))
+    df = R.load(FIX / "h200_fwd")
+    assert R.latest(df).equals(R.load(FIX / "h200_fwd", latest=True))
 
 
 def test_pandas_reads_what_a_run_writes(tmp_path):

@@ -1,4 +1,4 @@
-"""The committed results store the derived columns ``metrics`` computes now (Parquet readers that
+"""Stored rows (the fixtures cut from the kept runs) store the derived columns ``metrics`` computes now (Parquet readers that
 never call ``metrics.add_derived`` get the same numbers as the plots)."""
 
 from pathlib import Path
@@ -10,12 +10,12 @@ from qlabench import metrics, results
 
 ROOT = Path(__file__).resolve().parents[1]
 DIRS = sorted({p.parent.parent.relative_to(ROOT)
-               for p in (ROOT / "results").glob("**/parts/*.parquet")})
+               for p in (ROOT / "tests" / "fixtures" / "results").glob("**/parts/*.parquet")})
 
 
-def test_committed_results_are_found():
+def test_fixture_results_are_found():
     names = {str(d) for d in DIRS}
-    assert {"results/h200_fwd", "results/h200_bwd", "results/h200_fwd_quick"} <= names
+    assert {"tests/fixtures/results/h200_fwd", "tests/fixtures/results/h200_bwd"} <= names
 
 
 @pytest.mark.parametrize("d", DIRS, ids=str)

@@ -7,8 +7,6 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import synth_results as S
 import yaml
@@ -218,33 +216,32 @@ def test_compare_two_labels_prints_regressions_and_labels_cross_campaign_pairs(t
     assert len(t) == 1 and summ["only_base"] == n - 1 and summ["slower"] == 1
 
 
-def test_rows_without_backend_name_load_with_their_backend(tmp_path):
-    row = {c: None for c in results.COLUMNS if c != "backend_name"}
-    row.update(run_id="r1", point_index=0, backend="fla", direction="fwd", status="ok",
-               point_key="2/8/d128|8192|bf16", backend_version="0.6.0", recipe_hash="h")
-    schema = pa.schema([f for f in results.SCHEMA if f.name != "backend_name"])
-    (tmp_path / "parts").mkdir()
-    pq.write_table(pa.Table.from_pylist([row], schema=schema), tmp_path / "parts" / "old.parquet")
-    results.ResultStore(tmp_path).append({**row, "run_id": "r2", "backend": "fla@0.5",
-                                          "backend_name": "fla"})
+def test_stored_rows_resume_by_label_version_and_params(tmp_path):
+    row = {c: None for c in results.COLUMNS}
+    row.update(run_id="r1", point_index=0, backend="fla", backend_name="fla", direction="fwd",
+               status="ok", point_key="2/8/d128|8192|bf16", backend_version="0.6.0",
+               backend_params="{}", recipe_hash="h")
+    store = results.ResultStore(tmp_path)
+    store.append(row)
+    store.append({**row, "run_id": "r2", "backend": "fla@0.5"})
     df = results.load(tmp_path).set_index("run_id")
     assert df.loc["r1", "backend_name"] == "fla" and df.loc["r2", "backend_name"] == "fla"
     assert df.loc["r2", "backend"] == "fla@0.5"
     # resume keys of stored rows: the label (= the name for plain entries), the version and the
-    # parameters (rows stored before them: the defaults, {})
-    assert set(results.ResultStore(tmp_path).done_keys()) == {
+    # parameters
+    assert set(store.done_keys()) == {
         ("2/8/d128|8192|bf16", "fla", "fwd", "0.6.0", "{}"),
         ("2/8/d128|8192|bf16", "fla@0.5", "fwd", "0.6.0", "{}")}
 
 
-def test_committed_results_load_with_backend_name_equal_to_backend():
+def test_kept_results_load_with_backend_name_equal_to_backend():
     """Rows of plain entries (written before labels existed, or plain since) carry their name as
     both; the labelled FlashInfer 0.7.4 rows carry the library."""
-    df = results.load(ROOT / "results" / "h200_fwd", latest=True)
+    df = results.load(ROOT / "tests" / "fixtures" / "results" / "h200_fwd", latest=True)
     plain = ~df["backend"].str.contains("@", regex=False)
     assert plain.sum() and (df.loc[plain, "backend_name"] == df.loc[plain, "backend"]).all()
     fi = df[df["backend"] == "flashinfer@0.7.4"]
-    assert len(fi) == 171 and (fi["backend_name"] == "flashinfer").all()
+    assert len(fi) == 6 and (fi["backend_name"] == "flashinfer").all()  # 2 models x 3 layouts
     assert (fi["backend_version"] == "0.7.4").all()
 
 
