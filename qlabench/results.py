@@ -93,7 +93,8 @@ SCHEMA = pa.schema(
 COLUMNS = [f.name for f in SCHEMA]
 
 _LOCAL = "worst (64-token chunk x head) RMS error in units of the larger of the (sequence x " \
-         "head)'s and the head's reference RMS for o, dq, dk, dv, dg, dbeta (`qlabench/gate.py`); " \
+         "head)'s and the head's reference RMS and of the chunk's bf16-rounding sensitivity for " \
+         "o, dq, dk, dv, dg, dbeta (`qlabench/correctness.py`); " \
          "worst (sequence x head) relative L2 error for final_state, dh0"
 #: column -> (unit, meaning); ``docs/schema.md`` is generated from this and :data:`SCHEMA`
 FIELDS: dict[str, tuple[str, str]] = {
@@ -120,8 +121,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "seqlens": ("tokens", "the sequence lengths of the varlen batch, in order"),
     "layout": ("", "layout label, count first: `1x32768` (one sequence), `4x8192` (four of 8192), "
                "`2x[28672,4096]` (unequal lengths, in order), `8x~4096s42` (random split of "
-               "8 x 4096 tokens, seed 42); unique per point; rows stored with older labels get "
-               "this one on load"),
+               "8 x 4096 tokens, seed 42); unique per point"),
     "total_tokens": ("tokens", "sum of `seqlens`"),
     "num_seqs": ("", "number of sequences"),
     "dtype": ("", "dtype of the q, k, v inputs: `bf16` or `fp16`"),

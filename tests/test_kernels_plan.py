@@ -6,7 +6,7 @@ import qlabench_kernels
 
 def test_plan_split_from_shapes_only():
     """The split planner's picks on the cases the H200 timed for today's kernels (check_fwd's CUDA-graph
-    medians of the whole forward, results/h200_kernels_prev/fwd_o_rs/_notes/checks)."""
+    medians of the whole forward, results/h200_kernels_prev/fwd_o_rs)."""
     pkg = qlabench_kernels
     assert pkg.plan_split(32768, 1, 8) == 2048  # 2/8: 0.286 ms (4096: 0.275, 1024: 0.331, unsplit 0.845)
     assert pkg.plan_split(2048, 1, 8) == 256  # 0.048 ms (512: 0.046, 1024: 0.061)

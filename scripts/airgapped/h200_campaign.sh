@@ -8,11 +8,8 @@
 #               here with `git archive HEAD -- . ':!results' | gzip`; its commit, which rows
 #               record as git_sha, from the archive's header), then the job below started
 #               in its own process session (it outlives the call); returns at once.
-#               The tree travels with every call, and results/ (~33 MB) beside .devsite (~47 MB)
-#               is over the 64 MiB a call takes: take results/ out of the index for the device
-#               calls (`git rm -r --cached -q results` and `/results/` in .git/info/exclude), and
-#               put it back after them (drop that line, `git reset -q -- results`); commit nothing
-#               in between, or the commit deletes results/.
+#               The tree travels with every call: it (~6 MB) and .devsite (~47 MB) fit the
+#               64 MiB a call carries; .fi07a and .fi07b travel alone.
 #               JOB=none: the environment only (/tmp/job/env.sh, /tmp/repo), no job, e.g. for
 #               scripts/airgapped/h200_fixed_cost.sh run in the same or the next call. RESUME_TGZ: a carried
 #               runs.tgz of a cut call, unpacked into /tmp/repo before the job (--resume continues it).
