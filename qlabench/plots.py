@@ -1,4 +1,6 @@
-"""Figures from stored rows only (never imports backends)."""
+"""Figures from stored rows. Each backend's colour comes from the backend registry
+(:func:`qlabench.backends.colors`), so drawing imports ``qlabench.backends`` (and torch with it);
+no library a backend wraps is imported."""
 
 from __future__ import annotations
 
