@@ -45,6 +45,11 @@ MODEL_PRESETS: dict[str, tuple[int, int]] = {
     "35B/9B/4B TP2": (8, 16),
     "35B/9B/4B TP4": (4, 8),
     "35B/9B/4B TP8": (2, 4),
+    "27B TP4": (4, 12),
+    "27B TP8": (2, 6),
+    "2B/0.8B TP2": (8, 8),
+    "2B/0.8B TP4": (4, 4),
+    "2B/0.8B TP8": (2, 2),
     "Sym h32": (32, 32),
 }
 MODEL_SETS: dict[str, list[str]] = {
