@@ -42,6 +42,8 @@
 #                /tmp/fisite is ready, into runs/h200_fwd_quick;
 #   serving      configs/h200_serving.yaml, every backend, into runs/h200_serving (resumed once
 #                if cut);
+#   fwd_heldout  configs/h200_fwd_heldout.yaml (held-out head configs, every backend), once
+#                /tmp/fisite is ready, into runs/h200_fwd_heldout (resumed once if cut);
 # then the comparisons of the runs it made.
 # JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
 # JOB_STEPS (set at setup; default "bwd_prev suite_first campaign suite_warm") names the steps to run,
@@ -135,7 +137,7 @@ for hq, hv in ((2, 8), (2, 2)):
 torch.cuda.synchronize(); print('flashinfer ready')"
   wants() { [[ " $JOB_STEPS " == *" $1 "* ]]; }
   AOT=/tmp/site312/flashinfer/data/aot/gdn_prefill_sm90/gdn_prefill_sm90.so
-  if wants campaign || wants suite_first || wants suite_warm || wants fwd_quick || wants serving; then
+  if wants campaign || wants suite_first || wants suite_warm || wants fwd_quick || wants serving || wants fwd_heldout; then
     if [ -f "$AOT" ] && ! timeout 120 python3 -c "$fi_calls" > "$J/fi_aot.log" 2>&1; then
       tail -5 "$J/fi_aot.log"; log "carried flashinfer module failed: JIT build instead"; rm -f "$AOT"
     fi
@@ -162,13 +164,15 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     --bwd configs/h200_bwd_quick.yaml --out runs/correctness_acceptance ${CORRECTNESS_ONLY:+--only "$CORRECTNESS_ONLY"}
   step last_tokens 60 240 python3 -m qlabench_tools.correctness.last_tokens --out "$J/checks"
   step bwd_quick 120 420 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
-  if wants fwd_quick || wants serving; then
+  if wants fwd_quick || wants serving || wants fwd_heldout; then
     while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
     log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
   fi
   step fwd_quick 120 420 qlabench run configs/h200_fwd_quick.yaml --out runs/h200_fwd_quick --resume
   step serving 300 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step serving_resume 90 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
+  step fwd_heldout 300 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
+  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step fwd_heldout_resume 90 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
   step suite_warm 240 480 $(suite suite_warm)
   for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang"; do
     set -- $c; [ -d "$1" ] || continue
