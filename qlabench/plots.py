@@ -173,7 +173,7 @@ def _legend(fig, ax, n: int) -> None:
 
 
 def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None,
-                baseline: str = "fla", metas: dict | None = None,
+                baseline: str = analysis.BASELINE, metas: dict | None = None,
                 fig_dir: str | Path | None = None) -> list[Path]:
     """Every figure a run's rows support, written to ``fig_dir`` (default
     :func:`figures_dir` of ``out_dir``, the results directory), per direction: ``winner_<dir>``
@@ -256,7 +256,7 @@ SPEEDUP_COLUMNS = ["model", "tp", "h_qk", "h_v", "layout", "num_seqs", "total_to
 PAIR_MARK = "*"
 
 
-def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd") -> pd.DataFrame:
+def speedup_table(df: pd.DataFrame, baseline: str = analysis.BASELINE, direction: str = "fwd") -> pd.DataFrame:
     """Long table of :func:`qlabench.analysis.speedups` (baseline latency / backend latency per
     point and backend; > 1: the backend is faster than the baseline) over the newest ok row per
     key (:func:`qlabench.analysis.newest`) of ``direction``, with the pair's
@@ -277,7 +277,7 @@ def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd
     return sort_layouts(out).reset_index(drop=True)
 
 
-def winners(df: pd.DataFrame, direction: str | None = None, baseline: str = "fla") -> pd.DataFrame:
+def winners(df: pd.DataFrame, direction: str | None = None, baseline: str = analysis.BASELINE) -> pd.DataFrame:
     """:func:`qlabench.analysis.point_table` over the newest row per key of ``df`` (one direction
     when given): per point the fastest ``ok`` label, its p10–p90, the runner-up, ``margin``,
     ``tie`` (not distinguishable by the stored samples: :func:`qlabench.analysis.is_tie`),
@@ -300,7 +300,7 @@ def _pair_note(labels: list[str]) -> str:
         if any(labels) else ""
 
 
-def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
+def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = analysis.BASELINE,
                    direction: str = "fwd", title: str = "") -> Path | None:
     """Speedup over ``baseline`` per model, in the style of FlashQLA's README figure: one panel
     per model/TP, one group of bars per layout (:func:`layout_order`), one bar per backend label
@@ -364,7 +364,7 @@ def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
     return _save(fig, out)
 
 
-def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseline: str = "fla",
+def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseline: str = analysis.BASELINE,
                title: str = "") -> Path | None:
     """Winner map: rows layouts (:func:`layout_order`, top to bottom), columns models
     (:func:`model_order`); each cell coloured by the fastest ``ok`` backend label
@@ -424,7 +424,7 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
     return _save(fig, out)
 
 
-def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
+def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = analysis.BASELINE,
                     direction: str = "fwd", title: str = "") -> Path | None:
     """Heatmap per backend (panels stacked): rows model (h_qk/h_v), columns layout
     (:func:`layout_order`), cell = baseline latency /
@@ -648,7 +648,7 @@ def util_vs_latency(df: pd.DataFrame, out: str | Path, direction: str | None = N
 
 def reproduce_figure(table: pd.DataFrame, out: str | Path, baseline: str, target: str,
                      title: str, extra: str = "tilelang", within: float = 0.10,
-                     extra_baseline: str = "fla") -> Path:
+                     extra_baseline: str = analysis.BASELINE) -> Path:
     """Published vs measured speedup (``baseline`` / ``target``) per point of a reproduction
     table (:func:`qlabench.reproduce.side_by_side`: ``model``, ``speedup_pub``, ``speedup_ms``,
     ``<extra>_vs_<extra_baseline>``, ``<backend>_status``), one colour per model, the ``extra``

@@ -200,7 +200,7 @@ def _select_rows(rows: pd.DataFrame, pub: Published) -> pd.DataFrame:
 # --------------------------------------------------------------------------- side by side
 
 
-def side_by_side(pub: Published, rows: pd.DataFrame, extra_baseline: str = "fla") -> pd.DataFrame:
+def side_by_side(pub: Published, rows: pd.DataFrame, extra_baseline: str = analysis.BASELINE) -> pd.DataFrame:
     """One row per published point.
 
     Columns: model, seqlens_label, seqlens, h_qk, h_v; per published backend ``b``:
@@ -343,7 +343,7 @@ def summarize(pub: Published, table: pd.DataFrame) -> dict:
         "within": float((np.abs(table.loc[both, "speedup_ratio"] - 1) <= WITHIN + 1e-12).mean())
         if both.any() else None,
     }
-    eb = table.attrs.get("extra_baseline", "fla")
+    eb = table.attrs.get("extra_baseline", analysis.BASELINE)
     if f"{EXTRA_BACKEND}_vs_{eb}" in table:
         s["extra"] = {r: {**_stats(table[f"{EXTRA_BACKEND}_{r}"]),
                           "pairing": pairing_of(table, f"{EXTRA_BACKEND}_{r}")}
@@ -529,13 +529,13 @@ def _point_head(pub: Published, table: pd.DataFrame) -> list[str]:
                                            for b in _library_columns(table.columns)]
     h += ["speedup pub", "speedup meas", "pairing"]
     if f"{EXTRA_BACKEND}_status" in table:
-        eb = table.attrs.get("extra_baseline", "fla")
+        eb = table.attrs.get("extra_baseline", analysis.BASELINE)
         h += [f"{EXTRA_BACKEND} ms", f"{EXTRA_BACKEND} vs {eb}", f"{EXTRA_BACKEND} vs best",
               f"{EXTRA_BACKEND} pairing (vs {eb}; vs best)"]
     return h
 
 
-def _point_row(pub: Published, t: pd.Series, extra_baseline: str = "fla") -> list[str]:
+def _point_row(pub: Published, t: pd.Series, extra_baseline: str = analysis.BASELINE) -> list[str]:
     r = [str(t["model"]), str(t["seqlens_label"]), f"{t['h_qk']}/{t['h_v']}"]
     r += [_cell(t, b) for b in _library_columns(t.index)]
     r += [_fx(t["speedup_pub"]), _fx(t["speedup_ms"]), _tag(t, "speedup", "speedup_ms")]
@@ -610,7 +610,7 @@ def markdown(pub: Published, table: pd.DataFrame, s: dict, notes: Notes, source:
         lines += ["## Known caveats of the published run", "", *[f"- {c.strip()}" for c in cav], ""]
     worst, best = extremes(table)
     head = _point_head(pub, table)
-    eb = table.attrs.get("extra_baseline", "fla")
+    eb = table.attrs.get("extra_baseline", analysis.BASELINE)
     if not worst.empty:
         lines += ["## Worst points (measured speedup / published)", "",
                   _md_table(head, [_point_row(pub, t, eb) for _, t in worst.iterrows()]), "",
@@ -636,7 +636,7 @@ class Reproduction:
 
 
 def compare_rows(pub: Published, rows: pd.DataFrame, meta: dict, source: str,
-                 extra_baseline: str = "fla") -> Reproduction:
+                 extra_baseline: str = analysis.BASELINE) -> Reproduction:
     table = side_by_side(pub, rows, extra_baseline)
     return Reproduction(pub, table, summarize(pub, table), notes_for(pub, rows, meta), source)
 
@@ -649,7 +649,7 @@ def write(rep: Reproduction, out: Path) -> dict[str, Path]:
     rep.table.to_csv(files["csv"], index=False, float_format="%.6g")
     plots.reproduce_figure(rep.table, files["figure"], rep.pub.baseline, rep.pub.target,
                            figure_title(rep.pub, rep.table), extra=EXTRA_BACKEND, within=WITHIN,
-                           extra_baseline=rep.table.attrs.get("extra_baseline", "fla"))
+                           extra_baseline=rep.table.attrs.get("extra_baseline", analysis.BASELINE))
     files["markdown"].write_text(markdown(rep.pub, rep.table, rep.summary, rep.notes, rep.source, files))
     rep.files = files
     return files
@@ -683,7 +683,7 @@ def print_report(rep: Reproduction, console: Console) -> None:
         console.print(f"  [dim]caveat[/dim] {c.strip()}", highlight=False)
     worst, best = extremes(rep.table)
     head = _point_head(pub, rep.table)
-    eb = rep.table.attrs.get("extra_baseline", "fla")
+    eb = rep.table.attrs.get("extra_baseline", analysis.BASELINE)
     if not worst.empty:
         console.print(_rich("worst points (measured speedup / published)", head,
                             [_point_row(pub, t, eb) for _, t in worst.iterrows()]))
@@ -721,7 +721,7 @@ def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
         meta = results.load_meta(rows_dir) if rows_dir.is_dir() else {}
         # the in-repo kernel's extra speedup is over ``baseline`` (default fla); a label asked
         # for must have rows of this direction
-        extra_baseline = "fla" if baseline is None else analysis.require_baseline(rows, baseline)
+        extra_baseline = analysis.BASELINE if baseline is None else analysis.require_baseline(rows, baseline)
     except (ReproduceError, analysis.BadInput) as e:
         err.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
