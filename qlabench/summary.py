@@ -9,7 +9,7 @@ Input: :func:`qlabench.analysis.newest` rows (one per point × backend label × 
   ``winner_p10_ms`` / ``winner_p90_ms`` its median and p10–p90 over the stored per-call samples;
 - ``runner_up`` / ``runner_up_ms``: the second-fastest ``ok`` label; ``margin`` = runner-up ms /
   winner ms (≥ 1);
-- ``tie``: the winner and runner-up are not distinguishable within the noise (:func:`is_tie`);
+- ``tie``: the winner and runner-up are not distinguishable within the noise (:func:`qlabench.analysis.is_tie`);
 - ``speedup``: baseline ms / winner ms (baseline: a label, FLA by default; blank when the baseline
   has no ``ok`` row at that point);
 - correctness: ``winner_max_rel_l2`` and ``n_incorrect`` / ``n_failed`` (statuses ``incorrect``
