@@ -334,7 +334,8 @@ def summary(
     results_dir: Path = typer.Argument(..., help="results directory (e.g. results/h200_fwd)"),
     model: str | None = typer.Option(None, "--model", help="model name or h_qk/h_v, e.g. 16/64"),
     direction: str | None = typer.Option(None, "--direction", help="fwd | bwd | fwdbwd (default: all)"),
-    baseline: str = typer.Option("fla", "--baseline", help="backend label the speedup is over"),
+    baseline: str | None = typer.Option(None, "--baseline", show_default="fla",
+                                        help="backend label the speedup is over (a label with no rows: exit 2)"),
     alpha: float = typer.Option(0.01, "--alpha", help="significance level of the tie test"),
     threshold: float = typer.Option(0.01, "--threshold", help="differences up to this are ties (0.01 = 1%)"),
 ):
@@ -342,7 +343,7 @@ def summary(
     speedup over the baseline and correctness; per model: geomean speedups and wins.
 
     Exit codes: 0 tables printed; 2 bad input (one error line on stderr: a path missing or
-    unreadable, no rows, no ok row, an unknown --model or --direction)."""
+    unreadable, no rows, no ok row, an unknown --model, --direction or --baseline)."""
     from .summary import summary_cmd
     raise typer.Exit(summary_cmd(results_dir, model, direction, baseline, alpha, threshold))
 
@@ -370,13 +371,15 @@ def recommend(
 def report(
     results_dirs: list[Path] = typer.Argument(..., help="one or more results directories"),
     out: Path = typer.Option(Path("site"), "--out", help="output folder for the static HTML dashboard"),
+    baseline: str | None = typer.Option(None, "--baseline", show_default="fla",
+                                        help="backend label speedups are over (a label with no rows: exit 2)"),
 ):
     """Static HTML dashboard (no server) over one or more results directories.
 
     Exit codes: 0 page written; 2 bad input (one error line on stderr: a path missing or
-    unreadable, no rows in any directory)."""
+    unreadable, no rows in any directory, a --baseline label without rows)."""
     from .report import report_cmd
-    raise typer.Exit(report_cmd(results_dirs, out))
+    raise typer.Exit(report_cmd(results_dirs, out, baseline))
 
 
 @app.command()
@@ -386,14 +389,18 @@ def reproduce(
     from_: Path | None = typer.Option(None, "--from", help="results directory measured by `qlabench run` "
                                       "of the set's sweep (needed: reproduce only reads rows)"),
     out: Path = typer.Option(Path("runs/reproduce"), "--out", help="where to write the side-by-side table and figure"),
+    baseline: str | None = typer.Option(None, "--baseline", show_default="fla",
+                                        help="backend label the in-repo kernel's extra speedup is over "
+                                        "(the published speedup keeps the set's own baseline; a label "
+                                        "with no rows: exit 2)"),
 ):
     """Published speedup table vs measured rows (--from), side by side, with a summary.
 
     Exit codes: 0 report written (whatever the agreement); 2 bad input (one error line on
     stderr: an unknown set or --direction, no --from, --from missing, unreadable or without rows
-    of that direction)."""
+    of that direction, a --baseline label without rows)."""
     from .reproduce import reproduce_cmd
-    raise typer.Exit(reproduce_cmd(name, direction, from_, out))
+    raise typer.Exit(reproduce_cmd(name, direction, from_, out, baseline=baseline))
 
 
 @app.command("profile")

@@ -40,11 +40,11 @@ point index, backend, direction, start time) — e.g. a run directory compared w
 merge of itself. Such a pair says nothing about repeatability, so it is not judged; when *every*
 compared pair is ``same-row``, :func:`compare_cmd` says so on stderr and exits 2.
 
-Every pair also carries its :func:`results.pairing` (``same_gpu``, ``same_campaign``,
+Every pair also carries its :func:`qlabench.analysis.pairing` (``same_gpu``, ``same_campaign``,
 ``throttled`` and the tag ``pairing``, e.g. "cross-campaign, throttled") and both sides'
 ``calls_per_sample``; a changed ``calls_per_sample`` is named in the reason (the per-call mean of
 a graph replay of 8 calls and of 32 calls need not be the same number). The summary line gives
-:func:`results.pairing_label` over the pairs that have a ratio.
+:func:`qlabench.analysis.pairing_label` over the pairs that have a ratio.
 
 **Two labels** (``--base-backend A --new-backend B``, e.g. ``flashinfer@0.6.13`` and
 ``flashinfer@0.7.4``, or ``tilelang@old`` and ``tilelang``; one directory or two): the rows of
@@ -68,14 +68,14 @@ Codes 2 and 3 come with one ``error: ...`` line on stderr; the table is printed 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from . import results
+from . import analysis, results
+from .analysis import BadInput, min_two_sided_p, samples, value  # noqa: F401 (public here too)
 
 REQUIRED = ("point_key", "backend", "direction", "status", "latency_ms", "samples_ms",
             "timing_mode", "gpu_name")
@@ -84,40 +84,13 @@ VERDICTS = ("slower", "broken", "faster", "same", "incomparable", "same-row")
 #: columns copied from the rows for display (new side wins, base side fills in)
 _INFO = ("model", "tp", "layout", "total_tokens", "point_index", "h_qk", "h_v")
 BOOTSTRAP_N = 1000
-#: the pair's :func:`results.pairing` columns carried into the table
+#: the pair's :func:`qlabench.analysis.pairing` columns carried into the table
 PAIR_FIELDS = ("pairing", "same_gpu", "same_campaign", "throttled", "gpu_known", "campaign_known")
 #: columns whose values must agree for two rows to be compared (column -> word in the reason):
 #: the timing method, the GPU model and the input recipe. A pair whose rows differ in any of them
 #: is ``incomparable`` and lists those columns in ``differs``; :func:`compare_cmd` exits 3 on it.
 MUST_MATCH = {"timing_mode": "timing_mode", "l2": "l2", "gpu_name": "gpu",
               "recipe_hash": "input recipe", "gate_recipe": "gate recipe"}
-
-
-class BadInput(Exception):
-    """Input a user can fix; the message names the path."""
-
-
-def _samples(row: Mapping) -> np.ndarray:
-    s = row.get("samples_ms")
-    if s is None or (isinstance(s, float) and math.isnan(s)):
-        lat = row.get("latency_ms")
-        return np.array([lat], float) if lat is not None and np.isfinite(lat) else np.array([])
-    a = np.asarray(list(s), dtype=float)
-    return a[np.isfinite(a)]
-
-
-def _val(row: Mapping, col: str):
-    v = row.get(col)
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return None
-    return v
-
-
-def min_two_sided_p(n: int, m: int) -> float:
-    """Smallest two-sided Mann–Whitney p-value n and m untied samples can give: 2 / C(n+m, n)."""
-    if n < 1 or m < 1:
-        return 1.0
-    return min(1.0, 2.0 / math.comb(n + m, n))
 
 
 def bootstrap_ratio_ci(a: np.ndarray, b: np.ndarray, level: float, n_boot: int = BOOTSTRAP_N,
@@ -133,7 +106,7 @@ def bootstrap_ratio_ci(a: np.ndarray, b: np.ndarray, level: float, n_boot: int =
 
 def same_row(base: Mapping, new: Mapping) -> bool:
     """Both mappings are the same stored row (:data:`results.ROW_IDENTITY` equal and known)."""
-    ids = [(_val(base, c), _val(new, c)) for c in results.ROW_IDENTITY]
+    ids = [(value(base, c), value(new, c)) for c in results.ROW_IDENTITY]
     return all(a is not None and b is not None and str(a) == str(b) for a, b in ids)
 
 
@@ -150,11 +123,11 @@ def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: fl
     pairs)."""
     from scipy.stats import mannwhitneyu
 
-    out = {"base_ms": _val(base, "latency_ms"), "new_ms": _val(new or {}, "latency_ms"),
+    out = {"base_ms": value(base, "latency_ms"), "new_ms": value(new or {}, "latency_ms"),
            "ratio": None, "ratio_lo": None, "ratio_hi": None, "p_value": None,
            "n_base": 0, "n_new": 0, "verdict": "incomparable", "reason": "", "differs": ""}
     why = []
-    sb = _val(base, "status")
+    sb = value(base, "status")
     if new is None:
         if sb == "ok":
             out["verdict"] = "broken"
@@ -164,35 +137,35 @@ def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: fl
         return out
     if same_row(base, new):
         out["verdict"] = "same-row"
-        out["reason"] = (f"the same stored row on both sides (run {_val(new, 'run_id')}, "
-                         f"started {_val(new, 'started_at')})")
+        out["reason"] = (f"the same stored row on both sides (run {value(new, 'run_id')}, "
+                         f"started {value(new, 'started_at')})")
         return out
-    sn = _val(new, "status")
-    changed = [c for c in MUST_MATCH if _val(base, c) is not None and _val(new, c) is not None
-               and _val(base, c) != _val(new, c)]
+    sn = value(new, "status")
+    changed = [c for c in MUST_MATCH if value(base, c) is not None and value(new, c) is not None
+               and value(base, c) != value(new, c)]
     out["differs"] = ",".join(changed)
     if sb == "ok" and sn != "ok":
-        rr = _val(new, "reason")
+        rr = value(new, "reason")
         out["verdict"] = "broken"
         out["reason"] = f"was ok, now {sn or 'without a status'}" + (f" ({str(rr)[:80]})" if rr else "")
         return out
     if sb != "ok" and sb == sn:
-        rr = _val(new, "reason")
+        rr = value(new, "reason")
         why.append(f"status {sn} on both sides" + (f" ({str(rr)[:60]})" if rr else ""))
     else:
         for side, r in (("base", base), ("new", new)):
-            st = _val(r, "status")
+            st = value(r, "status")
             if st != "ok":
-                rr = _val(r, "reason")
+                rr = value(r, "reason")
                 why.append(f"{side} status {st}" + (f" ({str(rr)[:60]})" if rr else ""))
-    why += [f"{MUST_MATCH[c]} {_val(base, c)} vs {_val(new, c)}" for c in changed]
+    why += [f"{MUST_MATCH[c]} {value(base, c)} vs {value(new, c)}" for c in changed]
     if why:
         out["reason"] = "; ".join(why)
         return out
-    cb, cn = _val(base, "calls_per_sample"), _val(new, "calls_per_sample")
+    cb, cn = value(base, "calls_per_sample"), value(new, "calls_per_sample")
     note = f"calls_per_sample {int(cb)} vs {int(cn)}" if (cb is not None and cn is not None
                                                          and int(cb) != int(cn)) else ""
-    a, b = _samples(base), _samples(new)
+    a, b = samples(base), samples(new)
     out["n_base"], out["n_new"] = len(a), len(b)
     if not len(a) or not len(b) or np.median(a) <= 0:
         out["reason"] = _join("no latency samples", note)
@@ -259,9 +232,9 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
     every base key whose point and direction the new side measured (for some backend) but without
     a row for this backend — ``broken``, also when the new side did not ask for that backend.
     Returns (one row per judged key with the key, info columns, :func:`judge`'s fields, both run
-    ids and shas, both ``calls_per_sample`` and the pair's :func:`results.pairing` columns; a
+    ids and shas, both ``calls_per_sample`` and the pair's :func:`qlabench.analysis.pairing` columns; a
     summary dict with counts per verdict, ``only_base`` and ``only_new`` key counts, ``pairs``
-    (pairs with a ratio), ``pairing`` (:func:`results.pairing_label` over those),
+    (pairs with a ratio), ``pairing`` (:func:`qlabench.analysis.pairing_label` over those),
     ``differs_pairs`` (pairs whose rows differ in a :data:`MUST_MATCH` column), ``differs``
     (column -> that many pairs) and ``differs_example`` (column -> its first change,
     ``"<base> vs <new>"``)).
@@ -287,17 +260,17 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
         rb, rn = b[k], n.get(k)
         j = judge(rb, rn, threshold, alpha)
         for c in filter(None, j["differs"].split(",")):
-            examples.setdefault(c, f"{_val(rb, c)} vs {_val(rn, c)}")
-        info = {c: (_val(rn or {}, c) if _val(rn or {}, c) is not None else _val(rb, c))
+            examples.setdefault(c, f"{value(rb, c)} vs {value(rn, c)}")
+        info = {c: (value(rn or {}, c) if value(rn or {}, c) is not None else value(rb, c))
                 for c in _INFO}
-        pr = results.pair(rb, rn or {})
+        pr = analysis.pair(rb, rn or {})
         rows.append({**dict(zip(KEY, k)), **info, **j,
-                     "base_backend": _val(rb, "backend"), "new_backend": _val(rn or {}, "backend"),
-                     "base_calls_per_sample": _val(rb, "calls_per_sample"),
-                     "new_calls_per_sample": _val(rn or {}, "calls_per_sample"),
+                     "base_backend": value(rb, "backend"), "new_backend": value(rn or {}, "backend"),
+                     "base_calls_per_sample": value(rb, "calls_per_sample"),
+                     "new_calls_per_sample": value(rn or {}, "calls_per_sample"),
                      **{c: pr[c] for c in PAIR_FIELDS},
-                     "base_run_id": _val(rb, "run_id"), "new_run_id": _val(rn or {}, "run_id"),
-                     "base_sha": _val(rb, "git_sha"), "new_sha": _val(rn or {}, "git_sha")})
+                     "base_run_id": value(rb, "run_id"), "new_run_id": value(rn or {}, "run_id"),
+                     "base_sha": value(rb, "git_sha"), "new_sha": value(rn or {}, "git_sha")})
     cols = [*KEY, *_INFO, "base_backend", "new_backend", "base_ms", "new_ms", "ratio", "ratio_lo", "ratio_hi", "p_value",
             "n_base", "n_new", "verdict", "reason", "differs", "base_calls_per_sample",
             "new_calls_per_sample", *PAIR_FIELDS,
@@ -313,7 +286,7 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
     summary["only_new"] = len(set(n) - set(b))
     judged = df[df["ratio"].notna()] if not df.empty else df
     summary["pairs"] = len(judged)
-    summary["pairing"] = results.pairing_label(judged)
+    summary["pairing"] = analysis.pairing_label(judged)
     summary["differs_pairs"] = int((df["differs"] != "").sum()) if not df.empty else 0
     summary["differs"] = {c: n for c in MUST_MATCH
                           if (n := sum(c in d.split(",") for d in df["differs"]))}

@@ -26,7 +26,7 @@ the nearest measured head config: closest ``h_v / h_qk`` ratio, then closest ``h
 
 **Judging** (:func:`leave_one_out`): per model and layout (point), the table is rebuilt without
 that model's row of the layout and asked to choose for it. The choice is *right* when it is the
-point's winner or a tie with it (:func:`qlabench.summary.is_tie` on the two rows' samples);
+point's winner or a tie with it (:func:`qlabench.analysis.is_tie` on the two rows' samples);
 ``regret`` = chosen latency / best latency (a choice without an ``ok`` row at the held-out point
 is wrong and counts the slowest ``ok`` latency there). Reported: the fraction right (goal ≥ 90%)
 and the geomean regret (goal ≤ 1.03).
@@ -44,9 +44,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import results
-from .compare import BadInput, _val
-from .summary import ALPHA, THRESHOLD, is_tie
+from . import analysis
+from .analysis import ALPHA, THRESHOLD, BadInput, is_tie, value
 
 FORMAT = "qlabench-dispatch"
 VERSION = 1
@@ -80,7 +79,7 @@ def points_of(df: pd.DataFrame) -> list[dict]:
     out = []
     for (pk, d), g in df.groupby(["point_key", "direction"], sort=True):
         ok = [r for r in g.to_dict("records")
-              if r["status"] == "ok" and _val(r, "latency_ms") is not None]
+              if r["status"] == "ok" and value(r, "latency_ms") is not None]
         if not ok:
             continue
         ok.sort(key=lambda r: (r["latency_ms"], r["backend"]))
@@ -152,7 +151,7 @@ def _bucket(bounds: dict, pts: list[dict], alpha: float, threshold: float,
     for p in sorted(pts, key=lambda p: (p["num_seqs"], p["total_tokens"], p["point_key"])):
         right = choice in p["rows"] and (choice == p["winner"] or judge and is_tie(
             p["rows"][choice], p["rows"][p["winner"]], alpha, threshold))
-        pr = (results.pair(p["rows"][choice], p["rows"][p["winner"]])["pairing"]
+        pr = (analysis.pair(p["rows"][choice], p["rows"][p["winner"]])["pairing"]
               if judge and choice in p["rows"] and choice != p["winner"] else "")
         ev.append({"point_key": p["point_key"], "model": p["model"], "h_qk": p["h_qk"],
                    "h_v": p["h_v"], "layout": p["layout"],

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from . import results as _results  # noqa: E402
+from . import analysis, results  # noqa: E402
 
 
 def palette(df: pd.DataFrame) -> dict[str, str | None]:
@@ -23,7 +23,7 @@ def palette(df: pd.DataFrame) -> dict[str, str | None]:
     darker shades of it."""
     from matplotlib.colors import to_hex, to_rgb
 
-    from . import backends, results
+    from . import backends
     lib = dict(zip(df["backend"], results.backend_names(df))) if len(df) else {}
     colors = backends.colors()
     libs = list(colors)
@@ -44,7 +44,7 @@ def palette(df: pd.DataFrame) -> dict[str, str | None]:
 #: figures of a results directory live in this subfolder (:data:`qlabench.results.FIGURES_DIR`):
 #: pyarrow's dataset discovery (so ``pd.read_parquet(results_dir)``) skips names starting with
 #: ``_`` and tries to read any other file as Parquet
-FIGURES_DIR = _results.FIGURES_DIR
+FIGURES_DIR = results.FIGURES_DIR
 #: every figure is at most this wide ...
 MAX_WIDTH_PX = 2000
 #: ... drawn at this resolution ...
@@ -61,56 +61,28 @@ def figures_dir(results_dir: str | Path) -> Path:
 
 
 def layout_key(num_seqs, total_tokens, seqlens) -> tuple:
-    """The one layout order of every figure and table: number of sequences, then total tokens,
-    then the sequence lengths in stored order (``1x8192`` < ``1x32768`` < ``4096+4096`` <
-    ``8192+24576`` < ``32768/4seq``)."""
-    lens = tuple(int(x) for x in seqlens) if np.ndim(seqlens) == 1 else ()
-    n = _num(num_seqs, len(lens))
-    t = _num(total_tokens, sum(lens))
-    return (int(n), int(t), lens)
-
-
-def _layout_keys(df: pd.DataFrame) -> list[tuple]:
-    n = df["num_seqs"] if "num_seqs" in df else pd.Series([None] * len(df), index=df.index)
-    t = df["total_tokens"] if "total_tokens" in df else pd.Series([None] * len(df), index=df.index)
-    s = df["seqlens"] if "seqlens" in df else pd.Series([()] * len(df), index=df.index)
-    return [layout_key(a, b, c) for a, b, c in zip(n, t, s)]
+    """:func:`qlabench.analysis.layout_key` (the one layout order of every figure and table)."""
+    return analysis.layout_key(num_seqs, total_tokens, seqlens)
 
 
 def layout_order(df: pd.DataFrame) -> list[str]:
-    """The distinct ``layout`` labels of ``df`` in :func:`layout_key` order."""
-    if df.empty:
-        return []
-    k = pd.Series(_layout_keys(df), index=df.index)
-    first = {}
-    for lab, key in zip(df["layout"], k):
-        first[lab] = min(first.get(lab, key), key)
-    return sorted(first, key=lambda lab: (first[lab], lab))
+    """:func:`qlabench.analysis.layout_order`: the distinct ``layout`` labels of ``df`` in
+    :func:`layout_key` order."""
+    return analysis.layout_order(df)
 
 
 def sort_layouts(df: pd.DataFrame, by_model: bool = True) -> pd.DataFrame:
-    """``df`` sorted by model (:func:`model_order`, when ``by_model``), then layout
-    (:func:`layout_order`), then backend (:func:`palette` order)."""
+    """:func:`qlabench.analysis.sort_layouts`: ``df`` sorted by model (when ``by_model``), then
+    layout, then backend (:func:`palette` order)."""
     if df.empty:
         return df
-    lay = {lab: i for i, lab in enumerate(layout_order(df))}
-    cols = {"_l": df["layout"].map(lay)}
-    if by_model:
-        mo = {m: i for i, m in enumerate(model_order(df))}
-        cols["_m"] = df["model"].map(mo)
-    if "backend" in df:
-        bo = {b: i for i, b in enumerate(palette(df))}
-        cols["_b"] = df["backend"].map(bo)
-    keys = [k for k in ("_m", "_l", "_b") if k in cols]
-    return df.assign(**cols).sort_values(keys, kind="stable").drop(columns=keys)
+    order = list(palette(df)) if "backend" in df else None
+    return analysis.sort_layouts(df, by_model, order)
 
 
 def model_order(df: pd.DataFrame) -> list[str]:
-    """The distinct ``model`` values of ``df`` in sweep order (first ``point_index``)."""
-    if df.empty:
-        return []
-    d = df.sort_values("point_index", kind="stable") if "point_index" in df else df
-    return list(dict.fromkeys(d["model"]))
+    """:func:`qlabench.analysis.model_order`: the distinct ``model`` values in sweep order."""
+    return analysis.model_order(df)
 
 
 def _panel_label(sub: pd.DataFrame, m: str) -> str:
@@ -180,16 +152,8 @@ def _per_layout(rows: pd.DataFrame, layouts: list[str]) -> tuple[np.ndarray, ...
     to the median on rows without them)."""
     r = rows.drop_duplicates("layout", keep="last").set_index("layout").reindex(layouts)
     med = r["latency_ms"].to_numpy(float)
-    lo, hi = _quantile_cols(r) if len(r) else (med, med)
+    lo, hi = analysis.quantile_cols(r) if len(r) else (med, med)
     return med, np.where(np.isfinite(med), lo, np.nan), np.where(np.isfinite(med), hi, np.nan)
-
-
-def _num(v, default: float) -> float:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return default
-    return f if np.isfinite(f) else default
 
 
 def _title(fig, text: str, fontsize: float = 10) -> None:
@@ -209,7 +173,7 @@ def _legend(fig, ax, n: int) -> None:
 
 
 def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None,
-                baseline: str = "fla", metas: dict | None = None,
+                baseline: str = analysis.BASELINE, metas: dict | None = None,
                 fig_dir: str | Path | None = None) -> list[Path]:
     """Every figure a run's rows support, written to ``fig_dir`` (default
     :func:`figures_dir` of ``out_dir``, the results directory), per direction: ``winner_<dir>``
@@ -217,7 +181,7 @@ def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None
     ``latency_<dir>`` (grouped latency bars), ``roofline_<dir>``, ``sm_util_<dir>``; and
     ``latency_vs_tokens_bwd`` (backward latency vs total tokens). Derived roofline columns are
     recomputed with the measured ceilings of ``metas`` (default: ``out_dir``'s run metadata)."""
-    from . import metrics, results
+    from . import metrics
     made = []
     sub = df if run_id is None else df[df["run_id"] == run_id]
     out_dir = Path(out_dir)
@@ -292,59 +256,43 @@ SPEEDUP_COLUMNS = ["model", "tp", "h_qk", "h_v", "layout", "num_seqs", "total_to
 PAIR_MARK = "*"
 
 
-def speedup_table(df: pd.DataFrame, baseline: str = "fla", direction: str = "fwd") -> pd.DataFrame:
-    """Long table of baseline latency / backend latency per point and backend (> 1: the backend is
-    faster than the baseline), from the latest ok row per key (``results.latest``), with the
-    pair's ``results.pairing`` columns (``pairing`` = "" when both rows share GPU and campaign
-    and neither is throttled). ``speedup_lo`` .. ``speedup_hi`` bound it conservatively from both
-    rows' sample spread: baseline p10 / backend p90 .. baseline p90 / backend p10 (a row without
-    p10/p90 contributes its median)."""
-    from . import results
+def speedup_table(df: pd.DataFrame, baseline: str = analysis.BASELINE, direction: str = "fwd") -> pd.DataFrame:
+    """Long table of :func:`qlabench.analysis.speedups` (baseline latency / backend latency per
+    point and backend; > 1: the backend is faster than the baseline) over the newest ok row per
+    key (:func:`qlabench.analysis.newest`) of ``direction``, with the pair's
+    :func:`qlabench.analysis.pairing` columns (``pairing`` = "" when both rows share GPU and
+    campaign and neither is throttled). ``speedup_lo`` .. ``speedup_hi`` bound it conservatively
+    from both rows' sample spread: baseline p10 / backend p90 .. baseline p90 / backend p10 (a
+    row without p10/p90 contributes its median)."""
     ok = _ok(df, direction)
     if ok.empty or baseline not in set(ok["backend"]):
         return pd.DataFrame(columns=SPEEDUP_COLUMNS)
-    ok = results.latest(ok) if {"started_at", "run_id"} <= set(ok.columns) else \
-        ok.drop_duplicates(results.KEY, keep="last")
-    base = ok[ok["backend"] == baseline].set_index("point_key")
-    other = ok[(ok["backend"] != baseline) & ok["point_key"].isin(base.index)]
-    b = base.loc[other["point_key"]].set_axis(other.index)
+    ok = analysis.newest(ok)
+    sp = analysis.speedups(ok, baseline)
+    other = ok.loc[sp.index]
     out = other[[c for c in SPEEDUP_COLUMNS[:11] if c in other.columns]].copy()
     out["backend_name"] = results.backend_names(other)
-    out["speedup"] = b["latency_ms"].to_numpy() / other["latency_ms"].to_numpy()
-    b10, b90 = _quantile_cols(b)
-    o10, o90 = _quantile_cols(other)
-    out["speedup_lo"] = b10 / o90
-    out["speedup_hi"] = b90 / o10
-    out = out.join(results.pairing(b, other))
+    out = out.join(sp.drop(columns="baseline_ms"))
     out = out.dropna(subset=["speedup"]).reindex(columns=SPEEDUP_COLUMNS)
     return sort_layouts(out).reset_index(drop=True)
 
 
-def winners(df: pd.DataFrame, direction: str | None = None, baseline: str = "fla") -> pd.DataFrame:
-    """:func:`qlabench.summary.point_table` over the latest row per key of ``df`` (one direction
+def winners(df: pd.DataFrame, direction: str | None = None, baseline: str = analysis.BASELINE) -> pd.DataFrame:
+    """:func:`qlabench.analysis.point_table` over the newest row per key of ``df`` (one direction
     when given): per point the fastest ``ok`` label, its p10–p90, the runner-up, ``margin``,
-    ``tie`` (not distinguishable by the stored samples: the summary's rule), ``speedup`` over
-    ``baseline`` and the correctness counts, plus ``tp`` (``h_qk/h_v``). Points of a non-published
-    gate recipe carry the recipe in ``model``. Sorted by :func:`model_order`, then
-    :func:`layout_order`."""
-    from . import results, summary
+    ``tie`` (not distinguishable by the stored samples: :func:`qlabench.analysis.is_tie`),
+    ``speedup`` over ``baseline`` and the correctness counts, plus ``tp`` (``h_qk/h_v``). Points
+    of a non-published gate recipe carry the recipe in ``model``. Sorted by :func:`model_order`,
+    then :func:`layout_order`."""
     d = df[df["direction"] == direction] if direction and len(df) else df
-    d = results.latest(d) if {"started_at", "run_id"} <= set(d.columns) else d
+    d = analysis.newest(d) if {"started_at", "run_id"} <= set(d.columns) else d
     if "gate_recipe" in d and d["gate_recipe"].nunique() > 1:
         d = d.assign(model=[f"{m} [{recipe_name(r)}]" for m, r in zip(d["model"], d["gate_recipe"])])
-    t = summary.point_table(d, baseline) if len(d) else pd.DataFrame()
+    t = analysis.point_table(d, baseline) if len(d) else pd.DataFrame()
     if t.empty:
-        return pd.DataFrame(columns=[*summary.POINT, "tp", "winner", "margin", "tie"])
+        return pd.DataFrame(columns=[*analysis.POINT, "tp", "winner", "margin", "tie"])
     t["tp"] = [f"{int(a)}/{int(b)}" for a, b in zip(t["h_qk"], t["h_v"])]
     return sort_layouts(t).reset_index(drop=True)
-
-
-def _quantile_cols(d: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """(p10, p90) latency of each row; the median where a row has none."""
-    med = d["latency_ms"].to_numpy(float)
-    lo = d["p10_ms"].to_numpy(float) if "p10_ms" in d else med
-    hi = d["p90_ms"].to_numpy(float) if "p90_ms" in d else med
-    return np.where(np.isfinite(lo), lo, med), np.where(np.isfinite(hi), hi, med)
 
 
 def _pair_note(labels: list[str]) -> str:
@@ -352,7 +300,7 @@ def _pair_note(labels: list[str]) -> str:
         if any(labels) else ""
 
 
-def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
+def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = analysis.BASELINE,
                    direction: str = "fwd", title: str = "") -> Path | None:
     """Speedup over ``baseline`` per model, in the style of FlashQLA's README figure: one panel
     per model/TP, one group of bars per layout (:func:`layout_order`), one bar per backend label
@@ -361,7 +309,6 @@ def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
     ``speedup_hi`` of :func:`speedup_table` (baseline p10 / backend p90 .. baseline p90 / backend
     p10); a line at 1 (= the baseline). A value whose two rows are not known to share GPU and
     campaign, or has a throttled row, carries :data:`PAIR_MARK`."""
-    from . import results
     sp = speedup_table(df, baseline, direction)
     if sp.empty:
         return None
@@ -410,14 +357,14 @@ def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
     ok = _ok(df, direction)
     gpu = ok["gpu_name"].iloc[0] if len(ok) else ""
     note = _pair_note(list(sp["pairing"]))
-    _title(fig, title or f"GDN {direction} speedup over {baseline} on {gpu} ({results.pairing_label(sp)})"
+    _title(fig, title or f"GDN {direction} speedup over {baseline} on {gpu} ({analysis.pairing_label(sp)})"
                  f"\nbar: {baseline} median / backend median (> 1: faster than {baseline}); "
                  f"whisker: {baseline} p10 / backend p90 .. {baseline} p90 / backend p10"
                  + (f"\n{note}" if note else ""), fontsize=10)
     return _save(fig, out)
 
 
-def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseline: str = "fla",
+def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseline: str = analysis.BASELINE,
                title: str = "") -> Path | None:
     """Winner map: rows layouts (:func:`layout_order`, top to bottom), columns models
     (:func:`model_order`); each cell coloured by the fastest ``ok`` backend label
@@ -477,14 +424,13 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
     return _save(fig, out)
 
 
-def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
+def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = analysis.BASELINE,
                     direction: str = "fwd", title: str = "") -> Path | None:
     """Heatmap per backend (panels stacked): rows model (h_qk/h_v), columns layout
     (:func:`layout_order`), cell = baseline latency /
     backend latency (green: faster than the baseline, red: slower; colour on a log scale). A cell
     whose two rows are not known to share GPU and campaign, or has a throttled row, carries
-    :data:`PAIR_MARK`; each panel's title gives ``results.pairing_label`` over its cells."""
-    from . import results
+    :data:`PAIR_MARK`; each panel's title gives ``analysis.pairing_label`` over its cells."""
     sp = speedup_table(df, baseline, direction)
     if sp.empty:
         return None
@@ -520,7 +466,7 @@ def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = "fla",
         ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right", fontsize=8,
                       rotation_mode="anchor")
         ax.set_yticks(range(len(rows)), [f"{m} ({t})" for m, t in rows], fontsize=8)
-        ax.set_title(f"{b} vs {baseline} — {results.pairing_label(sb)}", fontsize=9)
+        ax.set_title(f"{b} vs {baseline} — {analysis.pairing_label(sb)}", fontsize=9)
     if im is not None:
         cb = fig.colorbar(im, ax=list(axes.flat), shrink=0.6)
         ticks = sorted({t for t in (-3, -2, -1, -0.5, 0, 0.5, 1, 2, 3) if abs(t) < lim - 0.1}
@@ -701,11 +647,12 @@ def util_vs_latency(df: pd.DataFrame, out: str | Path, direction: str | None = N
 
 
 def reproduce_figure(table: pd.DataFrame, out: str | Path, baseline: str, target: str,
-                     title: str, extra: str = "tilelang", within: float = 0.10) -> Path:
+                     title: str, extra: str = "tilelang", within: float = 0.10,
+                     extra_baseline: str = analysis.BASELINE) -> Path:
     """Published vs measured speedup (``baseline`` / ``target``) per point of a reproduction
     table (:func:`qlabench.reproduce.side_by_side`: ``model``, ``speedup_pub``, ``speedup_ms``,
-    ``<extra>_vs_fla``, ``<backend>_status``), one colour per model, the ``extra`` backend's
-    fla / ``extra`` as crosses, y = x and a ±``within`` band; each line of ``title`` wrapped to
+    ``<extra>_vs_<extra_baseline>``, ``<backend>_status``), one colour per model, the ``extra``
+    backend's ``extra_baseline`` / ``extra`` as crosses, y = x and a ±``within`` band; each line of ``title`` wrapped to
     the figure's width."""
     import textwrap
 
@@ -718,11 +665,11 @@ def reproduce_figure(table: pd.DataFrame, out: str | Path, baseline: str, target
         if not sub.empty:
             ax.scatter(sub["speedup_pub"], sub["speedup_ms"], s=22, color=cmap(i % 10), label=m,
                        edgecolor="black", linewidth=0.3)
-    ex = f"{extra}_vs_fla"
+    ex = f"{extra}_vs_{extra_baseline}"
     if ex in table and np.isfinite(table[ex]).any():
         e = table[np.isfinite(table[ex])]
         ax.scatter(e["speedup_pub"], e[ex], s=22, marker="x", color="#9467bd",
-                   label=f"{extra} (fla/{extra}, measured)")
+                   label=f"{extra} ({extra_baseline}/{extra}, measured)")
     lo = 0.9 * float(np.nanmin(np.r_[table["speedup_pub"], both["speedup_ms"], 1.0]))
     hi = 1.1 * float(np.nanmax(np.r_[table["speedup_pub"], both["speedup_ms"],
                                      table[ex] if ex in table else [], 1.0]))

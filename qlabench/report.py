@@ -3,16 +3,17 @@ no JavaScript; PNGs written beside the page under ``img/``).
 
 Rows of all given results directories are grouped by (results directory, GPU). Per group:
 
-- status counts per backend and the latest row per key (:func:`qlabench.results.latest`), each
-  row's speedup over FLA on its point with the pair's tag (:func:`qlabench.results.pairing`), and
-  per direction and backend the geomean speedup with :func:`qlabench.results.pairing_label` (do
+- status counts per backend and the latest row per key (:func:`qlabench.analysis.newest`), each
+  row's speedup over the baseline (``--baseline``, FLA by default: :func:`qlabench.analysis.speedups`)
+  on its point with the pair's tag (:func:`qlabench.analysis.pairing`), and
+  per direction and backend the geomean speedup with :func:`qlabench.analysis.pairing_label` (do
   its rows share GPU and campaign; how many are throttled);
 - per point (:func:`qlabench.plots.winners`): the winner (fastest ``ok`` backend label), its
-  latency (p10–p90), the runner-up and the margin, the winner's speedup over FLA, correctness (the
+  latency (p10–p90), the runner-up and the margin, the winner's speedup over the baseline, correctness (the
   winner's ``max_rel_l2``; how many backends are ``incorrect`` there), in the one layout order of
-  :func:`qlabench.plots.layout_order`;
+  :func:`qlabench.analysis.layout_order`;
 - figures of the latest rows (:func:`qlabench.plots.run_figures`): the winner map and the speedup
-  over FLA per model first, then grouped latency bars, roofline, SM utilisation, backward latency
+  over the baseline per model first, then grouped latency bars, roofline, SM utilisation, backward latency
   vs total tokens; every figure at most :data:`qlabench.plots.MAX_WIDTH_PX` wide;
 - when the group holds several runs, two history views, every key's measurements ordered by run
   start and each judged against the previous measurement of the same key with
@@ -38,8 +39,8 @@ from urllib.parse import quote
 import numpy as np
 import pandas as pd
 
+from . import analysis, plots, results
 from . import compare as Q
-from . import plots, results
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1500px;
@@ -150,7 +151,7 @@ _NO_PAIR = {"pairing": "", "same_gpu": False, "same_campaign": False, "throttled
 def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
             alpha: float = 0.01) -> pd.DataFrame:
     """Every (run, key) row ordered by run start, judged against the previous measurement of the
-    same key (``verdict``/``ratio``/``p_value`` and the two rows' :func:`results.pairing`
+    same key (``verdict``/``ratio``/``p_value`` and the two rows' :func:`qlabench.analysis.pairing`
     columns; empty for a key's first measurement)."""
     pos = runs.set_index("run_id")
     h = df.assign(run_pos=df["run_id"].map(pos["run_pos"]),
@@ -175,7 +176,7 @@ def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
             pval.append(j["p_value"])
             reason.append(j["reason"])
             prev_run.append(recs[i - 1]["run_id"])
-            tag.append(results.pair(recs[i - 1], r))
+            tag.append(analysis.pair(recs[i - 1], r))
     out = h.loc[order, ["run_id", "run_pos", "run_label", "git_sha", *results.KEY, "model", "tp",
                         "layout", "point_index", "status", "latency_ms"]
                    + [c for c in ("num_seqs", "total_tokens", "seqlens") if c in h]].copy()
@@ -195,53 +196,60 @@ def _status_table(latest: pd.DataFrame) -> str:
     return _table(t, num=tuple(c for c in t.columns if c != "backend"))
 
 
-def vs_fla(latest: pd.DataFrame) -> pd.DataFrame:
-    """Per latest row: ``vs_fla`` = FLA's latency / this row's on the same point and direction
-    (ok rows both), and the pair's :func:`results.pairing` columns (NaN / "" without a pair)."""
+def _bname(baseline: str) -> str:
+    """The baseline as headings name it: ``FLA`` for ``fla``, else the label."""
+    return "FLA" if baseline == "fla" else baseline
+
+
+def vs_baseline(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> pd.DataFrame:
+    """Per latest row: ``speedup`` = the ``baseline`` label's latency / this row's on the same
+    point and direction (ok rows both: :func:`qlabench.analysis.speedups`), and the pair's
+    :func:`qlabench.analysis.pairing` columns (NaN / "" without a pair)."""
     d = latest.copy()
-    fla = d[(d["backend"] == "fla") & (d["status"] == "ok")].drop_duplicates(
-        ["point_key", "direction"], keep="last").set_index(["point_key", "direction"])
-    keys = list(zip(d["point_key"], d["direction"]))
-    has = np.array([k in fla.index for k in keys]) & (d["status"] == "ok").to_numpy() \
-        & (d["backend"] != "fla").to_numpy()
-    d["vs_fla"] = np.nan
+    sp = analysis.speedups(d, baseline)
+    d["speedup"] = np.nan
     d["pairing"] = ""
-    if has.any():
-        mine = d[has]
-        base = fla.loc[[k for k, h in zip(keys, has) if h]].set_axis(mine.index)
-        d.loc[has, "vs_fla"] = base["latency_ms"].to_numpy() / mine["latency_ms"].to_numpy()
-        pr = results.pairing(base, mine)
-        for c in pr.columns:
-            d.loc[has, c] = pr[c]
+    if len(sp):
+        d.loc[sp.index, "speedup"] = sp["speedup"]
+        for c in ("gpu_known", "same_gpu", "campaign_known", "same_campaign", "throttled", "pairing"):
+            d.loc[sp.index, c] = sp[c]
     return d
 
 
-def _latest_table(latest: pd.DataFrame) -> str:
-    d = vs_fla(_ordered(latest))
+def vs_fla(latest: pd.DataFrame) -> pd.DataFrame:
+    """:func:`vs_baseline` over ``fla``, its ratio in column ``vs_fla``."""
+    return vs_baseline(latest, "fla").rename(columns={"speedup": "vs_fla"})
+
+
+def _latest_table(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> str:
+    d = vs_baseline(_ordered(latest), baseline)
+    vs = f"speedup vs {baseline}"
     cols = {"model": "model", "tp": "h_qk/h_v", "layout": "layout", "direction": "dir",
             "backend": "backend", "backend_version": "version", "path": "path", "status": "status",
             "latency_ms": "latency_ms",
-            "p10_ms": "p10_ms", "p90_ms": "p90_ms", "n_samples": "n", "vs_fla": "speedup vs fla",
-            "pairing": "pairing (vs fla)", "tflops": "tflops", "timing_mode": "timing",
+            "p10_ms": "p10_ms", "p90_ms": "p90_ms", "n_samples": "n", "speedup": vs,
+            "pairing": f"pairing (vs {baseline})", "tflops": "tflops", "timing_mode": "timing",
             "reason": "reason"}
     d = d[[c for c in cols if c in d.columns]].rename(columns=cols)
-    return _table(d, num=("latency_ms", "p10_ms", "p90_ms", "n", "speedup vs fla", "tflops"),
+    return _table(d, num=("latency_ms", "p10_ms", "p90_ms", "n", vs, "tflops"),
                   fmt={"latency_ms": ".4f", "p10_ms": ".4f", "p90_ms": ".4f",
-                       "speedup vs fla": ".2f", "tflops": ".1f"})
+                       vs: ".2f", "tflops": ".1f"})
 
 
-def _pairing_lines(latest: pd.DataFrame) -> str:
-    """One line per (direction, backend): geomean speedup over FLA and the pairs' label."""
-    d = vs_fla(latest)
-    d = d[d["vs_fla"].notna()]
+def _pairing_lines(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> str:
+    """One line per (direction, backend): geomean speedup over the baseline and the pairs'
+    label."""
+    d = vs_baseline(latest, baseline)
+    d = d[d["speedup"].notna()]
+    bn = _e(_bname(baseline))
     if d.empty:
         return ""
     items = []
     for (di, b), g in d.groupby(["direction", "backend"], sort=True):
-        gm = float(np.exp(np.log(g["vs_fla"].astype(float)).mean()))
-        items.append(f"<li>{_e(di)} {_e(b)}: geomean {gm:.2f}× FLA over {len(g)} points — "
-                     f"{_e(results.pairing_label(g))}</li>")
-    return ("<h3>speedup over FLA (latest rows)</h3><p class='muted'>pairs: whether the two rows "
+        gm = float(np.exp(np.log(g["speedup"].astype(float)).mean()))
+        items.append(f"<li>{_e(di)} {_e(b)}: geomean {gm:.2f}× {bn} over {len(g)} points — "
+                     f"{_e(analysis.pairing_label(g))}</li>")
+    return (f"<h3>speedup over {bn} (latest rows)</h3><p class='muted'>pairs: whether the two rows "
             "of each ratio share GPU (<code>gpu_uuid</code>) and measurement campaign "
             "(<code>campaign_id</code>; unknown on rows written before these columns) and "
             f"whether one is throttled</p><ul>{''.join(items)}</ul>")
@@ -339,7 +347,7 @@ def _history_section(hist: pd.DataFrame, img_dir: Path, site: Path, anchor: str,
     steps = judged.groupby(["run_label", "verdict"]).size().unstack(fill_value=0).reset_index()
     out.append("<h4>verdicts per run (vs the previous measurement of each point)</h4>")
     out.append(_table(steps, num=tuple(c for c in steps.columns if c != "run_label")))
-    out.append(f"<p class='muted'>pairs judged: {_e(results.pairing_label(judged))}</p>")
+    out.append(f"<p class='muted'>pairs judged: {_e(analysis.pairing_label(judged))}</p>")
     reg = judged[judged["verdict"] == "slower"]
     word = "regression(s)" if kind == "library" else "slower step(s)"
     if len(reg):
@@ -365,13 +373,14 @@ def _img(p: Path, site: Path, alt: str, id_: str, cls: str) -> str:
             f'width="{w}" height="{h}" loading="eager"></p>')
 
 
-def _winners_section(lat: pd.DataFrame, slug: str) -> str:
+def _winners_section(lat: pd.DataFrame, slug: str, baseline: str = analysis.BASELINE) -> str:
     """Per direction: the winner table of :func:`plots.winners`."""
     out = []
     for d in ("fwd", "bwd", "fwdbwd"):
         if not (lat["direction"] == d).any():
             continue
-        w = plots.winners(lat, d)
+        w = plots.winners(lat, d, baseline)
+        vs = f"vs {baseline}"
         if w.empty:
             continue
         n_won = int(w["winner"].notna().sum())
@@ -388,7 +397,7 @@ def _winners_section(lat: pd.DataFrame, slug: str) -> str:
                                      w["winner_p90_ms"].astype(float))],
             "runner-up": w["runner_up"].fillna(""),
             "margin": [_margin(m, o) for m, o in zip(w["margin"].astype(float), w["tie"])],
-            "vs fla": w["speedup"].astype(float),
+            vs: w["speedup"].astype(float),
             "winner max_rel_l2": w["winner_max_rel_l2"].astype(float),
             "incorrect backends": w["n_incorrect"].astype(int),
             "ok / backends": [f"{a} / {b}" for a, b in zip(w["n_ok"], w["n_backends"])],
@@ -399,8 +408,8 @@ def _winners_section(lat: pd.DataFrame, slug: str) -> str:
                       if inc else "no incorrect backend at any point")
                    + ". margin: runner-up median / winner median − 1; ≈: a tie (the two labels' samples "
                    "are not told apart: the rule of <code>qlabench summary</code>).</p>")
-        out.append(_table(t, num=("vs fla", "winner max_rel_l2", "incorrect backends", "margin"),
-                          fmt={"vs fla": ".2f", "winner max_rel_l2": ".2e"}))
+        out.append(_table(t, num=(vs, "winner max_rel_l2", "incorrect backends", "margin"),
+                          fmt={vs: ".2f", "winner max_rel_l2": ".2e"}))
     if not out:
         return ""
     return (f'<h3 id="{slug}-winners">Who wins (latest rows)</h3>'
@@ -414,11 +423,15 @@ def _margin(m: float, tie) -> str:
     return f"{'≈ ' if tie is True else ''}+{(m - 1) * 100:.1f}%"
 
 
-def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0.01) -> Path:
-    """Write ``out/index.html`` (+ ``out/img/<section>/*.png``); returns the page's path."""
+def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0.01,
+          baseline: str | None = None) -> Path:
+    """Write ``out/index.html`` (+ ``out/img/<section>/*.png``); returns the page's path.
+    ``baseline``: the label speedups are over (:class:`qlabench.analysis.UnknownBaseline` when no
+    row carries it); None: ``fla``, its speedups blank where it has no rows."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     df, metas, notes = load_dirs(dirs)
+    baseline = analysis.BASELINE if baseline is None else analysis.require_baseline(df, baseline)
     # one section per results directory (a kept run may accumulate rows from several configs,
     # e.g. a quick subset first, then the full sweep with --resume)
     df["_config"] = [Path(s).name for s in df["_src"]]
@@ -429,18 +442,20 @@ def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0
         img = out / "img" / slug
         runs = run_order(g, metas)
         lat = results.latest(g)
-        figs = plots.run_figures(lat, Path(g["_src"].iloc[0]), metas=metas, fig_dir=img)
+        figs = plots.run_figures(lat, Path(g["_src"].iloc[0]), baseline=baseline, metas=metas,
+                                 fig_dir=img)
         body = [f'<h2 id="{slug}">{_e(cfg)} — {_e(gpu)}</h2>',
                 f"<p>{len(runs)} run(s), {len(g)} rows, {len(lat)} distinct point × backend × "
                 f"direction keys; latest run {_e(runs['run_id'].iloc[-1])} "
                 f"({_e(runs['started_at'].iloc[-1])}).</p>",
                 "<h3>status of the latest row per key</h3>", _status_table(lat),
-                _pairing_lines(lat), _winners_section(lat, slug)]
+                _pairing_lines(lat, baseline), _winners_section(lat, slug, baseline)]
         first = [p for p in figs if p.stem.split("_")[0] in ("winner", "speedup")]
         rest = [p for p in figs if p not in first]
-        kinds = {"winner": ("winner-map", "winner map"), "speedup": ("speedup", "speedup over FLA")}
+        bn = _bname(baseline)
+        kinds = {"winner": ("winner-map", "winner map"), "speedup": ("speedup", f"speedup over {bn}")}
         if first:
-            body.append(f'<h3 id="{slug}-figures">Winner map and speedup over FLA (latest rows)</h3>')
+            body.append(f'<h3 id="{slug}-figures">Winner map and speedup over {_e(bn)} (latest rows)</h3>')
             for p in first:
                 cls, what = kinds[p.stem.split("_")[0]]
                 body.append(_img(p, out, f"{what} ({p.stem.rsplit('_', 1)[-1]})",
@@ -451,7 +466,7 @@ def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0
             body += [_img(p, out, p.stem, f"{slug}-{p.stem}", "more") for p in rest]
         if not figs:
             body.append("<p class='muted'>no ok rows with a latency: nothing to plot</p>")
-        body.append(f"<details><summary>latest rows ({len(lat)})</summary>{_latest_table(lat)}"
+        body.append(f"<details><summary>latest rows ({len(lat)})</summary>{_latest_table(lat, baseline)}"
                     "</details>")
         if len(runs) > 1:
             hist = history(g, runs, threshold, alpha)
@@ -491,13 +506,14 @@ def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0
     return index
 
 
-def report_cmd(results_dirs: list[Path], out: Path) -> int:
-    """``qlabench report``: 0 on success, 2 on bad input (message names the path)."""
+def report_cmd(results_dirs: list[Path], out: Path, baseline: str | None = None) -> int:
+    """``qlabench report``: 0 on success, 2 on bad input (message names the path, or the
+    ``--baseline`` label without rows and the labels present)."""
     from rich.console import Console
 
     err = Console(stderr=True, soft_wrap=True)
     try:
-        index = build(list(results_dirs), Path(out))
+        index = build(list(results_dirs), Path(out), baseline=baseline)
     except Q.BadInput as e:
         err.print(f"error: {e}", highlight=False, markup=False)
         return 2

@@ -15,9 +15,9 @@ library). A published library measured under further labels (``flashinfer@0.7.4`
 ``flashinfer``: rows whose ``backend_name`` is that library) gets a column per label, each
 against the library's published number; the best measured library is the best of all of them. A row whose status is not ``ok`` shows its status instead of a number; a point with no
 row shows ``missing``. Every measured ratio between two rows (the speedup, tilelang vs FLA and vs
-the best library) carries its pair's tag (``<ratio>_pairing``, :func:`results.pairing`: do the
+the best library) carries its pair's tag (``<ratio>_pairing``, :func:`qlabench.analysis.pairing`: do the
 rows share GPU and campaign, is one throttled), and the summary's geomeans their
-:func:`results.pairing_label`. Library versions of the measuring runs (``runs/*.json``) are
+:func:`qlabench.analysis.pairing_label`. Library versions of the measuring runs (``runs/*.json``) are
 compared with the published ones and the differences are printed next to the backends they may
 explain.
 
@@ -39,7 +39,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from . import plots, results
+from . import analysis, plots, results
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: where published sets are looked up (tests point this elsewhere)
@@ -200,14 +200,16 @@ def _select_rows(rows: pd.DataFrame, pub: Published) -> pd.DataFrame:
 # --------------------------------------------------------------------------- side by side
 
 
-def side_by_side(pub: Published, rows: pd.DataFrame) -> pd.DataFrame:
+def side_by_side(pub: Published, rows: pd.DataFrame, extra_baseline: str = analysis.BASELINE) -> pd.DataFrame:
     """One row per published point.
 
     Columns: model, seqlens_label, seqlens, h_qk, h_v; per published backend ``b``:
     ``b_pub_ms``, ``b_ms`` (NaN unless ok), ``b_status`` (ok | a row status | missing),
     ``b_ratio`` (measured / published); ``speedup_pub``, ``speedup_ms`` (baseline / target),
     ``speedup_ratio`` (measured / published speedup); when tilelang rows exist: ``tilelang_ms``,
-    ``tilelang_status``, ``tilelang_vs_fla``, ``tilelang_vs_best``, ``best_library``.
+    ``tilelang_status``, ``tilelang_vs_<extra_baseline>`` (``tilelang_vs_fla`` by default),
+    ``tilelang_vs_best``, ``best_library``. Every ratio is :func:`qlabench.analysis.speedup`; the
+    published speedup keeps the set's own baseline (``pub.baseline``).
     """
     r = _select_rows(rows, pub) if not rows.empty else rows
     by = {}
@@ -241,24 +243,33 @@ def side_by_side(pub: Published, rows: pd.DataFrame) -> pd.DataFrame:
                 d[f"{b}_ratio"] = ms / d[f"{b}_pub_ms"] if np.isfinite(ms) else math.nan
         base, tgt = pub.baseline, pub.target
         d["speedup_pub"] = d[f"{base}_pub_ms"] / d[f"{tgt}_pub_ms"]
-        d["speedup_ms"] = (d[f"{base}_ms"] / d[f"{tgt}_ms"]
-                           if np.isfinite(d[f"{base}_ms"]) and np.isfinite(d[f"{tgt}_ms"]) else math.nan)
+        d["speedup_ms"] = analysis.speedup(d[f"{base}_ms"], d[f"{tgt}_ms"])
         d["speedup_ratio"] = d["speedup_ms"] / d["speedup_pub"]
         d.update(_pair_cols("speedup", by, p.key, base, tgt, np.isfinite(d["speedup_ms"])))
         if has_extra:
             t = d[f"{EXTRA_BACKEND}_ms"]
-            d[f"{EXTRA_BACKEND}_vs_fla"] = d["fla_ms"] / t if "fla_ms" in d else math.nan
+            eb = extra_baseline
+            d[f"{EXTRA_BACKEND}_vs_{eb}"] = analysis.speedup(
+                d[f"{eb}_ms"] if f"{eb}_ms" in d else _ok_ms(by.get((p.key, eb))), t)
             libs = {b: d[f"{b}_ms"] for b in lib_of if np.isfinite(d[f"{b}_ms"])}
             best = min(libs, key=libs.get) if libs else ""
             d["best_library"] = best
-            d[f"{EXTRA_BACKEND}_vs_best"] = libs[best] / t if best else math.nan
-            for r, lib in (("vs_fla", "fla"), ("vs_best", best)):
+            d[f"{EXTRA_BACKEND}_vs_best"] = analysis.speedup(libs[best], t) if best else math.nan
+            for r, lib in ((f"vs_{eb}", eb), ("vs_best", best)):
                 d.update(_pair_cols(f"{EXTRA_BACKEND}_{r}", by, p.key, lib, EXTRA_BACKEND,
                                     np.isfinite(d[f"{EXTRA_BACKEND}_{r}"])))
         out.append(d)
     table = pd.DataFrame(out)
     table.attrs["libraries"] = lib_of  # column -> published library
+    table.attrs["extra_baseline"] = extra_baseline
     return table
+
+
+def _ok_ms(rec) -> float:
+    """A row's latency when it is ``ok`` (NaN otherwise or without a row)."""
+    if rec is None or rec.status != "ok" or rec.latency_ms is None:
+        return math.nan
+    return float(rec.latency_ms)
 
 
 def library_labels(pub: Published, rows: pd.DataFrame) -> dict[str, str]:
@@ -278,25 +289,25 @@ def _library_columns(names) -> list[str]:
     return [c[: -len("_pub_ms")] for c in names if c.endswith("_pub_ms")]
 
 
-#: per measured ratio ``r`` the table carries ``r_pairing`` (:func:`results.pair_tag`) and these
+#: per measured ratio ``r`` the table carries ``r_pairing`` (:func:`qlabench.analysis.pair_tag`) and these
 _PAIR_FLAGS = ("same_gpu", "same_campaign", "throttled", "gpu_known", "campaign_known")
 
 
 def _pair_cols(ratio: str, by: dict, key, a: str, b: str, has: bool) -> dict:
-    """The :func:`results.pairing` of rows ``a`` and ``b`` of a point as ``ratio``-prefixed
+    """The :func:`qlabench.analysis.pairing` of rows ``a`` and ``b`` of a point as ``ratio``-prefixed
     columns; "" / NaN when the ratio has no value."""
     if not has:
         return {f"{ratio}_pairing": "", **{f"{ratio}_{f}": math.nan for f in _PAIR_FLAGS}}
-    pr = results.pair(by[(key, a)]._asdict(), by[(key, b)]._asdict())
+    pr = analysis.pair(by[(key, a)]._asdict(), by[(key, b)]._asdict())
     return {f"{ratio}_pairing": pr["pairing"], **{f"{ratio}_{f}": pr[f] for f in _PAIR_FLAGS}}
 
 
 def pairing_of(table: pd.DataFrame, ratio: str, value: str | None = None) -> str:
-    """:func:`results.pairing_label` over the points where ratio ``ratio`` (its value in column
+    """:func:`qlabench.analysis.pairing_label` over the points where ratio ``ratio`` (its value in column
     ``value``, default ``ratio``) was measured."""
     t = table[np.isfinite(table[value or ratio].astype(float))]
     cols = {f"{ratio}_{f}": f for f in (*_PAIR_FLAGS, "pairing")}
-    return results.pairing_label(t[list(cols)].rename(columns=cols).astype(
+    return analysis.pairing_label(t[list(cols)].rename(columns=cols).astype(
         {f: bool for f in _PAIR_FLAGS}))
 
 
@@ -332,10 +343,11 @@ def summarize(pub: Published, table: pd.DataFrame) -> dict:
         "within": float((np.abs(table.loc[both, "speedup_ratio"] - 1) <= WITHIN + 1e-12).mean())
         if both.any() else None,
     }
-    if f"{EXTRA_BACKEND}_vs_fla" in table:
+    eb = table.attrs.get("extra_baseline", analysis.BASELINE)
+    if f"{EXTRA_BACKEND}_vs_{eb}" in table:
         s["extra"] = {r: {**_stats(table[f"{EXTRA_BACKEND}_{r}"]),
                           "pairing": pairing_of(table, f"{EXTRA_BACKEND}_{r}")}
-                      for r in ("vs_fla", "vs_best")}
+                      for r in (f"vs_{eb}", "vs_best")}
     bes = _library_columns(table.columns)
     no_row = table[np.all([table[f"{b}_status"] == MISSING for b in bes], axis=0)]
     s["missing_points"] = [f"{m} {lab}" for m, lab in zip(no_row["model"], no_row["seqlens_label"])]
@@ -499,7 +511,8 @@ def _speedup_rows(pub: Published, s: dict) -> list[list[str]]:
             [f"measured {lab}", str(sp["measured"]["n"]), _fx(sp["measured"]["geomean"]),
              _fx(sp["measured"]["min"]), _fx(sp["measured"]["max"]), sp["measured"]["pairing"]]]
     if "extra" in s:
-        for k, lab2 in (("vs_fla", f"measured fla/{EXTRA_BACKEND}"),
+        eb = next(k for k in s["extra"] if k != "vs_best")[len("vs_"):]
+        for k, lab2 in ((f"vs_{eb}", f"measured {eb}/{EXTRA_BACKEND}"),
                         ("vs_best", f"measured best library/{EXTRA_BACKEND}")):
             e = s["extra"][k]
             rows.append([lab2, str(e["n"]), _fx(e["geomean"]), _fx(e["min"]), _fx(e["max"]),
@@ -516,19 +529,21 @@ def _point_head(pub: Published, table: pd.DataFrame) -> list[str]:
                                            for b in _library_columns(table.columns)]
     h += ["speedup pub", "speedup meas", "pairing"]
     if f"{EXTRA_BACKEND}_status" in table:
-        h += [f"{EXTRA_BACKEND} ms", f"{EXTRA_BACKEND} vs fla", f"{EXTRA_BACKEND} vs best",
-              f"{EXTRA_BACKEND} pairing (vs fla; vs best)"]
+        eb = table.attrs.get("extra_baseline", analysis.BASELINE)
+        h += [f"{EXTRA_BACKEND} ms", f"{EXTRA_BACKEND} vs {eb}", f"{EXTRA_BACKEND} vs best",
+              f"{EXTRA_BACKEND} pairing (vs {eb}; vs best)"]
     return h
 
 
-def _point_row(pub: Published, t: pd.Series) -> list[str]:
+def _point_row(pub: Published, t: pd.Series, extra_baseline: str = analysis.BASELINE) -> list[str]:
     r = [str(t["model"]), str(t["seqlens_label"]), f"{t['h_qk']}/{t['h_v']}"]
     r += [_cell(t, b) for b in _library_columns(t.index)]
     r += [_fx(t["speedup_pub"]), _fx(t["speedup_ms"]), _tag(t, "speedup", "speedup_ms")]
     if f"{EXTRA_BACKEND}_status" in t:
-        r += [_cell(t, EXTRA_BACKEND, with_pub=False), _fx(t[f"{EXTRA_BACKEND}_vs_fla"]),
+        vs = f"{EXTRA_BACKEND}_vs_{extra_baseline}"
+        r += [_cell(t, EXTRA_BACKEND, with_pub=False), _fx(t[vs]),
               _fx(t[f"{EXTRA_BACKEND}_vs_best"]),
-              f"{_tag(t, f'{EXTRA_BACKEND}_vs_fla')}; {_tag(t, f'{EXTRA_BACKEND}_vs_best')}"]
+              f"{_tag(t, vs)}; {_tag(t, f'{EXTRA_BACKEND}_vs_best')}"]
     return r
 
 
@@ -595,13 +610,14 @@ def markdown(pub: Published, table: pd.DataFrame, s: dict, notes: Notes, source:
         lines += ["## Known caveats of the published run", "", *[f"- {c.strip()}" for c in cav], ""]
     worst, best = extremes(table)
     head = _point_head(pub, table)
+    eb = table.attrs.get("extra_baseline", analysis.BASELINE)
     if not worst.empty:
         lines += ["## Worst points (measured speedup / published)", "",
-                  _md_table(head, [_point_row(pub, t) for _, t in worst.iterrows()]), "",
-                  "## Best points", "", _md_table(head, [_point_row(pub, t) for _, t in best.iterrows()]),
+                  _md_table(head, [_point_row(pub, t, eb) for _, t in worst.iterrows()]), "",
+                  "## Best points", "", _md_table(head, [_point_row(pub, t, eb) for _, t in best.iterrows()]),
                   ""]
     lines += ["## All points", "", "<details><summary>" + f"{len(table)} points</summary>", "",
-              _md_table(head, [_point_row(pub, t) for _, t in table.iterrows()]), "", "</details>", ""]
+              _md_table(head, [_point_row(pub, t, eb) for _, t in table.iterrows()]), "", "</details>", ""]
     lines += [f"Files: {', '.join(f'[{k}]({p.name})' for k, p in files.items())}", ""]
     return "\n".join(lines)
 
@@ -619,8 +635,9 @@ class Reproduction:
     files: dict[str, Path] = field(default_factory=dict)
 
 
-def compare_rows(pub: Published, rows: pd.DataFrame, meta: dict, source: str) -> Reproduction:
-    table = side_by_side(pub, rows)
+def compare_rows(pub: Published, rows: pd.DataFrame, meta: dict, source: str,
+                 extra_baseline: str = analysis.BASELINE) -> Reproduction:
+    table = side_by_side(pub, rows, extra_baseline)
     return Reproduction(pub, table, summarize(pub, table), notes_for(pub, rows, meta), source)
 
 
@@ -631,7 +648,8 @@ def write(rep: Reproduction, out: Path) -> dict[str, Path]:
     files = {"csv": out / f"{stem}.csv", "markdown": out / f"{stem}.md", "figure": out / f"{stem}.png"}
     rep.table.to_csv(files["csv"], index=False, float_format="%.6g")
     plots.reproduce_figure(rep.table, files["figure"], rep.pub.baseline, rep.pub.target,
-                           figure_title(rep.pub, rep.table), extra=EXTRA_BACKEND, within=WITHIN)
+                           figure_title(rep.pub, rep.table), extra=EXTRA_BACKEND, within=WITHIN,
+                           extra_baseline=rep.table.attrs.get("extra_baseline", analysis.BASELINE))
     files["markdown"].write_text(markdown(rep.pub, rep.table, rep.summary, rep.notes, rep.source, files))
     rep.files = files
     return files
@@ -665,10 +683,11 @@ def print_report(rep: Reproduction, console: Console) -> None:
         console.print(f"  [dim]caveat[/dim] {c.strip()}", highlight=False)
     worst, best = extremes(rep.table)
     head = _point_head(pub, rep.table)
+    eb = rep.table.attrs.get("extra_baseline", analysis.BASELINE)
     if not worst.empty:
         console.print(_rich("worst points (measured speedup / published)", head,
-                            [_point_row(pub, t) for _, t in worst.iterrows()]))
-        console.print(_rich("best points", head, [_point_row(pub, t) for _, t in best.iterrows()]))
+                            [_point_row(pub, t, eb) for _, t in worst.iterrows()]))
+        console.print(_rich("best points", head, [_point_row(pub, t, eb) for _, t in best.iterrows()]))
     if rep.files:
         console.print("wrote " + ", ".join(str(p) for p in rep.files.values()), highlight=False)
 
@@ -682,7 +701,7 @@ def _shown(path: Path) -> str:
 
 
 def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
-                  console: Console | None = None) -> int:
+                  console: Console | None = None, baseline: str | None = None) -> int:
     """Compare the published set ``name`` with the rows under ``from_`` (a results directory of
     ``qlabench run``) and write the report into ``out``. Exit code: 0 report written (whatever
     the agreement), 2 a problem the user must fix (no ``from_`` among them: the message names
@@ -700,10 +719,13 @@ def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
         rows_dir, source = Path(from_), f"rows read from {from_}"
         rows = measured_rows(rows_dir, direction)
         meta = results.load_meta(rows_dir) if rows_dir.is_dir() else {}
-    except ReproduceError as e:
+        # the in-repo kernel's extra speedup is over ``baseline`` (default fla); a label asked
+        # for must have rows of this direction
+        extra_baseline = analysis.BASELINE if baseline is None else analysis.require_baseline(rows, baseline)
+    except (ReproduceError, analysis.BadInput) as e:
         err.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
-    rep = compare_rows(pub, rows, meta, source)
+    rep = compare_rows(pub, rows, meta, source, extra_baseline)
     write(rep, out)
     print_report(rep, console)
     if not any(e["ok"] for e in rep.summary["backends"].values()):

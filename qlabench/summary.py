@@ -1,31 +1,31 @@
 """Who wins each point, by how much, and is it correct: ``qlabench summary DIR`` and the table at
 the end of ``qlabench run``.
 
-Input: :func:`qlabench.results.latest` rows (one per point × backend label × direction). Per point
-(model, h_qk/h_v, layout, direction) — :func:`point_table`:
+Input: :func:`qlabench.analysis.newest` rows (one per point × backend label × direction). Per point
+(model, h_qk/h_v, layout, direction) — :func:`qlabench.analysis.point_table`:
 
 - ``winner``: the backend label with the lowest median latency (``latency_ms``) among the rows
   with status ``ok`` (checked against the reference before timing); ``winner_ms``,
   ``winner_p10_ms`` / ``winner_p90_ms`` its median and p10–p90 over the stored per-call samples;
 - ``runner_up`` / ``runner_up_ms``: the second-fastest ``ok`` label; ``margin`` = runner-up ms /
   winner ms (≥ 1);
-- ``tie``: the winner and runner-up are not distinguishable within the noise (:func:`is_tie`);
+- ``tie``: the winner and runner-up are not distinguishable within the noise (:func:`qlabench.analysis.is_tie`);
 - ``speedup``: baseline ms / winner ms (baseline: a label, FLA by default; blank when the baseline
   has no ``ok`` row at that point);
 - correctness: ``winner_max_rel_l2`` and ``n_incorrect`` / ``n_failed`` (statuses ``incorrect``
   and ``crashed`` / ``timeout`` / ``oom``) over the point's labels; ``n_ok`` of ``n_backends``;
-- ``pairing`` / ``baseline_pairing``: :func:`qlabench.results.pair_tag` of winner vs runner-up and
+- ``pairing`` / ``baseline_pairing``: :func:`qlabench.analysis.pair_tag` of winner vs runner-up and
   winner vs baseline ("" when both rows share GPU and campaign; else ``cross-GPU``,
   ``cross-campaign``, ``throttled``).
 
-**Tie rule** (:func:`is_tie`): the two sample lists are distinguishable only when the median
+**Tie rule** (:func:`qlabench.analysis.is_tie`): the two sample lists are distinguishable only when the median
 ratio exceeds ``1 + threshold`` (a practical floor, 1% by default) **and** a two-sided
 Mann–Whitney U test on them gives p < ``alpha`` (0.01) — the same two gates as
 :mod:`qlabench.compare`. Everything else is a tie, including pairs with too few samples for the
-test to ever reach ``alpha`` (:func:`qlabench.compare.min_two_sided_p`): what cannot be told apart
+test to ever reach ``alpha`` (:func:`qlabench.analysis.min_two_sided_p`): what cannot be told apart
 is reported as such, not as a win.
 
-Per model (and direction) a footer (:func:`model_footer`): for each label, the geomean speedup over
+Per model (and direction) a footer (:func:`qlabench.analysis.model_footer`): for each label, the geomean speedup over
 the baseline on the points where both are ``ok``, the points it wins and how many of those wins
 are ties.
 """
@@ -33,55 +33,24 @@ are ties.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
-from . import results
-from .compare import BadInput, _samples, _val, min_two_sided_p
-
-ALPHA = 0.01
-THRESHOLD = 0.01
-BASELINE = "fla"
-FAILED = ("incorrect", *results.FAILED_STATUSES)
-#: columns that identify a point of the table (``point_key`` holds seqlens and gate recipe)
-POINT = ["model", "h_qk", "h_v", "layout", "direction", "point_key"]
-
-
-def is_tie(a, b, alpha: float = ALPHA, threshold: float = THRESHOLD) -> bool:
-    """True when samples ``a`` (or a row with ``samples_ms``) and ``b`` cannot be told apart: not
-    (median ratio beyond ``1 + threshold`` either way and two-sided Mann–Whitney p < ``alpha``).
-    Too few samples for the test to reach ``alpha`` → tie."""
-    from scipy.stats import mannwhitneyu
-
-    a = _samples(a) if isinstance(a, Mapping) else np.asarray(a, float)
-    b = _samples(b) if isinstance(b, Mapping) else np.asarray(b, float)
-    if not len(a) or not len(b):
-        return True
-    ma, mb = float(np.median(a)), float(np.median(b))
-    if ma <= 0 or mb <= 0:
-        return True
-    ratio = max(ma, mb) / min(ma, mb)
-    if ratio <= 1 + threshold:
-        return True
-    if min_two_sided_p(len(a), len(b)) >= alpha:
-        return True
-    return not float(mannwhitneyu(a, b, alternative="two-sided").pvalue) < alpha
-
-
-def resolve_baseline(df: pd.DataFrame, baseline: str) -> str | None:
-    """The label of ``baseline``: itself when rows carry it, else the only label of that library
-    (``backend_name``); None when absent."""
-    labels = set(df["backend"].dropna())
-    if baseline in labels:
-        return baseline
-    if "backend_name" in df.columns:
-        named = sorted(set(df.loc[df["backend_name"] == baseline, "backend"].dropna()))
-        if len(named) == 1:
-            return named[0]
-    return None
+from . import analysis
+from .analysis import (  # noqa: F401 (the summary's names, kept for callers)
+    ALPHA,
+    BASELINE,
+    FAILED,
+    POINT,
+    THRESHOLD,
+    BadInput,
+    is_tie,
+    model_footer,
+    point_table,
+    require_baseline,
+    resolve_baseline,
+)
 
 
 def select_model(df: pd.DataFrame, model: str) -> pd.DataFrame:
@@ -97,81 +66,6 @@ def select_model(df: pd.DataFrame, model: str) -> pd.DataFrame:
         names = ", ".join(f"{r.model} ({r.h_qk}/{r.h_v})" for r in known.itertuples())
         raise BadInput(f"--model {model!r}: no such model in these rows; known: {names}")
     return df[hit]
-
-
-def point_table(df: pd.DataFrame, baseline: str = BASELINE, alpha: float = ALPHA,
-                threshold: float = THRESHOLD) -> pd.DataFrame:
-    """One row per point and direction of ``df`` (latest rows); the columns of the module doc.
-    Points without any ``ok`` row keep ``winner`` None."""
-    base = resolve_baseline(df, baseline) if len(df) else None
-    out = []
-    for keys, g in df.groupby(POINT, sort=False, dropna=False):
-        info = dict(zip(POINT, keys))
-        first = g.iloc[0]
-        recs = g.to_dict("records")
-        ok = sorted((r for r in recs if r["status"] == "ok" and _val(r, "latency_ms") is not None),
-                    key=lambda r: (r["latency_ms"], r["backend"]))
-        row = {**info, "point_index": _val(first, "point_index"),
-               "seqlens": [int(x) for x in first["seqlens"]] if first["seqlens"] is not None else [],
-               "num_seqs": _val(first, "num_seqs"), "total_tokens": _val(first, "total_tokens"),
-               "n_backends": len(recs), "n_ok": len(ok),
-               "n_incorrect": sum(r["status"] == "incorrect" for r in recs),
-               "n_failed": sum(r["status"] in results.FAILED_STATUSES for r in recs),
-               "winner": None, "winner_ms": None, "winner_p10_ms": None, "winner_p90_ms": None,
-               "winner_max_rel_l2": None, "runner_up": None, "runner_up_ms": None,
-               "margin": None, "tie": False, "pairing": "", "baseline": base,
-               "baseline_ms": None, "speedup": None, "baseline_pairing": "",
-               "latency_ms": {r["backend"]: float(r["latency_ms"]) for r in ok}}
-        if ok:
-            w = ok[0]
-            s = _samples(w)
-            row.update(winner=w["backend"], winner_ms=float(w["latency_ms"]),
-                       winner_p10_ms=_q(s, 0.1, w, "p10_ms"), winner_p90_ms=_q(s, 0.9, w, "p90_ms"),
-                       winner_max_rel_l2=_val(w, "max_rel_l2"))
-            if len(ok) > 1:
-                r2 = ok[1]
-                row.update(runner_up=r2["backend"], runner_up_ms=float(r2["latency_ms"]),
-                           margin=float(r2["latency_ms"]) / float(w["latency_ms"]),
-                           tie=is_tie(w, r2, alpha, threshold),
-                           pairing=results.pair(w, r2)["pairing"])
-            b = next((r for r in ok if r["backend"] == base), None)
-            if b is not None:
-                row.update(baseline_ms=float(b["latency_ms"]),
-                           speedup=float(b["latency_ms"]) / float(w["latency_ms"]),
-                           baseline_pairing=results.pair(w, b)["pairing"] if b is not w else "")
-        out.append(row)
-    t = pd.DataFrame(out)
-    if not t.empty:
-        t = t.sort_values(["direction", "h_qk", "h_v", "model", "num_seqs", "total_tokens",
-                           "point_index"], kind="stable").reset_index(drop=True)
-    return t
-
-
-def _q(s: np.ndarray, q: float, row: Mapping, col: str) -> float | None:
-    if len(s) > 1:
-        return float(np.quantile(s, q))
-    return _val(row, col)
-
-
-def model_footer(df: pd.DataFrame, table: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
-    """Per label over one model's points (``df``: its latest rows, ``table``: its
-    :func:`point_table`): ``geomean_speedup`` over the baseline (points where both are ``ok``),
-    ``points`` (that many), ``wins`` and ``tied_wins``."""
-    rows = []
-    ok = df[df["status"] == "ok"]
-    lat = ok.pivot_table(index=["point_key", "direction"], columns="backend", values="latency_ms",
-                         aggfunc="first")
-    for label in sorted(set(df["backend"].dropna())):
-        gm, n = None, 0
-        if baseline is not None and baseline in lat.columns and label in lat.columns:
-            both = lat[[baseline, label]].dropna()
-            n = len(both)
-            if n:
-                gm = float(np.exp(np.mean(np.log(both[baseline] / both[label]))))
-        won = table[table["winner"] == label]
-        rows.append({"backend": label, "geomean_speedup": gm, "points": n,
-                     "wins": len(won), "tied_wins": int(won["tie"].sum())})
-    return pd.DataFrame(rows)
 
 
 def _missing(x) -> bool:
@@ -251,13 +145,14 @@ def print_summary(df: pd.DataFrame, console=None, baseline: str = BASELINE,
 def load_latest(path: Path) -> pd.DataFrame:
     """Latest rows of a results directory; :class:`BadInput` when missing or empty."""
     from .compare import load_side
-    return results.latest(load_side(Path(path)))
+    return analysis.newest(load_side(Path(path)))
 
 
 def summary_cmd(path: Path, model: str | None = None, direction: str | None = None,
-                baseline: str = BASELINE, alpha: float = ALPHA, threshold: float = THRESHOLD,
+                baseline: str | None = None, alpha: float = ALPHA, threshold: float = THRESHOLD,
                 console=None) -> int:
-    """``qlabench summary DIR``: tables on stdout; exit 2 (message on stderr) on bad input."""
+    """``qlabench summary DIR``: tables on stdout; exit 2 (message on stderr) on bad input,
+    including a ``baseline`` label without rows (None: ``fla`` when present, else no speedups)."""
     import sys
 
     from rich.console import Console
@@ -266,6 +161,8 @@ def summary_cmd(path: Path, model: str | None = None, direction: str | None = No
     err = Console(stderr=True, soft_wrap=True)
     try:
         df = load_latest(path)
+        if baseline is not None:  # a label asked for must have rows (the default may lack them)
+            require_baseline(df, baseline)
         if direction is not None:
             have = sorted(set(df["direction"].dropna()))
             if direction not in have:
@@ -279,7 +176,7 @@ def summary_cmd(path: Path, model: str | None = None, direction: str | None = No
     except BadInput as e:
         err.print(f"error: {e}", highlight=False, markup=False)
         return 2
-    print_summary(df, console, baseline, alpha, threshold)
+    print_summary(df, console, baseline or BASELINE, alpha, threshold)
     return 0
 
 

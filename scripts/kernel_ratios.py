@@ -8,7 +8,7 @@ not a `tilelang` one: FLA, FlashQLA, FlashInfer and any labelled version such as
 faster; the worst point, and the counts — only over points where tilelang and the compared backend
 are both `ok` (latest row per key). Every ratio pairs two rows: a cell marked `*` holds a pair
 whose rows are not known to share GPU and campaign, or a throttled row; the lines under the table
-give `results.pairing_label` per column.
+give `analysis.pairing_label` per column.
 
 ``--chain DIR`` (repeatable, in order): a run of `tilelang` against `tilelang@prev` (a later
 version of the kernels against the one before it); each point's tilelang latency is multiplied by
@@ -21,7 +21,7 @@ import math
 
 import pandas as pd
 
-from qlabench import results
+from qlabench import analysis, results
 
 LIBS = ("fla", "flashqla", "flashinfer")  # first, in this order; other labels after them
 
@@ -75,7 +75,7 @@ def geomean(xs):
 
 def ratios(dd: pd.DataFrame, libs: list[str]) -> pd.DataFrame:
     """One row per (point, compared column): lib latency / tilelang latency and the pair's
-    ``results.pairing``; column ``vs`` is the library or ``best`` (the fastest library there)."""
+    ``analysis.pairing``; column ``vs`` is the library or ``best`` (the fastest library there)."""
     til = dd[dd.backend == "tilelang"].set_index("point_key")
     out = []
     for pk, g in dd[dd.backend.isin(libs)].groupby("point_key", sort=False):
@@ -87,7 +87,7 @@ def ratios(dd: pd.DataFrame, libs: list[str]) -> pd.DataFrame:
             r = r._asdict() if hasattr(r, "_asdict") else r.to_dict()
             out.append({"point_key": pk, "h_qk": t.h_qk, "h_v": t.h_v, "layout": t.layout, "vs": vs,
                         "ratio": r["latency_ms"] / t.latency_ms,
-                        **results.pair(r, {**t.to_dict(), "point_key": pk})})
+                        **analysis.pair(r, {**t.to_dict(), "point_key": pk})})
     return pd.DataFrame(out)
 
 
@@ -128,7 +128,7 @@ def main():
               + " | ".join(cell(rt[rt.vs == c]) for c in cols) + " | |")
         print()
         for c in cols:
-            print(f"- vs {c}: {results.pairing_label(rt[rt.vs == c])}")
+            print(f"- vs {c}: {analysis.pairing_label(rt[rt.vs == c])}")
         if rt.pairing.astype(bool).any():
             print("- *: the cell holds pairs whose rows are not known to share GPU and campaign, "
                   "or a throttled row")

@@ -1,5 +1,5 @@
 """Every ratio between two rows says whether they share GPU and campaign and marks throttled rows:
-results.pairing and its labels, and their use in plots, report, reproduce and kernel_ratios."""
+analysis.pairing and its labels, and their use in plots, report, reproduce and kernel_ratios."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import synth_results as S
 
-from qlabench import plots, report, results
+from qlabench import analysis, plots, report, results
 
 ROOT = Path(__file__).resolve().parents[1]
 SAME = {"gpu_uuid": "GPU-aaaa", "campaign_id": "c1"}
@@ -20,21 +20,21 @@ def test_pairing_same_different_unknown_and_throttled():
                       "throttled": [False, True, None, False]})
     b = pd.DataFrame({"gpu_uuid": ["G1", "G1", "G1", "G2"], "campaign_id": ["c1", "c1", "c1", "c1"],
                       "throttled": [False, False, False, None]})
-    p = results.pairing(a, b)
+    p = analysis.pairing(a, b)
     assert list(p["same_gpu"]) == [True, True, False, False]
     assert list(p["gpu_known"]) == [True, True, False, True]
     assert list(p["same_campaign"]) == [True, False, True, True]
     assert list(p["throttled"]) == [False, True, False, False]
     assert list(p["pairing"]) == ["", "cross-campaign, throttled", "cross-GPU", "cross-GPU"]
-    assert results.pairing_label(p) == ("cross-GPU: 2 of 4 pairs (1 unknown); "
+    assert analysis.pairing_label(p) == ("cross-GPU: 2 of 4 pairs (1 unknown); "
                                         "cross-campaign: 1 of 4 pairs; throttled: 1")
-    assert results.pairing_label(p.iloc[:1]) == "same GPU and campaign: 1 pair"
-    assert results.pairing_label(p.iloc[:0]) == "no pairs"
+    assert analysis.pairing_label(p.iloc[:1]) == "same GPU and campaign: 1 pair"
+    assert analysis.pairing_label(p.iloc[:0]) == "no pairs"
     # rows written before gpu_uuid / campaign_id existed: unknown, so not shared
-    old = results.pair({"latency_ms": 1.0}, {"latency_ms": 2.0})
+    old = analysis.pair({"latency_ms": 1.0}, {"latency_ms": 2.0})
     assert old["pairing"] == "cross-GPU, cross-campaign" and not old["same_gpu"]
     with pytest.raises(ValueError):
-        results.pairing(a, b.iloc[:2])
+        analysis.pairing(a, b.iloc[:2])
 
 
 def _run(tmp, name="r", throttle=None, **kw):
@@ -55,7 +55,7 @@ def test_speedup_table_and_figures_carry_the_pairing(tmp_path):
     assert set(sp.loc[sp["backend"] == "tilelang", "pairing"]) == {""}
     assert set(sp.loc[sp["backend"] == "flashqla", "pairing"]) == {"throttled"}
     assert sp["speedup"].gt(1).all()  # synthetic: both faster than FLA
-    assert results.pairing_label(sp[sp["backend"] == "flashqla"]) == "throttled: 8"
+    assert analysis.pairing_label(sp[sp["backend"] == "flashqla"]) == "throttled: 8"
     assert plots.speedup_heatmap(lat, tmp_path / "s.png") and plots.latency_figure(
         lat, tmp_path / "l.png", "fwd")
 

@@ -1,0 +1,415 @@
+"""The analysis layer every view shares (``summary``, ``report``, ``reproduce``, ``recommend``,
+``compare``, the figures of :mod:`qlabench.plots`): views only render what these functions
+compute.
+
+- **newest rows**: :func:`newest` (one row per point × backend label × direction, as
+  :func:`qlabench.results.latest` picks it) and :func:`load_newest`;
+- **pairing**: whether the two rows of a ratio share GPU and measurement campaign and whether one
+  is throttled — :func:`pairing`, :func:`pair`, :func:`pair_tag`, :func:`pairing_label`;
+- **speedups over any baseline label**: :func:`resolve_baseline`, :func:`require_baseline` (an
+  unknown label is :class:`UnknownBaseline`), :func:`speedup` (one ratio: baseline latency /
+  backend latency) and :func:`speedups` (per point and label, with the pair's columns);
+- **winners and ties**: :func:`point_table` (per point the fastest ``ok`` label, runner-up,
+  margin, tie, speedup over the baseline), :func:`model_footer`, the Mann–Whitney tie rule
+  :func:`is_tie` with :func:`min_two_sided_p`, and the row helpers :func:`samples` /
+  :func:`value`;
+- **ordering**: :func:`layout_key`, :func:`layout_order`, :func:`model_order`,
+  :func:`sort_layouts`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from . import results
+
+#: the default baseline label of every speedup
+BASELINE = "fla"
+#: the tie rule's significance level and practical floor (median ratio)
+ALPHA = 0.01
+THRESHOLD = 0.01
+FAILED = ("incorrect", *results.FAILED_STATUSES)
+#: columns that identify a point of :func:`point_table` (``point_key`` holds seqlens and recipe)
+POINT = ["model", "h_qk", "h_v", "layout", "direction", "point_key"]
+
+
+class BadInput(Exception):
+    """Input a user can fix; the message names the path (or the option)."""
+
+
+class UnknownBaseline(BadInput):
+    """A ``--baseline`` label without rows in the data."""
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def value(row: Mapping, col: str):
+    """``row[col]``, None when absent or NaN."""
+    v = row.get(col)
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return v
+
+
+def samples(row: Mapping) -> np.ndarray:
+    """The finite per-call samples of a row (``samples_ms``), else its median as one sample."""
+    s = row.get("samples_ms")
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        lat = row.get("latency_ms")
+        return np.array([lat], float) if lat is not None and np.isfinite(lat) else np.array([])
+    a = np.asarray(list(s), dtype=float)
+    return a[np.isfinite(a)]
+
+
+def newest(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (point, backend label, direction): :func:`qlabench.results.latest`; frames
+    without ``started_at``/``run_id`` keep the last row per key."""
+    if df.empty or {"started_at", "run_id"} <= set(df.columns):
+        return results.latest(df)
+    return df.drop_duplicates(results.KEY, keep="last")
+
+
+def load_newest(path: str | Path) -> pd.DataFrame:
+    """:func:`newest` rows of a results directory (``results.load(path, latest=True)``)."""
+    return results.load(path, latest=True)
+
+
+# --------------------------------------------------------------------------- pairing
+
+#: columns that say whether two rows can be compared as measured side by side
+PAIR_COLUMNS = ("gpu_uuid", "campaign_id", "throttled")
+
+
+def known(v) -> bool:
+    """A pairing column's value is present (not None, NaN, NA or "")."""
+    return v is not None and not (isinstance(v, float) and v != v) and v is not pd.NA and v != ""
+
+
+def pairing(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """How the rows of every ratio were measured: ``a.iloc[i]`` is paired with ``b.iloc[i]``.
+
+    Columns (index of ``a``): ``gpu_known`` / ``campaign_known`` (both rows carry ``gpu_uuid`` /
+    ``campaign_id``), ``same_gpu`` / ``same_campaign`` (known on both sides and equal; a value
+    missing on either side, as on rows written before these columns existed, counts as not
+    shared), ``throttled`` (either row's ``throttled`` is true) and ``pairing``, the per-pair tag
+    of :func:`pair_tag` ("" for a clean pair). Frames lacking a column count it as unknown."""
+    if len(a) != len(b):
+        raise ValueError(f"pairing: {len(a)} rows vs {len(b)} rows")
+
+    def col(df, c):
+        return list(df[c]) if c in df.columns else [None] * len(df)
+
+    out = {}
+    for c, name in (("gpu_uuid", "gpu"), ("campaign_id", "campaign")):
+        x, y = col(a, c), col(b, c)
+        kn = [known(u) and known(v) for u, v in zip(x, y)]
+        out[f"{name}_known"] = kn
+        out[f"same_{name}"] = [k and u == v for k, u, v in zip(kn, x, y)]
+    out["throttled"] = [(known(u) and bool(u)) or (known(v) and bool(v))
+                        for u, v in zip(col(a, "throttled"), col(b, "throttled"))]
+    p = pd.DataFrame(out, index=a.index)
+    p["pairing"] = [pair_tag(g, c, t) for g, c, t in
+                    zip(p["same_gpu"], p["same_campaign"], p["throttled"])]
+    return p
+
+
+def pair(a: dict, b: dict) -> dict:
+    """:func:`pairing` of one pair of rows given as dicts (the schema's columns)."""
+    return pairing(pd.DataFrame([a]), pd.DataFrame([b])).iloc[0].to_dict()
+
+
+def pair_tag(same_gpu: bool, same_campaign: bool, throttled: bool) -> str:
+    """Per-pair tag: "" when both rows share GPU and campaign and neither is throttled, else the
+    words that apply of ``cross-GPU``, ``cross-campaign``, ``throttled`` (comma-separated)."""
+    words = [w for w, bad in (("cross-GPU", not same_gpu), ("cross-campaign", not same_campaign),
+                              ("throttled", throttled)) if bad]
+    return ", ".join(words)
+
+
+def pairing_label(p: pd.DataFrame) -> str:
+    """Headline label of a statistic over the pairs of ``p`` (a :func:`pairing` frame), e.g.
+    ``cross-campaign: 120 of 171 pairs (120 unknown); throttled: 43`` or
+    ``same GPU and campaign: 171 pairs``. "unknown": rows without ``gpu_uuid``/``campaign_id``."""
+    n = len(p)
+    if not n:
+        return "no pairs"
+    parts = []
+    for name, word in (("gpu", "cross-GPU"), ("campaign", "cross-campaign")):
+        k = int((~p[f"same_{name}"].astype(bool)).sum())
+        if k:
+            unknown = int((~p[f"{name}_known"].astype(bool)).sum())
+            parts.append(f"{word}: {k} of {n} pair{'s' * (n != 1)}" + (f" ({unknown} unknown)" if unknown else ""))
+    t = int(p["throttled"].astype(bool).sum())
+    if t:
+        parts.append(f"throttled: {t}")
+    return "; ".join(parts) if parts else f"same GPU and campaign: {n} pair{'s' * (n != 1)}"
+
+
+# --------------------------------------------------------------------------- speedups
+
+
+def resolve_baseline(df: pd.DataFrame, baseline: str) -> str | None:
+    """The label of ``baseline``: itself when rows carry it, else the only label of that library
+    (``backend_name``); None when absent."""
+    labels = set(df["backend"].dropna()) if "backend" in df.columns else set()
+    if baseline in labels:
+        return baseline
+    if "backend_name" in df.columns:
+        named = sorted(set(df.loc[df["backend_name"] == baseline, "backend"].dropna()))
+        if len(named) == 1:
+            return named[0]
+    return None
+
+
+def require_baseline(df: pd.DataFrame, baseline: str) -> str:
+    """:func:`resolve_baseline`, or :class:`UnknownBaseline` (one line naming the label and the
+    labels present) when no row carries it."""
+    got = resolve_baseline(df, baseline)
+    if got is None:
+        present = sorted(set(df["backend"].dropna())) if "backend" in df.columns else []
+        raise UnknownBaseline(f"--baseline {baseline!r}: no rows of that label; labels present: "
+                              f"{', '.join(map(str, present)) or 'none'}")
+    return got
+
+
+def speedup(baseline_ms, ms) -> float:
+    """One speedup: baseline latency / backend latency (> 1: the backend is faster); NaN when
+    either is missing or not finite."""
+    try:
+        b, m = float(baseline_ms), float(ms)
+    except (TypeError, ValueError):
+        return math.nan
+    return b / m if np.isfinite(b) and np.isfinite(m) else math.nan
+
+
+def quantile_cols(d: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(p10, p90) latency of each row; the median where a row has none."""
+    med = d["latency_ms"].to_numpy(float)
+    lo = d["p10_ms"].to_numpy(float) if "p10_ms" in d else med
+    hi = d["p90_ms"].to_numpy(float) if "p90_ms" in d else med
+    return np.where(np.isfinite(lo), lo, med), np.where(np.isfinite(hi), hi, med)
+
+
+def speedups(df: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
+    """Speedup of every ``ok`` row of ``df`` (newest rows) over the ``ok`` row of label
+    ``baseline`` on the same point and direction (the last one when several).
+
+    Index: those rows of ``df`` (not the baseline's own, not points without a baseline row).
+    Columns: ``baseline_ms``, ``speedup`` (baseline latency / row latency), ``speedup_lo`` ..
+    ``speedup_hi`` (baseline p10 / row p90 .. baseline p90 / row p10; a row without p10/p90
+    contributes its median) and the pair's :func:`pairing` columns."""
+    cols = ["baseline_ms", "speedup", "speedup_lo", "speedup_hi", "gpu_known", "same_gpu",
+            "campaign_known", "same_campaign", "throttled", "pairing"]
+    if df.empty:
+        return pd.DataFrame(columns=cols)
+    ok = df["status"] == "ok"
+    base = df[ok & (df["backend"] == baseline)].drop_duplicates(
+        ["point_key", "direction"], keep="last").set_index(["point_key", "direction"])
+    keys = list(zip(df["point_key"], df["direction"]))
+    has = np.array([k in base.index for k in keys], dtype=bool) & ok.to_numpy() \
+        & (df["backend"] != baseline).to_numpy()
+    mine = df[has]
+    if mine.empty:
+        return pd.DataFrame(columns=cols)
+    b = base.loc[[k for k, h in zip(keys, has) if h]].set_axis(mine.index)
+    out = pd.DataFrame(index=mine.index)
+    out["baseline_ms"] = b["latency_ms"].to_numpy(float)
+    out["speedup"] = b["latency_ms"].to_numpy(float) / mine["latency_ms"].to_numpy(float)
+    b10, b90 = quantile_cols(b)
+    o10, o90 = quantile_cols(mine)
+    out["speedup_lo"] = b10 / o90
+    out["speedup_hi"] = b90 / o10
+    return out.join(pairing(b, mine))
+
+
+def geomean(x) -> float | None:
+    """Geometric mean of the finite positive values of ``x``; None when there are none."""
+    a = np.asarray(list(x), float)
+    a = a[np.isfinite(a) & (a > 0)]
+    return float(np.exp(np.mean(np.log(a)))) if len(a) else None
+
+
+# --------------------------------------------------------------------------- winners and ties
+
+
+def min_two_sided_p(n: int, m: int) -> float:
+    """Smallest two-sided Mann–Whitney p-value n and m untied samples can give: 2 / C(n+m, n)."""
+    if n < 1 or m < 1:
+        return 1.0
+    return min(1.0, 2.0 / math.comb(n + m, n))
+
+
+def is_tie(a, b, alpha: float = ALPHA, threshold: float = THRESHOLD) -> bool:
+    """True when samples ``a`` (or a row with ``samples_ms``) and ``b`` cannot be told apart: not
+    (median ratio beyond ``1 + threshold`` either way and two-sided Mann–Whitney p < ``alpha``).
+    Too few samples for the test to reach ``alpha`` → tie."""
+    from scipy.stats import mannwhitneyu
+
+    a = samples(a) if isinstance(a, Mapping) else np.asarray(a, float)
+    b = samples(b) if isinstance(b, Mapping) else np.asarray(b, float)
+    if not len(a) or not len(b):
+        return True
+    ma, mb = float(np.median(a)), float(np.median(b))
+    if ma <= 0 or mb <= 0:
+        return True
+    ratio = max(ma, mb) / min(ma, mb)
+    if ratio <= 1 + threshold:
+        return True
+    if min_two_sided_p(len(a), len(b)) >= alpha:
+        return True
+    return not float(mannwhitneyu(a, b, alternative="two-sided").pvalue) < alpha
+
+
+def sample_quantile(s: np.ndarray, q: float, row: Mapping, col: str) -> float | None:
+    """Quantile ``q`` of samples ``s``; the row's stored ``col`` when it has fewer than two."""
+    if len(s) > 1:
+        return float(np.quantile(s, q))
+    return value(row, col)
+
+
+def point_table(df: pd.DataFrame, baseline: str = BASELINE, alpha: float = ALPHA,
+                threshold: float = THRESHOLD) -> pd.DataFrame:
+    """One row per point and direction of ``df`` (newest rows): ``winner`` (fastest ``ok`` label)
+    with ``winner_ms`` / ``winner_p10_ms`` / ``winner_p90_ms`` / ``winner_max_rel_l2``,
+    ``runner_up`` / ``runner_up_ms``, ``margin`` (runner-up / winner), ``tie`` (:func:`is_tie`),
+    ``pairing`` (winner vs runner-up), ``baseline`` / ``baseline_ms`` / ``speedup`` (baseline /
+    winner, :func:`speedup`) / ``baseline_pairing``, ``n_backends`` / ``n_ok`` / ``n_incorrect``
+    / ``n_failed`` and ``latency_ms`` (label -> ms of the ok rows). Points without any ``ok`` row
+    keep ``winner`` None."""
+    base = resolve_baseline(df, baseline) if len(df) else None
+    out = []
+    for keys, g in df.groupby(POINT, sort=False, dropna=False):
+        info = dict(zip(POINT, keys))
+        first = g.iloc[0]
+        recs = g.to_dict("records")
+        ok = sorted((r for r in recs if r["status"] == "ok" and value(r, "latency_ms") is not None),
+                    key=lambda r: (r["latency_ms"], r["backend"]))
+        row = {**info, "point_index": value(first, "point_index"),
+               "seqlens": [int(x) for x in first["seqlens"]] if first["seqlens"] is not None else [],
+               "num_seqs": value(first, "num_seqs"), "total_tokens": value(first, "total_tokens"),
+               "n_backends": len(recs), "n_ok": len(ok),
+               "n_incorrect": sum(r["status"] == "incorrect" for r in recs),
+               "n_failed": sum(r["status"] in results.FAILED_STATUSES for r in recs),
+               "winner": None, "winner_ms": None, "winner_p10_ms": None, "winner_p90_ms": None,
+               "winner_max_rel_l2": None, "runner_up": None, "runner_up_ms": None,
+               "margin": None, "tie": False, "pairing": "", "baseline": base,
+               "baseline_ms": None, "speedup": None, "baseline_pairing": "",
+               "latency_ms": {r["backend"]: float(r["latency_ms"]) for r in ok}}
+        if ok:
+            w = ok[0]
+            s = samples(w)
+            row.update(winner=w["backend"], winner_ms=float(w["latency_ms"]),
+                       winner_p10_ms=sample_quantile(s, 0.1, w, "p10_ms"),
+                       winner_p90_ms=sample_quantile(s, 0.9, w, "p90_ms"),
+                       winner_max_rel_l2=value(w, "max_rel_l2"))
+            if len(ok) > 1:
+                r2 = ok[1]
+                row.update(runner_up=r2["backend"], runner_up_ms=float(r2["latency_ms"]),
+                           margin=float(r2["latency_ms"]) / float(w["latency_ms"]),
+                           tie=is_tie(w, r2, alpha, threshold),
+                           pairing=pair(w, r2)["pairing"])
+            b = next((r for r in ok if r["backend"] == base), None)
+            if b is not None:
+                row.update(baseline_ms=float(b["latency_ms"]),
+                           speedup=speedup(b["latency_ms"], w["latency_ms"]),
+                           baseline_pairing=pair(w, b)["pairing"] if b is not w else "")
+        out.append(row)
+    t = pd.DataFrame(out)
+    if not t.empty:
+        t = t.sort_values(["direction", "h_qk", "h_v", "model", "num_seqs", "total_tokens",
+                           "point_index"], kind="stable").reset_index(drop=True)
+    return t
+
+
+def model_footer(df: pd.DataFrame, table: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
+    """Per label over one model's points (``df``: its newest rows, ``table``: its
+    :func:`point_table`): ``geomean_speedup`` over the baseline (points where both are ``ok``),
+    ``points`` (that many), ``wins`` and ``tied_wins``."""
+    rows = []
+    ok = df[df["status"] == "ok"]
+    lat = ok.pivot_table(index=["point_key", "direction"], columns="backend", values="latency_ms",
+                         aggfunc="first")
+    for label in sorted(set(df["backend"].dropna())):
+        gm, n = None, 0
+        if baseline is not None and baseline in lat.columns and label in lat.columns:
+            both = lat[[baseline, label]].dropna()
+            n = len(both)
+            if n:
+                gm = float(np.exp(np.mean(np.log(both[baseline] / both[label]))))
+        won = table[table["winner"] == label]
+        rows.append({"backend": label, "geomean_speedup": gm, "points": n,
+                     "wins": len(won), "tied_wins": int(won["tie"].sum())})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- ordering
+
+
+def number_or(v, default: float) -> float:
+    """``v`` as a float; ``default`` when missing or not a number."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return default
+    return f if np.isfinite(f) else default
+
+
+def layout_key(num_seqs, total_tokens, seqlens) -> tuple:
+    """The one layout order of every figure and table: number of sequences, then total tokens,
+    then the sequence lengths in stored order (``1x8192`` < ``1x32768`` < ``4096+4096`` <
+    ``8192+24576`` < ``32768/4seq``)."""
+    lens = tuple(int(x) for x in seqlens) if np.ndim(seqlens) == 1 else ()
+    n = number_or(num_seqs, len(lens))
+    t = number_or(total_tokens, sum(lens))
+    return (int(n), int(t), lens)
+
+
+def layout_keys(df: pd.DataFrame) -> list[tuple]:
+    """:func:`layout_key` of every row of ``df``."""
+    n = df["num_seqs"] if "num_seqs" in df else pd.Series([None] * len(df), index=df.index)
+    t = df["total_tokens"] if "total_tokens" in df else pd.Series([None] * len(df), index=df.index)
+    s = df["seqlens"] if "seqlens" in df else pd.Series([()] * len(df), index=df.index)
+    return [layout_key(a, b, c) for a, b, c in zip(n, t, s)]
+
+
+def layout_order(df: pd.DataFrame) -> list[str]:
+    """The distinct ``layout`` labels of ``df`` in :func:`layout_key` order."""
+    if df.empty:
+        return []
+    k = pd.Series(layout_keys(df), index=df.index)
+    first = {}
+    for lab, key in zip(df["layout"], k):
+        first[lab] = min(first.get(lab, key), key)
+    return sorted(first, key=lambda lab: (first[lab], lab))
+
+
+def model_order(df: pd.DataFrame) -> list[str]:
+    """The distinct ``model`` values of ``df`` in sweep order (first ``point_index``)."""
+    if df.empty:
+        return []
+    d = df.sort_values("point_index", kind="stable") if "point_index" in df else df
+    return list(dict.fromkeys(d["model"]))
+
+
+def sort_layouts(df: pd.DataFrame, by_model: bool = True,
+                 backend_order: Sequence[str] | None = None) -> pd.DataFrame:
+    """``df`` sorted by model (:func:`model_order`, when ``by_model``), then layout
+    (:func:`layout_order`), then backend (in ``backend_order``, when given)."""
+    if df.empty:
+        return df
+    lay = {lab: i for i, lab in enumerate(layout_order(df))}
+    cols = {"_l": df["layout"].map(lay)}
+    if by_model:
+        mo = {m: i for i, m in enumerate(model_order(df))}
+        cols["_m"] = df["model"].map(mo)
+    if "backend" in df and backend_order is not None:
+        bo = {b: i for i, b in enumerate(backend_order)}
+        cols["_b"] = df["backend"].map(bo)
+    keys = [k for k in ("_m", "_l", "_b") if k in cols]
+    return df.assign(**cols).sort_values(keys, kind="stable").drop(columns=keys)
