@@ -14,8 +14,6 @@ import os
 import random
 import time
 import traceback
-from dataclasses import dataclass
-from datetime import datetime
 
 import torch
 
@@ -23,7 +21,8 @@ from . import backends as B
 from . import metrics, timing
 from .config import Sweep
 from .correctness import check_outputs, check_timed_path, checked_call, reference_outputs, refill
-from .sweep import Point
+from .rows import identity, merge, outcome
+from .sweep import Point, Task
 from .workloads import Inputs, make
 
 
@@ -65,29 +64,11 @@ def uuid_of(i: int) -> str:
 def base_row(run_id: str, sha: str, cfg: str, p: Point, direction: str, be_name: str,
              be_version: str, gpu_name: str, campaign_id: str | None = None,
              be_lib: str | None = None, be_params: str = "{}") -> dict:
-    """The identity of a row; ``be_name`` is the backend entry's label, ``be_lib`` its registry
-    name (default: the label), ``be_params`` its non-default parameters (JSON)."""
-    return {
-        "run_id": run_id, "git_sha": sha, "config": cfg, "point_index": p.index,
-        "point_key": p.key, "recipe_hash": p.recipe_hash, "model": p.model, "tp": p.tp_label,
-        "h_qk": p.h_qk, "h_v": p.h_v, "head_dim": p.head_dim, "seqlens": list(p.seqlens),
-        "layout": p.layout_label, "total_tokens": p.total_tokens, "num_seqs": p.num_seqs,
-        "dtype": p.dtype, "gate_recipe": p.gate_label,
-        "gate_zero_frac": p.gate_zero_frac, "initial_state": p.initial_state,
-        "output_final_state": p.output_final_state, "direction": direction,
-        "backend": be_name, "backend_name": be_lib or be_name, "backend_version": be_version,
-        "backend_params": be_params,
-        "gpu_name": gpu_name,
-        "gpu_index": _gpu_index(), "gpu_uuid": device_uuid(), "campaign_id": campaign_id,
-        "started_at": datetime.now().isoformat(timespec="milliseconds"),
-        "reason": "",
-    }
-
-
-def _fail(row: dict, t_wall: float, reason: str) -> dict:
-    row.update(status="incorrect", latency_ms=None, reason=reason)
-    row["wall_s"] = time.perf_counter() - t_wall
-    return row
+    """The identity of a row (:func:`qlabench.rows.identity`) measured by this process, on its
+    device; ``be_name`` is the backend entry's label, ``be_lib`` its registry name (default: the
+    label), ``be_params`` its non-default parameters (JSON)."""
+    return identity(run_id, sha, cfg, p, direction, be_name, be_version, gpu_name, _gpu_index(),
+                    device_uuid(), campaign_id, be_lib, be_params)
 
 
 #: the timed graph's unrolled calls must each cost at least this share of the mean per-call
@@ -101,28 +82,100 @@ def fresh_inputs(p: Point, direction: str, device: str, seed: int) -> Inputs:
     return make(p, device, with_grads=direction != "fwd", seed=seed)
 
 
+def correctness_fields(outs: dict, ref: dict, x: Inputs, direction: str,
+                       sweep: Sweep) -> tuple[dict, list[str]]:
+    """The correctness figures of one call's outputs (:func:`correctness.check_outputs`): each
+    output's ``rel_l2_*``, ``max_abs_*``, ``local_rel_l2_*``, the worst (``max_rel_l2``,
+    ``worst_block_rel_l2``); and the problems found."""
+    figures: dict = {}
+    worst, worst_loc, bad = check_outputs(outs, ref, x, direction, sweep, figures)
+    return {**figures, "max_rel_l2": worst, "worst_block_rel_l2": worst_loc}, bad
+
+
+def clock_fields(before: dict, after: dict) -> dict:
+    """The SM clock around a timing (:func:`metrics.clocks` before and after) and whether the
+    GPU was throttled during it."""
+    return {"sm_clock_mhz_before": before.get("sm_clock_mhz"),
+            "sm_clock_mhz_after": after.get("sm_clock_mhz"),
+            "throttled": metrics.throttled(before.get("throttle_reasons"))
+            or metrics.throttled(after.get("throttle_reasons"))}
+
+
+def timing_fields(tr: timing.TimingResult) -> dict:
+    """A timing's fields: its statistics, samples, mode and how it stopped."""
+    st = tr.stats()
+    return dict(latency_ms=st["latency_ms"], p10_ms=st["p10_ms"], p90_ms=st["p90_ms"],
+                iqr_ms=st["iqr_ms"], mean_ms=st["mean_ms"], rse=st["rse"],
+                samples_ms=tr.samples_ms, n_samples=tr.n_samples, timing_mode=tr.timing_mode,
+                timing_fallback=tr.fallback_reason, stop_reason=tr.stop_reason,
+                calls_per_sample=tr.calls_per_sample, l2=tr.l2, marginal_ratio=tr.marginal_ratio)
+
+
+def kernel_fields(be: B.Backend, prep, reason: str) -> dict:
+    """The kernels one call launches (:func:`qlabench.profile.kernel_breakdown`): the top one,
+    its CTAs, the kernels per call, the path the backend took. Profiling is a bonus: where it
+    fails, ``reason`` (the row's so far) says so, and what was found before is kept."""
+    out: dict = {}
+    try:
+        from .profile import kernel_breakdown, stored_kernels
+        kb = kernel_breakdown(prep.fn)
+        if kb:
+            top = kb[0]
+            out["top_kernel"] = top["name"][:200]
+            out["ctas"] = top.get("ctas")
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            out["ctas_per_sm"] = (top["ctas"] / sms) if top.get("ctas") else None
+            out["kernels_per_call"] = sum(k["calls"] for k in kb)
+            out["kernels"] = stored_kernels(kb)
+            out["path"] = be.path([k["name"] for k in kb])
+    except Exception as e:  # never fails a row
+        out["reason"] = (reason or "") + f" profile failed: {type(e).__name__}"
+    return out
+
+
+def derived_fields(direction: str, latency_ms: float | None, x: Inputs, dtype: str,
+                   ceilings: dict, gpu: bool) -> dict:
+    """The derived metrics (:func:`metrics.derive`) against the run's ``ceilings``; no roofline
+    for a CPU timing (the roofline is the GPU's)."""
+    c = ceilings or {}
+    out = metrics.derive(direction, latency_ms, x.T, x.h_qk, x.h_v, x.N, x.q.shape[-1], dtype,
+                         c.get("matmul_tflops"), c.get("copy_gbps"), x.h0 is not None,
+                         x.output_final_state)
+    if not gpu:
+        out.update(roofline_ms=None, pct_roofline=None)
+    return out
+
+
 def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: Sweep,
                     row: dict, expected_out_bytes: int, ceilings: dict,
-                    fresh=None) -> dict:
+                    fresh=None, parts: list | None = None) -> dict:
     """Prepare, check, time one backend on one point × direction, then check the timed path on
     fresh inputs (:func:`correctness.check_timed_path`) and one more eager call. ``fresh()``: (fresh
     inputs of the point, their reference, their seed) — a new seed, recorded as ``check_seed``;
     None: no check of the timed path (unit use only). ``ceilings``: the run's measured GPU
     ceilings (``matmul_tflops``, ``copy_gbps``; empty: no roofline), which the derived columns
-    use. Fills and returns ``row``. ``x`` holds the fresh values afterwards."""
+    use. Returns the row: ``row`` (its identity) and the steps' fields (correctness figures,
+    timing, kernels, derived metrics, outcome: :mod:`qlabench.rows`), merged at the end; each
+    step's fields are appended to ``parts`` as they come (what a row that raised keeps).
+    ``x`` holds the fresh values afterwards."""
     t_wall = time.perf_counter()
+    steps = [] if parts is None else parts
+
+    def failed(reason: str) -> dict:
+        return merge(row, *steps, outcome("incorrect", reason, latency_ms=None,
+                                          wall_s=time.perf_counter() - t_wall))
+
     try:
         prep = be.prepare(x, direction)
     except B.Unsupported as e:
-        row.update(status="unsupported", reason=str(e))
-        return row
-    outs, row["compile_s"] = checked_call(be, prep, x, direction, expected_out_bytes)
-    worst, worst_loc, bad = check_outputs(outs, ref, x, direction, sweep, row)
+        return merge(row, outcome("unsupported", str(e)))
+    outs, compile_s = checked_call(be, prep, x, direction, expected_out_bytes)
+    steps.append({"compile_s": compile_s})
+    figures, bad = correctness_fields(outs, ref, x, direction, sweep)
     del outs
-    row["max_rel_l2"] = worst
-    row["worst_block_rel_l2"] = worst_loc
+    steps.append(figures)
     if bad:
-        return _fail(row, t_wall, "; ".join(bad))
+        return failed("; ".join(bad))
 
     gpu = torch.cuda.is_available() and sweep.timing.mode != "cpu"
     graph = None
@@ -130,85 +183,45 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
         for attempt in range(2):  # a throttled measurement is re-measured once
             c0 = metrics.clocks()
             tr, graph = timing.measure_gpu(prep.fn, sweep.timing, prep.graph_safe)
-            c1 = metrics.clocks()
-            row["sm_clock_mhz_before"] = c0.get("sm_clock_mhz")
-            row["sm_clock_mhz_after"] = c1.get("sm_clock_mhz")
-            row["throttled"] = metrics.throttled(c0.get("throttle_reasons")) or \
-                metrics.throttled(c1.get("throttle_reasons"))
-            if not row["throttled"]:
+            clocks = clock_fields(c0, metrics.clocks())
+            steps.append(clocks)
+            if not clocks["throttled"]:
                 break
             if attempt == 0:
-                row["reason"] = "throttled (NVML clock-event reasons); re-measured once"
+                steps.append({"reason": "throttled (NVML clock-event reasons); re-measured once"})
     else:
         tr = timing.measure_cpu(prep.fn, sweep.timing.model_copy(update={"mode": "cpu"}))
-    st = tr.stats()
-    row.update(latency_ms=st["latency_ms"], p10_ms=st["p10_ms"], p90_ms=st["p90_ms"],
-               iqr_ms=st["iqr_ms"], mean_ms=st["mean_ms"], rse=st["rse"],
-               samples_ms=tr.samples_ms, n_samples=tr.n_samples, timing_mode=tr.timing_mode,
-               timing_fallback=tr.fallback_reason, stop_reason=tr.stop_reason,
-               calls_per_sample=tr.calls_per_sample, l2=tr.l2)
-    row["marginal_ratio"] = tr.marginal_ratio
+    timed = timing_fields(tr)
+    steps.append(timed)
     if tr.marginal_ratio is not None and not tr.marginal_ratio >= MIN_MARGINAL_RATIO:
-        return _fail(row, t_wall, f"the {tr.calls_per_sample} calls unrolled in the timed graph "
-                     f"cost about as much as one (marginal cost {tr.marginal_ratio:.2f} of the "
-                     f"mean, below {MIN_MARGINAL_RATIO}): the latency would not be one call's")
+        return failed(f"the {tr.calls_per_sample} calls unrolled in the timed graph "
+                      f"cost about as much as one (marginal cost {tr.marginal_ratio:.2f} of the "
+                      f"mean, below {MIN_MARGINAL_RATIO}): the latency would not be one call's")
     if fresh is not None:  # what the timed path computes, on inputs it has not seen
-        x2, ref, row["check_seed"] = fresh()
+        x2, ref, seed = fresh()
+        steps.append({"check_seed": seed})
         t_worst, bad_t = check_timed_path(be, prep, tr.rerun, x, x2, direction, ref, sweep)
         del x2
-        row["timed_max_rel_l2"] = t_worst
+        steps.append({"timed_max_rel_l2": t_worst})
         if bad_t:
-            return _fail(row, t_wall, f"the timed path ({tr.timing_mode}) on fresh inputs differs "
-                         "from their reference (another path when timed, or an answer cached "
-                         "from the checked inputs?): " + "; ".join(bad_t))
+            return failed(f"the timed path ({tr.timing_mode}) on fresh inputs differs "
+                          "from their reference (another path when timed, or an answer cached "
+                          "from the checked inputs?): " + "; ".join(bad_t))
     tr.rerun = None
     # one more eager call, poisoned (races, state carried between calls)
     outs, _ = checked_call(be, prep, x, direction, expected_out_bytes)
     _, _, bad2 = check_outputs(outs, ref, x, direction, sweep)
     del outs
     if bad2:
-        return _fail(row, t_wall, "a call after timing was wrong (race or state carried between "
-                     "calls?): " + "; ".join(bad2))
+        return failed("a call after timing was wrong (race or state carried between "
+                      "calls?): " + "; ".join(bad2))
     if gpu and sweep.timing.gpm:
         replay = graph.replay if graph is not None else prep.fn
-        row.update(metrics.gpm_sample(replay))
+        steps.append(metrics.gpm_sample(replay))
     if gpu:
-        try:
-            from .profile import kernel_breakdown, stored_kernels
-            kb = kernel_breakdown(prep.fn)
-            if kb:
-                top = kb[0]
-                row["top_kernel"] = top["name"][:200]
-                row["ctas"] = top.get("ctas")
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                row["ctas_per_sm"] = (top["ctas"] / sms) if top.get("ctas") else None
-                row["kernels_per_call"] = sum(k["calls"] for k in kb)
-                row["kernels"] = stored_kernels(kb)
-                row["path"] = be.path([k["name"] for k in kb])
-        except Exception as e:  # profiling is a bonus; never fails a row
-            row["reason"] = (row.get("reason") or "") + f" profile failed: {type(e).__name__}"
-    c = ceilings or {}
-    p_ = x
-    row.update(metrics.derive(direction, row.get("latency_ms"), p_.T, p_.h_qk, p_.h_v, p_.N,
-                              p_.q.shape[-1], row["dtype"], c.get("matmul_tflops"),
-                              c.get("copy_gbps"), p_.h0 is not None, p_.output_final_state))
-    if not gpu:  # the roofline is the GPU's; a CPU timing has no place on it
-        row.update(roofline_ms=None, pct_roofline=None)
-    row["status"] = "ok"
-    row["wall_s"] = time.perf_counter() - t_wall
-    return row
-
-
-@dataclass
-class Task:
-    """One point × direction and the backends still to measure on it."""
-
-    point: Point
-    direction: str
-    backends: list[str]  # labels
-    #: the run's: run_id, sha, config, campaign_id, gpu_name, ceilings (:func:`measure_backend`),
-    #: and per label: names (registry name), params / params_json, versions, avail
-    ctx: dict
+        steps.append(kernel_fields(be, prep, merge(row, *steps).get("reason")))
+    steps.append(derived_fields(direction, timed["latency_ms"], x, row["dtype"], ceilings, gpu))
+    return merge(row, *steps, outcome("ok", wall_s=time.perf_counter() - t_wall))
 
 
 def row_for(task: Task, backend: str) -> dict:
@@ -239,8 +252,9 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
             ok, why = be.supports(p, direction)
             status = "unsupported"
         if not ok:
-            row.update(status=status, reason=why)
+            row = merge(row, outcome(status, why))
         else:
+            parts: list = []  # the fields measured so far: what a backend that raised keeps
             try:
                 if x is None:
                     x = make(p, dev, with_grads=direction != "fwd")
@@ -256,13 +270,14 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                                                  sweep.reference.dtype), seed
                 try:
                     row = measure_backend(be, x, direction, ref, sweep, row, out_bytes,
-                                          ceilings, fresh)
+                                          ceilings, fresh, parts)
                 finally:  # the next backend starts from the point's own inputs
                     refill(x, make(p, dev, with_grads=direction != "fwd"))
             except Exception as e:
                 status = "oom" if _is_oom(e) else "crashed"
                 tb = traceback.format_exc(limit=4)
-                row.update(status=status, reason=f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}")
+                row = merge(row, *parts, outcome(
+                    status, f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}"))
                 if status == "oom":
                     x = ref = None  # free what we hold; the next backend rebuilds
                 if torch.cuda.is_available():

@@ -4,7 +4,7 @@ A worker (``multiprocessing`` spawn context, so CUDA is never forked) imports to
 CUDA context and checks the backends it will run (:func:`warm_up`: each one's availability and
 version, its library imported by ``Backend.available``), and sends that report (``("ready",
 report)``) to the main process, which never imports a backend's library itself. It then receives
-one :class:`~qlabench.measure.Task` at a time and sends back ``("start", backend)`` before each
+one :class:`~qlabench.sweep.Task` at a time and sends back ``("start", backend)`` before each
 backend and ``("row", row)`` after it; the main process writes each row durably. If the worker
 dies (illegal address, abort, segfault), the backend in flight gets a ``crashed`` row with the tail
 of the worker's stderr log; if a backend runs past ``row_timeout_s`` the worker is killed and the
@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass
 from multiprocessing import spawn
 from pathlib import Path
+
+from .rows import merge, outcome
 
 _pending: list[int] = []
 _deferring = [0]
@@ -227,11 +229,9 @@ def pinned_row(task, backend: str, env: dict | None) -> dict:
     """A row of ``backend`` on ``task`` made in this process for a worker pinned by ``env``
     (its GPU, not this process's)."""
     from .measure import row_for, uuid_of
-    row = row_for(task, backend)
     pinned = (env or {}).get("QLABENCH_GPU_INDEX")
-    if pinned is not None:
-        row.update(gpu_index=int(pinned), gpu_uuid=uuid_of(int(pinned)))
-    return row
+    device = {} if pinned is None else {"gpu_index": int(pinned), "gpu_uuid": uuid_of(int(pinned))}
+    return merge(row_for(task, backend), device)
 
 
 def host_cores() -> int:
@@ -368,7 +368,7 @@ class Supervisor:
             proc.join(timeout=10)
 
     def run_task(self, task, on_row) -> None:
-        from .measure import Task
+        from .sweep import Task  # not at module level: see the module docstring
         remaining = list(task.backends)
         idle_deaths = 0
         while remaining:
@@ -427,14 +427,13 @@ class Supervisor:
                 if idle_deaths < 2:
                     continue
                 current = remaining[0]  # it keeps dying before this backend starts: blame it
-            row = pinned_row(task, current, self.env)
             if failure == "timeout":
                 reason = (f"no result within row_timeout_s={self.sweep.row_timeout_s:g}; worker "
                           f"killed | stack: {_stack(self.log_path)}")
             else:
                 sig = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 reason = f"worker died ({sig}) | log tail: {_tail(self.log_path)}"
-            row.update(status=failure, reason=reason)
+            row = merge(pinned_row(task, current, self.env), outcome(failure, reason))
             self.log(f"worker {failure} on {task.point.describe()} {task.direction} {current}; "
                      "starting a fresh worker")
             on_row(row)
@@ -705,9 +704,7 @@ class Lanes:
             (lane.sup or self.here).run_task(task, on_row)
             return
         for n in task.backends:
-            row = pinned_row(task, n, self.env)
-            row.update(status="unavailable", reason=lane.avail[1])
-            on_row(row)
+            on_row(merge(pinned_row(task, n, self.env), outcome("unavailable", lane.avail[1])))
 
     def close(self) -> None:
         """End every worker (each one, whatever the others raise)."""

@@ -231,3 +231,16 @@ def scheduled_points(sweep: Sweep, limit: int | None = None,
     if shard is not None:
         pts = shard_points(pts, *shard)
     return pts
+
+
+@dataclass
+class Task:
+    """One point × direction and the backends still to measure on it: what an executor
+    (:mod:`qlabench.executor`) hands a worker (:func:`qlabench.measure.measure_task`)."""
+
+    point: Point
+    direction: str
+    backends: list[str]  # labels
+    #: the run's: run_id, sha, config, campaign_id, gpu_name, ceilings (:func:`qlabench.measure.measure_backend`),
+    #: and per label: names (registry name), params / params_json, versions, avail
+    ctx: dict

@@ -136,7 +136,7 @@ MUTATIONS: list[M] = [
       "--resume --append-other resumes over rows of another input recipe (their keys count as done)",
       ["tests/test_out_dir.py::test_another_input_recipe_is_refused_unless_append_other"]),
     M("out-dir-refusal-keeps-worker-logs", "qlabench/runner.py",
-      "_discard_worker_logs(lanes, logs, earlier_logs)\n            hint = ",
+      "ex.discard_logs()\n    hint = ",
       "hint = ",
       "a refused run leaves its workers' logs in the other sweep's directory",
       ["tests/test_out_dir.py::test_another_gpu_is_refused_unless_append_other"]),

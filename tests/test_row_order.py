@@ -1,5 +1,5 @@
-"""The order of a run's rows (runner._dispatch, runner.early_rows). One GPU, one worker per
-backend label: rows go out in sweep order among the labels checked so far, asked again before
+"""The order of a run's rows (executor.dispatch_one_gpu, executor.early_rows).
+One GPU, one worker per backend label: rows go out in sweep order among the labels checked so far, asked again before
 every row, so a label whose library imports slower joins as soon as it
 is checked and catches up from its first point; rows measured while other workers were starting
 say so; the progress callback advances once per (point, direction); rows may start before every
@@ -8,7 +8,7 @@ check only where the host has a core per worker (or ``$QLABENCH_EARLY_ROWS`` say
 import os
 from types import SimpleNamespace
 
-from qlabench import runner
+from qlabench import executor
 
 
 class FakeLanes:
@@ -48,7 +48,7 @@ def _go(lanes, n_points=6):
             return f"p{int(self)}"
 
     order = [(P(i), "fwd") for i in range(n_points)]
-    runner._dispatch(lanes, order, names, lambda n: list(range(n_points)), on_resolved, ctx,
+    executor.dispatch_one_gpu(lanes, order, names, lambda n: list(range(n_points)), on_resolved, ctx,
                      rows.append, progress.append)
     return rows, seen, progress
 
@@ -80,13 +80,13 @@ def test_labels_checked_at_once_go_point_by_point_in_config_order():
 def test_early_rows_by_cores_or_environment(monkeypatch):
     monkeypatch.delenv("QLABENCH_EARLY_ROWS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert runner.early_rows(3) is True
+    assert executor.early_rows(3) is True
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert runner.early_rows(2) is False and runner.early_rows(1) is True
+    assert executor.early_rows(2) is False and executor.early_rows(1) is True
     monkeypatch.setenv("QLABENCH_EARLY_ROWS", "1")
-    assert runner.early_rows(5) is True
+    assert executor.early_rows(5) is True
     monkeypatch.setenv("QLABENCH_EARLY_ROWS", "0")
-    assert runner.early_rows(1) is False
+    assert executor.early_rows(1) is False
 
 
 def test_a_bad_early_rows_value_is_refused(monkeypatch, tmp_path):
@@ -96,7 +96,7 @@ def test_a_bad_early_rows_value_is_refused(monkeypatch, tmp_path):
     from qlabench.cli import app
     monkeypatch.setenv("QLABENCH_EARLY_ROWS", "yes")
     with pytest.raises(ValueError, match="QLABENCH_EARLY_ROWS='yes'"):
-        runner.early_rows(2)
+        executor.early_rows(2)
     res = CliRunner().invoke(app, ["run", "configs/smoke.yaml", "--out", str(tmp_path / "r")])
     assert res.exit_code == 2 and "QLABENCH_EARLY_ROWS='yes'" in res.output
     assert not (tmp_path / "r").exists()
