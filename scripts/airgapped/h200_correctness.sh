@@ -1,6 +1,5 @@
 #!/bin/bash
-# One device call: the correctness check's acceptance on the H200 (issue "Close the correctness
-# gate's holes"). Expects carried: .devsite (bundle.sh), .tlcache/tl.tar.xz (TileLang cache of our
+# One device call: the correctness check's acceptance on the H200. Expects carried: .devsite (bundle.sh), .tlcache/tl.tar.xz (TileLang cache of our
 # kernels and FlashQLA's, filled offline), and the tree to run in $TREE (default: .).
 #   1. GPU tests of the poisoning; 2. broken FLA variants must be `incorrect` (correctness_acceptance.py);
 #   3. the quick forward / backward points on the published recipe (FlashInfer after its JIT,
