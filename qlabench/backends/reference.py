@@ -61,8 +61,15 @@ def gdn_recurrent(q, k, v, g, beta, scale=None, h0=None, cu_seqlens=None,
     return o[None], torch.stack(hts)
 
 
-def _chunked_seq(q, k, v, g, beta, S, scale, chunk):
-    """One sequence: q,k [L,H,K] (expanded), v [L,H,V], g,beta [L,H], S [H,K,V]."""
+def _kept(t):
+    return t
+
+
+def _chunked_seq(q, k, v, g, beta, S, scale, chunk, store=_kept):
+    """One sequence: q,k [L,H,K] (expanded), v [L,H,V], g,beta [L,H], S [H,K,V]. ``store`` is
+    applied to every intermediate a chunked kernel keeps between its GEMMs (the WY factors and
+    their operands, the state, v_new, the attention tile, the output): the identity here; a
+    rounding to bf16 emulates a bf16 kernel (tests/bf16_kernel.py)."""
     L = q.shape[0]
     outs = []
     for s in range(0, L, chunk):
@@ -78,21 +85,24 @@ def _chunked_seq(q, k, v, g, beta, S, scale, chunk):
         strict = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
         Lm = torch.where(strict, bc[:, :, None] * gamma * kk, torch.zeros_like(kk))
         eye = torch.eye(c, dtype=q.dtype, device=q.device).expand_as(Lm)
-        A = torch.linalg.solve_triangular(eye + Lm, eye, upper=False, unitriangular=True)
-        w = A @ ((bc * gc.exp())[..., None] * kc)
-        u = A @ (bc[..., None] * vc)
-        v_new = u - w @ S
-        o = scale * ((gc.exp()[..., None] * qc) @ S + ((qc @ kc.transpose(-1, -2)) * gamma) @ v_new)
-        outs.append(o.transpose(0, 1))
+        A = store(torch.linalg.solve_triangular(eye + Lm, eye, upper=False, unitriangular=True))
+        w = store(A @ store((bc * gc.exp())[..., None] * kc))
+        u = store(A @ store(bc[..., None] * vc))
+        Sk = store(S)
+        v_new = store(u - w @ Sk)
+        o = scale * ((gc.exp()[..., None] * qc) @ Sk
+                     + store((qc @ kc.transpose(-1, -2)) * gamma) @ v_new)
+        outs.append(store(o).transpose(0, 1))
         g_last = gc[:, -1]
-        S = g_last.exp()[:, None, None] * S + kc.transpose(-1, -2) @ (
+        S = g_last.exp()[:, None, None] * S + kc.transpose(-1, -2) @ store(
             (g_last[:, None] - gc).exp()[..., None] * v_new)
     return torch.cat(outs, 0), S
 
 
 def gdn_chunked(q, k, v, g, beta, scale=None, h0=None, cu_seqlens=None,
-                dtype=torch.float32, chunk: int = CHUNK):
-    """Chunked (WY) form, differentiable. Returns (o [1,T,H_v,V], ht [N,H_v,K,V])."""
+                dtype=torch.float32, chunk: int = CHUNK, store=_kept):
+    """Chunked (WY) form, differentiable. Returns (o [1,T,H_v,V], ht [N,H_v,K,V]); ``store``:
+    :func:`_chunked_seq`."""
     T, h_v, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     scale = K ** -0.5 if scale is None else scale
     qe = _expand_qk(q[0].to(dtype), h_v)
@@ -103,15 +113,16 @@ def gdn_chunked(q, k, v, g, beta, scale=None, h0=None, cu_seqlens=None,
         S = (h0[n].to(dtype) if h0 is not None
              else torch.zeros(h_v, K, V, dtype=dtype, device=q.device))
         if e > s:
-            o, S = _chunked_seq(qe[s:e], ke[s:e], vv[s:e], gg[s:e], bb[s:e], S, scale, chunk)
+            o, S = _chunked_seq(qe[s:e], ke[s:e], vv[s:e], gg[s:e], bb[s:e], S, scale, chunk,
+                                store)
             os_.append(o)
         hts.append(S)
     return torch.cat(os_, 0)[None], torch.stack(hts)
 
 
 def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
-                      dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Reference gradients by autograd through :func:`gdn_chunked`.
+                      dtype=torch.float32, store=_kept) -> dict[str, torch.Tensor]:
+    """Reference gradients by autograd through :func:`gdn_chunked` (``store``: its own).
 
     Returns dq, dk [1,T,H_qk,K] (summed over each GVA group), dv [1,T,H_v,V], dg, dbeta
     [1,T,H_v] (dg for the raw, un-cumsummed g) and dh0 [N,H_v,K,V] (when h0 is given)."""
@@ -119,7 +130,7 @@ def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
               for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("h0", h0))
               if t is not None}
     o, ht = gdn_chunked(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-                        scale, leaves.get("h0"), cu_seqlens, dtype=dtype)
+                        scale, leaves.get("h0"), cu_seqlens, dtype=dtype, store=store)
     loss = (o * do.to(dtype)).sum()
     if dht is not None:
         loss = loss + (ht * dht.to(dtype)).sum()
