@@ -60,17 +60,6 @@ def figures_dir(results_dir: str | Path) -> Path:
     return Path(results_dir) / FIGURES_DIR
 
 
-def layout_key(num_seqs, total_tokens, seqlens) -> tuple:
-    """:func:`qlabench.analysis.layout_key` (the one layout order of every figure and table)."""
-    return analysis.layout_key(num_seqs, total_tokens, seqlens)
-
-
-def layout_order(df: pd.DataFrame) -> list[str]:
-    """:func:`qlabench.analysis.layout_order`: the distinct ``layout`` labels of ``df`` in
-    :func:`layout_key` order."""
-    return analysis.layout_order(df)
-
-
 def sort_layouts(df: pd.DataFrame, by_model: bool = True) -> pd.DataFrame:
     """:func:`qlabench.analysis.sort_layouts`: ``df`` sorted by model (when ``by_model``), then
     layout, then backend (:func:`palette` order)."""
@@ -78,11 +67,6 @@ def sort_layouts(df: pd.DataFrame, by_model: bool = True) -> pd.DataFrame:
         return df
     order = list(palette(df)) if "backend" in df else None
     return analysis.sort_layouts(df, by_model, order)
-
-
-def model_order(df: pd.DataFrame) -> list[str]:
-    """:func:`qlabench.analysis.model_order`: the distinct ``model`` values in sweep order."""
-    return analysis.model_order(df)
 
 
 def _panel_label(sub: pd.DataFrame, m: str) -> str:
@@ -108,21 +92,21 @@ def _bars(ok: pd.DataFrame, m: str) -> pd.DataFrame:
 
 def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = None,
                    title: str = "") -> Path | None:
-    """Grouped bars: one panel per model/TP, one group per layout (:func:`layout_order`), one
+    """Grouped bars: one panel per model/TP, one group per layout (:func:`qlabench.analysis.layout_order`), one
     bar per backend label (:func:`palette`), bar = median latency, whisker = p10..p90 of the
     samples; log latency axis."""
     ok = _ok(df, direction)
     if ok.empty:
         return None
-    models = model_order(ok)
+    models = analysis.model_order(ok)
     colors = palette(ok)
     backends = list(colors)
-    n_groups = max(len(layout_order(_bars(ok, m))) for m in models)
+    n_groups = max(len(analysis.layout_order(_bars(ok, m))) for m in models)
     ncol, nrow, size = _grid(len(models), n_groups, len(backends))
     fig, axes = plt.subplots(nrow, ncol, figsize=size, squeeze=False, layout="constrained")
     for ax, m in zip(axes.flat, models):
         sub = _bars(ok, m)
-        layouts = layout_order(sub)
+        layouts = analysis.layout_order(sub)
         x = np.arange(len(layouts))
         w = 0.8 / max(1, len(backends))
         for i, b in enumerate(backends):
@@ -282,8 +266,8 @@ def winners(df: pd.DataFrame, direction: str | None = None, baseline: str = anal
     when given): per point the fastest ``ok`` label, its p10–p90, the runner-up, ``margin``,
     ``tie`` (not distinguishable by the stored samples: :func:`qlabench.analysis.is_tie`),
     ``speedup`` over ``baseline`` and the correctness counts, plus ``tp`` (``h_qk/h_v``). Points
-    of a non-published gate recipe carry the recipe in ``model``. Sorted by :func:`model_order`,
-    then :func:`layout_order`."""
+    of a non-published gate recipe carry the recipe in ``model``. Sorted by :func:`qlabench.analysis.model_order`,
+    then :func:`qlabench.analysis.layout_order`."""
     d = df[df["direction"] == direction] if direction and len(df) else df
     d = analysis.newest(d) if {"started_at", "run_id"} <= set(d.columns) else d
     if "gate_recipe" in d and d["gate_recipe"].nunique() > 1:
@@ -303,7 +287,7 @@ def _pair_note(labels: list[str]) -> str:
 def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = analysis.BASELINE,
                    direction: str = "fwd", title: str = "") -> Path | None:
     """Speedup over ``baseline`` per model, in the style of FlashQLA's README figure: one panel
-    per model/TP, one group of bars per layout (:func:`layout_order`), one bar per backend label
+    per model/TP, one group of bars per layout (:func:`qlabench.analysis.layout_order`), one bar per backend label
     (:func:`palette`: the labels of one library share its colour family), bar =
     ``baseline`` median / backend median with its value on top, whisker = ``speedup_lo`` ..
     ``speedup_hi`` of :func:`speedup_table` (baseline p10 / backend p90 .. baseline p90 / backend
@@ -312,10 +296,10 @@ def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = analysis.B
     sp = speedup_table(df, baseline, direction)
     if sp.empty:
         return None
-    models = model_order(sp)
+    models = analysis.model_order(sp)
     colors = palette(sp)
     backends = list(colors)
-    n_groups = max(len(layout_order(sp[sp["model"] == m])) for m in models)
+    n_groups = max(len(analysis.layout_order(sp[sp["model"] == m])) for m in models)
     ncol, nrow, size = _grid(len(models), n_groups, len(backends), bar_px=20.0,
                              panel_h_in=3.1, extra_h_in=1.1)
     fig, axes = plt.subplots(nrow, ncol, figsize=size, squeeze=False, layout="constrained")
@@ -324,7 +308,7 @@ def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = analysis.B
     top = float(np.nanmax(sp["speedup_hi"].clip(upper=sp["speedup"].max() * 1.5)))
     for ax, m in zip(axes.flat, models):
         sub = sp[sp["model"] == m]
-        layouts = layout_order(sub)
+        layouts = analysis.layout_order(sub)
         x = np.arange(len(layouts))
         w = 0.8 / max(1, len(backends))
         for i, b in enumerate(backends):
@@ -366,8 +350,8 @@ def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = analysis.B
 
 def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseline: str = analysis.BASELINE,
                title: str = "") -> Path | None:
-    """Winner map: rows layouts (:func:`layout_order`, top to bottom), columns models
-    (:func:`model_order`); each cell coloured by the fastest ``ok`` backend label
+    """Winner map: rows layouts (:func:`qlabench.analysis.layout_order`, top to bottom), columns models
+    (:func:`qlabench.analysis.model_order`); each cell coloured by the fastest ``ok`` backend label
     (:func:`winners`, colours of :func:`palette`), with the label and the margin over the
     runner-up (``+12%``) printed; a hatched cell: a tie with the runner-up (not told apart by
     the stored samples: :func:`qlabench.summary.is_tie`); grey: no ok row."""
@@ -377,8 +361,8 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
     w = w[w["winner"].notna()] if len(w) else w
     if w.empty:
         return None
-    models = model_order(w)
-    layouts = layout_order(w)
+    models = analysis.model_order(w)
+    layouts = analysis.layout_order(w)
     colors = palette(_ok(df, direction))
     cell_w = min(2.0, max(1.15, (MAX_WIDTH_PX / DPI - 2.0) / max(1, len(models))))
     fig_w = min(MAX_WIDTH_PX / DPI, 2.0 + cell_w * len(models))
@@ -427,15 +411,15 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
 def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = analysis.BASELINE,
                     direction: str = "fwd", title: str = "") -> Path | None:
     """Heatmap per backend (panels stacked): rows model (h_qk/h_v), columns layout
-    (:func:`layout_order`), cell = baseline latency /
+    (:func:`qlabench.analysis.layout_order`), cell = baseline latency /
     backend latency (green: faster than the baseline, red: slower; colour on a log scale). A cell
     whose two rows are not known to share GPU and campaign, or has a throttled row, carries
     :data:`PAIR_MARK`; each panel's title gives ``analysis.pairing_label`` over its cells."""
     sp = speedup_table(df, baseline, direction)
     if sp.empty:
         return None
-    rows = [(m, sp.loc[sp["model"] == m, "tp"].iloc[0]) for m in model_order(sp)]
-    cols = layout_order(sp)
+    rows = [(m, sp.loc[sp["model"] == m, "tp"].iloc[0]) for m in analysis.model_order(sp)]
+    cols = analysis.layout_order(sp)
     backends = _backends(sp)
     lim = float(np.nanmax(np.abs(np.log2(sp["speedup"].clip(1e-3))))) or 1.0
     lim = min(max(lim, 0.25), 3.0)
@@ -490,7 +474,7 @@ def latency_vs_tokens(df: pd.DataFrame, out: str | Path, direction: str = "bwd",
     ok = _ok(df, direction)
     if ok.empty:
         return None
-    panels = [(m, ok.loc[ok["model"] == m, "tp"].iloc[0]) for m in model_order(ok)]
+    panels = [(m, ok.loc[ok["model"] == m, "tp"].iloc[0]) for m in analysis.model_order(ok)]
     colors = palette(ok)
     backends = list(colors)
     markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
@@ -624,7 +608,7 @@ def util_vs_latency(df: pd.DataFrame, out: str | Path, direction: str | None = N
     ok = ok[ok["sm_util_pct"].notna()] if "sm_util_pct" in ok else ok.iloc[0:0]
     if ok.empty:
         return None
-    models = model_order(ok)
+    models = analysis.model_order(ok)
     ncol = min(3, len(models))
     nrow = int(np.ceil(len(models) / ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False,

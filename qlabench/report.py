@@ -216,11 +216,6 @@ def vs_baseline(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> pd.D
     return d
 
 
-def vs_fla(latest: pd.DataFrame) -> pd.DataFrame:
-    """:func:`vs_baseline` over ``fla``, its ratio in column ``vs_fla``."""
-    return vs_baseline(latest, "fla").rename(columns={"speedup": "vs_fla"})
-
-
 def _latest_table(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> str:
     d = vs_baseline(_ordered(latest), baseline)
     vs = f"speedup vs {baseline}"
@@ -304,7 +299,7 @@ def _runs_section(runs: pd.DataFrame, df: pd.DataFrame, metas: dict, site: Path)
 
 
 def _ordered(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows by direction, then model, layout (:func:`plots.layout_order`) and backend."""
+    """Rows by direction, then model, layout (:func:`qlabench.analysis.layout_order`) and backend."""
     dirs = {"fwd": 0, "bwd": 1, "fwdbwd": 2}
     parts = [plots.sort_layouts(g) for _, g in sorted(df.groupby("direction", sort=False),
                                                       key=lambda kv: dirs.get(kv[0], 9))]

@@ -59,7 +59,7 @@ def test_a_non_fla_baseline_gives_its_ratios(d, tmp_path):
 def test_the_default_baseline_is_fla(d):
     lat = analysis.load_newest(d)
     assert summary.point_table(lat).iloc[0]["speedup"] == pytest.approx(1 / 0.7)
-    assert report.vs_fla(lat).set_index("backend")["vs_fla"]["tilelang"] == pytest.approx(1 / 0.8)
+    assert report.vs_baseline(lat, "fla").set_index("backend")["speedup"]["tilelang"] == pytest.approx(1 / 0.8)
 
 
 def test_require_baseline_names_the_labels(d):

@@ -6,7 +6,7 @@ import pandas as pd
 import synth_results as S
 from PIL import Image
 
-from qlabench import plots, results
+from qlabench import analysis, plots, results
 
 
 def test_recipes_are_drawn_apart(tmp_path):
@@ -37,8 +37,8 @@ def test_layout_order_is_sequences_then_tokens_then_lengths():
     df = pd.DataFrame({"layout": [S.layout_label(x) for x in lens], "seqlens": lens,
                        "num_seqs": [len(x) for x in lens], "total_tokens": [sum(x) for x in lens]})
     want = [[2048], [32768], [4096, 4096], [4096, 28672], [28672, 4096], [8192] * 4, [1024] * 8]
-    assert plots.layout_order(df) == [S.layout_label(x) for x in want]
-    assert list(plots.sort_layouts(df, by_model=False)["layout"]) == plots.layout_order(df)
+    assert analysis.layout_order(df) == [S.layout_label(x) for x in want]
+    assert list(plots.sort_layouts(df, by_model=False)["layout"]) == analysis.layout_order(df)
 
 
 def test_speedup_whiskers_take_both_rows_spread(tmp_path):
@@ -74,4 +74,4 @@ def test_figures_are_readable_and_beside_the_rows_not_in_them(tmp_path):
     assert all(p.relative_to(d).parts[0].startswith("_") for p in made)
     w = plots.winners(lat, "fwd")
     assert len(w) == 5 * 13 and set(w["winner"]) == {"flashqla"}  # 0.7x FLA; others 1x or 0.8x
-    assert list(w[w["model"] == S.MODELS[0][0]]["layout"]) == plots.layout_order(lat)
+    assert list(w[w["model"] == S.MODELS[0][0]]["layout"]) == analysis.layout_order(lat)
