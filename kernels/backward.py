@@ -25,6 +25,7 @@ from .bwd_dqkwg import run_bwd_dqkwg
 from .bwd_h import run_bwd_h
 from .bwd_pw import run_bwd_pw
 from .bwd_wy import run_bwd_wy
+from .calibration import for_device
 from .fixup import run_fixup, run_rfixup
 from .plan import plan_bwd_split, sm_count
 from .prep import run_prep
@@ -87,7 +88,7 @@ def chunk_gdn_bwd(
     ncs = T // CHUNK + N  # chunk slots (chunk_table's rows)
     seqlens = check_seqlens(seqlens, N, T)
     if split_tokens is None:
-        split_tokens = plan_bwd_split(T, N, h_v, sm_count(dev), seqlens)
+        split_tokens = plan_bwd_split(T, N, h_v, sm_count(dev), seqlens, costs=for_device(dev).bwd)
     split_tokens = int(split_tokens)
     if split_tokens and (split_tokens % CHUNK or split_tokens < 0):
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")

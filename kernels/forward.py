@@ -15,6 +15,7 @@ from the shapes (:func:`plan.plan_fwd`).
 import torch
 
 from ._common import CHUNK, HEAD_DIM, check_seqlens, default_cu_seqlens
+from .calibration import for_device
 from .fixup import run_fixup
 from .fwd_fused import run_fwd_fused
 from .fwd_o import run_fwd_o
@@ -110,11 +111,15 @@ def chunk_gdn_fwd_lowlevel(
         raise ValueError(f"block_v={block_v} must be 128 (fused), 64 (fwd_o) or None (planned)")
     if split_tokens is None and block_v is None:
         blocks = (64,) if save_prep else (HEAD_DIM, 64)
-        block_v, split_tokens = plan_fwd(T, N, h_v, sm_count(dev), seqlens=seqlens, blocks=blocks, h_qk=h_qk)
+        block_v, split_tokens = plan_fwd(
+            T, N, h_v, sm_count(dev), seqlens=seqlens, blocks=blocks, h_qk=h_qk, costs=for_device(dev).fwd
+        )
     if block_v is None:  # a split given alone: fwd_o (the fused kernel's split path measured slower)
         block_v = 64
     if split_tokens is None:
-        split_tokens = plan_split(T, N, h_v, sm_count(dev), block_v=block_v, seqlens=seqlens, h_qk=h_qk)
+        split_tokens = plan_split(
+            T, N, h_v, sm_count(dev), block_v=block_v, seqlens=seqlens, h_qk=h_qk, costs=for_device(dev).fwd
+        )
     if split_tokens and split_tokens % CHUNK != 0:
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")
     seg_tokens = split_tokens if split_tokens else _round_up(max(T, 1), CHUNK)

@@ -2,7 +2,7 @@
 
 Host values only (shapes and, optionally, host sequence lengths): no device synchronisation.
 The cost models count chunk steps per CTA under longest-first scheduling of the grid on the SMs,
-with per-kernel step costs fitted to H200 measurements (docs/kernels.md, "Planners").
+priced per step by the GPU model's cost table (:mod:`.calibration`, docs/kernels.md "Planners").
 """
 
 import functools
@@ -10,34 +10,36 @@ import math
 
 import torch
 
+from . import calibration
 from ._common import CHUNK, HEAD_DIM
 
-__all__ = ["sm_count", "split_cost", "prep_cost", "prep_slices", "plan_fwd", "plan_split", "bwd_split_cost", "plan_bwd_split"]
+__all__ = ["sm_count", "split_cost", "prep_cost", "prep_slices", "plan_fwd", "plan_split", "bwd_split_cost",
+           "plan_bwd_split", "fwd_candidates"]  # fmt: skip
 
 _SM_COUNT = {}
 
 
 def sm_count(device) -> int:
-    """Streaming multiprocessors of ``device`` (132, the H200's, off CUDA); cached per device."""
+    """Streaming multiprocessors of ``device`` (the default cost table's GPU's, off CUDA); cached per device."""
     if device.type != "cuda":
-        return 132
+        return calibration.default_table().sms
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
 
 
-#: the fused kernel's chunk step (units of _SPLIT_COST): the value at which every batch layout where
-#: the fused kernel measured faster than fwd_o is sent to it (H200, docs/kernels.md "Planners")
-FUSED_STEP = 3.4
+def _fwd(costs):
+    return calibration.default_table().fwd if costs is None else costs
+
+
+def _bwd(costs):
+    return calibration.default_table().bwd if costs is None else costs
+
+
 #: fwd_o's CTAs resident per SM (kernels/fwd_o.py: 256 threads at 128 registers, 98 KB of shared
-#: memory); the model schedules its CTAs on this many slots per SM
+#: memory); grids of more CTAs than SMs are scheduled on this many slots per SM
 FWD_O_CTAS_PER_SM = 2
-#: Forward cost model (relative units): fwd_o's chunk step per CTA slot, seg_state's per CTA (two
-#: per SM), the fix-up per segment, the split path's launches, the fused kernel's step, and prep's
-#: SM time per (chunk, v-head) and per (chunk, q/k head). fwd_o's and prep's from check_fwd's H200
-#: stage times, the others fitted to the H200 split sweeps (docs/kernels.md "Planners").
-_SPLIT_COST = {"fwd_o": 1.8, "seg_state": 1.5, "fixup": 3.0, "launch": 10.0, "fused": FUSED_STEP, "prep": 1.43, "prep_qk": 0.85}
 _SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -61,15 +63,14 @@ def _lpt_makespan(groups, slots: int) -> float:
     return max(heap)
 
 
-def prep_cost(lens, h_v: int, num_sms: int = 132, h_qk=None) -> float:
-    """prep's estimated time (relative units) over the SMs: every chunk of every v-head, plus every
-    chunk of every q/k head (its loads and gate tables shared by the group's G v-heads; ``h_qk``
-    None: G = 1). Per (chunk, v-head) 1.43 + 0.85 / G: the tensor-core prep's 2.39 scaled by the
-    grouped prep's H200 stage times against it (16/16 2x8192 0.955x, 16/32 8x4096 0.784x, 16/64
-    1x32768 0.687x; the two constants fitted to G = 1 and 4 give G = 2 within 1%)."""
+def prep_cost(lens, h_v: int, num_sms: int = 132, h_qk=None, costs=None) -> float:
+    """prep's estimated time over the SMs: every chunk of every v-head (``costs.prep``), plus every
+    chunk of every q/k head (``costs.prep_qk``: its loads and gate tables, shared by the group's G
+    v-heads; ``h_qk`` None: G = 1)."""
+    c = _fwd(costs)
     h_qk = h_v if h_qk is None else h_qk
     chunks = sum(math.ceil(ln / CHUNK) for ln in lens)
-    return chunks * (h_v * _SPLIT_COST["prep"] + h_qk * _SPLIT_COST["prep_qk"]) / num_sms
+    return chunks * (h_v * c.prep + h_qk * c.prep_qk) / num_sms
 
 
 #: prep's CTAs resident per SM (kernels/prep.py compiles with it as its MIN_BLOCKS)
@@ -96,74 +97,82 @@ def _runs_prep(seg: int, block_v: int) -> bool:
     return bool(seg) or block_v != HEAD_DIM
 
 
-def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int) -> float:
+def _fwd_o_grid(n_ctas: int, num_sms: int, c) -> tuple:
+    """(slots, step) of fwd_o's grid: at most one CTA per SM runs alone (``fwd_o_alone``); more
+    share the SMs ``FWD_O_CTAS_PER_SM`` at a time (``fwd_o``)."""
+    if n_ctas <= num_sms:
+        return num_sms, c.fwd_o_alone
+    return num_sms * FWD_O_CTAS_PER_SM, c.fwd_o
+
+
+def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> float:
     """The forward less prep: the final kernel's CTAs longest-first on the SMs and, when split,
-    seg_state's non-last segments, the serial fix-up and the split path's launches."""
+    seg_state's non-last segments, the serial fix-up and the split path's fixed cost."""
     cpb = HEAD_DIM // block_v
-    step = _SPLIT_COST["fused"] if block_v == HEAD_DIM else _SPLIT_COST["fwd_o"]
-    slots = num_sms * (FWD_O_CTAS_PER_SM if block_v != HEAD_DIM else 1)
-    if not seg:
-        fwd = [(math.ceil(ln / CHUNK), h_v * cpb) for ln in lens if ln > 0]
-        return _lpt_makespan(fwd, slots) * step
     fwd, seg_state, serial = {}, {}, 0
     for ln in lens:
-        ns = max(1, math.ceil(ln / seg))
+        if ln <= 0:
+            continue
+        ns = max(1, math.ceil(ln / seg)) if seg else 1
         for i in range(ns):
-            ch = math.ceil(min(seg, ln - i * seg) / CHUNK)
+            ch = math.ceil((min(seg, ln - i * seg) if seg else ln) / CHUNK)
             fwd[ch] = fwd.get(ch, 0) + h_v * cpb
             if i < ns - 1:
                 seg_state[ch] = seg_state.get(ch, 0) + h_v * 4
         serial = max(serial, ns - 1)
-    return (
-        _lpt_makespan(list(fwd.items()), slots) * step
-        + _lpt_makespan(list(seg_state.items()), 2 * num_sms) * _SPLIT_COST["seg_state"]
-        + serial * _SPLIT_COST["fixup"]
-        + _SPLIT_COST["launch"]
-    )
+    if block_v == HEAD_DIM:
+        slots, step = num_sms, c.fused
+    else:
+        slots, step = _fwd_o_grid(sum(fwd.values()), num_sms, c)
+    cost = _lpt_makespan(list(fwd.items()), slots) * step
+    if seg:
+        cost += (
+            _lpt_makespan(list(seg_state.items()), 2 * num_sms) * c.seg_state + serial * c.fixup + c.launch
+        )
+    return cost
 
 
-def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64, h_qk=None) -> float:
-    """Estimated time (relative units) of the forward for sequences of ``lens`` tokens cut into
-    ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64: fwd_o, 128 / bv
-    CTAs of bv columns per segment and v-head; 128: the fused kernel, one) longest-first on the
+def split_cost(lens, h_v: int, seg: int, num_sms: int = 132, block_v: int = 64, h_qk=None, costs=None) -> float:
+    """Estimated time (the cost table's unit) of the forward for sequences of ``lens`` tokens cut
+    into ``seg``-token segments (0 = unsplit): the final kernel's CTAs (``block_v`` 64: fwd_o, 128 /
+    bv CTAs of bv columns per segment and v-head; 128: the fused kernel, one) longest-first on the
     SMs, prep (:func:`prep_cost`; every path but the unsplit fused one runs it), and when split
-    seg_state's non-last segments, the serial fix-up and the split path's launches."""
-    prep = prep_cost(lens, h_v, num_sms, h_qk) if _runs_prep(seg, block_v) else 0.0
-    return _final_cost(lens, h_v, seg, num_sms, block_v) + prep
+    seg_state's non-last segments, the serial fix-up and the split path's fixed cost."""
+    c = _fwd(costs)
+    prep = prep_cost(lens, h_v, num_sms, h_qk, c) if _runs_prep(seg, block_v) else 0.0
+    return _final_cost(lens, h_v, seg, num_sms, block_v, c) + prep
+
+
+def fwd_candidates(lens, num_sms: int = 132, blocks=(128, 64)) -> list:
+    """The (block_v, segment tokens) pairs :func:`plan_fwd` rates for ``lens``: every block x
+    unsplit and every segment length shorter than the longest sequence."""
+    longest = max(lens, default=0)
+    return [(bv, seg) for bv in blocks for seg in (0, *_SPLIT_CANDIDATES) if not seg or seg < longest]
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple, h_qk=None) -> tuple:
-    longest = max(lens, default=0)
-    prep = prep_cost(lens, h_v, num_sms, h_qk)
+def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple, h_qk, c) -> tuple:
+    prep = prep_cost(lens, h_v, num_sms, h_qk, c)
     best, best_cost, best_final = (blocks[0], 0), None, None
-    for bv in blocks:
-        for seg in (0, *_SPLIT_CANDIDATES):
-            if seg and seg >= longest:
-                break
-            final = _final_cost(lens, h_v, seg, num_sms, bv)
-            c = final + (prep if _runs_prep(seg, bv) else 0.0)
-            # change only for a clear gain: 1% of the final kernels' part (prep, the same for every
-            # candidate that runs it, does not widen the margin)
-            if best_cost is None or c < best_cost - 0.01 * best_final:
-                best, best_cost, best_final = (bv, seg), c, final
+    for bv, seg in fwd_candidates(lens, num_sms, blocks):
+        final = _final_cost(lens, h_v, seg, num_sms, bv, c)
+        cost = final + (prep if _runs_prep(seg, bv) else 0.0)
+        # change only for a clear gain: 1% of the final kernels' part (prep, the same for every
+        # candidate that runs it, does not widen the margin)
+        if best_cost is None or cost < best_cost - 0.01 * best_final:
+            best, best_cost, best_final = (bv, seg), cost, final
     return best
 
 
-#: Backward split cost model (µs per chunk step per item, H200): both chains one item per (segment,
-#: v-head) over the SMs; seg_state, the fix-ups and the launches price the split path's extra work.
-#: Fitted by ``scripts/plan_refit.py bwd`` to ``results/h200_planner/bwd_splits_rs`` (docs/kernels.md).
-_BWD_SPLIT_COST = {"dhu": 0.48, "bwd_h": 4.59, "seg_state": 1.38, "fixup": 2.78, "launch": 5.45}
-
-
-def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132) -> float:
-    """Estimated time (µs-like units) of the backward's chains for sequences of ``lens`` tokens cut
-    into ``seg``-token segments (0 = unsplit): bwd_h and bwd_dhu (two passes when split: pass 1 on
-    every segment but the first of its sequence), plus seg_state and the two fix-ups when split."""
-    c = _BWD_SPLIT_COST
+def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132, costs=None) -> float:
+    """Estimated time (the cost table's unit) of the backward's chains for sequences of ``lens``
+    tokens cut into ``seg``-token segments (0 = unsplit): bwd_h and bwd_dhu (two passes when split:
+    pass 1 on every segment but the first of its sequence), plus seg_state and the two fix-ups when
+    split."""
+    c = _bwd(costs)
     if not seg:
         items = [(math.ceil(ln / CHUNK), h_v) for ln in lens if ln > 0]
-        return _lpt_makespan(items, num_sms) * (c["dhu"] + c["bwd_h"])
+        return _lpt_makespan(items, num_sms) * (c.dhu + c.bwd_h)
     every, not_first, not_last, serial = {}, {}, {}, 0
     for ln in lens:
         ns = max(1, math.ceil(ln / seg))
@@ -177,34 +186,35 @@ def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132) -> float:
         serial = max(serial, ns - 1)
     chains = _lpt_makespan(list(every.items()), num_sms)
     return (
-        (chains + _lpt_makespan(list(not_first.items()), num_sms)) * c["dhu"]
-        + chains * c["bwd_h"]
-        + _lpt_makespan(list(not_last.items()), 2 * num_sms) * c["seg_state"]
-        + 2 * serial * c["fixup"]
-        + c["launch"]
+        (chains + _lpt_makespan(list(not_first.items()), num_sms)) * c.dhu
+        + chains * c.bwd_h
+        + _lpt_makespan(list(not_last.items()), 2 * num_sms) * c.seg_state
+        + 2 * serial * c.fixup
+        + c.launch
     )
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_bwd_lens(lens: tuple, h_v: int, num_sms: int) -> int:
+def _plan_bwd_lens(lens: tuple, h_v: int, num_sms: int, c) -> int:
     longest = max(lens, default=0)
     best, best_cost = 0, None
     for seg in (0, *_SPLIT_CANDIDATES[1:]):
         if seg and seg >= longest:
             break
-        c = bwd_split_cost(lens, h_v, seg, num_sms)
-        if best_cost is None or c < best_cost * 0.95:  # split only for a clear gain
-            best, best_cost = seg, c
+        cost = bwd_split_cost(lens, h_v, seg, num_sms, c)
+        if best_cost is None or cost < best_cost * 0.95:  # split only for a clear gain
+            best, best_cost = seg, cost
     return best
 
 
-def plan_bwd_split(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None) -> int:
+def plan_bwd_split(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, costs=None) -> int:
     """Segment length in tokens for the backward's sequence split (0 = unsplit), by
-    :func:`bwd_split_cost` over 512..16384-token segments; host values only."""
+    :func:`bwd_split_cost` over 512..16384-token segments; host values only. ``costs``: a
+    :class:`.calibration.BwdCosts` (default: the default GPU's table)."""
     lens = _lens_of(T, N, seqlens)
     if not lens or max(lens) <= 512:
         return 0
-    return _plan_bwd_lens(lens, h_v, num_sms)
+    return _plan_bwd_lens(lens, h_v, num_sms, _bwd(costs))
 
 
 def _lens_of(T, N, seqlens):
@@ -213,18 +223,23 @@ def _lens_of(T, N, seqlens):
     return (T // max(N, 1),) * max(N, 1) if T else ()
 
 
-def plan_fwd(T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(128, 64), h_qk=None) -> tuple:
+def plan_fwd(
+    T: int, N: int, h_v: int, num_sms: int = 132, seqlens=None, blocks=(128, 64), h_qk=None, costs=None
+) -> tuple:
     """(block_v, segment length) of the forward: the pair of
     ``blocks`` x {unsplit, 256..16384-token segments} that :func:`split_cost` rates fastest.
     block_v 128 is the fused kernel (no prep when unsplit, one CTA per segment and v-head); 64 is
-    fwd_o after prep (two CTAs per segment and v-head, two per SM)."""
+    fwd_o after prep (two CTAs per segment and v-head, two per SM). ``costs``: a
+    :class:`.calibration.FwdCosts` (default: the default GPU's table)."""
     lens = _lens_of(T, N, seqlens)
     if not lens:
         return (blocks[0], 0)
-    return _plan_lens(lens, h_v, num_sms, tuple(blocks), h_qk)  # no split candidate for sequences <= 256
+    return _plan_lens(lens, h_v, num_sms, tuple(blocks), h_qk, _fwd(costs))  # no split candidate for sequences <= 256
 
 
-def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, seqlens=None, h_qk=None) -> int:
+def plan_split(
+    T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, seqlens=None, h_qk=None, costs=None
+) -> int:
     """Segment length in tokens for sequence splitting, or 0 for no splitting.
 
     Chosen by a cost model of the split path (:func:`split_cost`: longest-first scheduling of the
@@ -237,4 +252,4 @@ def plan_split(T: int, N: int, h_v: int, num_sms: int = 132, block_v: int = 64, 
     lens = _lens_of(T, N, seqlens)
     if not lens or max(lens) <= 256:
         return 0
-    return _plan_lens(lens, h_v, num_sms, (block_v,), h_qk)[1]
+    return _plan_lens(lens, h_v, num_sms, (block_v,), h_qk, _fwd(costs))[1]

@@ -13,7 +13,10 @@ tests      what the GPU tests compile (tests/test_kernels_gpu.py, tests/test_ker
 fwd_sweep  configs/h200_fwd.yaml: the forward's kernels with initial + final state, 9 head configs
 bwd_sweep  configs/h200_bwd.yaml: forward (saved tensors) and backward with h0 and d(final state),
            4 head configs
-sweep      both sweeps; all = tests + sweep
+sweep      both sweeps
+calibration  the cost-table micro-benchmark's (python -m qlabench_kernels.calibration): heads 1/1
+           and 1/4, forward, initial + final state
+all        tests + sweep + calibration
 
 The list per head config is ``qlabench_kernels.compile.default_kernels``; the target is sm_90a, the
 runtime default, so the cache is the one the H200 loads. ``jobs`` > 1 compiles that many head
@@ -29,7 +32,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 #: the named sets a target may be instead of a sweep YAML
-NAMED = ("tests", "fwd_sweep", "bwd_sweep", "sweep", "all")
+NAMED = ("tests", "fwd_sweep", "bwd_sweep", "sweep", "calibration", "all")
 TEST_HEADS = [(2, 2), (2, 4), (1, 3), (2, 8), (4, 12)]
 FWD_SWEEP_HEADS = [(2, 8), (16, 64), (4, 16), (8, 32), (16, 32), (8, 24), (16, 48), (16, 16), (32, 32)]
 BWD_SWEEP_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
@@ -64,6 +67,10 @@ def plan(targets: Iterable) -> list[tuple[int, int, dict]]:
             add(FWD_SWEEP_HEADS, [(1, 1)], [])
         if t in ("bwd_sweep", "sweep", "all"):
             add(BWD_SWEEP_HEADS, [(1, 1)], [(1, 1)])
+        if t in ("calibration", "all"):
+            from qlabench_kernels.calibration import HEADS
+
+            add(list(HEADS), [(1, 1)], [])
     return [(hq, hv, dict(fwd_flags=tuple(sorted(f)), bwd_flags=tuple(sorted(b))))
             for (hq, hv), (f, b) in jobs.items()]
 

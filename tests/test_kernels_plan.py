@@ -66,20 +66,25 @@ def test_plan_fwd_picks_the_faster_final_kernel():
     assert pkg.plan_fwd(8 * 1024, 8, 8, h_qk=2) == (64, 0)  # 2/8 8x1024: fwd_o 0.059 ms
     assert pkg.plan_fwd(32768, 1, 8, h_qk=2) == (64, 2048)  # 0.282 ms
     # the unsplit fused path runs no prep; every other path pays it
+    from qlabench_kernels.calibration import default_table
     from qlabench_kernels.plan import _final_cost
 
+    c = default_table().fwd
     lens = [8192] * 4
-    assert pkg.split_cost(lens, 64, 0, block_v=128) == _final_cost(lens, 64, 0, 132, 128)
+    assert pkg.split_cost(lens, 64, 0, block_v=128) == _final_cost(lens, 64, 0, 132, 128, c)
     for seg, bv in ((2048, 128), (0, 64), (2048, 64)):
-        assert pkg.split_cost(lens, 64, seg, block_v=bv) == _final_cost(lens, 64, seg, 132, bv) + pkg.prep_cost(lens, 64)
+        assert pkg.split_cost(lens, 64, seg, block_v=bv) == _final_cost(lens, 64, seg, 132, bv, c) + pkg.prep_cost(lens, 64)
     # sequences too short to split are rated too (one 200-token sequence of 8 heads: 8 fused CTAs
     # of 4 chunks against fwd_o's 16)
     assert pkg.plan_fwd(200, 1, 8) == (64, 0)
-    # fwd_o's CTAs share an SM two at a time: twice the CTAs of one round cost one round
+    # fwd_o's CTAs share an SM two at a time: two CTAs per SM cost one round at fwd_o's step, one
+    # CTA per SM (or fewer) one round at its step alone
     from qlabench_kernels.plan import FWD_O_CTAS_PER_SM
 
     assert FWD_O_CTAS_PER_SM == 2
-    assert _final_cost([4096], 132, 0, 132, 64) == _final_cost([4096], 66, 0, 132, 64)
+    assert _final_cost([4096], 132, 0, 132, 64, c) == 64 * c.fwd_o  # 264 CTAs
+    assert _final_cost([4096], 66, 0, 132, 64, c) == 64 * c.fwd_o_alone  # 132 CTAs
+    assert _final_cost([4096], 67, 0, 132, 64, c) == 64 * c.fwd_o  # 134: some SMs hold two
 
 
 def test_prep_slices_share_loads_while_the_sms_stay_busy():
@@ -96,12 +101,14 @@ def test_prep_slices_share_loads_while_the_sms_stay_busy():
 
 
 def test_prep_cost_counts_the_shared_work_per_qk_head():
-    """Per (chunk, v-head) 1.43 + 0.85 / G: grouping lowers prep's price, and h_qk unknown prices G = 1."""
+    """Per (chunk, v-head) prep + prep_qk / G: grouping lowers prep's price, and h_qk unknown prices G = 1."""
+    from qlabench_kernels.calibration import default_table
     from qlabench_kernels.plan import prep_cost
 
+    c = default_table().fwd
     lens = [32768]
     g1, g4 = prep_cost(lens, 64, h_qk=64), prep_cost(lens, 64, h_qk=16)
     assert prep_cost(lens, 64) == g1
-    assert abs(g4 / g1 - (1.43 + 0.85 / 4) / (1.43 + 0.85)) < 1e-9
+    assert abs(g4 / g1 - (c.prep + c.prep_qk / 4) / (c.prep + c.prep_qk)) < 1e-9
     # the grouped prep's measured stage ratios against the ungrouped one (0.955 / 0.687 at G = 1 / 4)
     assert abs(g4 / g1 - 0.687 / 0.955) < 0.02

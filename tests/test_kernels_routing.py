@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 import torch
+from qlabench_kernels import calibration
 
 D = 128
 
@@ -35,8 +36,9 @@ def fwd(monkeypatch):
 
         return run
 
-    def plan(T, N, h_v, sms, seqlens=None, blocks=(128, 64), h_qk=None):
+    def plan(T, N, h_v, sms, seqlens=None, blocks=(128, 64), h_qk=None, costs=None):
         assert (h_v, h_qk) == (2, 1)  # the driver prices prep with the q/k head count
+        assert costs == calibration.default_table().fwd  # and with the device's cost table
         plans.append(blocks)
         return (blocks[0], 0)
 

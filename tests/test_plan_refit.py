@@ -1,11 +1,12 @@
 """qlabench_tools.kernels.plan_refit (tools/kernels/plan_refit.py): on latencies made from the planners' own cost models with known constants,
 the refit recovers them, and the choices it reports are measured rows of the run."""
 
+import dataclasses
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from qlabench_kernels import plan
+from qlabench_kernels import calibration, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,12 +26,12 @@ def refit():
 
 
 def _fwd_costs(**kw):
-    """The forward planner with ``kw`` in its cost table (the script's own patch-and-restore)."""
-    return REFIT._constants(plan._SPLIT_COST, plan._plan_lens, **kw)
+    """The default cost table's forward costs with ``kw`` in place."""
+    return dataclasses.replace(calibration.default_table().fwd, **kw)
 
 
 def _bwd_costs(**kw):
-    return REFIT._constants(plan._BWD_SPLIT_COST, plan._plan_bwd_lens, **kw)
+    return dataclasses.replace(calibration.default_table().bwd, **kw)
 
 
 FWD_KEYS = [(16, 64, (8192,) * 4), (16, 64, (32768,)), (2, 8, (32768,)), (2, 8, (1024,) * 8), (8, 24, (1024,) * 8),
@@ -40,39 +41,40 @@ BWD_KEYS = [(16, 32, (32768,)), (8, 16, (7212, 25556)), (4, 8, (8192,)), (2, 4, 
 
 
 def _fwd_table(u, fused, prep):
-    with _fwd_costs(fused=fused, prep=prep):
-        rows = {}
-        for hq, hv, lens in FWD_KEYS:
-            T, N = sum(lens), len(lens)
-            r = {"tl-fused": u * plan.split_cost(lens, hv, 0, 132, 128, h_qk=hq)}
-            seg = plan.plan_split(T, N, hv, 132, block_v=64, seqlens=list(lens), h_qk=hq)
-            r["tl-bv64"] = u * plan.split_cost(lens, hv, seg, 132, 64, h_qk=hq)
-            r["tilelang"] = min(r.values())
-            rows[(hq, hv, lens)] = r
-        return pd.DataFrame.from_dict(rows, orient="index")
+    c = _fwd_costs(fused=fused, prep=prep)
+    rows = {}
+    for hq, hv, lens in FWD_KEYS:
+        T, N = sum(lens), len(lens)
+        r = {"tl-fused": u * plan.split_cost(lens, hv, 0, 132, 128, h_qk=hq, costs=c)}
+        # fwd_o's split as the refit tool takes it: planned with the table's own costs
+        seg = plan.plan_split(T, N, hv, 132, block_v=64, seqlens=list(lens), h_qk=hq)
+        r["tl-bv64"] = u * plan.split_cost(lens, hv, seg, 132, 64, h_qk=hq, costs=c)
+        r["tilelang"] = min(r.values())
+        rows[(hq, hv, lens)] = r
+    return pd.DataFrame.from_dict(rows, orient="index")
 
 
-def _fwd_choice(lens, hv, hq):
-    bv, seg = plan.plan_fwd(sum(lens), len(lens), hv, 132, seqlens=list(lens), h_qk=hq)
+def _fwd_choice(lens, hv, hq, costs):
+    bv, seg = plan.plan_fwd(sum(lens), len(lens), hv, 132, seqlens=list(lens), h_qk=hq, costs=costs)
     return {128: "tl-fused" if seg == 0 else None, 64: "tl-bv64"}[bv]
 
 
 def _fwd_choices_with(**costs):
-    with _fwd_costs(**costs):
-        return {(hq, hv, lens): _fwd_choice(lens, hv, hq) for hq, hv, lens in FWD_KEYS}
+    c = _fwd_costs(**costs)
+    return {(hq, hv, lens): _fwd_choice(lens, hv, hq, c) for hq, hv, lens in FWD_KEYS}
 
 
 def test_fwd_refit_recovers_the_constants_that_made_the_latencies(refit, monkeypatch, tmp_path):
     lat = _fwd_table(1.1e-3, 3.9, 2.6)
     monkeypatch.setattr(refit, "load", lambda d: lat)
-    before = dict(plan._SPLIT_COST)
+    before = calibration.default_table()
     res = refit.fwd(tmp_path, tmp_path / "fit.json")
     got = res["constants_fitted"]
     assert got["ms_per_unit"] == pytest.approx(1.1e-3, rel=1e-3)
     assert got["fused"] == pytest.approx(3.9, rel=1e-3)
     assert got["prep"] == pytest.approx(2.6, rel=1e-3)
     assert res["rms_log_error"] < 1e-6
-    assert plan._SPLIT_COST == before  # the planner's constants are back as they were
+    assert calibration.default_table() == before  # the committed table is read, never changed
     # "now" is the planner with its own constants, "new" with the fitted ones, and they differ here
     now, new = _fwd_choices_with(), _fwd_choices_with(fused=3.9, prep=2.6)
     assert now != new and res["changed"] == sum(now[k] != new[k] for k in now) > 0
@@ -82,48 +84,32 @@ def test_fwd_refit_recovers_the_constants_that_made_the_latencies(refit, monkeyp
     assert (tmp_path / "fit.json").is_file()
 
 
-def test_fwd_refit_keeps_the_constants_when_the_fit_fails(refit, monkeypatch, tmp_path):
-    lat = _fwd_table(1.1e-3, 3.9, 2.6)
-    monkeypatch.setattr(refit, "load", lambda d: lat)
-    before = dict(plan._SPLIT_COST)
-
-    def boom(*a, **k):
-        raise RuntimeError("fit failed")
-
-    import scipy.optimize
-
-    monkeypatch.setattr(scipy.optimize, "least_squares", boom)
-    with pytest.raises(RuntimeError):
-        refit.fwd(tmp_path)
-    assert plan._SPLIT_COST == before
-
-
 def _bwd_table(consts, splits=(0, 512, 1024, 2048, 4096, 8192, 16384)):
-    with _bwd_costs(**consts):
-        rows = {}
-        for i, (hq, hv, lens) in enumerate(BWD_KEYS):
-            base = 500.0 + 300.0 * i  # µs of the stages the split does not change
-            rows[(hq, hv, lens)] = {
-                f"tl-split{s}": (base + plan.bwd_split_cost(lens, hv, s, 132)) / 1000.0 for s in splits
-            }
-        return pd.DataFrame.from_dict(rows, orient="index")
+    c = _bwd_costs(**consts)
+    rows = {}
+    for i, (hq, hv, lens) in enumerate(BWD_KEYS):
+        base = 500.0 + 300.0 * i  # µs of the stages the split does not change
+        rows[(hq, hv, lens)] = {
+            f"tl-split{s}": (base + plan.bwd_split_cost(lens, hv, s, 132, costs=c)) / 1000.0 for s in splits
+        }
+    return pd.DataFrame.from_dict(rows, orient="index")
 
 
 def _bwd_choices_with(consts):
-    with _bwd_costs(**consts):
-        return [f"tl-split{plan.plan_bwd_split(sum(l), len(l), hv, 132, seqlens=list(l))}" for _, hv, l in BWD_KEYS]
+    c = _bwd_costs(**consts)
+    return [f"tl-split{plan.plan_bwd_split(sum(l), len(l), hv, 132, seqlens=list(l), costs=c)}" for _, hv, l in BWD_KEYS]
 
 
 def test_bwd_refit_fits_the_measured_latencies_and_keeps_the_planner_as_it_was(refit, monkeypatch, tmp_path):
     consts = {"dhu": 2.1, "bwd_h": 1.7, "seg_state": 1.4, "fixup": 2.5, "launch": 30.0}
     lat = _bwd_table(consts)
     monkeypatch.setattr(refit, "load", lambda d: lat)
-    before = dict(plan._BWD_SPLIT_COST)
+    before = calibration.default_table()
     res = refit.bwd(tmp_path)
     assert res["rms_rel_error"] < 1e-6
     for k, v in consts.items():
         assert res["constants_fitted"][k] == pytest.approx(v, rel=1e-3, abs=1e-3), k
-    assert plan._BWD_SPLIT_COST == before
+    assert calibration.default_table() == before
     now, new = _bwd_choices_with({}), _bwd_choices_with(consts)
     assert now != new
     assert [p["now"] for p in res["per_point"]] == now

@@ -38,7 +38,8 @@ class TileLangBackend(Backend):
     Params = TileLangParams
 
     def version(self) -> str:
-        """A hash of the kernel sources: editing ``kernels/`` makes a new resume key."""
+        """A hash of the kernel sources and the planners' cost tables: editing either makes a new
+        resume key."""
         import hashlib
         from pathlib import Path
         try:
@@ -47,7 +48,7 @@ class TileLangBackend(Backend):
             return "unknown"
         h = hashlib.sha1()
         root = Path(qk.__file__).parent
-        for f in sorted(root.glob("*.py")):
+        for f in sorted([*root.glob("*.py"), *root.glob("cost_tables/*.json")]):
             h.update(f.name.encode())
             h.update(f.read_bytes())
         return f"src-{h.hexdigest()[:10]}"

@@ -22,7 +22,7 @@ run and its ``--resume``, which may be on another GPU), and the planned label
 """
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import math
 import pathlib
@@ -37,6 +37,13 @@ def _plan():
     from qlabench_kernels import plan
 
     return plan
+
+
+def _table():
+    """The cost table the planners use off the GPU (the H200's), whose constants are refit."""
+    from qlabench_kernels import calibration
+
+    return calibration.default_table()
 
 
 class RefitError(ValueError):
@@ -70,21 +77,6 @@ def _ms(lat, key, label):
     return None if v != v else float(v)
 
 
-@contextlib.contextmanager
-def _constants(table, cache, **kw):
-    """``table`` (a cost dict of kernels/plan.py) updated by ``kw`` inside the block, ``cache`` (the
-    planner's lru cache) cleared on the way in and out; the constants come back whatever happens."""
-    old = dict(table)
-    table.update(kw)
-    cache.cache_clear()
-    try:
-        yield
-    finally:
-        table.clear()
-        table.update(old)
-        cache.cache_clear()
-
-
 def fwd(run_dir, out_json=None):
     plan = _plan()
     lat = load(run_dir)
@@ -95,19 +87,19 @@ def fwd(run_dir, out_json=None):
     lat = lat.dropna(subset=need)
     if len(lat) < 3:
         raise RefitError(f"{run_dir}: {len(lat)} points have ok rows of all of {need}; the fit needs 3")
-    base = dict(plan._SPLIT_COST)
+    base = _table().fwd
 
     def seg_of(key, bv):
         h_qk, h_v, lens = key
-        return plan.plan_split(sum(lens), len(lens), h_v, SMS, block_v=bv, seqlens=list(lens), h_qk=h_qk)
+        return plan.plan_split(sum(lens), len(lens), h_v, SMS, block_v=bv, seqlens=list(lens), h_qk=h_qk, costs=base)
 
     segs = {k: seg_of(k, 64) for k in lat.index}
 
-    def model_units(key, label):
+    def model_units(key, label, costs):
         h_qk, h_v, lens = key
         if label == "tl-fused":
-            return plan.split_cost(lens, h_v, 0, SMS, 128, h_qk=h_qk)
-        return plan.split_cost(lens, h_v, segs[key], SMS, 64, h_qk=h_qk)
+            return plan.split_cost(lens, h_v, 0, SMS, 128, h_qk=h_qk, costs=costs)
+        return plan.split_cost(lens, h_v, segs[key], SMS, 64, h_qk=h_qk, costs=costs)
 
     from scipy.optimize import least_squares
 
@@ -115,24 +107,23 @@ def fwd(run_dir, out_json=None):
 
     def resid(theta):
         u, f, p = np.exp(theta)
-        with _constants(plan._SPLIT_COST, plan._plan_lens, fused=f, prep=p):
-            return np.array([math.log(u * model_units(k, lab)) - math.log(ms) for k, lab, ms in rows])
+        costs = dataclasses.replace(base, fused=f, prep=p)
+        return np.array([math.log(u * model_units(k, lab, costs)) - math.log(ms) for k, lab, ms in rows])
 
-    x0 = np.log([1.08e-3, base["fused"], base["prep"]])
+    x0 = np.log([1.08e-3, base.fused, base.prep])
     fit = least_squares(resid, x0)
     u, f, p = (float(v) for v in np.exp(fit.x))
 
-    def choice(key):
+    def choice(key, costs):
         h_qk, h_v, lens = key
-        bv, seg = plan.plan_fwd(sum(lens), len(lens), h_v, SMS, seqlens=list(lens), h_qk=h_qk)
+        bv, seg = plan.plan_fwd(sum(lens), len(lens), h_v, SMS, seqlens=list(lens), h_qk=h_qk, costs=costs)
         if bv == 128:
             return "tl-fused" if seg == 0 else None  # the fused split path: not a candidate here
         return "tl-bv64"
 
-    with _constants(plan._SPLIT_COST, plan._plan_lens):
-        now = {k: choice(k) for k in lat.index}
-    with _constants(plan._SPLIT_COST, plan._plan_lens, fused=f, prep=p):
-        new = {k: choice(k) for k in lat.index}
+    now = {k: choice(k, base) for k in lat.index}
+    fitted = dataclasses.replace(base, fused=f, prep=p)
+    new = {k: choice(k, fitted) for k in lat.index}
 
     per_point = []
     for k in lat.index:
@@ -141,7 +132,7 @@ def fwd(run_dir, out_json=None):
             heads=f"{k[0]}/{k[1]}", seqlens=list(k[2]), planned_ms=_ms(lat, k, "tilelang"),
             now=now[k], new=new[k], best=best, **{c: float(lat.at[k, c]) for c in need},
         ))  # fmt: skip
-    res = _report("fwd", per_point, dict(ms_per_unit=u, fused=f, prep=p), dict(fused=base["fused"], prep=base["prep"]))
+    res = _report("fwd", per_point, dict(ms_per_unit=u, fused=f, prep=p), dict(fused=base.fused, prep=base.prep))
     res["rms_log_error"] = float(np.sqrt(np.mean(fit.fun**2)))
     return _finish(res, out_json)
 
@@ -153,7 +144,8 @@ def bwd(run_dir, out_json=None):
     if not labels:
         raise RefitError(f"{run_dir} has no ok tl-split<S> rows (a run of configs/h200_bwd_splits.yaml)")
     split_of = {c: int(c[len("tl-split") :]) for c in labels}
-    names = list(plan._BWD_SPLIT_COST)
+    base = _table().bwd
+    names = [f.name for f in dataclasses.fields(base) if f.name != "unit"]
     keys = [k for k in lat.index if any(_ms(lat, k, c) is not None for c in labels)]
 
     def terms(key, seg):
@@ -161,8 +153,8 @@ def bwd(run_dir, out_json=None):
         _, h_v, lens = key
         out = []
         for n in names:
-            with _constants(plan._BWD_SPLIT_COST, plan._plan_bwd_lens, **{m: float(m == n) for m in names}):
-                out.append(plan.bwd_split_cost(lens, h_v, seg, SMS))
+            unit = dataclasses.replace(base, **{m: float(m == n) for m in names})
+            out.append(plan.bwd_split_cost(lens, h_v, seg, SMS, costs=unit))
         return out
 
     # unknowns: one base per point (µs), then the constants (µs per unit of each term)
@@ -186,15 +178,14 @@ def bwd(run_dir, out_json=None):
     fitted = {n: float(v) for n, v in zip(names, x[len(keys) :])}
     rel = (A @ x - b) / b
 
-    def choice(key):
+    def choice(key, costs):
         _, h_v, lens = key
-        lab = f"tl-split{plan.plan_bwd_split(sum(lens), len(lens), h_v, SMS, seqlens=list(lens))}"
+        lab = f"tl-split{plan.plan_bwd_split(sum(lens), len(lens), h_v, SMS, seqlens=list(lens), costs=costs)}"
         return lab if _ms(lat, key, lab) is not None else None  # None: a segment length not measured there
 
-    with _constants(plan._BWD_SPLIT_COST, plan._plan_bwd_lens):
-        now = {k: choice(k) for k in keys}
-    with _constants(plan._BWD_SPLIT_COST, plan._plan_bwd_lens, **fitted):
-        new = {k: choice(k) for k in keys}
+    now = {k: choice(k, base) for k in keys}
+    refit_costs = dataclasses.replace(base, **fitted)
+    new = {k: choice(k, refit_costs) for k in keys}
 
     per_point = []
     for k in keys:
@@ -203,7 +194,7 @@ def bwd(run_dir, out_json=None):
             heads=f"{k[0]}/{k[1]}", seqlens=list(k[2]), planned_ms=_ms(lat, k, "tilelang"),
             now=now[k], new=new[k], best=min(have, key=have.get), measured=len(have), **have,
         ))  # fmt: skip
-    res = _report("bwd", per_point, fitted, {n: plan._BWD_SPLIT_COST[n] for n in names})
+    res = _report("bwd", per_point, fitted, {n: getattr(base, n) for n in names})
     res["rms_rel_error"] = float(np.sqrt(np.mean(rel**2)))
     res["points_missing_candidates"] = sum(p["measured"] < len(labels) for p in per_point)
     return _finish(res, out_json)

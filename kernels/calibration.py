@@ -1,0 +1,433 @@
+"""Stage costs of the kernels on one GPU model: the tables the planners price from, and the
+micro-benchmark that measures them.
+
+    python -m qlabench_kernels.calibration [--out kernels/cost_tables/nvidia_h200.json] [--reps 10]
+
+A table (``cost_tables/<gpu>.json``, one per GPU model, committed so that offline tools plan as the
+GPU will) holds, per direction, the per-step costs :mod:`.plan` multiplies by its schedule of the
+grid on the SMs. The forward's, in µs when measured (the planner compares candidates in whatever
+unit a table has):
+
+    fwd_o        one 64-token chunk of one fwd_o CTA, two CTAs resident per SM
+    fwd_o_alone  the same with one CTA per SM (grids of at most one CTA per SM)
+    fused        one chunk of one fused-kernel CTA (one per SM)
+    prep         prep's SM time per (chunk, v-head) ...
+    prep_qk      ... and per (chunk, q/k head)
+    seg_state    one chunk of one seg_state CTA, two per SM
+    fixup        one segment of the serial fix-up
+    launch       the split path's fixed cost (its extra launches and tables)
+
+:func:`measure_fwd` times each stage alone (CUDA-graph medians) on synthetic batches of one or four
+v-heads per q/k head whose grids fill the SMs a known number of times, at two sequence lengths:
+a cost is the slope between the two, so a launch's fixed cost does not enter it. Nothing in it
+comes from a sweep config. It then checks the table: on further synthetic batches (few and many
+(sequence, v-head) pairs, short and long) it times every candidate the planner rates and reports how
+far the planner's pick is from the fastest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import re
+import warnings
+
+__all__ = ["FwdCosts", "BwdCosts", "CostTable", "table_path", "load", "for_device", "default_table", "measure_fwd"]
+
+TABLES = pathlib.Path(__file__).resolve().parent / "cost_tables"
+#: the table offline tools (no GPU) plan with, and the one a GPU without a table of its own falls back to
+DEFAULT_GPU = "NVIDIA H200"
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdCosts:
+    """The forward planner's step costs (module docstring); ``unit`` as stored."""
+
+    fwd_o: float
+    fwd_o_alone: float
+    fused: float
+    prep: float
+    prep_qk: float
+    seg_state: float
+    fixup: float
+    launch: float
+    unit: str = "us"
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdCosts:
+    """The backward split planner's step costs: bwd_dhu's and bwd_h's chunk step per (segment,
+    v-head) item, seg_state's, one serial fix-up segment, the split path's fixed cost."""
+
+    dhu: float
+    bwd_h: float
+    seg_state: float
+    fixup: float
+    launch: float
+    unit: str = "us"
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    gpu: str
+    sms: int
+    fwd: FwdCosts
+    bwd: BwdCosts
+    #: where each direction's costs come from (a measurement: GPU, date, commit; or what they were fitted to)
+    source: tuple = ()
+
+    def to_json(self) -> dict:
+        src = dict(self.source)
+        out = {"gpu": self.gpu, "sms": self.sms}
+        for name, c in (("fwd", self.fwd), ("bwd", self.bwd)):
+            d = dataclasses.asdict(c)
+            unit = d.pop("unit")
+            out[name] = {"unit": unit, "source": src.get(name, ""), "costs": d}
+        return out
+
+
+def _section(cls, d: dict, where: str):
+    fields = [f.name for f in dataclasses.fields(cls) if f.name != "unit"]
+    costs = d.get("costs", {})
+    missing = [f for f in fields if f not in costs]
+    extra = [k for k in costs if k not in fields]
+    if missing or extra:
+        raise ValueError(f"{where}: costs must be exactly {fields}; missing {missing}, unknown {extra}")
+    bad = [k for k in fields if not (isinstance(costs[k], int | float) and costs[k] > 0 and math.isfinite(costs[k]))]
+    if bad:
+        raise ValueError(f"{where}: costs {bad} must be positive finite numbers, got {[costs[k] for k in bad]}")
+    return cls(**{k: float(costs[k]) for k in fields}, unit=str(d.get("unit", "us")))
+
+
+def from_json(d: dict, where: str = "cost table") -> CostTable:
+    """A :class:`CostTable` from its JSON form; ValueError naming the field that is wrong."""
+    for key in ("gpu", "sms", "fwd", "bwd"):
+        if key not in d:
+            raise ValueError(f"{where}: no '{key}'")
+    if not isinstance(d["sms"], int) or d["sms"] <= 0:
+        raise ValueError(f"{where}: sms must be a positive int, got {d['sms']!r}")
+    return CostTable(
+        gpu=str(d["gpu"]), sms=d["sms"],
+        fwd=_section(FwdCosts, d["fwd"], f"{where}: fwd"), bwd=_section(BwdCosts, d["bwd"], f"{where}: bwd"),
+        source=(("fwd", str(d["fwd"].get("source", ""))), ("bwd", str(d["bwd"].get("source", "")))),
+    )  # fmt: skip
+
+
+def slug(gpu: str) -> str:
+    """File stem of a GPU model's table: 'NVIDIA H200' -> 'nvidia_h200'."""
+    return re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
+
+
+def table_path(gpu: str) -> pathlib.Path:
+    return TABLES / f"{slug(gpu)}.json"
+
+
+@functools.lru_cache(maxsize=16)
+def load(gpu: str = DEFAULT_GPU) -> CostTable:
+    """The committed table of ``gpu`` (a CUDA device name); FileNotFoundError when there is none."""
+    path = table_path(gpu)
+    if not path.is_file():
+        have = sorted(p.stem for p in TABLES.glob("*.json"))
+        raise FileNotFoundError(f"no cost table for GPU {gpu!r} ({path.name}); tables: {have}")
+    return from_json(json.loads(path.read_text()), where=str(path))
+
+
+def default_table() -> CostTable:
+    return load(DEFAULT_GPU)
+
+
+@functools.lru_cache(maxsize=16)
+def _for_name(name: str) -> CostTable:
+    try:
+        return load(name)
+    except FileNotFoundError:
+        warnings.warn(
+            f"no cost table for {name!r}: the planners price with the {DEFAULT_GPU}'s "
+            f"(measure one: python -m qlabench_kernels.calibration --out {table_path(name)})",
+            stacklevel=3,
+        )
+        return default_table()
+
+
+def for_device(device) -> CostTable:
+    """The table of ``device``'s GPU model (the default one off CUDA, or with a warning for a GPU
+    that has none)."""
+    if getattr(device, "type", None) != "cuda":
+        return default_table()
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _for_name(torch.cuda.get_device_name(idx))
+
+
+# --------------------------------------------------------------------------------------
+# The micro-benchmark (needs the GPU and the compiled kernels of heads 1/1 and 1/4)
+# --------------------------------------------------------------------------------------
+
+#: the head configs the micro-benchmark compiles: G = 1 everywhere, G = 4 for prep's per-q/k-head part
+HEADS = ((1, 1), (1, 4))
+#: the two lengths (tokens per sequence) each slope is taken between
+LENGTHS = (1024, 4096)
+#: fix-up: one sequence cut into this many 256-token segments (the slope is per serial segment)
+FIXUP_SEGMENTS = (8, 64)
+
+
+def experiments(sms: int) -> list[dict]:
+    """The stage timings the costs are fitted from: dicts of stage, x (the length or segment count
+    the slope is taken over), heads (h_qk, h_v), seqlens, split (segment tokens, 0 = unsplit) and
+    block_v. Grids (CTAs):
+
+    - fwd_o:  2 per (sequence, v-head): ``sms`` sequences fill two per SM, ``sms // 2`` one;
+    - fused:  1 per (sequence, v-head): ``sms`` sequences, one per SM;
+    - prep:   ``sms`` sequences at G = 1 and G = 4 (per-v-head and per-q/k-head parts);
+    - seg_state: sequences of 2L cut at L: ``sms // 2`` non-last segments, 4 CTAs each;
+    - fixup:  one sequence of n 256-token segments (n - 1 serial steps);
+    - split / unsplit: the whole forward on one 4096-token sequence cut at 1024 and not cut
+      (the split path's fixed cost, less what the model prices of it).
+    """
+    half = max(1, sms // 2)
+    out = []
+    for L in LENGTHS:
+        out.append(dict(stage="fwd_o", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0, block_v=64))
+        out.append(dict(stage="fwd_o_alone", x=L, heads=(1, 1), seqlens=(L,) * half, split=0, block_v=64))
+        out.append(dict(stage="fused", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0, block_v=128))
+        for hk in HEADS:
+            out.append(dict(stage=f"prep_g{hk[1] // hk[0]}", x=L, heads=hk, seqlens=(L,) * sms, split=0, block_v=64))
+        out.append(dict(stage="seg_state", x=L, heads=(1, 1), seqlens=(2 * L,) * half, split=L, block_v=64))
+    for n in FIXUP_SEGMENTS:
+        out.append(dict(stage="fixup", x=n, heads=(1, 1), seqlens=(256 * n,), split=256, block_v=64))
+    out.append(dict(stage="total_split", x=0, heads=(1, 1), seqlens=(4096,), split=1024, block_v=64))
+    out.append(dict(stage="total_unsplit", x=0, heads=(1, 1), seqlens=(4096,), split=0, block_v=64))
+    return out
+
+
+def _key(e: dict) -> tuple:
+    return (e["stage"], e["x"])
+
+
+def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
+    """The forward's costs (µs) from :func:`experiments`' timings, ``times_us[_key(e)]``."""
+    from . import plan
+
+    L1, L2 = LENGTHS
+    dchunks = (L2 - L1) // 64
+
+    def slope(stage):
+        return (times_us[(stage, L2)] - times_us[(stage, L1)]) / dchunks
+
+    fwd_o, alone, fused, seg_state = slope("fwd_o"), slope("fwd_o_alone"), slope("fused"), slope("seg_state")
+    # prep over ``sms`` sequences: per chunk of one sequence (h_v · prep + h_qk · prep_qk) · sms / sms
+    g1, g4 = slope("prep_g1"), slope("prep_g4")  # = prep + prep_qk, 4 prep + prep_qk
+    prep = (g4 - g1) / 3
+    prep_qk = g1 - prep
+    n1, n2 = FIXUP_SEGMENTS
+    fixup = (times_us[("fixup", n2)] - times_us[("fixup", n1)]) / (n2 - n1)
+    partial = FwdCosts(fwd_o, alone, fused, prep, prep_qk, seg_state, fixup, launch=0.0)
+    measured = times_us[("total_split", 0)] - times_us[("total_unsplit", 0)]
+    modelled = plan.split_cost((4096,), 1, 1024, sms, 64, h_qk=1, costs=partial) - plan.split_cost(
+        (4096,), 1, 0, sms, 64, h_qk=1, costs=partial
+    )
+    launch = measured - modelled
+    vals = dict(fwd_o=fwd_o, fwd_o_alone=alone, fused=fused, prep=prep, prep_qk=prep_qk, seg_state=seg_state,
+                fixup=fixup, launch=launch)  # fmt: skip
+    bad = {k: v for k, v in vals.items() if not (v > 0 and math.isfinite(v))}
+    if bad:
+        raise RuntimeError(f"calibration gave non-positive costs {bad} (timings: {times_us}); re-run on a quiet GPU")
+    return FwdCosts(**vals, unit="us")
+
+
+#: the synthetic batches the table is checked on (h_qk, h_v, seqlens): few and many (sequence,
+#: v-head) pairs, short and long, equal and unequal; no sweep config's
+CHECKS = (
+    (1, 1, (16384,)), (1, 1, (2048,) * 8), (1, 4, (32768,)), (1, 4, (1024,) * 40),
+    (1, 4, (12000, 3000, 700, 300)), (1, 1, (8192,) * 96), (1, 4, (512,) * 200),
+)  # fmt: skip
+
+
+def _graph_us(fn, reps: int) -> float:
+    """Median µs per call over CUDA-graph replays (calls unrolled in the graph to ~1 ms or more)."""
+    import time
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    inner = max(1, min(50, int(1e-3 / max(time.perf_counter() - t0, 1e-6))))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / inner)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _inputs(h_qk, h_v, seqlens, device, seed=0):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T = sum(seqlens)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, device=device)
+
+    q = torch.nn.functional.normalize(rn(1, T, h_qk, 128), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(rn(1, T, h_qk, 128), dim=-1).to(torch.bfloat16)
+    v = rn(1, T, h_v, 128).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(rn(1, T, h_v) + 3.0) * 0.5
+    beta = torch.sigmoid(rn(1, T, h_v))
+    h0 = rn(len(seqlens), h_v, 128, 128) * 0.1
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(seqlens), 0).tolist()], dtype=torch.int32, device=device)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, cu=cu)
+
+
+def _time_experiment(e: dict, device, reps: int) -> float:
+    from .fixup import run_fixup
+    from .forward import chunk_gdn_fwd_lowlevel
+    from .fwd_fused import run_fwd_fused
+    from .fwd_o import run_fwd_o
+    from .prep import run_prep
+    from .seg_state import run_seg_state
+
+    h_qk, h_v = e["heads"]
+    x = _inputs(h_qk, h_v, list(e["seqlens"]), device)
+    sp, bv, st = e["split"], e["block_v"], e["stage"]
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"])
+    if st.startswith("total"):
+        return _graph_us(lambda: chunk_gdn_fwd_lowlevel(*args, split_tokens=sp, block_v=bv), reps)
+    r = chunk_gdn_fwd_lowlevel(*args, split_tokens=sp, block_v=64, save_prep=True)
+    scale = 128**-0.5
+    if st.startswith("prep"):
+        fn = lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], r["ctab"], scale, p_all=r["p_all"])  # noqa: E731
+    elif st.startswith("fwd_o"):
+        fn = lambda: run_fwd_o(  # noqa: E731
+            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
+        )  # fmt: skip
+    elif st == "fused":
+        fn = lambda: run_fwd_fused(  # noqa: E731
+            x["q"], x["k"], x["v"], x["g"], x["beta"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
+        )  # fmt: skip
+    elif st == "seg_state":
+        fn = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"])  # noqa: E731
+    elif st == "fixup":
+        fn = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])  # noqa: E731
+    else:
+        raise ValueError(f"unknown calibration stage {st!r}")
+    return _graph_us(fn, reps)
+
+
+def check_table(fwd: FwdCosts, device, reps: int = 10, echo=print) -> list[dict]:
+    """On each of :data:`CHECKS`: every candidate (block_v, split) the planner rates, timed whole,
+    against the planner's pick under ``fwd``. Rows: heads, seqlens, pick, pick_us, best, best_us."""
+    from . import plan
+    from .forward import chunk_gdn_fwd_lowlevel
+
+    sms = plan.sm_count(device)
+    rows = []
+    for h_qk, h_v, lens in CHECKS:
+        x = _inputs(h_qk, h_v, list(lens), device)
+        cands = plan.fwd_candidates(lens, sms)
+        times = {}
+        for bv, seg in cands:
+            fn = lambda bv=bv, seg=seg, x=x: chunk_gdn_fwd_lowlevel(  # noqa: E731
+                x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=seg, block_v=bv
+            )  # fmt: skip
+            times[(bv, seg)] = _graph_us(fn, reps)
+        pick = plan.plan_fwd(sum(lens), len(lens), h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=fwd)
+        best = min(times, key=times.get)
+        row = dict(heads=f"{h_qk}/{h_v}", seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
+                   pick=list(pick), pick_us=times[pick], best=list(best), best_us=times[best])  # fmt: skip
+        echo(f"  check {row['heads']:5s} {row['seqlens']:28s} pick {pick} {times[pick]:9.1f} us  "
+             f"best {best} {times[best]:9.1f} us  ({times[pick] / times[best]:.3f}x)")  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def measure_fwd(device=None, reps: int = 10, echo=print) -> tuple[FwdCosts, list[dict]]:
+    """Time :func:`experiments` on ``device`` (the current CUDA device), fit the forward's costs
+    (:func:`fit_fwd`) and check them (:func:`check_table`)."""
+    import torch
+
+    from . import plan
+
+    device = torch.device("cuda") if device is None else torch.device(device)
+    sms = plan.sm_count(device)
+    times = {}
+    for e in experiments(sms):
+        times[_key(e)] = _time_experiment(e, device, reps)
+        echo(f"  {e['stage']:14s} heads {e['heads'][0]}/{e['heads'][1]} {len(e['seqlens'])}x{e['seqlens'][0]:<6d} "
+             f"split {e['split']:5d}: {times[_key(e)]:9.1f} us")  # fmt: skip
+    fwd = fit_fwd(times, sms)
+    echo("  fwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(fwd).items() if k != "unit"))
+    return fwd, check_table(fwd, device, reps, echo)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import datetime
+    import subprocess
+
+    import torch
+
+    from . import plan
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, default=None, help="write the table here (default: print only)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--checks", type=pathlib.Path, default=None, help="write the planner check rows here (JSON)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the calibration times kernels on a CUDA GPU; none is visible")
+        return 2
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    fwd, checks = measure_fwd(dev, args.reps)
+    try:
+        base = load(name)
+    except FileNotFoundError:
+        base = default_table()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=pathlib.Path(__file__).parent, check=False).stdout.strip() or "unknown"  # fmt: skip
+    except OSError:
+        commit = "unknown"
+    uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", "")
+    src = dict(base.source)
+    src["fwd"] = (f"measured: python -m qlabench_kernels.calibration on {name} {uuid}, "
+                  f"{datetime.date.today().isoformat()}, commit {commit}")  # fmt: skip
+    table = CostTable(gpu=name, sms=plan.sm_count(dev), fwd=fwd, bwd=base.bwd, source=tuple(src.items()))
+    text = json.dumps(table.to_json(), indent=2) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    if args.checks:
+        args.checks.write_text(json.dumps(checks, indent=1) + "\n")
+    worst = max(r["pick_us"] / r["best_us"] for r in checks)
+    geo = math.exp(sum(math.log(r["pick_us"] / r["best_us"]) for r in checks) / len(checks))
+    print(f"planner check: pick / best geomean {geo:.4f}, worst {worst:.4f} over {len(checks)} batches")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

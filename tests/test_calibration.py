@@ -1,0 +1,146 @@
+"""The planners' cost tables (kernels/calibration.py, kernels/cost_tables/): every committed table
+loads and is what the planners price with; a table with a wrong field is refused naming it; the
+micro-benchmark's fit recovers the costs that made its timings (timings made from the planner's own
+model of each experiment's grid); the planner's picks follow the table."""
+
+import dataclasses
+import json
+
+import pytest
+from qlabench_kernels import calibration, plan
+
+
+def test_every_committed_table_loads_and_names_its_source():
+    paths = sorted(calibration.TABLES.glob("*.json"))
+    assert paths, "no cost table committed"
+    for p in paths:
+        t = calibration.from_json(json.loads(p.read_text()), where=str(p))
+        assert calibration.slug(t.gpu) == p.stem
+        src = dict(t.source)
+        assert src["fwd"] and src["bwd"], p  # where the numbers come from
+    assert calibration.default_table().gpu == calibration.DEFAULT_GPU
+
+
+def test_the_planners_price_with_the_default_table():
+    t = calibration.default_table()
+    lens = (32768,)
+    assert plan.split_cost(lens, 8, 2048) == plan.split_cost(lens, 8, 2048, costs=t.fwd)
+    assert plan.bwd_split_cost(lens, 8, 2048) == plan.bwd_split_cost(lens, 8, 2048, costs=t.bwd)
+    assert plan.sm_count(__import__("torch").device("cpu")) == t.sms
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda d: d["fwd"]["costs"].pop("fused"), "missing ['fused']"),
+        (lambda d: d["fwd"]["costs"].update(fuzed=1.0), "unknown ['fuzed']"),
+        (lambda d: d["bwd"]["costs"].update(dhu=-1.0), "['dhu'] must be positive"),
+        (lambda d: d["fwd"]["costs"].update(prep=float("nan")), "['prep'] must be positive"),
+        (lambda d: d.update(sms=0), "sms must be a positive int"),
+        (lambda d: d.pop("bwd"), "no 'bwd'"),
+    ],
+)
+def test_a_wrong_table_is_refused_naming_the_field(edit, needle):
+    d = calibration.default_table().to_json()
+    edit(d)
+    with pytest.raises(ValueError, match=__import__("re").escape(needle)):
+        calibration.from_json(d)
+
+
+def test_round_trip_and_unknown_gpu_falls_back_with_a_warning():
+    t = calibration.default_table()
+    assert calibration.from_json(json.loads(json.dumps(t.to_json()))) == t
+    with pytest.raises(FileNotFoundError, match="no cost table for GPU 'Imaginary GPU'"):
+        calibration.load("Imaginary GPU")
+    with pytest.warns(UserWarning, match="Imaginary GPU 2"):
+        assert calibration._for_name("Imaginary GPU 2") == t
+    assert calibration.for_device(__import__("torch").device("cpu")) == t
+
+
+def _model_times(c: calibration.FwdCosts, sms: int) -> dict:
+    """What each experiment takes if the GPU were the planner's model with costs ``c``, plus a fixed
+    cost per stage (launches) that the fit must not take for a step cost."""
+    fixed = {"fwd_o": 7.0, "fwd_o_alone": 7.0, "fused": 6.0, "prep_g1": 5.0, "prep_g4": 5.5, "seg_state": 4.0,
+             "fixup": 3.0, "total_split": 20.0, "total_unsplit": 20.0}  # fmt: skip
+    out = {}
+    for e in calibration.experiments(sms):
+        (h_qk, h_v), lens, st = e["heads"], e["seqlens"], e["stage"]
+        if st in ("fwd_o", "fwd_o_alone", "fused"):
+            t = plan._final_cost(lens, h_v, 0, sms, e["block_v"], c)
+        elif st.startswith("prep"):
+            t = plan.prep_cost(lens, h_v, sms, h_qk, c)
+        elif st == "seg_state":  # the non-last segment of each sequence: 4 CTAs per (segment, v-head)
+            t = plan._lpt_makespan([(e["split"] // 64, 4 * h_v * len(lens))], 2 * sms) * c.seg_state
+        elif st == "fixup":
+            t = (len(range(0, lens[0], e["split"])) - 1) * c.fixup
+        else:
+            t = plan.split_cost(lens, h_v, e["split"], sms, e["block_v"], h_qk=h_qk, costs=c)
+        out[calibration._key(e)] = fixed[st] + t
+    return out
+
+
+@pytest.mark.parametrize("sms", [132, 78, 7])
+def test_the_fit_recovers_the_costs_that_made_the_timings(sms):
+    truth = calibration.FwdCosts(fwd_o=1.9, fwd_o_alone=1.1, fused=3.1, prep=1.2, prep_qk=0.7, seg_state=1.6,
+                                 fixup=2.9, launch=13.0)  # fmt: skip
+    got = calibration.fit_fwd(_model_times(truth, sms), sms)
+    for f in dataclasses.fields(truth):
+        if f.name != "unit":
+            assert getattr(got, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-9), f.name
+
+
+def test_the_experiments_fill_the_sms_as_the_fit_assumes():
+    """fwd_o at two CTAs per SM and alone, the fused kernel and seg_state one round each."""
+    sms = 132
+    c = calibration.FwdCosts(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    for e in calibration.experiments(sms):
+        lens, chunks = e["seqlens"], e["seqlens"][0] // 64
+        if e["stage"] == "fwd_o":
+            assert 2 * len(lens) == 2 * sms and plan._fwd_o_grid(2 * len(lens), sms, c)[0] == 2 * sms
+        if e["stage"] == "fwd_o_alone":
+            assert plan._fwd_o_grid(2 * len(lens), sms, c)[0] == sms
+        if e["stage"] in ("fwd_o", "fwd_o_alone", "fused"):
+            assert plan._final_cost(lens, 1, 0, sms, e["block_v"], c) == chunks
+
+
+def test_a_fit_that_gives_a_non_positive_cost_is_refused():
+    times = _model_times(calibration.default_table().fwd, 132)
+    times[("fused", 4096)] = times[("fused", 1024)]  # no slope: a broken timing
+    with pytest.raises(RuntimeError, match="non-positive costs .*fused"):
+        calibration.fit_fwd(times, 132)
+
+
+def test_the_planner_follows_the_table():
+    """The same batch goes to the fused kernel when its step is cheap and to fwd_o when it is dear."""
+    base = calibration.default_table().fwd
+    lens = [8192] * 4
+    cheap = dataclasses.replace(base, fused=0.5 * base.fwd_o)
+    dear = dataclasses.replace(base, fused=10 * base.fwd_o)
+    assert plan.plan_fwd(sum(lens), 4, 64, seqlens=lens, h_qk=16, costs=cheap)[0] == 128
+    assert plan.plan_fwd(sum(lens), 4, 64, seqlens=lens, h_qk=16, costs=dear)[0] == 64
+    # a split path that costs nothing fixed splits a single long sequence of few heads more finely
+    free = dataclasses.replace(base, launch=1e-6, fixup=1e-6)
+    assert plan.plan_split(32768, 1, 8, costs=free) <= plan.plan_split(32768, 1, 8)
+
+
+def test_calibration_without_a_gpu_exits_2(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert calibration.main([]) == 2
+    assert "CUDA GPU" in capsys.readouterr().out
+
+
+def test_a_changed_cost_table_is_a_new_tilelang_version():
+    """Rows resume by backend version: a table that changes the plans must change it."""
+    from qlabench.backends.tilelang import TileLangBackend
+
+    before = TileLangBackend().version()
+    extra = calibration.TABLES / "zz_test_gpu.json"
+    try:
+        extra.write_text(json.dumps(calibration.default_table().to_json()))
+        assert TileLangBackend().version() != before
+    finally:
+        extra.unlink(missing_ok=True)
+    assert TileLangBackend().version() == before
