@@ -48,6 +48,8 @@
 #                if cut);
 #   fwd_heldout  configs/h200_fwd_heldout.yaml (held-out head configs, every backend), once
 #                /tmp/fisite is ready, into runs/h200_fwd_heldout (resumed once if cut);
+#   bwd_heldout  configs/h200_bwd_heldout.yaml (held-out backward head configs: fla, flashqla,
+#                tilelang) into runs/h200_bwd_heldout (resumed once if cut);
 # then the comparisons of the runs it made.
 # JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
 # JOB_STEPS (set at setup; default "bwd_prev suite_first campaign suite_warm") names the steps to run,
@@ -179,6 +181,8 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step serving_resume 90 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
   step fwd_heldout 300 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step fwd_heldout_resume 90 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
+  step bwd_heldout 300 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
+  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
   step suite_warm 240 480 $(suite suite_warm)
   for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang"; do
     set -- $c; [ -d "$1" ] || continue
