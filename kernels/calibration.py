@@ -23,6 +23,13 @@ a cost is the slope between the two, so a launch's fixed cost does not enter it.
 comes from a sweep config. It then checks the table: on further synthetic batches (few and many
 (sequence, v-head) pairs, short and long) it times every candidate the planner rates and reports how
 far the planner's pick is from the fastest.
+
+The backward's (:func:`measure_bwd`), in µs: ``dhu`` the reverse chain's step alone (one (sequence,
+v-head) item per SM); ``bwd_h`` what the two chains together add to it, from the whole backward at
+one item per SM and at one per two SMs (the stages spread over every SM halve, the chains do not);
+``seg_state`` the forward's (the same kernel); ``fixup`` the mean of the forward and reverse fix-ups'
+per-segment steps (the split path runs both); ``launch`` as the forward's. Checked the same way,
+on synthetic batches, every segment length against the planner's pick.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import pathlib
 import re
 import warnings
 
-__all__ = ["FwdCosts", "BwdCosts", "CostTable", "table_path", "load", "for_device", "default_table", "measure_fwd"]
+__all__ = ["FwdCosts", "BwdCosts", "CostTable", "table_path", "load", "for_device", "default_table", "measure_fwd",
+           "measure_bwd"]  # fmt: skip
 
 TABLES = pathlib.Path(__file__).resolve().parent / "cost_tables"
 #: the table offline tools (no GPU) plan with, and the one a GPU without a table of its own falls back to
@@ -239,12 +247,64 @@ def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
     return FwdCosts(**vals, unit="us")
 
 
+def experiments_bwd(sms: int) -> list[dict]:
+    """The backward's timings (as :func:`experiments`): the whole backward unsplit on ``sms``
+    sequences of one v-head (one chain item per SM) and on ``sms // 2``; the reverse chain alone on
+    ``sms``; the reverse fix-up over 8 and 64 segments; the whole backward split and unsplit."""
+    half = max(1, sms // 2)
+    out = []
+    for L in LENGTHS:
+        out.append(dict(stage="bwd_full", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0))
+        out.append(dict(stage="bwd_half", x=L, heads=(1, 1), seqlens=(L,) * half, split=0))
+        out.append(dict(stage="dhu", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0))
+    for n in FIXUP_SEGMENTS:
+        out.append(dict(stage="rfixup", x=n, heads=(1, 1), seqlens=(256 * n,), split=256))
+    out.append(dict(stage="bwd_split", x=0, heads=(1, 1), seqlens=(4096,), split=1024))
+    out.append(dict(stage="bwd_unsplit", x=0, heads=(1, 1), seqlens=(4096,), split=0))
+    return out
+
+
+def fit_bwd(times_us: dict, sms: int, fwd: FwdCosts) -> BwdCosts:
+    """The backward's costs (µs) from :func:`experiments_bwd`' timings and the forward's
+    (seg_state, fix-up) of the same GPU."""
+    from . import plan
+
+    L1, L2 = LENGTHS
+    dchunks = (L2 - L1) // 64
+
+    def slope(stage):
+        return (times_us[(stage, L2)] - times_us[(stage, L1)]) / dchunks
+
+    full, half = slope("bwd_full"), slope("bwd_half")
+    chains = 2 * half - full  # full = chains + spread, half = chains + spread / 2
+    dhu = slope("dhu")
+    n1, n2 = FIXUP_SEGMENTS
+    rfixup = (times_us[("rfixup", n2)] - times_us[("rfixup", n1)]) / (n2 - n1)
+    partial = BwdCosts(dhu=dhu, bwd_h=chains - dhu, seg_state=fwd.seg_state, fixup=(fwd.fixup + rfixup) / 2, launch=0.0)
+    measured = times_us[("bwd_split", 0)] - times_us[("bwd_unsplit", 0)]
+    modelled = plan.bwd_split_cost((4096,), 1, 1024, sms, partial) - plan.bwd_split_cost((4096,), 1, 0, sms, partial)
+    vals = dataclasses.asdict(partial)
+    vals.pop("unit")
+    vals["launch"] = measured - modelled
+    bad = {k: v for k, v in vals.items() if not (v > 0 and math.isfinite(v))}
+    if bad:
+        raise RuntimeError(
+            f"backward calibration gave non-positive costs {bad} (chains {chains:.4g}, dhu {dhu:.4g}; "
+            f"timings: {times_us}); the chains' model does not describe this GPU's timings"
+        )
+    return BwdCosts(**vals, unit="us")
+
+
 #: the synthetic batches the table is checked on (h_qk, h_v, seqlens): few and many (sequence,
 #: v-head) pairs, short and long, equal and unequal; no sweep config's
 CHECKS = (
     (1, 1, (16384,)), (1, 1, (2048,) * 8), (1, 4, (32768,)), (1, 4, (1024,) * 40),
     (1, 4, (12000, 3000, 700, 300)), (1, 1, (8192,) * 96), (1, 4, (512,) * 200),
 )  # fmt: skip
+
+
+#: the backward's check batches: one long sequence of few heads to many short ones
+CHECKS_BWD = ((1, 1, (16384,)), (1, 4, (32768,)), (1, 1, (2048,) * 8), (1, 4, (12000, 3000, 700, 300)), (1, 1, (4096,) * 64))
 
 
 def _graph_us(fn, reps: int) -> float:
@@ -336,9 +396,51 @@ def _time_experiment(e: dict, device, reps: int) -> float:
     return _graph_us(fn, reps)
 
 
-def check_table(fwd: FwdCosts, device, reps: int = 10, echo=print) -> list[dict]:
+def _bwd_args(x):
+    import torch
+
+    do = torch.randn_like(x["v"])
+    dht = torch.randn_like(x["h0"]) * 0.1
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht), dict(initial_state=x["h0"], cu_seqlens=x["cu"])
+
+
+def _time_experiment_bwd(e: dict, device, reps: int) -> float:
+    from .backward import chunk_gdn_bwd
+    from .bwd_dhu import run_bwd_dhu
+    from .fixup import run_rfixup
+
+    h_qk, h_v = e["heads"]
+    x = _inputs(h_qk, h_v, list(e["seqlens"]), device)
+    args, kw = _bwd_args(x)
+    sp, st = e["split"], e["stage"]
+    if st.startswith("bwd_"):
+        return _graph_us(lambda: chunk_gdn_bwd(*args, **kw, split_tokens=sp), reps)
+    r = chunk_gdn_bwd(*args, **kw, split_tokens=sp, return_intermediates=True)
+    scale = 128**-0.5
+    if st == "dhu":
+        q, k, _, _, _, do, dht = args
+        fn = lambda: run_bwd_dhu(  # noqa: E731
+            q, k, r["gcs"], r["a_beta"], do, dht, r["stab"], scale, r["dh0"], r["pt_all"], r["w_all"], r["dh_all"], r["dvnew"]
+        )  # fmt: skip
+    elif st == "rfixup":
+        m_tr = _segment_maps(r["h_start"])
+        fn = lambda: run_rfixup(m_tr, r["f_start"], r["cu_segs"], args[6], r["d_end"])  # noqa: E731
+    else:
+        raise ValueError(f"unknown calibration stage {st!r}")
+    return _graph_us(fn, reps)
+
+
+def _segment_maps(t):
+    """A bf16 tensor of ``t``'s shape (the reverse fix-up's segment maps: their values do not change its time)."""
+    import torch
+
+    return torch.randn(t.shape, device=t.device).to(torch.bfloat16) * 0.01
+
+
+def check_table(fwd: FwdCosts, device, reps: int = 10, echo=print, compare: FwdCosts | None = None) -> list[dict]:
     """On each of :data:`CHECKS`: every candidate (block_v, split) the planner rates, timed whole,
-    against the planner's pick under ``fwd``. Rows: heads, seqlens, pick, pick_us, best, best_us."""
+    against the planner's pick under ``fwd`` (and under ``compare``, e.g. the committed table).
+    Rows: direction, heads, seqlens, pick, pick_us, best, best_us, committed, committed_us."""
     from . import plan
     from .forward import chunk_gdn_fwd_lowlevel
 
@@ -354,16 +456,48 @@ def check_table(fwd: FwdCosts, device, reps: int = 10, echo=print) -> list[dict]
             )  # fmt: skip
             times[(bv, seg)] = _graph_us(fn, reps)
         pick = plan.plan_fwd(sum(lens), len(lens), h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=fwd)
+        old = plan.plan_fwd(sum(lens), len(lens), h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=compare or fwd)
         best = min(times, key=times.get)
-        row = dict(heads=f"{h_qk}/{h_v}", seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
-                   pick=list(pick), pick_us=times[pick], best=list(best), best_us=times[best])  # fmt: skip
+        row = dict(direction="fwd", heads=f"{h_qk}/{h_v}",
+                   seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
+                   pick=list(pick), pick_us=times[pick], best=list(best), best_us=times[best],
+                   committed=list(old), committed_us=times[old])  # fmt: skip
         echo(f"  check {row['heads']:5s} {row['seqlens']:28s} pick {pick} {times[pick]:9.1f} us  "
              f"best {best} {times[best]:9.1f} us  ({times[pick] / times[best]:.3f}x)")  # fmt: skip
         rows.append(row)
     return rows
 
 
-def measure_fwd(device=None, reps: int = 10, echo=print) -> tuple[FwdCosts, list[dict]]:
+def check_table_bwd(bwd: BwdCosts, device, reps: int = 10, echo=print, compare: BwdCosts | None = None) -> list[dict]:
+    """On each of :data:`CHECKS_BWD`: the whole backward at every segment length the planner rates,
+    against its pick under ``bwd`` (and under ``compare``); rows as :func:`check_table`'s."""
+    from . import plan
+    from .backward import chunk_gdn_bwd
+
+    sms = plan.sm_count(device)
+    rows = []
+    for h_qk, h_v, lens in CHECKS_BWD:
+        x = _inputs(h_qk, h_v, list(lens), device)
+        args, kw = _bwd_args(x)
+        cands = [0, *(s for s in plan._SPLIT_CANDIDATES[1:] if s < max(lens))] if max(lens) > 512 else [0]
+        times = {
+            seg: _graph_us(lambda seg=seg, args=args, kw=kw: chunk_gdn_bwd(*args, **kw, split_tokens=seg), reps)
+            for seg in cands
+        }
+        pick = plan.plan_bwd_split(sum(lens), len(lens), h_v, sms, seqlens=list(lens), costs=bwd)
+        old = plan.plan_bwd_split(sum(lens), len(lens), h_v, sms, seqlens=list(lens), costs=compare or bwd)
+        best = min(times, key=times.get)
+        row = dict(direction="bwd", heads=f"{h_qk}/{h_v}",
+                   seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
+                   pick=pick, pick_us=times[pick], best=best, best_us=times[best], committed=old,
+                   committed_us=times[old])  # fmt: skip
+        echo(f"  check bwd {row['heads']:5s} {row['seqlens']:28s} pick {pick:6d} {times[pick]:9.1f} us  "
+             f"best {best:6d} {times[best]:9.1f} us  ({times[pick] / times[best]:.3f}x)")  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def measure_fwd(device=None, reps: int = 10, echo=print, compare=None) -> tuple[FwdCosts, list[dict]]:
     """Time :func:`experiments` on ``device`` (the current CUDA device), fit the forward's costs
     (:func:`fit_fwd`) and check them (:func:`check_table`)."""
     import torch
@@ -379,7 +513,32 @@ def measure_fwd(device=None, reps: int = 10, echo=print) -> tuple[FwdCosts, list
              f"split {e['split']:5d}: {times[_key(e)]:9.1f} us")  # fmt: skip
     fwd = fit_fwd(times, sms)
     echo("  fwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(fwd).items() if k != "unit"))
-    return fwd, check_table(fwd, device, reps, echo)
+    return fwd, check_table(fwd, device, reps, echo, compare)
+
+
+def measure_bwd(fwd: FwdCosts, device=None, reps: int = 10, echo=print, compare=None) -> tuple[BwdCosts, list[dict]]:
+    """Time :func:`experiments_bwd` on ``device``, fit the backward's costs (:func:`fit_bwd`, with
+    the forward's ``fwd`` of the same GPU) and check them (:func:`check_table_bwd`)."""
+    import torch
+
+    from . import plan
+
+    device = torch.device("cuda") if device is None else torch.device(device)
+    sms = plan.sm_count(device)
+    times = {}
+    for e in experiments_bwd(sms):
+        times[_key(e)] = _time_experiment_bwd(e, device, reps)
+        echo(f"  {e['stage']:14s} heads {e['heads'][0]}/{e['heads'][1]} {len(e['seqlens'])}x{e['seqlens'][0]:<6d} "
+             f"split {e['split']:5d}: {times[_key(e)]:9.1f} us")  # fmt: skip
+    bwd = fit_bwd(times, sms, fwd)
+    echo("  bwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(bwd).items() if k != "unit"))
+    return bwd, check_table_bwd(bwd, device, reps, echo, compare)
+
+
+def _summary(rows: list[dict], key: str) -> str:
+    ratios = [r[f"{key}_us"] / r["best_us"] for r in rows]
+    geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    return f"geomean {geo:.4f}x the fastest candidate, worst {max(ratios):.4f}x"
 
 
 def main(argv=None) -> int:
@@ -395,13 +554,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=None, help="write the table here (default: print only)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--checks", type=pathlib.Path, default=None, help="write the planner check rows here (JSON)")
+    ap.add_argument("--fwd-only", action="store_true", help="measure the forward's costs only (keep the backward's)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the calibration times kernels on a CUDA GPU; none is visible")
         return 2
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
-    fwd, checks = measure_fwd(dev, args.reps)
     try:
         base = load(name)
     except FileNotFoundError:
@@ -412,10 +571,19 @@ def main(argv=None) -> int:
     except OSError:
         commit = "unknown"
     uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", "")
+    how = f"measured: python -m qlabench_kernels.calibration on {name} {uuid}, {datetime.date.today()}, commit {commit}"
     src = dict(base.source)
-    src["fwd"] = (f"measured: python -m qlabench_kernels.calibration on {name} {uuid}, "
-                  f"{datetime.date.today().isoformat()}, commit {commit}")  # fmt: skip
-    table = CostTable(gpu=name, sms=plan.sm_count(dev), fwd=fwd, bwd=base.bwd, source=tuple(src.items()))
+    fwd, checks = measure_fwd(dev, args.reps, compare=base.fwd)
+    src["fwd"] = how
+    bwd = base.bwd
+    if not args.fwd_only:
+        try:
+            bwd, checks_bwd = measure_bwd(fwd, dev, args.reps, compare=base.bwd)
+            src["bwd"] = how
+            checks += checks_bwd
+        except RuntimeError as e:  # the backward's fit refused: the table keeps its backward costs
+            print(f"backward not calibrated: {e}")
+    table = CostTable(gpu=name, sms=plan.sm_count(dev), fwd=fwd, bwd=bwd, source=tuple(src.items()))
     text = json.dumps(table.to_json(), indent=2) + "\n"
     print(text)
     if args.out:
@@ -423,9 +591,11 @@ def main(argv=None) -> int:
         args.out.write_text(text)
     if args.checks:
         args.checks.write_text(json.dumps(checks, indent=1) + "\n")
-    worst = max(r["pick_us"] / r["best_us"] for r in checks)
-    geo = math.exp(sum(math.log(r["pick_us"] / r["best_us"]) for r in checks) / len(checks))
-    print(f"planner check: pick / best geomean {geo:.4f}, worst {worst:.4f} over {len(checks)} batches")
+    for d in ("fwd", "bwd"):
+        rows = [r for r in checks if r["direction"] == d]
+        if rows:
+            print(f"planner check {d} ({len(rows)} batches): measured table {_summary(rows, 'pick')}; "
+                  f"committed table {_summary(rows, 'committed')}")  # fmt: skip
     return 0
 
 

@@ -15,7 +15,7 @@ bwd_sweep  configs/h200_bwd.yaml: forward (saved tensors) and backward with h0 a
            4 head configs
 sweep      both sweeps
 calibration  the cost-table micro-benchmark's (python -m qlabench_kernels.calibration): heads 1/1
-           and 1/4, forward, initial + final state
+           and 1/4, forward and backward, initial + final state
 all        tests + sweep + calibration
 
 The list per head config is ``qlabench_kernels.compile.default_kernels``; the target is sm_90a, the
@@ -70,7 +70,7 @@ def plan(targets: Iterable) -> list[tuple[int, int, dict]]:
         if t in ("calibration", "all"):
             from qlabench_kernels.calibration import HEADS
 
-            add(list(HEADS), [(1, 1)], [])
+            add(list(HEADS), [(1, 1)], [(1, 1)])
     return [(hq, hv, dict(fwd_flags=tuple(sorted(f)), bwd_flags=tuple(sorted(b))))
             for (hq, hv), (f, b) in jobs.items()]
 

@@ -144,3 +144,42 @@ def test_a_changed_cost_table_is_a_new_tilelang_version():
     finally:
         extra.unlink(missing_ok=True)
     assert TileLangBackend().version() == before
+
+
+def _model_times_bwd(c: calibration.BwdCosts, fwd: calibration.FwdCosts, rfixup: float, sms: int) -> dict:
+    """The backward's experiments as the planner's model prices them, plus what the chains' model
+    leaves out: stages spread over every SM (per chunk of every sequence) and fixed costs."""
+    spread = 0.9  # µs per chunk of every (sequence, v-head) over all SMs: bwd_pw, dqkwg, wy
+    out = {}
+    for e in calibration.experiments_bwd(sms):
+        lens, st = e["seqlens"], e["stage"]
+        chunks = sum(-(-ln // 64) for ln in lens)
+        if st in ("bwd_full", "bwd_half", "bwd_split", "bwd_unsplit"):
+            t = 50.0 + plan.bwd_split_cost(lens, 1, e["split"], sms, c) + spread * chunks / sms
+        elif st == "dhu":
+            t = 4.0 + plan._lpt_makespan([(lens[0] // 64, len(lens))], sms) * c.dhu
+        else:  # rfixup
+            t = 3.0 + (len(range(0, lens[0], e["split"])) - 1) * rfixup
+        out[calibration._key(e)] = t
+    return out
+
+
+@pytest.mark.parametrize("sms", [132, 78])
+def test_the_backward_fit_recovers_the_costs_that_made_the_timings(sms):
+    fwd = calibration.FwdCosts(1.9, 1.1, 3.1, 1.2, 0.7, seg_state=1.6, fixup=2.9, launch=13.0)
+    truth = calibration.BwdCosts(dhu=2.2, bwd_h=1.3, seg_state=1.6, fixup=(2.9 + 3.5) / 2, launch=21.0)
+    got = calibration.fit_bwd(_model_times_bwd(truth, fwd, 3.5, sms), sms, fwd)
+    for f in dataclasses.fields(truth):
+        if f.name != "unit":
+            assert getattr(got, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-9), f.name
+
+
+def test_a_backward_whose_chains_are_cheaper_than_dhu_alone_is_refused():
+    """Timings the chains' model cannot describe give an error, not a table with a negative cost."""
+    fwd = calibration.default_table().fwd
+    truth = calibration.BwdCosts(dhu=2.2, bwd_h=1.3, seg_state=1.6, fixup=2.0, launch=21.0)
+    times = _model_times_bwd(truth, fwd, 1.1, 132)
+    for L in calibration.LENGTHS:
+        times[("dhu", L)] *= 5
+    with pytest.raises(RuntimeError, match="bwd_h"):
+        calibration.fit_bwd(times, 132, fwd)
