@@ -213,9 +213,12 @@ FIELDS: dict[str, tuple[str, str]] = {
     "top_kernel": ("", "name of the kernel with the most time (first 200 characters)"),
     "kernels": ("JSON", "every kernel one eager call launched, by time: list of {name, calls, "
                 "share_pct, grid, block, regs_per_thread, smem_bytes}"),
-    "path": ("", "the backend's short name of the route those kernels form: FlashInfer `flat` "
-             "(CUTLASS) / `cp` / `fused`, FLA `triton` / `flashqla`, FlashQLA `cp` / `fused`, "
-             "TileLang `split` / `direct`"),
+    "path": ("", "the route one call took. FLA: as its own backend dispatch chose it, "
+             "`triton` plus `+<backend>:<op>` for each op sent elsewhere "
+             "(`triton+tilelang:chunk_bwd_dqkwg`), `unknown` where fla has no dispatch to ask; "
+             "also on a row that failed in its first call. Others: the backend's short name of "
+             "the route those kernels form: FlashInfer `flat` (CUTLASS) / `cp` / `fused`, "
+             "FlashQLA `cp` / `fused`, TileLang `split` / `direct`"),
 }
 
 

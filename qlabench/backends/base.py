@@ -13,8 +13,10 @@ Canonical outputs by direction:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -138,8 +140,16 @@ class Backend:
     def outputs_to_canonical(self, raw, inputs, direction: str) -> dict:  # pragma: no cover
         raise NotImplementedError
 
+    def dispatch_route(self) -> AbstractContextManager[Callable[[], str | None]]:
+        """A context around one eager call that gives a function returning the route the
+        library's own backend dispatch chose in that call (the row's ``path``), filled as far as
+        the call got should it raise. None from that function: the library has no dispatch to
+        ask, and :meth:`path` names the route from the kernels."""
+        return contextlib.nullcontext(lambda: None)
+
     def path(self, names: list[str]) -> str:
         """A short label of the route one call took, from the kernel names the profiler saw
-        (most time first); the row's ``path`` column. Backends name their own routes."""
+        (most time first); the row's ``path`` column where :meth:`dispatch_route` gives none.
+        Backends name their own routes."""
         from ..profile import generic_path
         return generic_path(names)
