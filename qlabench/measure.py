@@ -4,7 +4,10 @@ For each backend of a :class:`Task`: its availability and support, then (the inp
 reference built once, lazily, for the task) :func:`measure_backend` — prepare, the correctness
 check (:mod:`qlabench.correctness`), timing, the timed path checked on fresh inputs (every call of one
 more replay or timed-style call) and one more eager call, kernel breakdown and derived metrics
-against the run's ceilings — and one row each, sent through ``emit``. An exception costs that backend's row (``oom`` / ``crashed``), not the task. A row's
+against the run's ceilings — and one row each, sent through ``emit``. An exception costs that
+backend's row, not the task: ``unsupported`` where the backend says the library refused the
+configuration (:meth:`Backend.refusal <qlabench.backends.base.Backend.refusal>`), else ``oom`` /
+``crashed``. A row's
 identity (:func:`base_row`) includes the device it was measured on (:func:`device_uuid`).
 """
 
@@ -176,10 +179,7 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
         return merge(row, *steps, outcome("incorrect", reason, latency_ms=None,
                                           wall_s=time.perf_counter() - t_wall))
 
-    try:
-        prep = be.prepare(x, direction)
-    except B.Unsupported as e:
-        return merge(row, outcome("unsupported", str(e)))
+    prep = be.prepare(x, direction)
     with be.dispatch_route() as route:  # the route the library's dispatch takes, also on a raise
         try:
             outs, compile_s = checked_call(be, prep, x, direction, expected_out_bytes)
@@ -291,9 +291,13 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                     refill(x, make(p, dev, with_grads=direction != "fwd"))
             except Exception as e:
                 status = "oom" if _is_oom(e) else "crashed"
-                tb = traceback.format_exc(limit=4)
-                row = merge(row, *parts, outcome(
-                    status, f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}"))
+                refused = None if status == "oom" else be.refusal(e)
+                if refused is not None:  # the library's own "not this configuration"
+                    row = merge(row, *parts, outcome("unsupported", refused))
+                else:
+                    tb = traceback.format_exc(limit=4)
+                    row = merge(row, *parts, outcome(
+                        status, f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}"))
                 if status == "oom":
                     x = ref = None  # free what we hold; the next backend rebuilds
                 if torch.cuda.is_available():

@@ -147,7 +147,9 @@ FIELDS: dict[str, tuple[str, str]] = {
                     "GPUs); ratios pair rows of one campaign"),
     "started_at": ("ISO 8601, local time", "when the row's measurement started"),
     "status": ("", "`ok`, `unavailable` (library or device missing; a resume retries it), "
-               "`unsupported` (the backend cannot run this point), `incorrect` (checked against "
+               "`unsupported` (the backend cannot run this point, or the library refused it "
+               "for its version or platform: the library's message in `reason`), `incorrect` "
+               "(checked against "
                "the reference and wrong), `oom`, `crashed`, `timeout`, `skipped`"),
     "reason": ("", "why the status, in words (empty for a clean `ok`)"),
     "latency_ms": ("ms per call", "median of `samples_ms`"),

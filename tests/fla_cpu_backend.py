@@ -1,6 +1,7 @@
 """Test-only: the ``fla`` backend on the CPU (tests/test_fla_backend.py registers it through
-``$QLABENCH_BACKENDS``). Everything but the call is the fla backend's: its reading of FLA's
-backend dispatch (``dispatch_route``), its version. The call returns the reference's answer and, in a backward, first makes one call of FLA's own dispatched ``chunk_bwd_dqkwg``
+``$QLABENCH_BACKENDS``). Everything but the call is the fla backend's: its refusals, its reading
+of FLA's backend dispatch (``dispatch_route``), its version. The call returns the reference's
+answer and, in a backward, first makes one call of FLA's own dispatched ``chunk_bwd_dqkwg``
 (``fla.ops.common.chunk_o``) on small CPU tensors, so that FLA's dispatch (``fla.backends``)
 decides that op as in its chunked backward: the test sets up the platform it decides for.
 
@@ -44,3 +45,9 @@ class FLAOnCPU(FLABackend):
     def outputs_to_canonical(self, raw, x, direction):
         return ReferenceBackend().outputs_to_canonical(raw, x, direction)
 
+
+class FLAOnCPUNoRefusals(FLAOnCPU):
+    """The same call, from a backend that declares no refusals."""
+
+    name = "fla-cpu-norefusals"
+    refusals = ()

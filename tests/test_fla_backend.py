@@ -77,6 +77,28 @@ def test_path_is_what_fla_dispatch_chose_per_direction(tmp_path, h200):
     assert df.loc[("fla-cpu", "fwd"), "path"] == "triton"
 
 
+def test_fla_refusal_is_unsupported_and_other_errors_crash(tmp_path, h200, monkeypatch):
+    kernel = h200()
+    monkeypatch.setenv("FLA_TILELANG", "0")  # pure Triton: FLA refuses Triton 3.6 on Hopper
+    df = _rows(tmp_path / "refused", directions=["bwd"],
+               backends=["fla-cpu", "fla-cpu-norefusals"])
+    refused = df.loc[("fla-cpu", "bwd")]
+    assert refused["status"] == "unsupported"
+    assert REFUSAL in refused["reason"] and "RuntimeError" in refused["reason"]
+    assert refused["path"] == "triton" and refused["latency_ms"] != refused["latency_ms"]
+    assert kernel.calls == 0
+    # the same exception from a backend that does not declare it a refusal is a failure
+    undeclared = df.loc[("fla-cpu-norefusals", "bwd")]
+    assert undeclared["status"] == "crashed" and REFUSAL in undeclared["reason"]
+
+    monkeypatch.delenv("FLA_TILELANG")
+    h200(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    df = _rows(tmp_path / "crash", directions=["bwd"])
+    crashed = df.loc[("fla-cpu", "bwd")]
+    assert crashed["status"] == "crashed" and "illegal memory access" in crashed["reason"]
+    assert crashed["path"] == "triton+tilelang:chunk_bwd_dqkwg"  # where it crashed
+
+
 def test_path_is_unknown_without_fla_dispatch(tmp_path, h200, monkeypatch):
     h200()
     # an fla without backend dispatch

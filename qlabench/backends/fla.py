@@ -6,7 +6,9 @@ importable; we set ``FLA_FLASH_QLA=0`` and call ``fla.ops.gated_delta_rule.chunk
 (``fla.backends``) still picks an implementation per op: its Triton kernel unless a registered
 backend is available, enabled (its ``FLA_*`` variable) and accepts the call. On Hopper with
 Triton >= 3.4 that sends the backward's ``chunk_bwd_dqkwg`` to FLA's TileLang kernel
-(``fla.ops.common.backends.tilelang``). :func:`dispatch_route` records what the dispatch chose in a call:
+(``fla.ops.common.backends.tilelang``); with it disabled (``FLA_TILELANG=0``) FLA's Triton
+``chunk_bwd_dqkwg`` refuses Triton >= 3.4.0, < 3.7.1 on Hopper (a ``RuntimeError``, :data:`REFUSALS`),
+and the row is ``unsupported``. :func:`dispatch_route` records what the dispatch chose in a call:
 the row's ``path`` (``triton``, ``triton+tilelang:chunk_bwd_dqkwg``; ``unknown`` where fla has
 no such dispatch).
 
@@ -47,6 +49,9 @@ EXTENSION = ("fla.layers", "fla.models")
 BARE = ("fla.ops", "fla.modules")
 #: what ``prepare`` imports
 OPS = "fla.ops.gated_delta_rule.chunk"
+#: FLA's refusal of a Triton release that miscompiles one of its kernels on a GPU family (0.6.0:
+#: gated ``chunk_bwd_dqkwg`` on Hopper with Triton >= 3.4.0 and < 3.7.1)
+REFUSALS = ((RuntimeError, r"Triton .+ on .+ GPUs produces incorrect results"),)
 #: the path of a call whose ops all ran FLA's own (Triton) implementations
 TRITON = "triton"
 #: the path where fla has no backend dispatch to ask (another fla version)
@@ -157,6 +162,7 @@ class FLABackend(Backend):
     module = "fla"
     distribution = "fla-core"  # the kernels' distribution (flash-linear-attention is a shim over it)
     color = "#1f77b4"
+    refusals = REFUSALS
 
     def available(self):
         os.environ["FLA_FLASH_QLA"] = "0"
