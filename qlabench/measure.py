@@ -4,7 +4,10 @@ For each backend of a :class:`Task`: its availability and support, then (the inp
 reference built once, lazily, for the task) :func:`measure_backend` — prepare, the correctness
 check (:mod:`qlabench.correctness`), timing, the timed path checked on fresh inputs (every call of one
 more replay or timed-style call) and one more eager call, kernel breakdown and derived metrics
-against the run's ceilings — and one row each, sent through ``emit``. An exception costs that backend's row (``oom`` / ``crashed``), not the task. A row's
+against the run's ceilings — and one row each, sent through ``emit``. An exception costs that
+backend's row, not the task: ``unsupported`` where the backend says the library refused the
+configuration (:meth:`Backend.refusal <qlabench.backends.base.Backend.refusal>`), else ``oom`` /
+``crashed``. A row's
 identity (:func:`base_row`) includes the device it was measured on (:func:`device_uuid`).
 """
 
@@ -111,10 +114,12 @@ def timing_fields(tr: timing.TimingResult) -> dict:
                 calls_per_sample=tr.calls_per_sample, l2=tr.l2, marginal_ratio=tr.marginal_ratio)
 
 
-def kernel_fields(be: B.Backend, prep, reason: str) -> dict:
+def kernel_fields(be: B.Backend, prep, reason: str, dispatched: bool = False) -> dict:
     """The kernels one call launches (:func:`qlabench.profile.kernel_breakdown`): the top one,
-    its CTAs, the kernels per call, the path the backend took. Profiling is a bonus: where it
-    fails, ``reason`` (the row's so far) says so, and what was found before is kept."""
+    its CTAs, the kernels per call, and, unless the library's dispatch named the route
+    (``dispatched``, :func:`dispatch_fields`), the path the backend names from the kernels.
+    Profiling is a bonus: where it fails, ``reason`` (the row's so far) says so, and what was
+    found before is kept."""
     out: dict = {}
     try:
         from .profile import kernel_breakdown, stored_kernels
@@ -127,10 +132,19 @@ def kernel_fields(be: B.Backend, prep, reason: str) -> dict:
             out["ctas_per_sm"] = (top["ctas"] / sms) if top.get("ctas") else None
             out["kernels_per_call"] = sum(k["calls"] for k in kb)
             out["kernels"] = stored_kernels(kb)
-            out["path"] = be.path([k["name"] for k in kb])
+            if not dispatched:
+                out["path"] = be.path([k["name"] for k in kb])
     except Exception as e:  # never fails a row
         out["reason"] = (reason or "") + f" profile failed: {type(e).__name__}"
     return out
+
+
+def dispatch_fields(route) -> dict:
+    """The row's ``path`` as the library's dispatch chose it (``route()`` of
+    :meth:`Backend.dispatch_route <qlabench.backends.base.Backend.dispatch_route>`); nothing
+    where the library has no dispatch to ask."""
+    path = route()
+    return {} if path is None else {"path": path}
 
 
 def derived_fields(direction: str, latency_ms: float | None, x: Inputs, dtype: str,
@@ -165,11 +179,13 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
         return merge(row, *steps, outcome("incorrect", reason, latency_ms=None,
                                           wall_s=time.perf_counter() - t_wall))
 
-    try:
-        prep = be.prepare(x, direction)
-    except B.Unsupported as e:
-        return merge(row, outcome("unsupported", str(e)))
-    outs, compile_s = checked_call(be, prep, x, direction, expected_out_bytes)
+    prep = be.prepare(x, direction)
+    with be.dispatch_route() as route:  # the route the library's dispatch takes, also on a raise
+        try:
+            outs, compile_s = checked_call(be, prep, x, direction, expected_out_bytes)
+        finally:
+            dispatched = dispatch_fields(route)
+            steps.append(dispatched)
     steps.append({"compile_s": compile_s})
     figures, bad = correctness_fields(outs, ref, x, direction, sweep)
     del outs
@@ -219,7 +235,7 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
         replay = graph.replay if graph is not None else prep.fn
         steps.append(metrics.gpm_sample(replay))
     if gpu:
-        steps.append(kernel_fields(be, prep, merge(row, *steps).get("reason")))
+        steps.append(kernel_fields(be, prep, merge(row, *steps).get("reason"), bool(dispatched)))
     steps.append(derived_fields(direction, timed["latency_ms"], x, row["dtype"], ceilings, gpu))
     return merge(row, *steps, outcome("ok", wall_s=time.perf_counter() - t_wall))
 
@@ -275,9 +291,13 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                     refill(x, make(p, dev, with_grads=direction != "fwd"))
             except Exception as e:
                 status = "oom" if _is_oom(e) else "crashed"
-                tb = traceback.format_exc(limit=4)
-                row = merge(row, *parts, outcome(
-                    status, f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}"))
+                refused = None if status == "oom" else be.refusal(e)
+                if refused is not None:  # the library's own "not this configuration"
+                    row = merge(row, *parts, outcome("unsupported", refused))
+                else:
+                    tb = traceback.format_exc(limit=4)
+                    row = merge(row, *parts, outcome(
+                        status, f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}"))
                 if status == "oom":
                     x = ref = None  # free what we hold; the next backend rebuilds
                 if torch.cuda.is_available():

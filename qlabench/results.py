@@ -147,7 +147,9 @@ FIELDS: dict[str, tuple[str, str]] = {
                     "GPUs); ratios pair rows of one campaign"),
     "started_at": ("ISO 8601, local time", "when the row's measurement started"),
     "status": ("", "`ok`, `unavailable` (library or device missing; a resume retries it), "
-               "`unsupported` (the backend cannot run this point), `incorrect` (checked against "
+               "`unsupported` (the backend cannot run this point, or the library refused it "
+               "for its version or platform: the library's message in `reason`), `incorrect` "
+               "(checked against "
                "the reference and wrong), `oom`, `crashed`, `timeout`, `skipped`"),
     "reason": ("", "why the status, in words (empty for a clean `ok`)"),
     "latency_ms": ("ms per call", "median of `samples_ms`"),
@@ -213,9 +215,12 @@ FIELDS: dict[str, tuple[str, str]] = {
     "top_kernel": ("", "name of the kernel with the most time (first 200 characters)"),
     "kernels": ("JSON", "every kernel one eager call launched, by time: list of {name, calls, "
                 "share_pct, grid, block, regs_per_thread, smem_bytes}"),
-    "path": ("", "the backend's short name of the route those kernels form: FlashInfer `flat` "
-             "(CUTLASS) / `cp` / `fused`, FLA `triton` / `flashqla`, FlashQLA `cp` / `fused`, "
-             "TileLang `split` / `direct`"),
+    "path": ("", "the route one call took. FLA: as its own backend dispatch chose it, "
+             "`triton` plus `+<backend>:<op>` for each op sent elsewhere "
+             "(`triton+tilelang:chunk_bwd_dqkwg`), `unknown` where fla has no dispatch to ask; "
+             "also on a row that failed in its first call. Others: the backend's short name of "
+             "the route those kernels form: FlashInfer `flat` (CUTLASS) / `cp` / `fused`, "
+             "FlashQLA `cp` / `fused`, TileLang `split` / `direct`"),
 }
 
 

@@ -13,8 +13,11 @@ Canonical outputs by direction:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import re
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -41,7 +44,8 @@ class Prepared:
 
 
 class Unsupported(Exception):
-    """Raised by ``prepare`` when a point turns out to be outside what the library takes."""
+    """Raised by ``prepare`` or a call when a point turns out to be outside what the library
+    takes: the row is ``unsupported``, its message the reason."""
 
 
 def cuda_cc() -> tuple[int, int] | None:
@@ -81,6 +85,11 @@ class Backend:
     kind: ClassVar[str] = "library"
     #: the backend's parameters (YAML ``params:``): a pydantic model, unknown keys rejected
     Params: ClassVar[type[BaseModel]] = NoParams
+    #: what the library raises when it refuses a configuration for its version or platform
+    #: (not a failure of the call): (exception class, regular expression its message matches)
+    #: pairs. A row whose call raises one is ``unsupported`` with the library's message as the
+    #: reason (:meth:`refusal`); every other exception stays a failure (``crashed``).
+    refusals: ClassVar[tuple[tuple[type[BaseException], str], ...]] = ()
 
     def __init__(self, params: Mapping | None = None):
         self.params = self.validate_params(params)
@@ -138,8 +147,28 @@ class Backend:
     def outputs_to_canonical(self, raw, inputs, direction: str) -> dict:  # pragma: no cover
         raise NotImplementedError
 
+    def refusal(self, exc: BaseException) -> str | None:
+        """The ``unsupported`` row's reason when ``exc`` says that the point is outside what the
+        library takes (:class:`Unsupported`, or one of :attr:`refusals`); None for any other
+        exception."""
+        if isinstance(exc, Unsupported):
+            return str(exc)
+        for cls, pattern in self.refusals:
+            if isinstance(exc, cls) and re.search(pattern, str(exc)):
+                return (f"{self.name} refuses this configuration: {type(exc).__name__}: "
+                        f"{str(exc)[:300]}")
+        return None
+
+    def dispatch_route(self) -> AbstractContextManager[Callable[[], str | None]]:
+        """A context around one eager call that gives a function returning the route the
+        library's own backend dispatch chose in that call (the row's ``path``), filled as far as
+        the call got should it raise. None from that function: the library has no dispatch to
+        ask, and :meth:`path` names the route from the kernels."""
+        return contextlib.nullcontext(lambda: None)
+
     def path(self, names: list[str]) -> str:
         """A short label of the route one call took, from the kernel names the profiler saw
-        (most time first); the row's ``path`` column. Backends name their own routes."""
+        (most time first); the row's ``path`` column where :meth:`dispatch_route` gives none.
+        Backends name their own routes."""
         from ..profile import generic_path
         return generic_path(names)

@@ -1,8 +1,16 @@
-"""FLA (flash-linear-attention) Triton path, forced: its low-level chunked fwd/bwd.
+"""FLA (flash-linear-attention): its low-level chunked fwd/bwd, each op where FLA dispatches it.
 
 FLA 0.6 routes the high-level ``chunk_gated_delta_rule`` to FlashQLA when ``flash_qla`` is
 importable; we set ``FLA_FLASH_QLA=0`` and call ``fla.ops.gated_delta_rule.chunk``'s
-``chunk_gated_delta_rule_fwd`` / ``_bwd`` directly, so the Triton kernels are what is timed.
+``chunk_gated_delta_rule_fwd`` / ``_bwd`` directly. Inside them FLA's backend dispatch
+(``fla.backends``) still picks an implementation per op: its Triton kernel unless a registered
+backend is available, enabled (its ``FLA_*`` variable) and accepts the call. On Hopper with
+Triton >= 3.4 that sends the backward's ``chunk_bwd_dqkwg`` to FLA's TileLang kernel
+(``fla.ops.common.backends.tilelang``); with it disabled (``FLA_TILELANG=0``) FLA's Triton
+``chunk_bwd_dqkwg`` refuses Triton >= 3.4.0, < 3.7.1 on Hopper (a ``RuntimeError``, :data:`REFUSALS`),
+and the row is ``unsupported``. :func:`dispatch_route` records what the dispatch chose in a call:
+the row's ``path`` (``triton``, ``triton+tilelang:chunk_bwd_dqkwg``; ``unknown`` where fla has
+no such dispatch).
 
 Conventions equal the canonical ones (q, k [1,T,H_qk,K]; v [1,T,H_v,V]; g log-space fp32
 [1,T,H_v]; state [N,H_v,K,V] fp32), so no conversion is needed. Varlen: FLA derives chunk
@@ -25,6 +33,7 @@ a worker's warm-up leaves nothing for the first row to import.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -40,6 +49,13 @@ EXTENSION = ("fla.layers", "fla.models")
 BARE = ("fla.ops", "fla.modules")
 #: what ``prepare`` imports
 OPS = "fla.ops.gated_delta_rule.chunk"
+#: FLA's refusal of a Triton release that miscompiles one of its kernels on a GPU family (0.6.0:
+#: gated ``chunk_bwd_dqkwg`` on Hopper with Triton >= 3.4.0 and < 3.7.1)
+REFUSALS = ((RuntimeError, r"Triton .+ on .+ GPUs produces incorrect results"),)
+#: the path of a call whose ops all ran FLA's own (Triton) implementations
+TRITON = "triton"
+#: the path where fla has no backend dispatch to ask (another fla version)
+UNKNOWN = "unknown"
 
 
 class _Hidden:
@@ -104,12 +120,49 @@ def import_fla_core():
     return fla
 
 
+def route_label(chosen) -> str:
+    """The path of one call: ``triton`` (FLA's default implementations), then
+    ``+<backend>:<op>`` for each op FLA's dispatch sent to a registered backend, in call order."""
+    return "+".join([TRITON, *dict.fromkeys(f"{b}:{op}" for b, op in chosen)])
+
+
+@contextlib.contextmanager
+def dispatch_route():
+    """Around one call: yields a function returning its path (:func:`route_label`) as FLA's own
+    backend dispatch chose it. FLA 0.6's dispatch (``fla.backends.BackendRegistry.dispatch``)
+    asks each registered backend of an op in priority order whether it is available, enabled and
+    accepts the call's arguments, and takes the first one's ``get_implementation(op)``; an op none
+    takes runs its default (Triton) function. That method is where a choice shows: it is wrapped
+    for the call to record (backend type, op) each time it hands FLA an implementation. Without
+    ``fla.backends.BaseBackend.get_implementation`` the path is :data:`UNKNOWN`."""
+    try:
+        base = importlib.import_module("fla.backends").BaseBackend
+        take = base.get_implementation
+    except (ImportError, AttributeError):
+        yield lambda: UNKNOWN
+        return
+    chosen: list[tuple[str, str]] = []
+
+    def recording(self, function_name):
+        impl = take(self, function_name)
+        if impl is not None:
+            chosen.append((str(self.backend_type), str(function_name)))
+        return impl
+
+    base.get_implementation = recording
+    try:
+        yield lambda: route_label(chosen)
+    finally:
+        base.get_implementation = take
+
+
 class FLABackend(Backend):
     name = "fla"
     directions = ("fwd", "bwd", "fwdbwd")
     module = "fla"
     distribution = "fla-core"  # the kernels' distribution (flash-linear-attention is a shim over it)
     color = "#1f77b4"
+    refusals = REFUSALS
 
     def available(self):
         os.environ["FLA_FLASH_QLA"] = "0"
@@ -171,9 +224,5 @@ class FLABackend(Backend):
         dq, dk, dv, db, dg, dh0 = raw[:6]
         return {"dq": dq, "dk": dk, "dv": dv, "dbeta": db, "dg": dg, "dh0": dh0}
 
-    def path(self, names):
-        """``triton`` (FLA's own kernels), or ``flashqla`` when FLA routed the call to FlashQLA's
-        TileLang kernels (FLA_FLASH_QLA is unset to 0 by this backend; this proves it)."""
-        if any(n.startswith("tilelang_") for n in names):
-            return "flashqla"
-        return "triton"
+    def dispatch_route(self):
+        return dispatch_route()
