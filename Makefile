@@ -1,7 +1,7 @@
 # Thin wrappers over the CLI and pytest.
 PY ?= python3
 
-.PHONY: deps install test lint smoke bench-quick bench-fwd bench-bwd
+.PHONY: deps install test lint readme smoke bench-quick bench-fwd bench-bwd
 deps:               ## install only when something is missing
 	@$(PY) -c "import torch, qlabench, qlabench_kernels, qlabench_tools, pytest, hypothesis, ruff" 2>/dev/null || $(MAKE) install
 
@@ -14,6 +14,9 @@ test: deps          ## the test suite (GPU tests skip without CUDA)
 
 lint:
 	ruff check qlabench kernels tools tests
+
+readme: deps        ## README.md's example outputs, made again from the kept rows
+	$(PY) -m qlabench_tools.readme_examples
 
 smoke: deps         ## the smoke sweep (CPU: the reference backend; GPU: every backend)
 	qlabench run configs/smoke.yaml

@@ -19,6 +19,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Benchmark Gated DeltaNet chunked-prefill kernels: sweeps -> Parquet rows.")
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
+#: ``--wide`` of the views that print tables (:mod:`qlabench.render`)
+WIDE = typer.Option(False, "--wide", help="every column at its natural width, whatever the "
+                    "terminal's width (piped output is always wide)")
 
 
 def _load(path: Path) -> C.Sweep:
@@ -303,13 +306,16 @@ def compare(
                                             "differ in timing method, GPU model or input recipe "
                                             "stay unjudged without exit 3; the exit code is the "
                                             "other pairs' (0 or 1)"),
+    wide: bool = WIDE,
 ):
-    """Compare two runs row by row, or two backend labels point by point.
+    """Compare two runs row by row, or two backend labels point by point (BASE, then NEW).
 
     \b
     Exit codes (the first that applies):
       2  bad input: a path missing, unreadable or without rows, required columns missing, no key
-         in common, every pair the same stored row, bad --out / --threshold / --alpha
+         in common, a backend label of BASE without rows in NEW (pair labels with
+         --base-backend/--new-backend), a --base-backend/--new-backend label without rows,
+         every pair the same stored row, bad --out / --threshold / --alpha
       3  method, GPU or recipe differ from the baseline: some pair's rows differ in timing_mode,
          l2, gpu_name, recipe_hash or gate_recipe (incomparable; not with --allow-incomparable)
       1  a row is slower (beyond --threshold and Mann-Whitney p < --alpha) or broken (ok in BASE,
@@ -326,7 +332,8 @@ def compare(
         raise typer.Exit(2)
     raise typer.Exit(compare_cmd(base, new if new is not None else base, threshold=threshold,
                                  alpha=alpha, out=out, base_backend=base_backend,
-                                 new_backend=new_backend, allow_incomparable=allow_incomparable))
+                                 new_backend=new_backend, allow_incomparable=allow_incomparable,
+                                 wide=wide))
 
 
 @app.command()
@@ -338,14 +345,17 @@ def summary(
                                         help="backend label the speedup is over (a label with no rows: exit 2)"),
     alpha: float = typer.Option(0.01, "--alpha", help="significance level of the tie test"),
     threshold: float = typer.Option(0.01, "--threshold", help="differences up to this are ties (0.01 = 1%)"),
+    wide: bool = WIDE,
 ):
-    """Per point: the fastest correct backend, its latency (p10-p90), runner-up, margin, tie,
-    speedup over the baseline and correctness; per model: geomean speedups and wins.
+    """Per point: the fastest correct backend, its latency and spread (p10-p90), runner-up,
+    margin, tie, speedup over the baseline and correctness; per model: geomean speedups and wins.
+    Tables fit the terminal: columns left out in a narrow one are named under the table.
 
     Exit codes: 0 tables printed; 2 bad input (one error line on stderr: a path missing or
     unreadable, no rows, no ok row, an unknown --model, --direction or --baseline)."""
     from .summary import summary_cmd
-    raise typer.Exit(summary_cmd(results_dir, model, direction, baseline, alpha, threshold))
+    raise typer.Exit(summary_cmd(results_dir, model, direction, baseline, alpha, threshold,
+                                 wide=wide))
 
 
 @app.command()
@@ -393,14 +403,16 @@ def reproduce(
                                         help="backend label the in-repo kernel's extra speedup is over "
                                         "(the published speedup keeps the set's own baseline; a label "
                                         "with no rows: exit 2)"),
+    wide: bool = WIDE,
 ):
-    """Published speedup table vs measured rows (--from), side by side, with a summary.
+    """Published speedup table vs measured rows (--from), side by side, with a summary; the
+    terminal tables fit the terminal (the columns left out are named under each table).
 
     Exit codes: 0 report written (whatever the agreement); 2 bad input (one error line on
     stderr: an unknown set or --direction, no --from, --from missing, unreadable or without rows
     of that direction, a --baseline label without rows)."""
     from .reproduce import reproduce_cmd
-    raise typer.Exit(reproduce_cmd(name, direction, from_, out, baseline=baseline))
+    raise typer.Exit(reproduce_cmd(name, direction, from_, out, baseline=baseline, wide=wide))
 
 
 @app.command("profile")

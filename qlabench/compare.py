@@ -33,7 +33,11 @@ flags noise on short points with a few wide samples. A regression has to be larg
 ``crashed``, ``timeout``, ``oom``, ``unavailable``, ``unsupported``, ...) or no row at all while
 the new side measured that point and direction with other backends (a backend that stopped
 working or vanished must fail CI, not pass as "incomparable"). Points the new side did not measure
-at all (a quick subset against a full sweep) are counted as ``only_base``, not judged.
+at all (a quick subset against a full sweep) are counted as ``only_base``, not judged. A backend
+label of the base side that the new side holds no row of at all (``tilelang@prev`` against a run
+of ``tilelang``) is not a label that broke but two runs of different labels:
+:func:`missing_labels` finds it and :func:`compare_cmd` exits 2 naming it and the options that pair
+two labels, instead of calling every one of its points ``broken``.
 
 ``same-row`` when both sides hold the same stored row (same :data:`results.ROW_IDENTITY`: run id,
 point index, backend, direction, start time) — e.g. a run directory compared with a copy or a
@@ -42,27 +46,39 @@ compared pair is ``same-row``, :func:`compare_cmd` says so on stderr and exits 2
 
 Every pair also carries its :func:`qlabench.analysis.pairing` (``same_gpu``, ``same_campaign``,
 ``throttled`` and the tag ``pairing``, e.g. "cross-campaign, throttled") and both sides'
-``calls_per_sample``; a changed ``calls_per_sample`` is named in the reason (the per-call mean of
-a graph replay of 8 calls and of 32 calls need not be the same number). The summary line gives
-:func:`qlabench.analysis.pairing_label` over the pairs that have a ratio.
+``calls_per_sample``. These say how the two rows were measured, not why they differ: the table
+shows them in columns of their own (``calls``: ``base→new`` when it changed — the per-call mean
+of a graph replay of 8 calls and of 32 calls need not be the same number; ``pairing``), apart
+from ``reason``. The summary line gives :func:`qlabench.analysis.pairing_label` over the pairs
+that have a ratio.
 
 **Two labels** (``--base-backend A --new-backend B``, e.g. ``flashinfer@0.6.13`` and
 ``flashinfer@0.7.4``, or ``tilelang@old`` and ``tilelang``; one directory or two): the rows of
 label A on the base side and of label B on the new side are paired per point and direction (the
-point key without the backend) and judged the same way; the ``backend`` column reads ``B vs A``.
+point key without the backend) and judged the same way; the ``backend`` column reads ``A → B``.
 Points label B has no row for are ``only_base``, not judged. Rows of one run on one GPU pair
 cleanly; anything else carries its ``pairing`` tag (``cross-campaign``, ...).
 
 Exit codes of :func:`compare_cmd` (and of ``qlabench compare``; the first that applies):
 
 - 2: bad input — a path missing, unreadable or without rows, required columns missing, no key in
-  common, every pair the same stored row, bad ``--out`` / ``--threshold`` / ``--alpha``;
+  common, a backend label of BASE without any row in NEW (:func:`missing_labels`), a
+  ``--base-backend`` / ``--new-backend`` label without rows, every pair the same stored row, bad
+  ``--out`` / ``--threshold`` / ``--alpha``;
 - 3: a pair's rows differ in timing method, GPU model or input recipe (``differs``), unless
   ``--allow-incomparable``; stderr names the columns, how many pairs, an example of each change;
 - 1: a row is ``slower`` or ``broken``;
 - 0: otherwise.
 
 Codes 2 and 3 come with one ``error: ...`` line on stderr; the table is printed before code 3.
+
+The table (:func:`print_table`) reads BASE then NEW: the title names BASE → NEW, then per pair
+base ms, new ms and new/base. It fits the terminal (:mod:`qlabench.render`): in a narrow one the
+columns are left out in this order — model (heads name it too), 99% CI, p, calls, pairing, dir,
+then base ms with new ms — and named under the table; heads, layout, backend, new/base, verdict
+and reason are always shown. A column with one value in every row (dir, backend, calls,
+pairing) is stated once under the table. Reasons are numbered under the table (one number per
+distinct text).
 """
 
 from __future__ import annotations
@@ -74,15 +90,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import analysis, results
+from . import analysis, render, results
 from .analysis import BadInput, min_two_sided_p, samples, value  # noqa: F401 (public here too)
+from .render import Column
 
 REQUIRED = ("point_key", "backend", "direction", "status", "latency_ms", "samples_ms",
             "timing_mode", "gpu_name")
 KEY = results.KEY
 VERDICTS = ("slower", "broken", "faster", "same", "incomparable", "same-row")
 #: columns copied from the rows for display (new side wins, base side fills in)
-_INFO = ("model", "tp", "layout", "total_tokens", "point_index", "h_qk", "h_v")
+_INFO = ("model", "tp", "layout", "num_seqs", "total_tokens", "point_index", "h_qk", "h_v")
 BOOTSTRAP_N = 1000
 #: the pair's :func:`qlabench.analysis.pairing` columns carried into the table
 PAIR_FIELDS = ("pairing", "same_gpu", "same_campaign", "throttled", "gpu_known", "campaign_known")
@@ -162,19 +179,16 @@ def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: fl
     if why:
         out["reason"] = "; ".join(why)
         return out
-    cb, cn = value(base, "calls_per_sample"), value(new, "calls_per_sample")
-    note = f"calls_per_sample {int(cb)} vs {int(cn)}" if (cb is not None and cn is not None
-                                                         and int(cb) != int(cn)) else ""
     a, b = samples(base), samples(new)
     out["n_base"], out["n_new"] = len(a), len(b)
     if not len(a) or not len(b) or np.median(a) <= 0:
-        out["reason"] = _join("no latency samples", note)
+        out["reason"] = "no latency samples"
         return out
     ratio = float(np.median(b) / np.median(a))
     out["ratio"] = ratio
     if min_two_sided_p(len(a), len(b)) >= alpha:
-        out["reason"] = _join(f"too few samples for a test at alpha={alpha:g} "
-                              f"(base {len(a)}, new {len(b)})", note)
+        out["reason"] = (f"too few samples for a test at alpha={alpha:g} "
+                         f"(base {len(a)}, new {len(b)})")
         return out
     p = float(mannwhitneyu(b, a, alternative="two-sided").pvalue)
     out["p_value"] = p
@@ -187,15 +201,10 @@ def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: fl
     else:
         out["verdict"] = "same"
         if abs(ratio - 1) > threshold:
-            out["reason"] = f"beyond threshold but p={p:.2g} >= alpha"
+            out["reason"] = "beyond threshold but p ≥ alpha"
         elif p < alpha:
             out["reason"] = "significant but within threshold"
-    out["reason"] = _join(out["reason"], note)
     return out
-
-
-def _join(*parts: str) -> str:
-    return "; ".join(p for p in parts if p)
 
 
 def check_columns(df: pd.DataFrame, path: Path | str) -> None:
@@ -239,7 +248,7 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
     (column -> that many pairs) and ``differs_example`` (column -> its first change,
     ``"<base> vs <new>"``)).
     With ``base_backend`` and ``new_backend`` (labels) only those labels' rows are paired, per
-    point and direction, and the key's backend reads ``"<new> vs <base>"``."""
+    point and direction, and the key's backend reads ``"<base> → <new>"``."""
     if base_backend is not None:
         base = base[base["backend"] == base_backend]
         new = new[new["backend"] == new_backend]
@@ -247,7 +256,7 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
     def key(r: dict) -> tuple:
         if base_backend is None:
             return tuple(r[c] for c in KEY)
-        return r["point_key"], f"{new_backend} vs {base_backend}", r["direction"]
+        return r["point_key"], f"{base_backend} → {new_backend}", r["direction"]
 
     b = {key(r): r for r in results.latest(base).to_dict("records")}
     newest = new.sort_values(["started_at", "run_id"], kind="stable").drop_duplicates(KEY, keep="last")
@@ -312,12 +321,33 @@ def row_label(r: Mapping) -> str:
            f"{r.get('layout') or r['point_key']}"
 
 
-def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshold: float,
-                alpha: float, console=None, max_same: int = 40) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def columns(alpha: float) -> list[Column]:
+    """The compare table's columns, BASE before NEW; ``drop``: the order they are left out in a
+    narrow terminal (module doc)."""
+    return [Column("model", drop=1), Column("heads"), Column("layout"),
+            Column("backend", same=True), Column("dir", drop=6, same=True),
+            Column("base ms", "right", drop=7), Column("new ms", "right", drop=7),
+            Column("new/base", "right"), Column(f"{1 - alpha:.0%} CI", "right", drop=2),
+            Column("p", "right", drop=3), Column("calls", "right", drop=4, same=True),
+            Column("pairing", drop=5, same=True), Column("verdict"), Column("reason", "right", omit_empty=True)]
 
-    console = console or Console(soft_wrap=True, width=200)
+
+def _p(x) -> str:
+    """A p-value in two significant digits, the exponent bare (``3.1e-5``)."""
+    if x is None or not np.isfinite(x):
+        return ""
+    return f"{x:.2g}" if x >= 1e-3 else render.sci(x)
+
+
+def print_table(df: pd.DataFrame, summary: dict, base: Path | str, new: Path | str,
+                threshold: float, alpha: float, console=None, max_same: int = 40,
+                width: int | None = None) -> None:
+    """The verdicts as a table fitted to ``width`` columns (None: every column; module doc), the
+    counts, the pairing and one line per regression or improvement. ``base`` and ``new`` name
+    the two sides in the title (``BASE → NEW``)."""
+    from rich.text import Text
+
+    console = console or render.console(width)
     colors = {"slower": "red", "broken": "bold red", "faster": "green", "same": "",
               "incomparable": "yellow", "same-row": "magenta"}
     shown = df
@@ -326,38 +356,44 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path, new: Path, threshol
         same = df[df["verdict"] == "same"]
         hidden = max(0, len(same) - max_same)
         shown = df.drop(same.index[max_same:])
-    t = Table(title=f"{new} vs {base} (threshold {threshold:.0%}, alpha {alpha:g})")
-    for c, j in (("model", "left"), ("h_qk/h_v", "left"), ("layout", "left"), ("backend", "left"),
-                 ("dir", "left"), ("base ms", "right"), ("new ms", "right"),
-                 ("new/base", "right"), (f"{1 - alpha:.0%} CI", "right"), ("p", "right"),
-                 ("calls", "right"), ("pairing", "left"), ("verdict", "left"), ("reason", "left")):
-        t.add_column(c, justify=j)
-    for r in shown.to_dict("records"):
+    recs = shown.to_dict("records")
+    labels = [str(r["layout"] or r["point_key"]) for r in recs]
+    cells = render.layout_cells([(lab, r.get("num_seqs"), r.get("total_tokens"))
+                                 for lab, r in zip(labels, recs)])
+    reasons: dict[str, int] = {}
+    rows = []
+    for cell, r in zip(cells, recs):
         ci = f"{_fmt(r['ratio_lo'], '.3f')}–{_fmt(r['ratio_hi'], '.3f')}" \
             if r["ratio_lo"] is not None and np.isfinite(r["ratio_lo"]) else ""
-        col = colors[r["verdict"]]
-        t.add_row(str(r["model"] or ""), str(r["tp"] or ""), str(r["layout"] or r["point_key"]),
-                  r["backend"], r["direction"], _fmt(r["base_ms"], ".4f"), _fmt(r["new_ms"], ".4f"),
-                  _fmt(r["ratio"], ".3f"), ci, _fmt(r["p_value"], ".2g"), _calls(r),
-                  str(r["pairing"] or ""), f"[{col}]{r['verdict']}[/{col}]" if col else r["verdict"], str(r["reason"] or ""))
-    console.print(t)
+        why = str(r["reason"] or "")
+        note = str(reasons.setdefault(why, len(reasons) + 1)) if why else ""
+        rows.append([str(r["model"] or ""), str(r["tp"] or ""), cell, r["backend"],
+                     r["direction"], _fmt(r["base_ms"], ".4f"), _fmt(r["new_ms"], ".4f"),
+                     _fmt(r["ratio"], ".3f"), ci, _p(r["p_value"]), _calls(r),
+                     str(r["pairing"] or ""), Text(r["verdict"], style=colors[r["verdict"]]),
+                     note])
+    render.table(console, columns(alpha), rows, width, what="row",
+                 title=f"{base} → {new} (threshold {threshold:.0%}, alpha {alpha:g})")
+    for why, k in reasons.items():
+        render.line(console, f"reason {k}: {why}", width)
+    for note in render.layout_notes(cells, labels):
+        render.line(console, f"layout {note}", width)
     if hidden:
-        console.print(f"({hidden} more rows 'same' not shown; --out FILE writes every row)")
+        render.line(console, f"({hidden} more rows 'same' not shown; --out FILE writes every row)",
+                    width)
     extra = [f"{summary['only_base']} keys only in base"] if summary["only_base"] else []
     extra += [f"{summary['only_new']} only in new"] if summary["only_new"] else []
-    console.print(", ".join(f"{summary[v]} {v}" for v in VERDICTS)
-                  + (f" ({', '.join(extra)})" if extra else ""), highlight=False)
-    console.print(f"pairing of the {summary['pairs']} ratios: {summary['pairing']}",
-                  highlight=False, markup=False)
+    render.line(console, ", ".join(f"{summary[v]} {v}" for v in VERDICTS)
+                + (f" ({', '.join(extra)})" if extra else ""), width)
+    render.line(console, f"pairing of the {summary['pairs']} ratios: {summary['pairing']}", width)
     if summary["differs_pairs"]:
-        console.print(f"incomparable: {differs_line(summary, len(df))}", highlight=False,
-                      markup=False)
+        render.line(console, f"incomparable: {differs_line(summary, len(df))}", width)
     for r in df[df["verdict"].isin(["slower", "broken", "faster"])].to_dict("records"):
         what = (f"{r['ratio']:.3f}x (p={r['p_value']:.2g})" if r["verdict"] != "broken"
                 else f"broken: {r['reason']}")
         tag = f" [{r['pairing']}]" if r["verdict"] != "broken" and r["pairing"] else ""
         word = "IMPROVEMENT" if r["verdict"] == "faster" else "REGRESSION"
-        console.print(f"{word} {row_label(r)}: {what}{tag}", highlight=False, markup=False)
+        render.line(console, f"{word} {row_label(r)}: {what}{tag}", width)
 
 
 def _calls(r: Mapping) -> str:
@@ -383,16 +419,29 @@ def write_out(df: pd.DataFrame, summary: dict, out: Path, base: Path, new: Path,
                                "alpha": alpha, "summary": summary, "rows": recs}, indent=1))
 
 
+def missing_labels(base: pd.DataFrame, new: pd.DataFrame) -> list[str]:
+    """Backend labels of ``base`` that ``new`` holds no row of at all, although ``new`` measured
+    some of their points and directions with other labels (two runs of different labels, not a
+    label that broke)."""
+    have = set(new["backend"].dropna())
+    measured = set(zip(new["point_key"], new["direction"]))
+    return [label for label, g in base.groupby("backend", sort=True)
+            if label not in have and not measured.isdisjoint(zip(g["point_key"], g["direction"]))]
+
+
 def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0.01,
                 out: Path | None = None, base_backend: str | None = None,
-                new_backend: str | None = None, allow_incomparable: bool = False) -> int:
+                new_backend: str | None = None, allow_incomparable: bool = False,
+                wide: bool = False) -> int:
     """``qlabench compare BASE NEW`` (or ``BASE --base-backend A --new-backend B``: two labels):
-    table on stdout, optional ``--out`` (.json/.csv), an exit code (module doc).
-    ``allow_incomparable``: pairs whose rows differ in timing method, GPU or input recipe stay
-    ``incomparable`` (not judged) without exit 3; the exit code is that of the other pairs."""
+    table on stdout fitted to the terminal (``wide``: every column), optional ``--out``
+    (.json/.csv), an exit code (module doc). ``allow_incomparable``: pairs whose rows differ in
+    timing method, GPU or input recipe stay ``incomparable`` (not judged) without exit 3; the
+    exit code is that of the other pairs."""
     from rich.console import Console
 
-    console = Console(soft_wrap=True, width=None if _isatty() else 200)
+    width = render.terminal_width(wide)
+    console = render.console(width)
     err = Console(stderr=True, soft_wrap=True)
     try:
         if out is not None and Path(out).suffix.lower() not in (".json", ".csv"):
@@ -402,11 +451,22 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
         if not (0 < alpha < 1):
             raise BadInput(f"--alpha {alpha}: must be in (0, 1)")
         bdf, ndf = load_side(Path(base)), load_side(Path(new))
-        for side, df_, label in ((base, bdf, base_backend), (new, ndf, new_backend)):
+        for opt, side, df_, label in (("--base-backend", base, bdf, base_backend),
+                                      ("--new-backend", new, ndf, new_backend)):
             if label is not None and not (df_["backend"] == label).any():
-                raise BadInput(f"{side}: no rows of backend {label!r} (it holds "
+                raise BadInput(f"{opt}: no rows of backend {label!r} in {side} (its labels: "
                                f"{', '.join(sorted(set(df_['backend'].dropna())))})")
+        if base_backend is None:
+            miss = missing_labels(bdf, ndf)
+            if miss:
+                theirs = ", ".join(sorted(set(ndf["backend"].dropna())))
+                raise BadInput(
+                    f"backend label{'s' * (len(miss) > 1)} {', '.join(map(repr, miss))} of "
+                    f"{base} {'have' if len(miss) > 1 else 'has'} no rows in {new} (its labels: "
+                    f"{theirs}); to pair two labels pass --base-backend {miss[0]} --new-backend "
+                    "LABEL")
         df, summary = compare_frames(bdf, ndf, threshold, alpha, base_backend, new_backend)
+        base_arg, new_arg = base, new
         if base_backend is not None:
             base, new = f"{base} ({base_backend})", f"{new} ({new_backend})"
         if df.empty:
@@ -415,10 +475,12 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
     except BadInput as e:
         err.print(f"error: {e}", highlight=False, markup=False)
         return 2
-    print_table(df, summary, base, new, threshold, alpha, console=console)
+    both = f"{base_arg}: {base_backend}", str(new_backend)  # two labels of one directory
+    names = both if base_backend is not None and Path(base_arg) == Path(new_arg) else (base, new)
+    print_table(df, summary, *names, threshold, alpha, console=console, width=width)
     if out is not None:
         write_out(df, summary, Path(out), base, new, threshold, alpha)
-        console.print(f"wrote {out}", highlight=False, markup=False)
+        render.line(console, f"wrote {out}", width)
     if summary["same-row"] == len(df):
         err.print(f"error: every one of the {len(df)} compared pairs is the same stored row on "
                   f"both sides ({new} holds {base}'s rows): nothing was re-measured, so this says "
@@ -433,7 +495,3 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
         return 3
     return 1 if failed else 0
 
-
-def _isatty() -> bool:
-    import sys
-    return sys.stdout.isatty()

@@ -37,9 +37,9 @@ import numpy as np
 import pandas as pd
 import yaml
 from rich.console import Console
-from rich.table import Table
 
-from . import analysis, plots, results
+from . import analysis, plots, render, results
+from .render import Column
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: where published sets are looked up (tests point this elsewhere)
@@ -554,15 +554,6 @@ def _tag(t: pd.Series, ratio: str, value: str | None = None) -> str:
     return t[f"{ratio}_pairing"] or "same GPU and campaign"
 
 
-def _rich(title: str, head: list[str], rows: list[list[str]]) -> Table:
-    t = Table(title=title, title_justify="left")
-    for h in head:
-        t.add_column(h, overflow="fold")
-    for r in rows:
-        t.add_row(*r)
-    return t
-
-
 def _md_table(head: list[str], rows: list[list[str]]) -> str:
     esc = lambda c: str(c).replace("|", "\\|")
     lines = ["| " + " | ".join(map(esc, head)) + " |", "|" + "---|" * len(head)]
@@ -655,41 +646,149 @@ def write(rep: Reproduction, out: Path) -> dict[str, Path]:
     return files
 
 
-def print_report(rep: Reproduction, console: Console) -> None:
+# --------------------------------------------------------------------------- terminal
+
+
+def _tty_summary_rows(s: dict) -> list[list[str]]:
+    """The per-backend table for the terminal: :data:`TTY_SUMMARY` (versions: the notes below)."""
+    out = []
+    for b, e in s["backends"].items():
+        other = ", ".join(f"{k} {v}" for k, v in e["statuses"].items() if k != "ok")
+        if "ratio" in e:
+            r = e["ratio"]
+            out.append([b, f"{e['ok']}/{s['points']}", other, _pct(e["within"]),
+                        _fmt(r["geomean"], 2), _fmt(r["min"], 2), _fmt(r["max"], 2)])
+        else:
+            out.append([f"{b} (extra)", f"{e['ok']}/{s['points']}", other, "–", "–", "–", "–"])
+    return out
+
+
+#: the terminal's per-backend table; ``drop``: the order columns are left out in a narrow one
+TTY_SUMMARY = [Column("backend"), Column("ok", "right"), Column("other", omit_empty=True, drop=2),
+               Column(f"±{WITHIN:.0%}", "right"), Column("geomean", "right"),
+               Column("min", "right", drop=1), Column("max", "right", drop=1)]
+#: the terminal's speedup table
+TTY_SPEEDUP = [Column("speedup"), Column("points", "right"), Column("geomean", "right"),
+               Column("min", "right", drop=1), Column("max", "right", drop=1),
+               Column("pairs", wrap=True, min_width=14)]
+
+
+def tty_point_columns(pub: Published, table: pd.DataFrame) -> list[Column]:
+    """The terminal's worst / best point tables: heads, layout, the published and measured
+    speedup and their ratio; per measured library its measured / published ms; the in-repo
+    kernel's ms and speedups. ``drop`` (narrow terminal): the ratio of speedups, the in-repo
+    kernel's ms, the libraries outside the speedup, × best, × baseline."""
+    libs = _library_columns(table.columns)
+    cols = [Column("heads"), Column("layout"), Column("pub", "right"), Column("meas", "right"),
+            Column("meas/pub", "right", drop=1)]
+    cols += [Column(b, "right", drop=None if b in (pub.baseline, pub.target) else 3) for b in libs]
+    if f"{EXTRA_BACKEND}_status" in table:
+        eb = table.attrs.get("extra_baseline", analysis.BASELINE)
+        cols += [Column(f"{EXTRA_BACKEND} ms", "right", drop=2), Column(f"× {eb}", "right", drop=5),
+                 Column("× best", "right", drop=4)]
+    return cols
+
+
+def _tty_ratio(t: pd.Series, b: str) -> str:
+    st = t[f"{b}_status"]
+    return _fmt(t[f"{b}_ratio"], 2) if st == "ok" else st
+
+
+def tty_point_row(pub: Published, t: pd.Series, extra_baseline: str = analysis.BASELINE) -> list[str]:
+    r = [f"{t['h_qk']}/{t['h_v']}", str(t["seqlens_label"]), _fx(t["speedup_pub"]),
+         _fx(t["speedup_ms"]), _fmt(t["speedup_ratio"], 2)]
+    r += [_tty_ratio(t, b) for b in _library_columns(t.index)]
+    if f"{EXTRA_BACKEND}_status" in t:
+        r += [_cell(t, EXTRA_BACKEND, with_pub=False), _fx(t[f"{EXTRA_BACKEND}_vs_{extra_baseline}"]),
+              _fx(t[f"{EXTRA_BACKEND}_vs_best"])]
+    return r
+
+
+def _pairing_notes(pub: Published, points: pd.DataFrame, eb: str) -> list[str]:
+    """One ``heads layout: ratio tag`` entry per measured ratio of ``points`` whose rows do not
+    share GPU and campaign or are throttled."""
+    out = []
+    for _, t in points.iterrows():
+        tags = [(f"{pub.baseline}/{pub.target}", t["speedup_pairing"], t["speedup_ms"])]
+        if f"{EXTRA_BACKEND}_status" in t:
+            for r, what in ((f"vs_{eb}", f"{eb}/{EXTRA_BACKEND}"),
+                            ("vs_best", f"best/{EXTRA_BACKEND}")):
+                tags.append((what, t[f"{EXTRA_BACKEND}_{r}_pairing"], t[f"{EXTRA_BACKEND}_{r}"]))
+        bad = [f"{w} {tag}" for w, tag, v in tags if np.isfinite(v) and tag]
+        if bad:
+            out.append(f"{t['h_qk']}/{t['h_v']} {t['seqlens_label']}: {', '.join(bad)}")
+    return out
+
+
+def print_report(rep: Reproduction, console: Console, width: int | None = None) -> None:
+    """The reproduction on the terminal, its tables fitted to ``width`` columns (None: every
+    column; :mod:`qlabench.render`)."""
+    from rich.text import Text
+
     pub, s, notes = rep.pub, rep.summary, rep.notes
     prov = pub.provenance
-    console.print(f"[bold]{pub.name} {pub.direction}[/bold]: {s['points']} published points "
-                  f"({prov.get('gpu', '?')}, {prov.get('timing', {}).get('statistic', '')} of "
-                  f"{prov.get('timing', {}).get('qlabench_mode', '?')}) vs {rep.source}", highlight=False)
-    console.print(_rich("per backend: measured / published ms", SUMMARY_HEAD, _summary_rows(pub, s, notes)))
-    console.print(_rich("speedups", SPEEDUP_HEAD, _speedup_rows(pub, s)))
+
+    def note(word: str, style: str, text: str) -> None:
+        t = Text("  ")
+        t.append(word, style=style)
+        t.append(f" {text}")
+        render.line(console, t, width)
+
+    render.line(console, Text.assemble((f"{pub.name} {pub.direction}", "bold"),
+                                       f": {s['points']} published points ({prov.get('gpu', '?')}, "
+                                       f"{prov.get('timing', {}).get('statistic', '')} of "
+                                       f"{prov.get('timing', {}).get('qlabench_mode', '?')}) vs "
+                                       f"{rep.source}"), width)
+    render.table(console, TTY_SUMMARY, _tty_summary_rows(s), width, what="backend",
+                 title=f"per backend: measured / published ms (points within ±{WITHIN:.0%}; "
+                       "geomean, min, max over the points)")
+    lab = f"{pub.baseline}/{pub.target}"
+    sp = s["speedup"]
+    rows = [[f"published {lab}", str(sp["published"]["n"]), _fx(sp["published"]["geomean"]),
+             _fx(sp["published"]["min"]), _fx(sp["published"]["max"]), "–"],
+            ["  on the measured points", str(sp["published_same_points"]["n"]),
+             _fx(sp["published_same_points"]["geomean"]), _fx(sp["published_same_points"]["min"]),
+             _fx(sp["published_same_points"]["max"]), "–"]]
+    rows += _speedup_rows(pub, s)[2:]
+    render.table(console, TTY_SPEEDUP, rows, width, title="speedups")
     for b, e in s["backends"].items():
         for k, r in e["reasons"].items():
             if k == MISSING:
                 continue
-            console.print(f"  {b}: {e['statuses'][k]} × {k}" + (f" — {r[:160]}" if r else ""),
-                          highlight=False, markup=False)
+            render.line(console, f"  {b}: {e['statuses'][k]} × {k}" + (f" — {r[:160]}" if r else ""),
+                        width)
     if s["missing_points"]:
         mp = s["missing_points"]
-        console.print(f"  missing: {len(mp)} points have no measured row "
-                      f"({', '.join(mp[:6])}{' …' if len(mp) > 6 else ''})", highlight=False, markup=False)
+        render.line(console, f"  missing: {len(mp)} points have no measured row "
+                    f"({', '.join(mp[:6])}{' and more' if len(mp) > 6 else ''})", width)
     for n in notes.versions:
-        console.print(f"  [yellow]version[/yellow] {n.line()}"
-                      + (f"  (may explain: {', '.join(n.explains)})" if n.explains else ""),
-                      highlight=False)
+        note("version", "yellow", n.line() + (f"  (may explain: {', '.join(n.explains)})"
+                                              if n.explains else ""))
     for m in notes.method:
-        console.print(f"  [yellow]method[/yellow] {m}", highlight=False)
+        note("method", "yellow", m)
     for c in prov.get("caveats", {}).get(pub.direction, []):
-        console.print(f"  [dim]caveat[/dim] {c.strip()}", highlight=False)
+        note("caveat", "dim", c.strip())
     worst, best = extremes(rep.table)
-    head = _point_head(pub, rep.table)
+    cols = tty_point_columns(pub, rep.table)
     eb = rep.table.attrs.get("extra_baseline", analysis.BASELINE)
+    legend = (f"pub, meas: {lab} speedup published and measured; meas/pub: their ratio; "
+              + ", ".join(c.header for c in cols[5:] if c.header in rep.table.attrs.get("libraries", {}))
+              + ": measured / published ms")
+    if f"{EXTRA_BACKEND}_status" in rep.table:
+        legend += (f"; {EXTRA_BACKEND} ms: the in-repo kernel's latency, × {eb}: {eb} ms / "
+                   f"{EXTRA_BACKEND} ms, × best: the best library's ms / {EXTRA_BACKEND} ms")
     if not worst.empty:
-        console.print(_rich("worst points (measured speedup / published)", head,
-                            [_point_row(pub, t, eb) for _, t in worst.iterrows()]))
-        console.print(_rich("best points", head, [_point_row(pub, t, eb) for _, t in best.iterrows()]))
+        for title, pts in ((f"worst points (measured {lab} speedup / published)", worst),
+                           ("best points", best)):
+            render.table(console, cols, [tty_point_row(pub, t, eb) for _, t in pts.iterrows()],
+                         width, title=title, what="point")
+            tags = _pairing_notes(pub, pts, eb)
+            if tags:
+                render.line(console, "pairing (rows not sharing GPU and campaign, or throttled): "
+                            + "; ".join(tags), width)
+        render.line(console, legend, width, style="dim")
     if rep.files:
-        console.print("wrote " + ", ".join(str(p) for p in rep.files.values()), highlight=False)
+        render.line(console, "wrote " + ", ".join(str(p) for p in rep.files.values()), width)
 
 
 def _shown(path: Path) -> str:
@@ -701,13 +800,17 @@ def _shown(path: Path) -> str:
 
 
 def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
-                  console: Console | None = None, baseline: str | None = None) -> int:
+                  console: Console | None = None, baseline: str | None = None,
+                  wide: bool = False, width: int | None = None) -> int:
     """Compare the published set ``name`` with the rows under ``from_`` (a results directory of
-    ``qlabench run``) and write the report into ``out``. Exit code: 0 report written (whatever
-    the agreement), 2 a problem the user must fix (no ``from_`` among them: the message names
-    the sweep that measures the set)."""
+    ``qlabench run``) and write the report into ``out``; the terminal tables fit the terminal
+    (``wide``: every column; with a ``console`` given, ``width``). Exit code: 0 report written
+    (whatever the agreement), 2 a problem the user must fix (no ``from_`` among them: the
+    message names the sweep that measures the set)."""
     err = console or Console(stderr=True, soft_wrap=True)
-    console = console or Console(soft_wrap=True)
+    if console is None:
+        width = render.terminal_width(wide)
+        console = render.console(width)
     try:
         if direction not in DIRECTIONS:
             raise ReproduceError(f"--direction {direction!r}: use one of {', '.join(DIRECTIONS)}")
@@ -727,8 +830,8 @@ def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
         return 2
     rep = compare_rows(pub, rows, meta, source, extra_baseline)
     write(rep, out)
-    print_report(rep, console)
+    print_report(rep, console, width)
     if not any(e["ok"] for e in rep.summary["backends"].values()):
-        console.print("[yellow]no backend measured any point[/yellow] (see the statuses above); "
-                      "the published columns are in the CSV", highlight=False)
+        render.line(console, "no backend measured any point (see the statuses above); the "
+                    "published columns are in the CSV", width, style="yellow")
     return 0

@@ -28,6 +28,13 @@ is reported as such, not as a win.
 Per model (and direction) a footer (:func:`qlabench.analysis.model_footer`): for each label, the geomean speedup over
 the baseline on the points where both are ``ok``, the points it wins and how many of those wins
 are ties.
+
+On the terminal (:func:`print_summary`, :mod:`qlabench.render`) a table per model and direction:
+layout, winner, ms, spread ((p90 − p10) / median of the winner's samples), runner-up, margin,
+tie, × baseline, rel_l2, ok, bad (:func:`columns`: the order columns are left out in a narrow
+terminal); under it the layouts whose pairs are tagged (``pairing: vs runner-up, throttled:
+1x32768, ...``), the full label of each layout shortened in the table, the footer; once at the
+end, what each column holds.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import analysis
+from . import analysis, render
 from .analysis import (  # noqa: F401 (the summary's names, kept for callers)
     ALPHA,
     BASELINE,
@@ -51,6 +58,7 @@ from .analysis import (  # noqa: F401 (the summary's names, kept for callers)
     require_baseline,
     resolve_baseline,
 )
+from .render import Column
 
 
 def select_model(df: pd.DataFrame, model: str) -> pd.DataFrame:
@@ -86,59 +94,90 @@ def _s(x) -> str:
     return "" if _missing(x) else str(x)
 
 
-def print_summary(df: pd.DataFrame, console=None, baseline: str = BASELINE,
-                  alpha: float = ALPHA, threshold: float = THRESHOLD) -> pd.DataFrame:
-    """Print one table per model and direction (plus its footer) for latest rows ``df``;
-    returns the :func:`point_table`."""
-    from rich.console import Console
-    from rich.table import Table
+def columns(bname: str) -> list[Column]:
+    """The summary table's columns. ``drop``: the order they are left out when the terminal is
+    narrower than the table (rel_l2, spread, ok, × baseline, runner-up, margin); layout, winner,
+    ms, tie and bad are always shown. ``ok`` with the same count at every layout is stated once
+    under the table; ``bad`` is shown when some point has an incorrect or failed row."""
+    return [Column("layout"), Column("winner"), Column("ms", "right"),
+            Column("spread", "right", drop=2), Column("runner-up", drop=5),
+            Column("margin", "right", drop=6), Column("tie"),
+            Column(f"× {bname}", "right", drop=4), Column("rel_l2", "right", drop=1),
+            Column("ok", "right", drop=3, same=True), Column("bad", same=True)]
 
-    console = console or Console(soft_wrap=True, width=200)
+
+def legend(bname: str, alpha: float, threshold: float) -> str:
+    """What the summary table's columns hold, printed once under the tables."""
+    return (f"ms: the winner's median latency; spread: (p90 − p10) / median of its samples; "
+            f"margin: runner-up ms / winner ms; tie: not distinguishable (Mann–Whitney "
+            f"p ≥ {alpha:g} or margin ≤ {threshold:.0%}); × {bname}: {bname} ms / winner ms; "
+            "rel_l2: the winner's largest ‖out − ref‖ / ‖ref‖; ok: labels with an ok row; bad: "
+            "incorrect or failed rows; pairing: rows not sharing GPU and campaign, or throttled")
+
+
+def _spread(r) -> str:
+    lo, hi, med = r["winner_p10_ms"], r["winner_p90_ms"], r["winner_ms"]
+    if any(_missing(x) for x in (lo, hi, med)) or not med > 0:
+        return ""
+    return _f(100 * (hi - lo) / med, ".1f", "%")
+
+
+def print_summary(df: pd.DataFrame, console=None, baseline: str = BASELINE,
+                  alpha: float = ALPHA, threshold: float = THRESHOLD,
+                  width: int | None = None) -> pd.DataFrame:
+    """Print one table per model and direction (plus its footer) for latest rows ``df``, fitted
+    to ``width`` columns (None: every column at its natural width; :mod:`qlabench.render`);
+    returns the :func:`point_table`."""
+    from rich.text import Text
+
+    console = console or render.console(width)
     table = point_table(df, baseline, alpha, threshold)
     base = resolve_baseline(df, baseline)
     bname = base or baseline
+    cols = columns(bname)
     for (direction, hq, hv, model), t in table.groupby(["direction", "h_qk", "h_v", "model"],
                                                        sort=False, dropna=False):
-        tab = Table(title=f"{model} ({hq}/{hv}) {direction}: fastest correct backend per layout "
-                    f"(tie: not distinguishable, Mann–Whitney p ≥ {alpha:g} or ≤ {threshold:.0%})")
-        for c, j in (("layout", "left"), ("winner", "left"), ("ms", "right"),
-                     ("p10–p90 ms", "right"), ("runner-up", "left"), ("ms ", "right"),
-                     ("margin", "right"), ("tie", "left"), (f"× {bname}", "right"),
-                     ("max_rel_l2", "right"), ("ok", "right"), ("bad", "left"),
-                     ("pairing", "left")):
-            tab.add_column(c, justify=j)
-        for r in t.to_dict("records"):
+        recs = t.to_dict("records")
+        cells = render.layout_cells([(r["layout"], r["num_seqs"], r["total_tokens"]) for r in recs])
+        rows, tags = [], {}
+        for cell, r in zip(cells, recs):
             bad = ", ".join(w for w in (f"{r['n_incorrect']} incorrect" if r["n_incorrect"] else "",
                                         f"{r['n_failed']} failed" if r["n_failed"] else "") if w)
-            tags = [f"vs runner-up: {_s(r['pairing'])}" if _s(r["pairing"]) else "",
-                    f"vs {bname}: {_s(r['baseline_pairing'])}" if _s(r["baseline_pairing"]) else ""]
+            for which, tag in (("runner-up", _s(r["pairing"])), (bname, _s(r["baseline_pairing"]))):
+                if tag:
+                    tags.setdefault((which, tag), []).append(cell)
+            ok = f"{r['n_ok']}/{r['n_backends']}"
             if _missing(r["winner"]):
-                tab.add_row(_s(r["layout"]), "[red]no ok row[/red]", "", "", "", "", "", "", "",
-                            "", f"0/{r['n_backends']}", bad, "")
+                rows.append([cell, Text("no ok row", style="red"), "", "", "", "", "", "", "",
+                             ok, bad])
                 continue
-            p10, p90 = _f(r["winner_p10_ms"], ".4f"), _f(r["winner_p90_ms"], ".4f")
-            tab.add_row(_s(r["layout"]), _s(r["winner"]), _f(r["winner_ms"], ".4f"),
-                        f"{p10}–{p90}" if p10 and p90 else "",
-                        _s(r["runner_up"]), _f(r["runner_up_ms"], ".4f"),
-                        _f(r["margin"], ".3f", "×"),
-                        "[yellow]tie[/yellow]" if r["tie"] else "",
-                        _f(r["speedup"], ".2f", "×"),
-                        _f(r["winner_max_rel_l2"], ".1e"), f"{r['n_ok']}/{r['n_backends']}", bad,
-                        "; ".join(x for x in tags if x))
-        console.print(tab)
-        rows = df[(df["model"] == model) & (df["direction"] == direction)]
-        foot = model_footer(rows, t, base)
+            rows.append([cell, _s(r["winner"]), _f(r["winner_ms"], ".4f"), _spread(r),
+                         _s(r["runner_up"]), _f(r["margin"], ".2f", "×"),
+                         Text("tie", style="yellow") if r["tie"] else "",
+                         _f(r["speedup"], ".2f", "×"),
+                         "" if _missing(r["winner_max_rel_l2"]) else render.sci(r["winner_max_rel_l2"]),
+                         ok, bad])
+        render.table(console, cols, rows, width, what="layout",
+                     title=f"{model} ({hq}/{hv}) {direction}: fastest correct backend per layout")
+        if tags:
+            render.line(console, "pairing: " + "; ".join(
+                f"vs {which}, {tag}: {', '.join(c)}" for (which, tag), c in tags.items()), width)
+        for note in render.layout_notes(cells, [r["layout"] for r in recs]):
+            render.line(console, f"layout {note}", width)
+        rows_m = df[(df["model"] == model) & (df["direction"] == direction)]
+        foot = model_footer(rows_m, t, base)
         parts = []
         for f in foot.to_dict("records"):
             gm = _f(f["geomean_speedup"], ".2f", "×")
             sp = f"{gm} over {bname} ({f['points']} pts)" if gm and f["backend"] != base else ""
             w = f"{f['wins']} win{'s' * (f['wins'] != 1)}" + (f" ({f['tied_wins']} tie)" if f["tied_wins"] else "")
             parts.append(f"{f['backend']}: " + ", ".join(x for x in (sp, w) if x))
-        console.print(f"{model} ({hq}/{hv}) {direction}, {len(t)} points — " + "; ".join(parts),
-                      highlight=False, markup=False)
+        render.line(console, f"{model} ({hq}/{hv}) {direction}, {len(t)} points — "
+                    + "; ".join(parts), width)
         if base is None:
-            console.print(f"(no rows of baseline {baseline!r}: speedups left blank)",
-                          highlight=False, markup=False)
+            render.line(console, f"(no rows of baseline {baseline!r}: speedups left blank)", width)
+    if len(table):
+        render.line(console, legend(bname, alpha, threshold), width, style="dim")
     return table
 
 
@@ -150,14 +189,15 @@ def load_latest(path: Path) -> pd.DataFrame:
 
 def summary_cmd(path: Path, model: str | None = None, direction: str | None = None,
                 baseline: str | None = None, alpha: float = ALPHA, threshold: float = THRESHOLD,
-                console=None) -> int:
-    """``qlabench summary DIR``: tables on stdout; exit 2 (message on stderr) on bad input,
-    including a ``baseline`` label without rows (None: ``fla`` when present, else no speedups)."""
-    import sys
-
+                console=None, wide: bool = False) -> int:
+    """``qlabench summary DIR``: tables on stdout, fitted to the terminal
+    (:func:`qlabench.render.terminal_width`; ``wide``: every column); exit 2 (message on stderr)
+    on bad input, including a ``baseline`` label without rows (None: ``fla`` when present, else
+    no speedups)."""
     from rich.console import Console
 
-    console = console or Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    width = render.terminal_width(wide)
+    console = console or render.console(width)
     err = Console(stderr=True, soft_wrap=True)
     try:
         df = load_latest(path)
@@ -176,19 +216,16 @@ def summary_cmd(path: Path, model: str | None = None, direction: str | None = No
     except BadInput as e:
         err.print(f"error: {e}", highlight=False, markup=False)
         return 2
-    print_summary(df, console, baseline or BASELINE, alpha, threshold)
+    print_summary(df, console, baseline or BASELINE, alpha, threshold, width)
     return 0
 
 
 def print_run_summary(df: pd.DataFrame, console=None) -> None:
-    """The end of ``qlabench run``: :func:`print_summary` over the output directory's latest rows,
-    or one line when none of them is ``ok``."""
-    import sys
-
-    from rich.console import Console
-
-    console = console or Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    """The end of ``qlabench run``: :func:`print_summary` over the output directory's latest rows
+    (fitted to the terminal), or one line when none of them is ``ok``."""
+    width = render.terminal_width()
+    console = console or render.console(width)
     if df.empty or not (df["status"] == "ok").any():
         console.print("summary: no ok rows (nothing to rank)", highlight=False, markup=False)
         return
-    print_summary(df, console)
+    print_summary(df, console, width=width)

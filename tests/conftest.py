@@ -12,6 +12,9 @@ _here = os.path.dirname(os.path.abspath(__file__))
 os.environ["QLABENCH_BACKENDS"] = ",".join(filter(None, [os.environ.get("QLABENCH_BACKENDS"),
                                                          "faulty=faulty_backend:FaultyBackend"]))
 os.environ["PYTHONPATH"] = os.pathsep.join([_here, *filter(None, [os.environ.get("PYTHONPATH")])])
+# the views fit their tables to $COLUMNS when set (qlabench.render): tests see full-width output
+# unless they set it themselves
+os.environ.pop("COLUMNS", None)
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -178,7 +178,7 @@ def test_versioned_entries_run_in_their_own_worker_next_to_plain_ones(tmp_path, 
     assert r.exit_code == 0, r.output
     got = json.loads(v.read_text())
     assert len(got["rows"]) == 2 and got["summary"]["pairs"] == 2
-    assert {x["backend"] for x in got["rows"]} == {"reference@alt vs reference"}
+    assert {x["backend"] for x in got["rows"]} == {"reference → reference@alt"}
     assert {x["verdict"] for x in got["rows"]} <= {"same", "faster"}
     assert {(x["base_backend"], x["new_backend"]) for x in got["rows"]} == {("reference",
                                                                              "reference@alt")}
@@ -202,12 +202,12 @@ def test_compare_two_labels_prints_regressions_and_labels_cross_campaign_pairs(t
                                  "--new-backend", "flashinfer@0.7.4"])
     assert r.exit_code == 1, r.output
     n = len(S.MODELS) * len(S.LAYOUTS)
-    assert r.output.count("REGRESSION flashinfer@0.7.4 vs flashinfer@0.6.13 fwd") == n
+    assert r.output.count("REGRESSION flashinfer@0.6.13 → flashinfer@0.7.4 fwd") == n
     assert r.output.count("[cross-campaign]") == n and f"cross-campaign: {n} of {n}" in r.output
     # the other way round: improvements, exit 0
     r = CliRunner().invoke(app, ["compare", str(d), "--base-backend", "flashinfer@0.7.4",
                                  "--new-backend", "flashinfer@0.6.13"])
-    assert r.exit_code == 0 and r.output.count("IMPROVEMENT flashinfer@0.6.13 vs") == n
+    assert r.exit_code == 0 and r.output.count("IMPROVEMENT flashinfer@0.7.4 → flashinfer@0.6.13") == n
     # points the new label has no row for are not judged
     df = results.load(d)
     part = df[~((df["backend"] == "flashinfer@0.7.4") & (df["point_index"] > 0))]
