@@ -179,7 +179,7 @@ def test_a_state_layout_slip_is_incorrect(tmp_path, monkeypatch):
 
 
 def test_an_absent_tileops_is_unavailable_naming_the_import(monkeypatch):
-    from qlabench.backends import tileops as mod
+    mod = sys.modules[B.backend_class("tileops").__module__]
     monkeypatch.setitem(sys.modules, "tileops", None)  # import tileops -> ImportError
     monkeypatch.setattr(mod, "cuda_cc", lambda: (9, 0))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
