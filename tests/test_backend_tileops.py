@@ -70,12 +70,18 @@ def _fake_tileops(monkeypatch, calls: list):
             o, ht = gdn_chunked(q, k, v, g.float(), beta.float(), self.scale, h0, cu_seqlens)
             return o.to(q.dtype), (ht.transpose(-1, -2) if self.state_v_first else ht).contiguous()
 
+    class OpNotAvailableError(RuntimeError):
+        """tileops.backend's: no kernel of tileops serves the call on this device."""
+
     pkg = types.ModuleType("tileops")
     mod = types.ModuleType("tileops.linear_attention")
+    backend = types.ModuleType("tileops.backend")
     mod.GDNFwdOp = pkg.GDNFwdOp = GDNFwdOp
-    pkg.linear_attention = mod
+    backend.OpNotAvailableError = OpNotAvailableError
+    pkg.linear_attention, pkg.backend = mod, backend
     monkeypatch.setitem(sys.modules, "tileops", pkg)
     monkeypatch.setitem(sys.modules, "tileops.linear_attention", mod)
+    monkeypatch.setitem(sys.modules, "tileops.backend", backend)
 
 
 def test_tileops_is_registered_as_a_forward_library():
@@ -176,6 +182,30 @@ def test_a_state_layout_slip_is_incorrect(tmp_path, monkeypatch):
     runner.run(s, tmp_path / "r", log=lambda *a, **k: None)
     df = pd.read_parquet(tmp_path / "r")
     assert set(df.loc[df["backend"] == "tileops", "status"]) == {"incorrect"}
+
+
+@pytest.mark.parametrize("raised, status", [("OpNotAvailableError", "unsupported"),
+                                             ("RuntimeError", "crashed")])
+def test_a_call_tileops_refuses_is_unsupported_any_other_failure_crashed(tmp_path, monkeypatch,
+                                                                        raised, status):
+    """Its op's OpNotAvailableError (none of its kernels serves the call here) is a refusal:
+    `unsupported` rows with its message; another exception from the call is `crashed`."""
+    _fake_tileops(monkeypatch, [])
+    monkeypatch.setattr(B.backend_class("tileops"), "available", lambda self: (True, ""))
+    exc = (sys.modules["tileops.backend"].OpNotAvailableError if raised == "OpNotAvailableError"
+           else RuntimeError)
+
+    def call(self, *a, **k):
+        raise exc("GDNFwdOp's in-tree kernels do not serve this call")
+
+    monkeypatch.setattr(sys.modules["tileops.linear_attention"].GDNFwdOp, "__call__", call)
+    s = C.parse({**SWEEP, "directions": ["fwd"], "backends": ["tileops"]})
+    runner.run(s, tmp_path / "r", log=lambda *a, **k: None)
+    df = pd.read_parquet(tmp_path / "r")
+    assert len(df) == 2 and set(df["status"]) == {status}
+    assert df["reason"].str.contains("do not serve this call").all()
+    if status == "unsupported":
+        assert df["reason"].str.startswith("tileops refuses this configuration: OpNotAvailableError").all()
 
 
 def test_an_absent_tileops_is_unavailable_naming_the_import(monkeypatch):

@@ -107,6 +107,21 @@ class TileOpsBackend(Backend):
         return Prepared(fn=fn, refresh=refresh,
                         notes=f"host_offsets={self.params.host_offsets}")
 
+    def refusal(self, exc):
+        """Besides :class:`Unsupported`: tileops' ``OpNotAvailableError``, which its op raises
+        when none of its kernels serves the call on this device (an ``unsupported`` row with its
+        message); any other exception is a failure."""
+        why = super().refusal(exc)
+        if why is not None:
+            return why
+        try:
+            from tileops.backend import OpNotAvailableError
+        except Exception:
+            return None
+        if isinstance(exc, OpNotAvailableError):
+            return f"tileops refuses this configuration: OpNotAvailableError: {str(exc)[:300]}"
+        return None
+
     def outputs_to_canonical(self, raw, x, direction):
         o, st = raw
         return {"o": o, "final_state": st}

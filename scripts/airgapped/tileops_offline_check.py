@@ -14,6 +14,9 @@ build     its GDN prefill programs (TileLang, whichever SITE or the environment 
           sm_90a, the device queries answered as an H200's (132 SMs): one line per route.
 routes    the route its planner picks for every point of a sweep on an H200, with and without the
           host offsets (the backend's ``host_offsets``).
+rounding  what its dtype contract costs an exact kernel: the fp32 reference recurrence on g and on
+          beta rounded to bf16 against it on the canonical inputs, per gate recipe (no tileops
+          needed).
 
 Exit code 1 when a contract row fails the check or a route does not build.
 """
@@ -151,6 +154,32 @@ def routes(config: str) -> int:
     return 0
 
 
+def rounding() -> int:
+    import torch
+
+    from qlabench import config as C
+    from qlabench.backends.reference import gdn_chunked
+    from qlabench.correctness import rel_err
+    from qlabench.sweep import points
+    from qlabench.workloads import make
+    for gate in ({"recipe": "published", "zero_frac": 0.25, "seed": 0},
+                 {"recipe": "strong-decay"}, {"recipe": "model"}):
+        s = C.parse({"name": "rounding", "backends": ["reference"], "gate": gate,
+                     "models": [{"name": "m", "h_qk": 1, "h_v": 2, "head_dim": 128}],
+                     "seqlens": [[4096, 4096]]})
+        x = make(points(s)[0])
+        with torch.no_grad():
+            o0, h0 = gdn_chunked(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens)
+            bf = {n: getattr(x, n).to(torch.bfloat16).float() for n in ("g", "beta")}
+            for n in ("g", "beta"):
+                o, h = gdn_chunked(x.q, x.k, x.v, bf["g"] if n == "g" else x.g,
+                                   bf["beta"] if n == "beta" else x.beta, x.scale, x.h0,
+                                   x.cu_seqlens)
+                print(f"{gate['recipe']:13} {n:4} in bf16: o {rel_err(o, o0)[0]:.2e} "
+                      f"final_state {rel_err(h, h0)[0]:.2e}", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,6 +192,7 @@ def main() -> int:
     b.add_argument("--routes", default=",".join(ROUTES))
     r = sub.add_parser("routes")
     r.add_argument("config")
+    sub.add_parser("rounding")
     a = ap.parse_args()
     if a.site:
         if not Path(a.site).is_dir():
@@ -179,6 +209,8 @@ def main() -> int:
         return build(a.heads, a.routes.split(","))
     if a.what == "routes":
         return routes(a.config)
+    if a.what == "rounding":
+        return rounding()
     return contract()
 
 
