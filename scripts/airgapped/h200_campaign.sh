@@ -3,6 +3,7 @@
 # (../shared/device/README.md): device calls back to back on one warm machine, one GPU.
 #   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz
 #               [.tlcache/fqla_fwd.tar.xz .tlcache/fqla_bwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz
+#               .tlcache/calib.tar.xz .tlcache/heldout.tar.xz .tlcache/fqla_heldout.tar.xz
 #               (scripts/airgapped/build_flashinfer06_aot.sh)]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
 #               here with `git archive HEAD -- . ':!results' | gzip`; its commit, which rows
@@ -71,7 +72,9 @@ setup)
   case "${JOB:-campaign}" in campaign|none) ;; *) echo "JOB=${JOB}: campaign (default) or none; the steps are JOB_STEPS" >&2; exit 2;; esac
   mkdir -p "$J" /tmp/tlc
   tar -xJf .tlcache/all.tar.xz -C /tmp/tlc || exit 1
-  for f in fqla_fwd fqla_bwd fqla_tests; do  # FlashQLA's kernels (the sweeps, tests), compiled offline
+  # FlashQLA's kernels (the sweeps, tests, held-out heads) and ours for the calibration and the held-out
+  # heads, compiled offline
+  for f in fqla_fwd fqla_bwd fqla_tests fqla_heldout calib heldout; do
     [ -f .tlcache/$f.tar.xz ] && tar -xJf .tlcache/$f.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/$f/. /tmp/tlc/all/
   done
   if [ -d .run/prevkernels ]; then cp -r .run/prevkernels /tmp/prevkernels || exit 1; fi
