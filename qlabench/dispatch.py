@@ -716,11 +716,12 @@ def kernel_of(label: str, h_qk: int, h_v: int, cu_seqlens, direction: str = "fwd
         b = backends.get(name, params)
     except backends.UnknownBackend as e:
         raise BackendUnavailable(f"{label}: {e}") from None
+    who = label if label == name else f"{label} ({name})"
     ok, why = b.available()
     if not ok:
-        raise BackendUnavailable(f"{label} ({name}) cannot run here: {why}")
+        raise BackendUnavailable(f"{who} cannot run here: {why}")
     if direction not in b.directions:
-        raise BackendUnavailable(f"{label} ({name}) has no {direction} pass")
+        raise BackendUnavailable(f"{who} has no {direction} pass")
     return Kernel(label, b, int(h_qk), int(h_v), cu_seqlens, direction, choice)
 
 
@@ -905,12 +906,17 @@ def print_table(table: dict, console) -> None:
                  ("winner/tie", "right")):
         t.add_column(c, justify=j)
     for h in table["head_configs"]:
-        for i, b in enumerate(h["buckets"]):
-            choice = b["choice"] if b["choice"] else f"none (all head configs: {b['fallback']})"
+        own = [b for b in h["buckets"] if b["points"]]
+        empty = [b for b in h["buckets"] if not b["points"]]
+        for i, b in enumerate(own):
             t.add_row(f"{h['h_qk']}/{h['h_v']}" if i == 0 else "", str(b["bucket"]),
-                      _fmt_bounds(b["bounds"]), choice, b["runner_up"] or "",
+                      _fmt_bounds(b["bounds"]), b["choice"], b["runner_up"] or "",
                       f"{b['margin']:.3f}×" if b["margin"] else "",
                       f"{b['winner_or_tie']}/{b['points']}")
+        if empty:
+            t.add_row("" if own else f"{h['h_qk']}/{h['h_v']}",
+                      ",".join(str(b["bucket"]) for b in empty), "no measured point",
+                      "none: answered from all head configs", "", "", "0/0")
     console.print(t)
     ho = table["held_out"]
     for key, name in ((MODES["layout"], "held out, leave-one-layout-out per model"),

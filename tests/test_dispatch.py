@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from test_summary import row, write
@@ -416,3 +417,20 @@ def test_cli_recommend_check_judges_another_directory(tmp_path):
     far = write(tmp_path / "far", [dict(x, gpu_name="NVIDIA B200") for x in rows_short_long()])
     r = CliRunner().invoke(app, ["recommend", str(d), "--out", str(out), "--check", str(far)])
     assert r.exit_code == 2 and "NVIDIA B200" in r.output and "Traceback" not in r.output
+
+
+def test_engine_example_runs_on_a_cpu(capsys):
+    """examples/engine_dispatch.py against the kept forward table: the choice, and the call made
+    (through the reference where the chosen backend cannot run here)."""
+    import runpy
+
+    import torch
+
+    root = Path(__file__).resolve().parent.parent
+    main = runpy.run_path(str(root / "examples" / "engine_dispatch.py"))["main"]
+    assert main(["--table", str(root / "results" / "dispatch" / "h200_fwd.json"),
+                 "--heads", "2/8", "--seqlens", "64,32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2/8 [64, 32] -> ") and "bucket" in out
+    if not torch.cuda.is_available():
+        assert "cannot run here" in out and "reference: o (1, 96, 8, 128)" in out
