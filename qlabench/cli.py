@@ -1,5 +1,5 @@
 """The ``qlabench`` command: run | list | validate | submit | merge | compact (measure, schedule,
-combine), summary | compare | recommend | report | reproduce (read stored rows), profile,
+combine), summary | compare | recommend | choose | report | reproduce (read stored rows), profile,
 precompile (the in-repo kernels into a TileLang cache, offline)."""
 
 from __future__ import annotations
@@ -367,14 +367,36 @@ def recommend(
                                         "from (default: every label in the rows)"),
     alpha: float = typer.Option(0.01, "--alpha", help="significance level of the tie test"),
     threshold: float = typer.Option(0.01, "--threshold", help="differences up to this are ties (0.01 = 1%)"),
+    check: list[Path] = typer.Option([], "--check", help="another results directory of the same GPU: "
+                                     "the table is also judged on its points (repeatable)"),
 ):
-    """Dispatch table: per head config and shape bucket, the fastest correct backend, judged by
-    leave-one-layout-out per model (accuracy and geomean regret printed and stored).
+    """Dispatch table: per batch shape and head config, the fastest correct backend, judged held
+    out twice (leave one layout out per model; leave one head config out) and on each --check
+    directory (accuracy and geomean regret printed and stored).
 
     Exit codes: 0 table written; 2 bad input (one error line on stderr: a path missing or
-    unreadable, no ok row of --direction, a --backends label without rows)."""
+    unreadable, no ok row of --direction, a --backends label without rows, a --check directory
+    without ok rows of --direction or measured on another GPU)."""
     from .dispatch import recommend_cmd
-    raise typer.Exit(recommend_cmd(results_dir, out, direction, backends, alpha, threshold))
+    raise typer.Exit(recommend_cmd(results_dir, out, direction, backends, alpha, threshold, check))
+
+
+@app.command()
+def choose(
+    table: Path = typer.Argument(..., help="dispatch table JSON written by `qlabench recommend`"),
+    heads: str = typer.Option(..., "--heads", help="head config H_QK/H_V, e.g. 16/64"),
+    seqlens: str = typer.Option(..., "--seqlens", help="comma-separated sequence lengths of the batch, "
+                                "e.g. 4096,4096"),
+    fallback: bool = typer.Option(True, "--fallback/--no-fallback", help="answer from the bucket over "
+                                  "all head configs where the head config has no measured point"),
+):
+    """The backend a dispatch table names for one batch, and why (first line: the label).
+
+    Exit codes: 0 a backend named; 1 the table names none (the reason says why); 2 bad input
+    (one error line on stderr: a table missing or not a dispatch table, an impossible head
+    config, empty or non-positive lengths)."""
+    from .dispatch import choose_cmd
+    raise typer.Exit(choose_cmd(table, heads, seqlens, fallback))
 
 
 @app.command()
