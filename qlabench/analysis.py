@@ -14,7 +14,10 @@ compute.
   :func:`is_tie` with :func:`min_two_sided_p`, and the row helpers :func:`samples` /
   :func:`value`;
 - **ordering**: :func:`layout_key`, :func:`layout_order`, :func:`model_order`,
-  :func:`sort_layouts`.
+  :func:`sort_layouts`; gate recipes kept apart: :func:`recipe_name`, :func:`by_recipe`;
+- **one analysis per set of rows**: :class:`Analysis` computes the newest rows, the speedups and
+  each direction's point table once and hands them to every table and figure of a view (the
+  report draws a results directory's sections from one).
 """
 
 from __future__ import annotations
@@ -105,23 +108,30 @@ def pairing(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     def col(df, c):
         return list(df[c]) if c in df.columns else [None] * len(df)
 
+    tags = [_pair_values(*v) for v in zip(*(col(df, c) for c in PAIR_COLUMNS for df in (a, b)))]
+    return pd.DataFrame({c: [t[c] for t in tags] for c in PAIR_FIELDS}, index=a.index)
+
+
+#: the columns of :func:`pairing` and the keys of :func:`pair`
+PAIR_FIELDS = ("gpu_known", "same_gpu", "campaign_known", "same_campaign", "throttled", "pairing")
+
+
+def _pair_values(gpu_a, gpu_b, campaign_a, campaign_b, throttled_a, throttled_b) -> dict:
+    """:data:`PAIR_FIELDS` of one pair from its two rows' :data:`PAIR_COLUMNS` values."""
     out = {}
-    for c, name in (("gpu_uuid", "gpu"), ("campaign_id", "campaign")):
-        x, y = col(a, c), col(b, c)
-        kn = [known(u) and known(v) for u, v in zip(x, y)]
-        out[f"{name}_known"] = kn
-        out[f"same_{name}"] = [k and u == v for k, u, v in zip(kn, x, y)]
-    out["throttled"] = [(known(u) and bool(u)) or (known(v) and bool(v))
-                        for u, v in zip(col(a, "throttled"), col(b, "throttled"))]
-    p = pd.DataFrame(out, index=a.index)
-    p["pairing"] = [pair_tag(g, c, t) for g, c, t in
-                    zip(p["same_gpu"], p["same_campaign"], p["throttled"])]
-    return p
+    for name, u, v in (("gpu", gpu_a, gpu_b), ("campaign", campaign_a, campaign_b)):
+        k = known(u) and known(v)
+        out[f"{name}_known"] = k
+        out[f"same_{name}"] = bool(k and u == v)
+    out["throttled"] = (known(throttled_a) and bool(throttled_a)) or \
+        (known(throttled_b) and bool(throttled_b))
+    out["pairing"] = pair_tag(out["same_gpu"], out["same_campaign"], out["throttled"])
+    return out
 
 
-def pair(a: dict, b: dict) -> dict:
+def pair(a: Mapping, b: Mapping) -> dict:
     """:func:`pairing` of one pair of rows given as dicts (the schema's columns)."""
-    return pairing(pd.DataFrame([a]), pd.DataFrame([b])).iloc[0].to_dict()
+    return _pair_values(*(r.get(c) for c in PAIR_COLUMNS for r in (a, b)))
 
 
 def pair_tag(same_gpu: bool, same_campaign: bool, throttled: bool) -> str:
@@ -284,10 +294,9 @@ def point_table(df: pd.DataFrame, baseline: str = BASELINE, alpha: float = ALPHA
     keep ``winner`` None."""
     base = resolve_baseline(df, baseline) if len(df) else None
     out = []
-    for keys, g in df.groupby(POINT, sort=False, dropna=False):
+    for keys, recs in _record_groups(df, POINT):
         info = dict(zip(POINT, keys))
-        first = g.iloc[0]
-        recs = g.to_dict("records")
+        first = recs[0]
         ok = sorted((r for r in recs if r["status"] == "ok" and value(r, "latency_ms") is not None),
                     key=lambda r: (r["latency_ms"], r["backend"]))
         row = {**info, "point_index": value(first, "point_index"),
@@ -325,6 +334,16 @@ def point_table(df: pd.DataFrame, baseline: str = BASELINE, alpha: float = ALPHA
         t = t.sort_values(["direction", "h_qk", "h_v", "model", "num_seqs", "total_tokens",
                            "point_index"], kind="stable").reset_index(drop=True)
     return t
+
+
+def _record_groups(df: pd.DataFrame, by: list[str]) -> list[tuple[tuple, list[dict]]]:
+    """The rows of ``df`` grouped by the columns ``by`` (groups in order of first appearance,
+    rows in frame order; a missing value is a key of its own): ``[(key, [row dict, ...]), ...]``.
+    Every row becomes a dict once, not once per group."""
+    recs = df.to_dict("records")
+    keys = df[by].reset_index(drop=True)
+    return [(k if isinstance(k, tuple) else (k,), [recs[i] for i in g.index])
+            for k, g in keys.groupby(by, sort=False, dropna=False)]
 
 
 def model_footer(df: pd.DataFrame, table: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
@@ -413,3 +432,68 @@ def sort_layouts(df: pd.DataFrame, by_model: bool = True,
         cols["_b"] = df["backend"].map(bo)
     keys = [k for k in ("_m", "_l", "_b") if k in cols]
     return df.assign(**cols).sort_values(keys, kind="stable").drop(columns=keys)
+
+
+# --------------------------------------------------------------------------- gate recipes
+
+
+def recipe_name(gate_recipe) -> str:
+    """``strong-decay:...`` -> ``strong-decay``; the published recipe (``zero0.25/seed0``) ->
+    ``published``."""
+    s = str(gate_recipe)
+    return s.split(":", 1)[0] if ":" in s else "published"
+
+
+def by_recipe(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with ``model`` reading ``<model> [<recipe>]`` (:func:`recipe_name`) when its rows
+    hold several gate recipes, so that every view keeps each recipe apart; else ``df`` itself."""
+    if "gate_recipe" in df and df["gate_recipe"].nunique() > 1:
+        return df.assign(model=[f"{m} [{recipe_name(r)}]"
+                                for m, r in zip(df["model"], df["gate_recipe"])])
+    return df
+
+
+# --------------------------------------------------------------------------- one analysis, many views
+
+
+class Analysis:
+    """The analysis of one set of rows that every table and figure drawn from them shares, each
+    part computed once, on first use, and kept (views read these frames; they do not modify
+    them):
+
+    - :attr:`rows`: the newest row per key (:func:`newest`) of the rows given;
+    - :attr:`speedups`: :func:`speedups` of :attr:`rows` over ``baseline`` (index: :attr:`rows`');
+    - :meth:`points`: per direction, :func:`point_table` of :attr:`rows` (models labelled by
+      recipe, :func:`by_recipe`) with ``tp`` (``h_qk/h_v``), in :func:`sort_layouts` order.
+    """
+
+    def __init__(self, rows: pd.DataFrame, baseline: str = BASELINE):
+        self.rows = newest(rows)
+        self.baseline = baseline
+        self._speedups: pd.DataFrame | None = None
+        self._points: dict[str | None, pd.DataFrame] = {}
+
+    @property
+    def speedups(self) -> pd.DataFrame:
+        if self._speedups is None:
+            self._speedups = speedups(self.rows, self.baseline)
+        return self._speedups
+
+    def points(self, direction: str | None = None) -> pd.DataFrame:
+        """One row per point of ``direction`` (None: every direction): :func:`point_table` —
+        the fastest ``ok`` label, its p10–p90, the runner-up, ``margin``, ``tie``, ``speedup``
+        over the baseline, the correctness counts — plus ``tp``; points of a non-published gate
+        recipe carry the recipe in ``model``. Sorted by :func:`model_order`, then
+        :func:`layout_order`."""
+        if direction not in self._points:
+            d = self.rows
+            if direction and len(d):
+                d = d[d["direction"] == direction]
+            t = point_table(by_recipe(d), self.baseline) if len(d) else pd.DataFrame()
+            if t.empty:
+                t = pd.DataFrame(columns=[*POINT, "tp", "winner", "margin", "tie"])
+            else:
+                t["tp"] = [f"{int(a)}/{int(b)}" for a, b in zip(t["h_qk"], t["h_v"])]
+                t = sort_layouts(t).reset_index(drop=True)
+            self._points[direction] = t
+        return self._points[direction]

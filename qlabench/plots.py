@@ -158,13 +158,16 @@ def _legend(fig, ax, n: int) -> None:
 
 def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None,
                 baseline: str = analysis.BASELINE, metas: dict | None = None,
-                fig_dir: str | Path | None = None) -> list[Path]:
+                fig_dir: str | Path | None = None,
+                an: analysis.Analysis | None = None) -> list[Path]:
     """Every figure a run's rows support, written to ``fig_dir`` (default
     :func:`figures_dir` of ``out_dir``, the results directory), per direction: ``winner_<dir>``
     (the winner map), ``speedup_<dir>`` (speedup over ``baseline`` per model, with whiskers),
     ``latency_<dir>`` (grouped latency bars), ``roofline_<dir>``, ``sm_util_<dir>``; and
     ``latency_vs_tokens_bwd`` (backward latency vs total tokens). Derived roofline columns are
-    recomputed with the measured ceilings of ``metas`` (default: ``out_dir``'s run metadata)."""
+    recomputed with the measured ceilings of ``metas`` (default: ``out_dir``'s run metadata).
+    Winners and speedups come from ``an``, the :class:`qlabench.analysis.Analysis` of these rows
+    over ``baseline`` (made here when not given), computed once for every figure."""
     from . import metrics
     made = []
     sub = df if run_id is None else df[df["run_id"] == run_id]
@@ -176,10 +179,12 @@ def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None
         gpu = sub[sub["gpu_name"] != "cpu"]
         if not gpu.empty:
             sub = pd.concat([sub[sub["gpu_name"] == "cpu"], metrics.add_derived(gpu, None, metas)])
+    if an is None:
+        an = analysis.Analysis(sub, baseline)
     for d in ("fwd", "bwd", "fwdbwd"):
         if (sub["direction"] == d).any():
-            made.append(winner_map(sub, fdir / f"winner_{d}.png", d))
-            made.append(speedup_figure(sub, fdir / f"speedup_{d}.png", baseline, d))
+            made.append(winner_map(sub, fdir / f"winner_{d}.png", d, baseline, an=an))
+            made.append(speedup_figure(sub, fdir / f"speedup_{d}.png", baseline, d, an=an))
             made.append(latency_figure(sub, fdir / f"latency_{d}.png", d))
             made.append(roofline_figure(sub, fdir / f"roofline_{d}.png", d, metas=metas))
             made.append(util_vs_latency(sub, fdir / f"sm_util_{d}.png", d))
@@ -190,20 +195,11 @@ def run_figures(df: pd.DataFrame, out_dir: str | Path, run_id: str | None = None
 
 def _ok(df: pd.DataFrame, direction: str | None) -> pd.DataFrame:
     """ok rows with a latency (of ``direction``); when they hold several gate recipes, ``model``
-    reads ``<model> [<recipe>]`` so that every figure draws each recipe apart."""
+    reads ``<model> [<recipe>]`` (:func:`qlabench.analysis.by_recipe`) so that every figure
+    draws each recipe apart."""
     ok = df[(df["status"] == "ok") & df["latency_ms"].notna()]
     ok = ok[ok["direction"] == direction] if direction else ok
-    if "gate_recipe" in ok and ok["gate_recipe"].nunique() > 1:
-        name = ok["gate_recipe"].map(recipe_name)
-        ok = ok.assign(model=[f"{m} [{r}]" for m, r in zip(ok["model"], name)])
-    return ok
-
-
-def recipe_name(gate_recipe) -> str:
-    """``strong-decay:...`` -> ``strong-decay``; the published recipe (``zero0.25/seed0``) ->
-    ``published``."""
-    s = str(gate_recipe)
-    return s.split(":", 1)[0] if ":" in s else "published"
+    return analysis.by_recipe(ok)
 
 
 def _backends(df: pd.DataFrame) -> list[str]:
@@ -240,19 +236,21 @@ SPEEDUP_COLUMNS = ["model", "tp", "h_qk", "h_v", "layout", "num_seqs", "total_to
 PAIR_MARK = "*"
 
 
-def speedup_table(df: pd.DataFrame, baseline: str = analysis.BASELINE, direction: str = "fwd") -> pd.DataFrame:
+def speedup_table(df: pd.DataFrame, baseline: str = analysis.BASELINE, direction: str = "fwd",
+                  an: analysis.Analysis | None = None) -> pd.DataFrame:
     """Long table of :func:`qlabench.analysis.speedups` (baseline latency / backend latency per
-    point and backend; > 1: the backend is faster than the baseline) over the newest ok row per
-    key (:func:`qlabench.analysis.newest`) of ``direction``, with the pair's
+    point and backend; > 1: the backend is faster than the baseline) over the ok rows of
+    ``direction`` among the newest row per key (:func:`qlabench.analysis.newest`), with the pair's
     :func:`qlabench.analysis.pairing` columns (``pairing`` = "" when both rows share GPU and
     campaign and neither is throttled). ``speedup_lo`` .. ``speedup_hi`` bound it conservatively
     from both rows' sample spread: baseline p10 / backend p90 .. baseline p90 / backend p10 (a
-    row without p10/p90 contributes its median)."""
-    ok = _ok(df, direction)
+    row without p10/p90 contributes its median). ``an``: the :class:`qlabench.analysis.Analysis`
+    of ``df`` over ``baseline`` (made here when not given), whose speedups these are."""
+    an = _analysis(df, baseline, an)
+    ok = _ok(an.rows, direction)
     if ok.empty or baseline not in set(ok["backend"]):
         return pd.DataFrame(columns=SPEEDUP_COLUMNS)
-    ok = analysis.newest(ok)
-    sp = analysis.speedups(ok, baseline)
+    sp = an.speedups[an.speedups.index.isin(ok.index)]
     other = ok.loc[sp.index]
     out = other[[c for c in SPEEDUP_COLUMNS[:11] if c in other.columns]].copy()
     out["backend_name"] = results.backend_names(other)
@@ -261,22 +259,14 @@ def speedup_table(df: pd.DataFrame, baseline: str = analysis.BASELINE, direction
     return sort_layouts(out).reset_index(drop=True)
 
 
-def winners(df: pd.DataFrame, direction: str | None = None, baseline: str = analysis.BASELINE) -> pd.DataFrame:
-    """:func:`qlabench.analysis.point_table` over the newest row per key of ``df`` (one direction
-    when given): per point the fastest ``ok`` label, its p10–p90, the runner-up, ``margin``,
-    ``tie`` (not distinguishable by the stored samples: :func:`qlabench.analysis.is_tie`),
-    ``speedup`` over ``baseline`` and the correctness counts, plus ``tp`` (``h_qk/h_v``). Points
-    of a non-published gate recipe carry the recipe in ``model``. Sorted by :func:`qlabench.analysis.model_order`,
-    then :func:`qlabench.analysis.layout_order`."""
-    d = df[df["direction"] == direction] if direction and len(df) else df
-    d = analysis.newest(d) if {"started_at", "run_id"} <= set(d.columns) else d
-    if "gate_recipe" in d and d["gate_recipe"].nunique() > 1:
-        d = d.assign(model=[f"{m} [{recipe_name(r)}]" for m, r in zip(d["model"], d["gate_recipe"])])
-    t = analysis.point_table(d, baseline) if len(d) else pd.DataFrame()
-    if t.empty:
-        return pd.DataFrame(columns=[*analysis.POINT, "tp", "winner", "margin", "tie"])
-    t["tp"] = [f"{int(a)}/{int(b)}" for a, b in zip(t["h_qk"], t["h_v"])]
-    return sort_layouts(t).reset_index(drop=True)
+def _analysis(df: pd.DataFrame, baseline: str,
+              an: analysis.Analysis | None) -> analysis.Analysis:
+    """``an`` (the analysis of ``df`` a caller computed once), else the analysis of ``df``."""
+    if an is None:
+        return analysis.Analysis(df, baseline)
+    if an.baseline != baseline:
+        raise ValueError(f"an analysis over {an.baseline!r} given for a figure over {baseline!r}")
+    return an
 
 
 def _pair_note(labels: list[str]) -> str:
@@ -285,15 +275,17 @@ def _pair_note(labels: list[str]) -> str:
 
 
 def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = analysis.BASELINE,
-                   direction: str = "fwd", title: str = "") -> Path | None:
+                   direction: str = "fwd", title: str = "",
+                   an: analysis.Analysis | None = None) -> Path | None:
     """Speedup over ``baseline`` per model, in the style of FlashQLA's README figure: one panel
     per model/TP, one group of bars per layout (:func:`qlabench.analysis.layout_order`), one bar per backend label
     (:func:`palette`: the labels of one library share its colour family), bar =
     ``baseline`` median / backend median with its value on top, whisker = ``speedup_lo`` ..
     ``speedup_hi`` of :func:`speedup_table` (baseline p10 / backend p90 .. baseline p90 / backend
     p10); a line at 1 (= the baseline). A value whose two rows are not known to share GPU and
-    campaign, or has a throttled row, carries :data:`PAIR_MARK`."""
-    sp = speedup_table(df, baseline, direction)
+    campaign, or has a throttled row, carries :data:`PAIR_MARK`. ``an``: as in
+    :func:`speedup_table`."""
+    sp = speedup_table(df, baseline, direction, an)
     if sp.empty:
         return None
     models = analysis.model_order(sp)
@@ -349,15 +341,16 @@ def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = analysis.B
 
 
 def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseline: str = analysis.BASELINE,
-               title: str = "") -> Path | None:
+               title: str = "", an: analysis.Analysis | None = None) -> Path | None:
     """Winner map: rows layouts (:func:`qlabench.analysis.layout_order`, top to bottom), columns models
     (:func:`qlabench.analysis.model_order`); each cell coloured by the fastest ``ok`` backend label
-    (:func:`winners`, colours of :func:`palette`), with the label and the margin over the
+    (:meth:`qlabench.analysis.Analysis.points` of ``an``, the analysis of ``df`` over ``baseline``,
+    made here when not given; colours of :func:`palette`), with the label and the margin over the
     runner-up (``+12%``) printed; a hatched cell: a tie with the runner-up (not told apart by
-    the stored samples: :func:`qlabench.summary.is_tie`); grey: no ok row."""
+    the stored samples: :func:`qlabench.analysis.is_tie`); grey: no ok row."""
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch, Rectangle
-    w = winners(df, direction, baseline)
+    w = _analysis(df, baseline, an).points(direction)
     w = w[w["winner"].notna()] if len(w) else w
     if w.empty:
         return None

@@ -8,7 +8,7 @@ Rows of all given results directories are grouped by (results directory, GPU). P
   on its point with the pair's tag (:func:`qlabench.analysis.pairing`), and
   per direction and backend the geomean speedup with :func:`qlabench.analysis.pairing_label` (do
   its rows share GPU and campaign; how many are throttled);
-- per point (:func:`qlabench.plots.winners`): the winner (fastest ``ok`` backend label), its
+- per point (:meth:`qlabench.analysis.Analysis.points`): the winner (fastest ``ok`` backend label), its
   latency (p10–p90), the runner-up and the margin, the winner's speedup over the baseline, correctness (the
   winner's ``max_rel_l2``; how many backends are ``incorrect`` there), in the one layout order of
   :func:`qlabench.analysis.layout_order`;
@@ -23,6 +23,8 @@ Rows of all given results directories are grouped by (results directory, GPU). P
   history** (the TileLang kernels of ``kernels/``: their version-to-version changes, no banner);
 - every run's environment (``_runs/<run_id>.json``) and relative links to its Parquet parts.
 
+Each group's numbers come from one :class:`qlabench.analysis.Analysis` (newest rows, speedups,
+winners per direction: each computed once) handed to every table and figure of its section.
 Like every view here, it only reads the rows (Parquet is the truth, the site is derived).
 """
 
@@ -158,9 +160,11 @@ def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
                   run_label=df["run_id"].map(pos["run_label"]))
     h = h.sort_values(["run_pos"], kind="stable")
     verdict, ratio, pval, reason, prev_run, order, tag = [], [], [], [], [], [], []
-    for _, g in h.groupby(results.KEY, sort=False):
-        order += list(g.index)
-        recs = g.to_dict("records")
+    recs_all = h.to_dict("records")  # every row a dict once, judged and paired as dicts
+    labels = h.index
+    for _, g in h[results.KEY].reset_index(drop=True).groupby(results.KEY, sort=False):
+        order += list(labels[g.index])
+        recs = [recs_all[i] for i in g.index]
         for i, r in enumerate(recs):
             if i == 0:
                 verdict.append("")
@@ -205,8 +209,13 @@ def vs_baseline(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> pd.D
     """Per latest row: ``speedup`` = the ``baseline`` label's latency / this row's on the same
     point and direction (ok rows both: :func:`qlabench.analysis.speedups`), and the pair's
     :func:`qlabench.analysis.pairing` columns (NaN / "" without a pair)."""
+    return _with_speedups(latest, analysis.speedups(latest, baseline))
+
+
+def _with_speedups(latest: pd.DataFrame, sp: pd.DataFrame) -> pd.DataFrame:
+    """``latest`` with the columns of :func:`vs_baseline` from ``sp`` (:func:`qlabench.analysis.speedups`
+    of these rows: index labels of ``latest``)."""
     d = latest.copy()
-    sp = analysis.speedups(d, baseline)
     d["speedup"] = np.nan
     d["pairing"] = ""
     if len(sp):
@@ -216,8 +225,9 @@ def vs_baseline(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> pd.D
     return d
 
 
-def _latest_table(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> str:
-    d = vs_baseline(_ordered(latest), baseline)
+def _latest_table(an: analysis.Analysis) -> str:
+    baseline = an.baseline
+    d = _with_speedups(_ordered(an.rows), an.speedups)
     vs = f"speedup vs {baseline}"
     cols = {"model": "model", "tp": "h_qk/h_v", "layout": "layout", "direction": "dir",
             "backend": "backend", "backend_version": "version", "path": "path", "status": "status",
@@ -231,10 +241,11 @@ def _latest_table(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> st
                        vs: ".2f", "tflops": ".1f"})
 
 
-def _pairing_lines(latest: pd.DataFrame, baseline: str = analysis.BASELINE) -> str:
+def _pairing_lines(an: analysis.Analysis) -> str:
     """One line per (direction, backend): geomean speedup over the baseline and the pairs'
     label."""
-    d = vs_baseline(latest, baseline)
+    baseline = an.baseline
+    d = _with_speedups(an.rows, an.speedups)
     d = d[d["speedup"].notna()]
     bn = _e(_bname(baseline))
     if d.empty:
@@ -368,14 +379,14 @@ def _img(p: Path, site: Path, alt: str, id_: str, cls: str) -> str:
             f'width="{w}" height="{h}" loading="eager"></p>')
 
 
-def _winners_section(lat: pd.DataFrame, slug: str, baseline: str = analysis.BASELINE) -> str:
-    """Per direction: the winner table of :func:`plots.winners`."""
+def _winners_section(an: analysis.Analysis, slug: str) -> str:
+    """Per direction: the winner table of :meth:`qlabench.analysis.Analysis.points`."""
     out = []
     for d in ("fwd", "bwd", "fwdbwd"):
-        if not (lat["direction"] == d).any():
+        if not (an.rows["direction"] == d).any():
             continue
-        w = plots.winners(lat, d, baseline)
-        vs = f"vs {baseline}"
+        w = an.points(d)
+        vs = f"vs {an.baseline}"
         if w.empty:
             continue
         n_won = int(w["winner"].notna().sum())
@@ -436,15 +447,16 @@ def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0
         slug = _slug(f"{cfg}-{gpu}")
         img = out / "img" / slug
         runs = run_order(g, metas)
-        lat = results.latest(g)
+        an = analysis.Analysis(g, baseline)  # every table and figure below reads this one
+        lat = an.rows
         figs = plots.run_figures(lat, Path(g["_src"].iloc[0]), baseline=baseline, metas=metas,
-                                 fig_dir=img)
+                                 fig_dir=img, an=an)
         body = [f'<h2 id="{slug}">{_e(cfg)} — {_e(gpu)}</h2>',
                 f"<p>{len(runs)} run(s), {len(g)} rows, {len(lat)} distinct point × backend × "
                 f"direction keys; latest run {_e(runs['run_id'].iloc[-1])} "
                 f"({_e(runs['started_at'].iloc[-1])}).</p>",
                 "<h3>status of the latest row per key</h3>", _status_table(lat),
-                _pairing_lines(lat, baseline), _winners_section(lat, slug, baseline)]
+                _pairing_lines(an), _winners_section(an, slug)]
         first = [p for p in figs if p.stem.split("_")[0] in ("winner", "speedup")]
         rest = [p for p in figs if p not in first]
         bn = _bname(baseline)
@@ -461,7 +473,7 @@ def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0
             body += [_img(p, out, p.stem, f"{slug}-{p.stem}", "more") for p in rest]
         if not figs:
             body.append("<p class='muted'>no ok rows with a latency: nothing to plot</p>")
-        body.append(f"<details><summary>latest rows ({len(lat)})</summary>{_latest_table(lat, baseline)}"
+        body.append(f"<details><summary>latest rows ({len(lat)})</summary>{_latest_table(an)}"
                     "</details>")
         if len(runs) > 1:
             hist = history(g, runs, threshold, alpha)

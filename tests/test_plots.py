@@ -29,7 +29,7 @@ def test_recipes_are_drawn_apart(tmp_path):
     assert len(wide) == 16 and ((wide[True] / wide[False]).between(1.9, 2.1)).all()  # FLA 2x slower
     names = {p.name for p in plots.run_figures(lat, tmp_path / "figs")}
     assert {"winner_fwd.png", "latency_fwd.png", "speedup_fwd.png", "roofline_fwd.png"} <= names
-    assert plots.recipe_name("zero0.25/seed0") == "published"
+    assert analysis.recipe_name("zero0.25/seed0") == "published"
 
 
 def test_layout_order_is_sequences_then_tokens_then_lengths():
@@ -72,6 +72,6 @@ def test_figures_are_readable_and_beside_the_rows_not_in_them(tmp_path):
             assert float(im.text[plots.META_MIN_FONT]) >= plots.MIN_FONT_PT, p.name
     # pyarrow's dataset discovery (pd.read_parquet(d)) skips names starting with "_"
     assert all(p.relative_to(d).parts[0].startswith("_") for p in made)
-    w = plots.winners(lat, "fwd")
+    w = analysis.Analysis(lat).points("fwd")
     assert len(w) == 5 * 13 and set(w["winner"]) == {"flashqla"}  # 0.7x FLA; others 1x or 0.8x
     assert list(w[w["model"] == S.MODELS[0][0]]["layout"]) == analysis.layout_order(lat)

@@ -6,7 +6,7 @@ import pytest
 import synth_results as S
 from typer.testing import CliRunner
 
-from qlabench import plots, report, results
+from qlabench import analysis, plots, report, results
 from qlabench.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_winner_table_counts_incorrect_backends(tmp_path):
     res = S.write_run(tmp_path / "r", status={"tilelang": "incorrect"})
     lat = results.latest(results.load(res))
     lat.loc[lat["backend"] == "flashqla", "max_rel_l2"] = 3e-3
-    w = plots.winners(lat, "fwd")
+    w = analysis.Analysis(lat).points("fwd")
     assert len(w) == 8 and set(w["winner"]) == {"flashqla"} and set(w["runner_up"]) == {"fla"}
     assert (w["n_incorrect"] == 1).all() and (w["n_ok"] == 2).all()
     assert w["margin"].between(1 / 0.7 - 0.05, 1 / 0.7 + 0.05).all()
