@@ -210,7 +210,11 @@ def _backends(df: pd.DataFrame) -> list[str]:
 def _save(fig, out: str | Path) -> Path:
     """Write ``fig`` at :data:`DPI`, at most :data:`MAX_WIDTH_PX` wide (a wider figure is
     narrowed), every text at least :data:`MIN_FONT_PT` (smaller ones are raised to it); the PNG
-    records both (:data:`META_DPI`, :data:`META_MIN_FONT`)."""
+    records both (:data:`META_DPI`, :data:`META_MIN_FONT`). The figure is drawn once: its layout
+    engine runs in that draw (``savefig`` would draw it twice, once to lay it out), and the
+    pixels go to the PNG as ``savefig`` writes them (:func:`matplotlib.image.imsave`)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.image import imsave
     from matplotlib.text import Text
     w, h = fig.get_size_inches()
     if w * DPI > MAX_WIDTH_PX:
@@ -223,7 +227,11 @@ def _save(fig, out: str | Path) -> Path:
     smallest = min((t.get_fontsize() for t in texts), default=MIN_FONT_PT)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI, metadata={META_DPI: str(DPI), META_MIN_FONT: f"{smallest:g}"})
+    fig.set_dpi(DPI)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    imsave(out, canvas.buffer_rgba(), format="png", origin="upper", dpi=DPI,
+           metadata={META_DPI: str(DPI), META_MIN_FONT: f"{smallest:g}"})
     plt.close(fig)
     return out
 
