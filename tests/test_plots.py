@@ -4,6 +4,7 @@ readable sizes, and figures kept out of the rows' folder."""
 import numpy as np
 import pandas as pd
 import synth_results as S
+from matplotlib.figure import Figure
 from PIL import Image
 
 from qlabench import analysis, plots, results
@@ -75,3 +76,27 @@ def test_figures_are_readable_and_beside_the_rows_not_in_them(tmp_path):
     w = analysis.Analysis(lat).points("fwd")
     assert len(w) == 5 * 13 and set(w["winner"]) == {"flashqla"}  # 0.7x FLA; others 1x or 0.8x
     assert list(w[w["model"] == S.MODELS[0][0]]["layout"]) == analysis.layout_order(lat)
+
+
+def test_each_figure_is_drawn_once_with_the_pixels_savefig_writes(tmp_path, monkeypatch):
+    """Every figure is drawn once, its constrained layout included (savefig with a layout engine
+    draws a figure twice: once to lay it out, once to render it); the PNG holds the pixels and
+    the size savefig writes for that figure."""
+    lat = results.latest(results.load(S.write_run(tmp_path / "r", directions=("fwd", "bwd"))))
+    draw = Figure.draw
+    drawn = []
+
+    def counted(self, renderer):
+        drawn.append(self)
+        return draw(self, renderer)
+    monkeypatch.setattr(Figure, "draw", counted)
+    made = plots.run_figures(lat, tmp_path / "figs")
+    assert len(made) >= 8 and len(drawn) == len(made)
+    monkeypatch.undo()
+    kept = []
+    monkeypatch.setattr(plots.plt, "close", kept.append)  # keep the figure _save wrote
+    p = plots.latency_figure(lat, tmp_path / "one.png", "fwd")
+    kept[0].savefig(tmp_path / "savefig.png", dpi=plots.DPI)
+    with Image.open(p) as a, Image.open(tmp_path / "savefig.png") as b:
+        assert a.size == b.size
+        assert np.array_equal(np.asarray(a), np.asarray(b))

@@ -1,4 +1,5 @@
 import re
+from collections import Counter
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -103,6 +104,34 @@ def test_winner_table_counts_incorrect_backends(tmp_path):
     assert report.report_cmd([res], tmp_path / "site") == 0
     page = (tmp_path / "site" / "index.html").read_text()
     assert "8 point(s) with an incorrect backend" in page
+
+
+def test_each_section_is_analysed_once(tmp_path, monkeypatch):
+    """A report's cost follows its rows, not the number of tables and figures showing them: per
+    results directory the rows are read once, the speedups over the baseline computed once and
+    each direction's point table (winners and Mann–Whitney ties) once, shared by the winner
+    table, the winner map, the speedup figure, the latest-rows table and the geomean lines."""
+    a = S.write_run(tmp_path / "results" / "a", directions=("fwd", "bwd"))
+    S.copy_scaled(a, a, {"fla": 1.10})  # a second run: the history is drawn too
+    b = S.write_run(tmp_path / "results" / "b", run_id="20250105T000000-dddddd")  # forward only
+    calls = Counter()
+
+    def count(module, name):
+        f = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return f(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+
+    count(results, "load")
+    count(analysis, "speedups")
+    count(analysis, "point_table")
+    assert report.report_cmd([a, b], tmp_path / "site") == 0
+    page = (tmp_path / "site" / "index.html").read_text()
+    assert "winner_fwd.png" in page and "winner_bwd.png" in page and "speedup_fwd.png" in page
+    assert "Library regressions" in page
+    assert calls == {"load": 2, "speedups": 2, "point_table": 3}  # a: fwd, bwd; b: fwd
 
 
 def _fixtures():
