@@ -539,18 +539,21 @@ def history_figure(hist: pd.DataFrame, out: str | Path, title: str = "") -> Path
     nrow = int(np.ceil(len(panels) / ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(panel_w * ncol, 3.3 * nrow + 0.5),
                              squeeze=False, layout="constrained")
+    lines = h[["direction", "backend", "point_key", "run_pos", "latency_ms", "verdict"]]
     for ax, (d, b) in zip(axes.flat, panels):
-        sub = h[(h["direction"] == d) & (h["backend"] == b)]
+        sub = lines[(lines["direction"] == d) & (lines["backend"] == b)]
         c = colors[b] or "#333333"
         for _, g in sub.groupby("point_key", sort=False):
             g = g.sort_values("run_pos")
-            rel = g["latency_ms"] / g["latency_ms"].iloc[0]
-            ax.plot(g["run_pos"], rel, "-o", color=c, alpha=0.45, lw=0.9, ms=2.5)
+            x = g["run_pos"].to_numpy()
+            lat = g["latency_ms"].to_numpy(float)
+            rel = lat / lat[0]
+            verdict = g["verdict"].to_numpy()
+            ax.plot(x, rel, "-o", color=c, alpha=0.45, lw=0.9, ms=2.5)
             for v, mk, col in (("slower", "v", "red"), ("faster", "^", "green")):
-                sel = (g["verdict"] == v).to_numpy()
+                sel = verdict == v
                 if sel.any():
-                    ax.scatter(g["run_pos"][sel], rel[sel], marker=mk, s=40, color=col, zorder=4,
-                               label=v)
+                    ax.scatter(x[sel], rel[sel], marker=mk, s=40, color=col, zorder=4, label=v)
         ax.axhline(1.0, color="k", lw=0.6)
         ax.set_xticks(labels["run_pos"], labels["run_label"], rotation=45, ha="right", fontsize=8,
                       rotation_mode="anchor")
