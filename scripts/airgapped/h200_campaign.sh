@@ -14,6 +14,9 @@
 #               JOB=none: the environment only (/tmp/job/env.sh, /tmp/repo), no job, e.g. for
 #               scripts/airgapped/h200_fixed_cost.sh run in the same or the next call. RESUME_TGZ: a carried
 #               runs.tgz of a cut call, unpacked into /tmp/repo before the job (--resume continues it).
+#   STEP=tileops carry .tileops (scripts/airgapped/bundle_tileops.sh; before fi07a, so that it is
+#               unpacked when the forward steps start): /tmp/tileops_site, which the tileops entries
+#               read through $QLABENCH_TILEOPS_PATH (without this call their rows are `unavailable`).
 #   STEP=fi07a  carry .fi07a: the CuTe-DSL MLIR library into /tmp.
 #   STEP=fi07b  carry .fi07b: /tmp/fisite (FlashInfer 0.7.4); the job starts the campaign once it is there.
 #   STEP=wait   until the job ends or the call's deadline: its runs so far ($OUT/runs.tgz) and its
@@ -67,7 +70,7 @@ snapshot() {  # what the job has so far, into $OUT as two files (a call brings b
     && tar czf "$OUT/job.tgz" "${f[@]}")
   ls -la "$OUT"; }
 
-case "${STEP:?STEP=setup|fi07a|fi07b|wait|job}" in
+case "${STEP:?STEP=setup|tileops|fi07a|fi07b|wait|job}" in
 setup)
   case "${JOB:-campaign}" in campaign|none) ;; *) echo "JOB=${JOB}: campaign (default) or none; the steps are JOB_STEPS" >&2; exit 2;; esac
   mkdir -p "$J" /tmp/tlc
@@ -89,6 +92,7 @@ export PYTHONPATH=/tmp/site312 PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlc/al
 export FLA_FLASH_QLA=0 TRITON_CACHE_AUTOTUNING=1
 export QLABENCH_PREV_KERNELS=/tmp/prevkernels
 export QLABENCH_FLASHINFER07_PATH=/tmp/fisite:/tmp/fisite/nvidia_cutlass_dsl/dsl_packages
+export QLABENCH_TILEOPS_PATH=/tmp/tileops_site
 export JOB_DEADLINE=$(( $(date +%s) + ${DEVICE_LEFT_S:-1500} ))
 export QLABENCH_GIT_SHA=${SHA:-unknown}
 export JOB_STEPS="${JOB_STEPS:-bwd_prev suite_first campaign suite_warm}"
@@ -106,6 +110,9 @@ EOF
   # would hold the call open until the job ends
   (cd /tmp/repo && exec setsid nohup env STEP=job bash scripts/airgapped/h200_campaign.sh) > "$J/job.log" 2>&1 < /dev/null &
   sleep 20; cat "$J/job.log"; log "job started";;
+tileops)
+  source .tileops/setup.sh || exit 1
+  ls /tmp/tileops_site | head; tail -5 "$J/job.log"; log done;;
 fi07a)
   cp .fi07a/ir.xz /tmp/fi07a.xz && ls -la /tmp/fi07a.xz; tail -5 "$J/job.log"; log done;;
 fi07b)
