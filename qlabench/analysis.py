@@ -8,7 +8,9 @@ compute.
   is throttled — :func:`pairing`, :func:`pair`, :func:`pair_tag`, :func:`pairing_label`;
 - **speedups over any baseline label**: :func:`resolve_baseline`, :func:`require_baseline` (an
   unknown label is :class:`UnknownBaseline`), :func:`speedup` (one ratio: baseline latency /
-  backend latency) and :func:`speedups` (per point and label, with the pair's columns);
+  backend latency) and :func:`speedups` (per point and label, with the pair's columns); the
+  baseline :data:`BEST_LIBRARY` is, per point, the fastest ``ok`` row of a library backend
+  (:func:`baseline_rows`);
 - **winners and ties**: :func:`point_table` (per point the fastest ``ok`` label, runner-up,
   margin, tie, speedup over the baseline), :func:`model_footer`, the Mann–Whitney tie rule
   :func:`is_tie` with :func:`min_two_sided_p`, and the row helpers :func:`samples` /
@@ -33,6 +35,9 @@ from . import results
 
 #: the default baseline label of every speedup
 BASELINE = "fla"
+#: the baseline that is, per point and direction, the fastest ``ok`` row of any library backend
+#: (registry kind ``library``: not the in-repo kernels, not the reference)
+BEST_LIBRARY = "best-library"
 #: the tie rule's significance level and practical floor (median ratio)
 ALPHA = 0.01
 THRESHOLD = 0.01
@@ -170,6 +175,8 @@ def resolve_baseline(df: pd.DataFrame, baseline: str) -> str | None:
     labels = set(df["backend"].dropna()) if "backend" in df.columns else set()
     if baseline in labels:
         return baseline
+    if baseline == BEST_LIBRARY:
+        return BEST_LIBRARY if library_labels(df) else None
     if "backend_name" in df.columns:
         named = sorted(set(df.loc[df["backend_name"] == baseline, "backend"].dropna()))
         if len(named) == 1:
@@ -183,9 +190,36 @@ def require_baseline(df: pd.DataFrame, baseline: str) -> str:
     got = resolve_baseline(df, baseline)
     if got is None:
         present = sorted(set(df["backend"].dropna())) if "backend" in df.columns else []
-        raise UnknownBaseline(f"--baseline {baseline!r}: no rows of that label; labels present: "
-                              f"{', '.join(map(str, present)) or 'none'}")
+        what = "no rows of a library backend" if baseline == BEST_LIBRARY else "no rows of that label"
+        raise UnknownBaseline(f"--baseline {baseline!r}: {what}; labels present: "
+                              f"{', '.join(map(str, present)) or 'none'} (or {BEST_LIBRARY})")
     return got
+
+
+def library_labels(df: pd.DataFrame) -> set[str]:
+    """The labels of ``df`` whose backend (``backend_name``, else the label) the registry declares
+    a library (:func:`qlabench.backends.kinds`); a backend not registered here is not counted."""
+    if df.empty or "backend" not in df.columns:
+        return set()
+    from .backends import kinds
+
+    kind = kinds()
+    names = df["backend_name"] if "backend_name" in df.columns else df["backend"]
+    pairs = set(zip(df["backend"], names.where(names.notna(), df["backend"])))
+    return {label for label, name in pairs if kind.get(name) == "library"}
+
+
+def baseline_rows(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Per (``point_key``, ``direction``) the ``ok`` row of ``df`` that ``baseline`` means there
+    (indexed by those two): the label's (the last one when several), or for :data:`BEST_LIBRARY`
+    the fastest ``ok`` row of a library label."""
+    ok = df[df["status"] == "ok"]
+    if baseline == BEST_LIBRARY:
+        lib = ok[ok["backend"].isin(library_labels(df)) & ok["latency_ms"].notna()]
+        best = lib.sort_values(["latency_ms", "backend"], kind="stable")
+        return best.drop_duplicates(["point_key", "direction"], keep="first").set_index(["point_key", "direction"])
+    return ok[ok["backend"] == baseline].drop_duplicates(
+        ["point_key", "direction"], keep="last").set_index(["point_key", "direction"])
 
 
 def speedup(baseline_ms, ms) -> float:
@@ -208,9 +242,10 @@ def quantile_cols(d: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 
 def speedups(df: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     """Speedup of every ``ok`` row of ``df`` (newest rows) over the ``ok`` row of label
-    ``baseline`` on the same point and direction (the last one when several).
+    ``baseline`` on the same point and direction (:func:`baseline_rows`; for
+    :data:`BEST_LIBRARY`, the fastest library's, so a library's own speedup is at most 1).
 
-    Index: those rows of ``df`` (not the baseline's own, not points without a baseline row).
+    Index: those rows of ``df`` (not the baseline label's own, not points without a baseline row).
     Columns: ``baseline_ms``, ``speedup`` (baseline latency / row latency), ``speedup_lo`` ..
     ``speedup_hi`` (baseline p10 / row p90 .. baseline p90 / row p10; a row without p10/p90
     contributes its median) and the pair's :func:`pairing` columns."""
@@ -219,8 +254,7 @@ def speedups(df: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame(columns=cols)
     ok = df["status"] == "ok"
-    base = df[ok & (df["backend"] == baseline)].drop_duplicates(
-        ["point_key", "direction"], keep="last").set_index(["point_key", "direction"])
+    base = baseline_rows(df, baseline)
     keys = list(zip(df["point_key"], df["direction"]))
     has = np.array([k in base.index for k in keys], dtype=bool) & ok.to_numpy() \
         & (df["backend"] != baseline).to_numpy()
@@ -293,6 +327,7 @@ def point_table(df: pd.DataFrame, baseline: str = BASELINE, alpha: float = ALPHA
     / ``n_failed`` and ``latency_ms`` (label -> ms of the ok rows). Points without any ``ok`` row
     keep ``winner`` None."""
     base = resolve_baseline(df, baseline) if len(df) else None
+    libs = library_labels(df) if base == BEST_LIBRARY else set()
     out = []
     for keys, recs in _record_groups(df, POINT):
         info = dict(zip(POINT, keys))
@@ -323,7 +358,7 @@ def point_table(df: pd.DataFrame, baseline: str = BASELINE, alpha: float = ALPHA
                            margin=float(r2["latency_ms"]) / float(w["latency_ms"]),
                            tie=is_tie(w, r2, alpha, threshold),
                            pairing=pair(w, r2)["pairing"])
-            b = next((r for r in ok if r["backend"] == base), None)
+            b = next((r for r in ok if r["backend"] == base or r["backend"] in libs), None)
             if b is not None:
                 row.update(baseline_ms=float(b["latency_ms"]),
                            speedup=speedup(b["latency_ms"], w["latency_ms"]),
@@ -354,6 +389,10 @@ def model_footer(df: pd.DataFrame, table: pd.DataFrame, baseline: str | None) ->
     ok = df[df["status"] == "ok"]
     lat = ok.pivot_table(index=["point_key", "direction"], columns="backend", values="latency_ms",
                          aggfunc="first")
+    if baseline == BEST_LIBRARY:
+        libs = [c for c in lat.columns if c in library_labels(df)]
+        if libs:
+            lat[BEST_LIBRARY] = lat[libs].min(axis=1)
     for label in sorted(set(df["backend"].dropna())):
         gm, n = None, 0
         if baseline is not None and baseline in lat.columns and label in lat.columns:

@@ -342,7 +342,8 @@ def summary(
     model: str | None = typer.Option(None, "--model", help="model name or h_qk/h_v, e.g. 16/64"),
     direction: str | None = typer.Option(None, "--direction", help="fwd | bwd | fwdbwd (default: all)"),
     baseline: str | None = typer.Option(None, "--baseline", show_default="fla",
-                                        help="backend label the speedup is over (a label with no rows: exit 2)"),
+                                        help="backend label the speedup is over, or best-library (per point the fastest "
+                                             "library row); a label with no rows: exit 2"),
     alpha: float = typer.Option(0.01, "--alpha", help="significance level of the tie test"),
     threshold: float = typer.Option(0.01, "--threshold", help="differences up to this are ties (0.01 = 1%)"),
     wide: bool = WIDE,
@@ -404,7 +405,8 @@ def report(
     results_dirs: list[Path] = typer.Argument(..., help="one or more results directories"),
     out: Path = typer.Option(Path("site"), "--out", help="output folder for the static HTML dashboard"),
     baseline: str | None = typer.Option(None, "--baseline", show_default="fla",
-                                        help="backend label speedups are over (a label with no rows: exit 2)"),
+                                        help="backend label speedups are over, or best-library (per point the fastest "
+                                             "library row); a label with no rows: exit 2"),
 ):
     """Static HTML dashboard (no server) over one or more results directories.
 

@@ -112,7 +112,9 @@ def legend(bname: str, alpha: float, threshold: float) -> str:
             f"margin: runner-up ms / winner ms; tie: not distinguishable (Mann–Whitney "
             f"p ≥ {alpha:g} or margin ≤ {threshold:.0%}); × {bname}: {bname} ms / winner ms; "
             "rel_l2: the winner's largest ‖out − ref‖ / ‖ref‖; ok: labels with an ok row; bad: "
-            "incorrect or failed rows; pairing: rows not sharing GPU and campaign, or throttled")
+            "incorrect or failed rows; pairing: rows not sharing GPU and campaign, or throttled"
+            + ("; best-library: per point the fastest ok row of a library backend"
+               if bname == analysis.BEST_LIBRARY else ""))
 
 
 def _spread(r) -> str:
@@ -165,20 +167,30 @@ def print_summary(df: pd.DataFrame, console=None, baseline: str = BASELINE,
         for note in render.layout_notes(cells, [r["layout"] for r in recs]):
             render.line(console, f"layout {note}", width)
         rows_m = df[(df["model"] == model) & (df["direction"] == direction)]
-        foot = model_footer(rows_m, t, base)
-        parts = []
-        for f in foot.to_dict("records"):
-            gm = _f(f["geomean_speedup"], ".2f", "×")
-            sp = f"{gm} over {bname} ({f['points']} pts)" if gm and f["backend"] != base else ""
-            w = f"{f['wins']} win{'s' * (f['wins'] != 1)}" + (f" ({f['tied_wins']} tie)" if f["tied_wins"] else "")
-            parts.append(f"{f['backend']}: " + ", ".join(x for x in (sp, w) if x))
         render.line(console, f"{model} ({hq}/{hv}) {direction}, {len(t)} points — "
-                    + "; ".join(parts), width)
+                    + _footer(model_footer(rows_m, t, base), base, bname), width)
         if base is None:
             render.line(console, f"(no rows of baseline {baseline!r}: speedups left blank)", width)
+    for direction, t in table.groupby("direction", sort=False):
+        n_models = t["model"].nunique()
+        if n_models > 1:  # the whole run of that direction: every point counts once
+            foot = model_footer(df[df["direction"] == direction], t, base)
+            render.line(console, f"all {n_models} models, {direction}, {len(t)} points — "
+                        + _footer(foot, base, bname), width, style="bold")
     if len(table):
         render.line(console, legend(bname, alpha, threshold), width, style="dim")
     return table
+
+
+def _footer(foot: pd.DataFrame, base: str | None, bname: str) -> str:
+    """One footer line's body: per label its geomean speedup over the baseline and its wins."""
+    parts = []
+    for f in foot.to_dict("records"):
+        gm = _f(f["geomean_speedup"], ".2f", "×")
+        sp = f"{gm} over {bname} ({f['points']} pts)" if gm and f["backend"] != base else ""
+        w = f"{f['wins']} win{'s' * (f['wins'] != 1)}" + (f" ({f['tied_wins']} tie)" if f["tied_wins"] else "")
+        parts.append(f"{f['backend']}: " + ", ".join(x for x in (sp, w) if x))
+    return "; ".join(parts)
 
 
 def load_latest(path: Path) -> pd.DataFrame:

@@ -67,7 +67,7 @@ def test_require_baseline_names_the_labels(d):
     assert analysis.require_baseline(lat, "tilelang") == "tilelang"
     with pytest.raises(analysis.UnknownBaseline) as e:
         analysis.require_baseline(lat, "nope")
-    assert str(e.value) == "--baseline 'nope': no rows of that label; labels present: fla, flashqla, tilelang"
+    assert str(e.value) == "--baseline 'nope': no rows of that label; labels present: fla, flashqla, tilelang (or best-library)"
 
 
 @pytest.mark.parametrize("view", ["summary", "report", "reproduce"])
@@ -95,3 +95,33 @@ def test_a_known_baseline_runs(d, tmp_path):
     t = reproduce.side_by_side(pub, rows, extra_baseline="flashqla")
     assert "tilelang_vs_flashqla" in t.columns and "tilelang_vs_fla" not in t.columns
     assert t.attrs["extra_baseline"] == "flashqla"
+
+
+TWO = dict(models=[("2B TP1", 16, 16), ("27B TP2", 8, 24)], layouts=[[4096], [2048, 2048]], n_samples=9,
+           noise=0.0, backends=("fla", "flashqla", "tilelang", "reference"),
+           scale={"reference": 0.1})  # the reference fastest of all: not a library, never the baseline
+
+
+def test_best_library_is_per_point_the_fastest_library_row(tmp_path):
+    lat = analysis.load_newest(S.write_run(tmp_path / "r", **TWO))
+    assert analysis.library_labels(lat) == {"fla", "flashqla"}
+    assert analysis.require_baseline(lat, analysis.BEST_LIBRARY) == analysis.BEST_LIBRARY
+    sp = analysis.speedups(lat, analysis.BEST_LIBRARY)
+    got = dict(zip(zip(lat.loc[sp.index, "point_key"], lat.loc[sp.index, "backend"]), sp["speedup"]))
+    for (_, label), v in got.items():  # flashqla (0.7) is every point's fastest library
+        want = {"fla": 0.7 / 1.0, "flashqla": 1.0, "tilelang": 0.7 / 0.8, "reference": 0.7 / 0.1}[label]
+        assert v == pytest.approx(want), label
+    pt = analysis.point_table(lat, analysis.BEST_LIBRARY)
+    assert set(pt["winner"]) == {"reference"} and pt["speedup"].to_numpy() == pytest.approx([7.0] * 4)
+    assert set(pt["baseline"]) == {analysis.BEST_LIBRARY}
+
+
+def test_best_library_footer_over_the_whole_run_and_no_library_exits_2(tmp_path):
+    d = S.write_run(tmp_path / "r", **TWO)
+    r = CliRunner().invoke(app, ["summary", str(d), "--baseline", "best-library"])
+    assert r.exit_code == 0, r.output
+    whole = [ln for ln in r.output.splitlines() if ln.startswith("all 2 models, fwd, 4 points")]
+    assert whole and f"tilelang: {0.7 / 0.8:.2f}× over best-library (4 pts)" in " ".join(r.output.split()), r.output
+    ours = S.write_run(tmp_path / "ours", **{**TWO, "backends": ("tilelang", "reference")})
+    r = CliRunner().invoke(app, ["summary", str(ours), "--baseline", "best-library"])
+    assert r.exit_code == 2 and "no rows of a library backend" in r.output
