@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from . import calibration
 from ._common import CHUNK, HEAD_DIM
+from .calibration import default_table
 
 __all__ = ["sm_count", "split_cost", "prep_cost", "prep_slices", "plan_fwd", "plan_split", "bwd_split_cost",
            "plan_bwd_split", "fwd_candidates"]  # fmt: skip
@@ -22,7 +22,7 @@ _SM_COUNT = {}
 def sm_count(device) -> int:
     """Streaming multiprocessors of ``device`` (the default cost table's GPU's, off CUDA); cached per device."""
     if device.type != "cuda":
-        return calibration.default_table().sms
+        return default_table().sms
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -30,11 +30,11 @@ def sm_count(device) -> int:
 
 
 def _fwd(costs):
-    return calibration.default_table().fwd if costs is None else costs
+    return default_table().fwd if costs is None else costs
 
 
 def _bwd(costs):
-    return calibration.default_table().bwd if costs is None else costs
+    return default_table().bwd if costs is None else costs
 
 
 #: fwd_o's CTAs resident per SM (kernels/fwd_o.py: 256 threads at 128 registers, 98 KB of shared

@@ -14,7 +14,7 @@ fwd_sweep  configs/h200_fwd.yaml: the forward's kernels with initial + final sta
 bwd_sweep  configs/h200_bwd.yaml: forward (saved tensors) and backward with h0 and d(final state),
            4 head configs
 sweep      both sweeps
-calibration  the cost-table micro-benchmark's (python -m qlabench_kernels.calibration): heads 1/1
+calibration  the cost-table micro-benchmark's (python -m qlabench_tools.kernels.calibrate): heads 1/1
            and 1/4, forward and backward, initial + final state
 all        tests + sweep + calibration
 
@@ -68,7 +68,7 @@ def plan(targets: Iterable) -> list[tuple[int, int, dict]]:
         if t in ("bwd_sweep", "sweep", "all"):
             add(BWD_SWEEP_HEADS, [(1, 1)], [(1, 1)])
         if t in ("calibration", "all"):
-            from qlabench_kernels.calibration import HEADS
+            from qlabench_tools.kernels.calibrate import HEADS
 
             add(list(HEADS), [(1, 1)], [(1, 1)])
     return [(hq, hv, dict(fwd_flags=tuple(sorted(f)), bwd_flags=tuple(sorted(b))))

@@ -1,13 +1,14 @@
 """The planners' cost tables (kernels/calibration.py, kernels/cost_tables/): every committed table
 loads and is what the planners price with; a table with a wrong field is refused naming it; the
-micro-benchmark's fit recovers the costs that made its timings (timings made from the planner's own
-model of each experiment's grid); the planner's picks follow the table."""
+micro-benchmark's fit (tools/kernels/calibrate.py) recovers the costs that made its timings (timings
+made from the planner's own model of each experiment's grid); the planner's picks follow the table."""
 
 import dataclasses
 import json
 
 import pytest
 from qlabench_kernels import calibration, plan
+from qlabench_tools.kernels import calibrate
 
 
 def test_every_committed_table_loads_and_names_its_source():
@@ -63,7 +64,7 @@ def _model_times(c: calibration.FwdCosts, sms: int) -> dict:
     fixed = {"fwd_o": 7.0, "fwd_o_alone": 7.0, "fused": 6.0, "prep_g1": 5.0, "prep_g4": 5.5, "seg_state": 4.0,
              "fixup": 3.0, "total_split": 20.0, "total_unsplit": 20.0}  # fmt: skip
     out = {}
-    for e in calibration.experiments(sms):
+    for e in calibrate.experiments(sms):
         (h_qk, h_v), lens, st = e["heads"], e["seqlens"], e["stage"]
         if st in ("fwd_o", "fwd_o_alone", "fused"):
             t = plan._final_cost(lens, h_v, 0, sms, e["block_v"], c)
@@ -75,7 +76,7 @@ def _model_times(c: calibration.FwdCosts, sms: int) -> dict:
             t = (len(range(0, lens[0], e["split"])) - 1) * c.fixup
         else:
             t = plan.split_cost(lens, h_v, e["split"], sms, e["block_v"], h_qk=h_qk, costs=c)
-        out[calibration._key(e)] = fixed[st] + t
+        out[calibrate._key(e)] = fixed[st] + t
     return out
 
 
@@ -83,7 +84,7 @@ def _model_times(c: calibration.FwdCosts, sms: int) -> dict:
 def test_the_fit_recovers_the_costs_that_made_the_timings(sms):
     truth = calibration.FwdCosts(fwd_o=1.9, fwd_o_alone=1.1, fused=3.1, prep=1.2, prep_qk=0.7, seg_state=1.6,
                                  fixup=2.9, launch=13.0)  # fmt: skip
-    got = calibration.fit_fwd(_model_times(truth, sms), sms)
+    got = calibrate.fit_fwd(_model_times(truth, sms), sms)
     for f in dataclasses.fields(truth):
         if f.name != "unit":
             assert getattr(got, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-9), f.name
@@ -93,7 +94,7 @@ def test_the_experiments_fill_the_sms_as_the_fit_assumes():
     """fwd_o at two CTAs per SM and alone, the fused kernel and seg_state one round each."""
     sms = 132
     c = calibration.FwdCosts(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
-    for e in calibration.experiments(sms):
+    for e in calibrate.experiments(sms):
         lens, chunks = e["seqlens"], e["seqlens"][0] // 64
         if e["stage"] == "fwd_o":
             assert 2 * len(lens) == 2 * sms and plan._fwd_o_grid(2 * len(lens), sms, c)[0] == 2 * sms
@@ -107,7 +108,7 @@ def test_a_fit_that_gives_a_non_positive_cost_is_refused():
     times = _model_times(calibration.default_table().fwd, 132)
     times[("fused", 4096)] = times[("fused", 1024)]  # no slope: a broken timing
     with pytest.raises(RuntimeError, match="non-positive costs .*fused"):
-        calibration.fit_fwd(times, 132)
+        calibrate.fit_fwd(times, 132)
 
 
 def test_the_planner_follows_the_table():
@@ -128,7 +129,7 @@ def test_calibration_without_a_gpu_exits_2(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    assert calibration.main([]) == 2
+    assert calibrate.main([]) == 2
     assert "CUDA GPU" in capsys.readouterr().out
 
 
@@ -151,7 +152,7 @@ def _model_times_bwd(c: calibration.BwdCosts, fwd: calibration.FwdCosts, rfixup:
     leaves out: stages spread over every SM (per chunk of every sequence) and fixed costs."""
     spread = 0.9  # µs per chunk of every (sequence, v-head) over all SMs: bwd_pw, dqkwg, wy
     out = {}
-    for e in calibration.experiments_bwd(sms):
+    for e in calibrate.experiments_bwd(sms):
         lens, st = e["seqlens"], e["stage"]
         chunks = sum(-(-ln // 64) for ln in lens)
         if st in ("bwd_full", "bwd_half", "bwd_split", "bwd_unsplit"):
@@ -160,7 +161,7 @@ def _model_times_bwd(c: calibration.BwdCosts, fwd: calibration.FwdCosts, rfixup:
             t = 4.0 + plan._lpt_makespan([(lens[0] // 64, len(lens))], sms) * c.dhu
         else:  # rfixup
             t = 3.0 + (len(range(0, lens[0], e["split"])) - 1) * rfixup
-        out[calibration._key(e)] = t
+        out[calibrate._key(e)] = t
     return out
 
 
@@ -168,7 +169,7 @@ def _model_times_bwd(c: calibration.BwdCosts, fwd: calibration.FwdCosts, rfixup:
 def test_the_backward_fit_recovers_the_costs_that_made_the_timings(sms):
     fwd = calibration.FwdCosts(1.9, 1.1, 3.1, 1.2, 0.7, seg_state=1.6, fixup=2.9, launch=13.0)
     truth = calibration.BwdCosts(dhu=2.2, bwd_h=1.3, seg_state=1.6, fixup=(2.9 + 3.5) / 2, launch=21.0)
-    got = calibration.fit_bwd(_model_times_bwd(truth, fwd, 3.5, sms), sms, fwd)
+    got = calibrate.fit_bwd(_model_times_bwd(truth, fwd, 3.5, sms), sms, fwd)
     for f in dataclasses.fields(truth):
         if f.name != "unit":
             assert getattr(got, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-9), f.name
@@ -179,7 +180,7 @@ def test_a_backward_whose_chains_are_cheaper_than_dhu_alone_is_refused():
     fwd = calibration.default_table().fwd
     truth = calibration.BwdCosts(dhu=2.2, bwd_h=1.3, seg_state=1.6, fixup=2.0, launch=21.0)
     times = _model_times_bwd(truth, fwd, 1.1, 132)
-    for L in calibration.LENGTHS:
+    for L in calibrate.LENGTHS:
         times[("dhu", L)] *= 5
     with pytest.raises(RuntimeError, match="bwd_h"):
-        calibration.fit_bwd(times, 132, fwd)
+        calibrate.fit_bwd(times, 132, fwd)

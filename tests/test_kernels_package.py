@@ -9,7 +9,7 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "kernels"
 #: the whole installed qlabench_kernels package, in lines (docstrings and comments included)
-MAX_LINES = 3800
+MAX_LINES = 4000
 
 
 def _imports(path):
@@ -32,7 +32,11 @@ def test_kernels_import_nothing_from_qlabench():
 
 
 def test_package_is_flat_and_small():
-    files = sorted(p for p in KERNELS.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    """Python modules in one folder, plus the planners' cost tables (data, kernels/cost_tables/*.json)."""
+    every = sorted(p for p in KERNELS.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    tables = [p for p in every if p.parent == KERNELS / "cost_tables" and p.suffix == ".json"]
+    files = [p for p in every if p not in tables]
+    assert tables, "no cost table"
     assert all(p.parent == KERNELS for p in files), [str(p.relative_to(ROOT)) for p in files if p.parent != KERNELS]
     assert all(p.suffix == ".py" for p in files), [p.name for p in files if p.suffix != ".py"]
     lines = sum(len(p.read_text().splitlines()) for p in files)

@@ -27,7 +27,7 @@
 #   check_bwd    tools/kernels/check_bwd.py --quick [--cases $CHECK_BWD_CASES, set at setup]: every
 #                backward stage against its emulation, the gradients against the reference, stage
 #                times (into $J/checks);
-#   calibrate    python -m qlabench_kernels.calibration: the forward's stage costs on this GPU and the
+#   calibrate    python -m qlabench_tools.kernels.calibrate: the forward's stage costs on this GPU and the
 #                planner's picks under them on synthetic batches (into $J/checks: cost_table.json,
 #                calibration_checks.json, to commit as kernels/cost_tables/<gpu>.json); needs the
 #                cache of `qlabench precompile calibration`;
@@ -161,7 +161,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   fi
   mkdir -p "$J/checks"
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
-  step calibrate 60 300 python3 -m qlabench_kernels.calibration --out "$J/checks/cost_table.json" \
+  step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
     --checks "$J/checks/calibration_checks.json"
   step suite_kernels 120 300 $(suite suite_kernels)
   step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml --resume

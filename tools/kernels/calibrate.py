@@ -1,0 +1,449 @@
+"""The calibration micro-benchmark: the planners' stage costs measured on the GPU, written as the
+GPU model's cost table (:mod:`qlabench_kernels.calibration`, ``kernels/cost_tables/<gpu>.json``).
+
+    python -m qlabench_tools.kernels.calibrate [--out kernels/cost_tables/nvidia_h200.json] [--reps 10]
+        [--checks CHECKS.json] [--fwd-only]
+
+Its kernels (heads 1/1 and 1/4): ``qlabench precompile calibration`` fills the cache offline.
+
+:func:`measure_fwd` times each stage alone (CUDA-graph medians) on synthetic batches of one or four
+v-heads per q/k head whose grids fill the SMs a known number of times, at two sequence lengths:
+a cost is the slope between the two, so a launch's fixed cost does not enter it. Nothing in it
+comes from a sweep config. It then checks the table: on further synthetic batches (few and many
+(sequence, v-head) pairs, short and long) it times every candidate the planner rates and reports how
+far the planner's pick is from the fastest.
+
+The backward's (:func:`measure_bwd`), in µs: ``dhu`` the reverse chain's step alone (one (sequence,
+v-head) item per SM); ``bwd_h`` what the two chains together add to it, from the whole backward at
+one item per SM and at one per two SMs (the stages spread over every SM halve, the chains do not);
+``seg_state`` the forward's (the same kernel); ``fixup`` the mean of the forward and reverse fix-ups'
+per-segment steps (the split path runs both); ``launch`` as the forward's. Checked the same way,
+on synthetic batches, every segment length against the planner's pick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+from qlabench_kernels import plan
+from qlabench_kernels.calibration import BwdCosts, CostTable, FwdCosts, default_table, load
+
+# --------------------------------------------------------------------------------------
+
+#: the head configs the micro-benchmark compiles: G = 1 everywhere, G = 4 for prep's per-q/k-head part
+HEADS = ((1, 1), (1, 4))
+#: the two lengths (tokens per sequence) each slope is taken between
+LENGTHS = (1024, 4096)
+#: fix-up: one sequence cut into this many 256-token segments (the slope is per serial segment)
+FIXUP_SEGMENTS = (8, 64)
+
+
+def experiments(sms: int) -> list[dict]:
+    """The stage timings the costs are fitted from: dicts of stage, x (the length or segment count
+    the slope is taken over), heads (h_qk, h_v), seqlens, split (segment tokens, 0 = unsplit) and
+    block_v. Grids (CTAs):
+
+    - fwd_o:  2 per (sequence, v-head): ``sms`` sequences fill two per SM, ``sms // 2`` one;
+    - fused:  1 per (sequence, v-head): ``sms`` sequences, one per SM;
+    - prep:   ``sms`` sequences at G = 1 and G = 4 (per-v-head and per-q/k-head parts);
+    - seg_state: sequences of 2L cut at L: ``sms // 2`` non-last segments, 4 CTAs each;
+    - fixup:  one sequence of n 256-token segments (n - 1 serial steps);
+    - split / unsplit: the whole forward on one 4096-token sequence cut at 1024 and not cut
+      (the split path's fixed cost, less what the model prices of it).
+    """
+    half = max(1, sms // 2)
+    out = []
+    for L in LENGTHS:
+        out.append(dict(stage="fwd_o", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0, block_v=64))
+        out.append(dict(stage="fwd_o_alone", x=L, heads=(1, 1), seqlens=(L,) * half, split=0, block_v=64))
+        out.append(dict(stage="fused", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0, block_v=128))
+        for hk in HEADS:
+            out.append(dict(stage=f"prep_g{hk[1] // hk[0]}", x=L, heads=hk, seqlens=(L,) * sms, split=0, block_v=64))
+        out.append(dict(stage="seg_state", x=L, heads=(1, 1), seqlens=(2 * L,) * half, split=L, block_v=64))
+    for n in FIXUP_SEGMENTS:
+        out.append(dict(stage="fixup", x=n, heads=(1, 1), seqlens=(256 * n,), split=256, block_v=64))
+    out.append(dict(stage="total_split", x=0, heads=(1, 1), seqlens=(4096,), split=1024, block_v=64))
+    out.append(dict(stage="total_unsplit", x=0, heads=(1, 1), seqlens=(4096,), split=0, block_v=64))
+    return out
+
+
+def _key(e: dict) -> tuple:
+    return (e["stage"], e["x"])
+
+
+def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
+    """The forward's costs (µs) from :func:`experiments`' timings, ``times_us[_key(e)]``."""
+    L1, L2 = LENGTHS
+    dchunks = (L2 - L1) // 64
+
+    def slope(stage):
+        return (times_us[(stage, L2)] - times_us[(stage, L1)]) / dchunks
+
+    fwd_o, alone, fused, seg_state = slope("fwd_o"), slope("fwd_o_alone"), slope("fused"), slope("seg_state")
+    # prep over ``sms`` sequences: per chunk of one sequence (h_v · prep + h_qk · prep_qk) · sms / sms
+    g1, g4 = slope("prep_g1"), slope("prep_g4")  # = prep + prep_qk, 4 prep + prep_qk
+    prep = (g4 - g1) / 3
+    prep_qk = g1 - prep
+    n1, n2 = FIXUP_SEGMENTS
+    fixup = (times_us[("fixup", n2)] - times_us[("fixup", n1)]) / (n2 - n1)
+    partial = FwdCosts(fwd_o, alone, fused, prep, prep_qk, seg_state, fixup, launch=0.0)
+    measured = times_us[("total_split", 0)] - times_us[("total_unsplit", 0)]
+    modelled = plan.split_cost((4096,), 1, 1024, sms, 64, h_qk=1, costs=partial) - plan.split_cost(
+        (4096,), 1, 0, sms, 64, h_qk=1, costs=partial
+    )
+    launch = measured - modelled
+    vals = dict(fwd_o=fwd_o, fwd_o_alone=alone, fused=fused, prep=prep, prep_qk=prep_qk, seg_state=seg_state,
+                fixup=fixup, launch=launch)  # fmt: skip
+    bad = {k: v for k, v in vals.items() if not (v > 0 and math.isfinite(v))}
+    if bad:
+        raise RuntimeError(f"calibration gave non-positive costs {bad} (timings: {times_us}); re-run on a quiet GPU")
+    return FwdCosts(**vals, unit="us")
+
+
+def experiments_bwd(sms: int) -> list[dict]:
+    """The backward's timings (as :func:`experiments`): the whole backward unsplit on ``sms``
+    sequences of one v-head (one chain item per SM) and on ``sms // 2``; the reverse chain alone on
+    ``sms``; the reverse fix-up over 8 and 64 segments; the whole backward split and unsplit."""
+    half = max(1, sms // 2)
+    out = []
+    for L in LENGTHS:
+        out.append(dict(stage="bwd_full", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0))
+        out.append(dict(stage="bwd_half", x=L, heads=(1, 1), seqlens=(L,) * half, split=0))
+        out.append(dict(stage="dhu", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0))
+    for n in FIXUP_SEGMENTS:
+        out.append(dict(stage="rfixup", x=n, heads=(1, 1), seqlens=(256 * n,), split=256))
+    out.append(dict(stage="bwd_split", x=0, heads=(1, 1), seqlens=(4096,), split=1024))
+    out.append(dict(stage="bwd_unsplit", x=0, heads=(1, 1), seqlens=(4096,), split=0))
+    return out
+
+
+def fit_bwd(times_us: dict, sms: int, fwd: FwdCosts) -> BwdCosts:
+    """The backward's costs (µs) from :func:`experiments_bwd`' timings and the forward's
+    (seg_state, fix-up) of the same GPU."""
+    L1, L2 = LENGTHS
+    dchunks = (L2 - L1) // 64
+
+    def slope(stage):
+        return (times_us[(stage, L2)] - times_us[(stage, L1)]) / dchunks
+
+    full, half = slope("bwd_full"), slope("bwd_half")
+    chains = 2 * half - full  # full = chains + spread, half = chains + spread / 2
+    dhu = slope("dhu")
+    n1, n2 = FIXUP_SEGMENTS
+    rfixup = (times_us[("rfixup", n2)] - times_us[("rfixup", n1)]) / (n2 - n1)
+    partial = BwdCosts(dhu=dhu, bwd_h=chains - dhu, seg_state=fwd.seg_state, fixup=(fwd.fixup + rfixup) / 2, launch=0.0)
+    measured = times_us[("bwd_split", 0)] - times_us[("bwd_unsplit", 0)]
+    modelled = plan.bwd_split_cost((4096,), 1, 1024, sms, partial) - plan.bwd_split_cost((4096,), 1, 0, sms, partial)
+    vals = dataclasses.asdict(partial)
+    vals.pop("unit")
+    vals["launch"] = measured - modelled
+    bad = {k: v for k, v in vals.items() if not (v > 0 and math.isfinite(v))}
+    if bad:
+        raise RuntimeError(
+            f"backward calibration gave non-positive costs {bad} (chains {chains:.4g}, dhu {dhu:.4g}; "
+            f"timings: {times_us}); the chains' model does not describe this GPU's timings"
+        )
+    return BwdCosts(**vals, unit="us")
+
+
+#: the synthetic batches the table is checked on (h_qk, h_v, seqlens): few and many (sequence,
+#: v-head) pairs, short and long, equal and unequal; no sweep config's
+CHECKS = (
+    (1, 1, (16384,)), (1, 1, (2048,) * 8), (1, 4, (32768,)), (1, 4, (1024,) * 40),
+    (1, 4, (12000, 3000, 700, 300)), (1, 1, (8192,) * 96), (1, 4, (512,) * 200),
+)  # fmt: skip
+
+
+#: the backward's check batches: one long sequence of few heads to many short ones
+CHECKS_BWD = ((1, 1, (16384,)), (1, 4, (32768,)), (1, 1, (2048,) * 8), (1, 4, (12000, 3000, 700, 300)), (1, 1, (4096,) * 64))
+
+
+def _graph_us(fn, reps: int) -> float:
+    """Median µs per call over CUDA-graph replays (calls unrolled in the graph to ~1 ms or more)."""
+    import time
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    inner = max(1, min(50, int(1e-3 / max(time.perf_counter() - t0, 1e-6))))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / inner)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _inputs(h_qk, h_v, seqlens, device, seed=0):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T = sum(seqlens)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, device=device)
+
+    q = torch.nn.functional.normalize(rn(1, T, h_qk, 128), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(rn(1, T, h_qk, 128), dim=-1).to(torch.bfloat16)
+    v = rn(1, T, h_v, 128).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(rn(1, T, h_v) + 3.0) * 0.5
+    beta = torch.sigmoid(rn(1, T, h_v))
+    h0 = rn(len(seqlens), h_v, 128, 128) * 0.1
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(seqlens), 0).tolist()], dtype=torch.int32, device=device)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, cu=cu)
+
+
+def _time_experiment(e: dict, device, reps: int) -> float:
+    from qlabench_kernels.fixup import run_fixup
+    from qlabench_kernels.forward import chunk_gdn_fwd_lowlevel
+    from qlabench_kernels.fwd_fused import run_fwd_fused
+    from qlabench_kernels.fwd_o import run_fwd_o
+    from qlabench_kernels.prep import run_prep
+    from qlabench_kernels.seg_state import run_seg_state
+
+    h_qk, h_v = e["heads"]
+    x = _inputs(h_qk, h_v, list(e["seqlens"]), device)
+    sp, bv, st = e["split"], e["block_v"], e["stage"]
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"])
+    if st.startswith("total"):
+        return _graph_us(lambda: chunk_gdn_fwd_lowlevel(*args, split_tokens=sp, block_v=bv), reps)
+    r = chunk_gdn_fwd_lowlevel(*args, split_tokens=sp, block_v=64, save_prep=True)
+    scale = 128**-0.5
+    if st.startswith("prep"):
+        fn = lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], r["ctab"], scale, p_all=r["p_all"])  # noqa: E731
+    elif st.startswith("fwd_o"):
+        fn = lambda: run_fwd_o(  # noqa: E731
+            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
+        )  # fmt: skip
+    elif st == "fused":
+        fn = lambda: run_fwd_fused(  # noqa: E731
+            x["q"], x["k"], x["v"], x["g"], x["beta"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
+        )  # fmt: skip
+    elif st == "seg_state":
+        fn = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"])  # noqa: E731
+    elif st == "fixup":
+        fn = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])  # noqa: E731
+    else:
+        raise ValueError(f"unknown calibration stage {st!r}")
+    return _graph_us(fn, reps)
+
+
+def _bwd_args(x):
+    import torch
+
+    do = torch.randn_like(x["v"])
+    dht = torch.randn_like(x["h0"]) * 0.1
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht), dict(initial_state=x["h0"], cu_seqlens=x["cu"])
+
+
+def _time_experiment_bwd(e: dict, device, reps: int) -> float:
+    from qlabench_kernels.backward import chunk_gdn_bwd
+    from qlabench_kernels.bwd_dhu import run_bwd_dhu
+    from qlabench_kernels.fixup import run_rfixup
+
+    h_qk, h_v = e["heads"]
+    x = _inputs(h_qk, h_v, list(e["seqlens"]), device)
+    args, kw = _bwd_args(x)
+    sp, st = e["split"], e["stage"]
+    if st.startswith("bwd_"):
+        return _graph_us(lambda: chunk_gdn_bwd(*args, **kw, split_tokens=sp), reps)
+    r = chunk_gdn_bwd(*args, **kw, split_tokens=sp, return_intermediates=True)
+    scale = 128**-0.5
+    if st == "dhu":
+        q, k, _, _, _, do, dht = args
+        fn = lambda: run_bwd_dhu(  # noqa: E731
+            q, k, r["gcs"], r["a_beta"], do, dht, r["stab"], scale, r["dh0"], r["pt_all"], r["w_all"], r["dh_all"], r["dvnew"]
+        )  # fmt: skip
+    elif st == "rfixup":
+        m_tr = _segment_maps(r["h_start"])
+        fn = lambda: run_rfixup(m_tr, r["f_start"], r["cu_segs"], args[6], r["d_end"])  # noqa: E731
+    else:
+        raise ValueError(f"unknown calibration stage {st!r}")
+    return _graph_us(fn, reps)
+
+
+def _segment_maps(t):
+    """A bf16 tensor of ``t``'s shape (the reverse fix-up's segment maps: their values do not change its time)."""
+    import torch
+
+    return torch.randn(t.shape, device=t.device).to(torch.bfloat16) * 0.01
+
+
+def check_table(fwd: FwdCosts, device, reps: int = 10, echo=print, compare: FwdCosts | None = None) -> list[dict]:
+    """On each of :data:`CHECKS`: every candidate (block_v, split) the planner rates, timed whole,
+    against the planner's pick under ``fwd`` (and under ``compare``, e.g. the committed table).
+    Rows: direction, heads, seqlens, pick, pick_us, best, best_us, committed, committed_us."""
+    from qlabench_kernels.forward import chunk_gdn_fwd_lowlevel
+
+    sms = plan.sm_count(device)
+    rows = []
+    for h_qk, h_v, lens in CHECKS:
+        x = _inputs(h_qk, h_v, list(lens), device)
+        cands = plan.fwd_candidates(lens, sms)
+        times = {}
+        for bv, seg in cands:
+            fn = lambda bv=bv, seg=seg, x=x: chunk_gdn_fwd_lowlevel(  # noqa: E731
+                x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens=seg, block_v=bv
+            )  # fmt: skip
+            times[(bv, seg)] = _graph_us(fn, reps)
+        pick = plan.plan_fwd(sum(lens), len(lens), h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=fwd)
+        old = plan.plan_fwd(sum(lens), len(lens), h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=compare or fwd)
+        best = min(times, key=times.get)
+        row = dict(direction="fwd", heads=f"{h_qk}/{h_v}",
+                   seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
+                   pick=list(pick), pick_us=times[pick], best=list(best), best_us=times[best],
+                   committed=list(old), committed_us=times[old])  # fmt: skip
+        echo(f"  check {row['heads']:5s} {row['seqlens']:28s} pick {pick} {times[pick]:9.1f} us  "
+             f"best {best} {times[best]:9.1f} us  ({times[pick] / times[best]:.3f}x)")  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def check_table_bwd(bwd: BwdCosts, device, reps: int = 10, echo=print, compare: BwdCosts | None = None) -> list[dict]:
+    """On each of :data:`CHECKS_BWD`: the whole backward at every segment length the planner rates,
+    against its pick under ``bwd`` (and under ``compare``); rows as :func:`check_table`'s."""
+    from qlabench_kernels.backward import chunk_gdn_bwd
+
+    sms = plan.sm_count(device)
+    rows = []
+    for h_qk, h_v, lens in CHECKS_BWD:
+        x = _inputs(h_qk, h_v, list(lens), device)
+        args, kw = _bwd_args(x)
+        cands = [0, *(s for s in plan._SPLIT_CANDIDATES[1:] if s < max(lens))] if max(lens) > 512 else [0]
+        times = {
+            seg: _graph_us(lambda seg=seg, args=args, kw=kw: chunk_gdn_bwd(*args, **kw, split_tokens=seg), reps)
+            for seg in cands
+        }
+        pick = plan.plan_bwd_split(sum(lens), len(lens), h_v, sms, seqlens=list(lens), costs=bwd)
+        old = plan.plan_bwd_split(sum(lens), len(lens), h_v, sms, seqlens=list(lens), costs=compare or bwd)
+        best = min(times, key=times.get)
+        row = dict(direction="bwd", heads=f"{h_qk}/{h_v}",
+                   seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
+                   pick=pick, pick_us=times[pick], best=best, best_us=times[best], committed=old,
+                   committed_us=times[old])  # fmt: skip
+        echo(f"  check bwd {row['heads']:5s} {row['seqlens']:28s} pick {pick:6d} {times[pick]:9.1f} us  "
+             f"best {best:6d} {times[best]:9.1f} us  ({times[pick] / times[best]:.3f}x)")  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def measure_fwd(device=None, reps: int = 10, echo=print, compare=None) -> tuple[FwdCosts, list[dict]]:
+    """Time :func:`experiments` on ``device`` (the current CUDA device), fit the forward's costs
+    (:func:`fit_fwd`) and check them (:func:`check_table`)."""
+    import torch
+
+    device = torch.device("cuda") if device is None else torch.device(device)
+    sms = plan.sm_count(device)
+    times = {}
+    for e in experiments(sms):
+        times[_key(e)] = _time_experiment(e, device, reps)
+        echo(f"  {e['stage']:14s} heads {e['heads'][0]}/{e['heads'][1]} {len(e['seqlens'])}x{e['seqlens'][0]:<6d} "
+             f"split {e['split']:5d}: {times[_key(e)]:9.1f} us")  # fmt: skip
+    fwd = fit_fwd(times, sms)
+    echo("  fwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(fwd).items() if k != "unit"))
+    return fwd, check_table(fwd, device, reps, echo, compare)
+
+
+def measure_bwd(fwd: FwdCosts, device=None, reps: int = 10, echo=print, compare=None) -> tuple[BwdCosts, list[dict]]:
+    """Time :func:`experiments_bwd` on ``device``, fit the backward's costs (:func:`fit_bwd`, with
+    the forward's ``fwd`` of the same GPU) and check them (:func:`check_table_bwd`)."""
+    import torch
+
+    device = torch.device("cuda") if device is None else torch.device(device)
+    sms = plan.sm_count(device)
+    times = {}
+    for e in experiments_bwd(sms):
+        times[_key(e)] = _time_experiment_bwd(e, device, reps)
+        echo(f"  {e['stage']:14s} heads {e['heads'][0]}/{e['heads'][1]} {len(e['seqlens'])}x{e['seqlens'][0]:<6d} "
+             f"split {e['split']:5d}: {times[_key(e)]:9.1f} us")  # fmt: skip
+    bwd = fit_bwd(times, sms, fwd)
+    echo("  bwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(bwd).items() if k != "unit"))
+    return bwd, check_table_bwd(bwd, device, reps, echo, compare)
+
+
+def _summary(rows: list[dict], key: str) -> str:
+    ratios = [r[f"{key}_us"] / r["best_us"] for r in rows]
+    geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    return f"geomean {geo:.4f}x the fastest candidate, worst {max(ratios):.4f}x"
+
+
+def main(argv=None) -> int:
+    import argparse
+    import datetime
+    import subprocess
+
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, default=None, help="write the table here (default: print only)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--checks", type=pathlib.Path, default=None, help="write the planner check rows here (JSON)")
+    ap.add_argument("--fwd-only", action="store_true", help="measure the forward's costs only (keep the backward's)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the calibration times kernels on a CUDA GPU; none is visible")
+        return 2
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    try:
+        base = load(name)
+    except FileNotFoundError:
+        base = default_table()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=pathlib.Path(__file__).parent, check=False).stdout.strip() or "unknown"  # fmt: skip
+    except OSError:
+        commit = "unknown"
+    uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", "")
+    how = f"measured: python -m qlabench_tools.kernels.calibrate on {name} {uuid}, {datetime.date.today()}, commit {commit}"
+    src = dict(base.source)
+    fwd, checks = measure_fwd(dev, args.reps, compare=base.fwd)
+    src["fwd"] = how
+    bwd = base.bwd
+    if not args.fwd_only:
+        try:
+            bwd, checks_bwd = measure_bwd(fwd, dev, args.reps, compare=base.bwd)
+            src["bwd"] = how
+            checks += checks_bwd
+        except RuntimeError as e:  # the backward's fit refused: the table keeps its backward costs
+            print(f"backward not calibrated: {e}")
+    table = CostTable(gpu=name, sms=plan.sm_count(dev), fwd=fwd, bwd=bwd, source=tuple(src.items()))
+    text = json.dumps(table.to_json(), indent=2) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    if args.checks:
+        args.checks.write_text(json.dumps(checks, indent=1) + "\n")
+    for d in ("fwd", "bwd"):
+        rows = [r for r in checks if r["direction"] == d]
+        if rows:
+            print(f"planner check {d} ({len(rows)} batches): measured table {_summary(rows, 'pick')}; "
+                  f"committed table {_summary(rows, 'committed')}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
