@@ -31,6 +31,11 @@
 #                planner's picks under them on synthetic batches (into $J/checks: cost_table.json,
 #                calibration_checks.json, to commit as kernels/cost_tables/<gpu>.json); needs the
 #                cache of `qlabench precompile calibration`;
+#   verify_paths what runs where, on the device: FLA's backward with its TileLang backend off
+#                (FLA_TILELANG=0: its Triton dqkwg refuses this Triton, an `unsupported` row) and on
+#                (path triton+tilelang:chunk_bwd_dqkwg), 2 points of configs/h200_bwd_quick.yaml
+#                into runs/fla_paths; examples/engine_dispatch.py on three batches (the dispatch
+#                table's kernel call through the chosen backend, against the reference);
 #   bwd_prev     tilelang vs tilelang@prev on the backward sweep (configs/h200_bwd_kernels_prev.yaml);
 #   bwd_splits   the backward planner's candidates side by side (configs/h200_bwd_splits.yaml);
 #   fwd_recipes  the forward sweep's points under the strong-decay and model recipes (tilelang);
@@ -163,6 +168,12 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
   step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
     --checks "$J/checks/calibration_checks.json"
+  step verify_paths 90 300 bash -c '
+    FLA_TILELANG=0 qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/triton_only
+    qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/dispatched
+    for b in "4/16 1024,512" "16/64 8192,8192,8192,8192" "2/8 32768"; do
+      set -- $b; python3 examples/engine_dispatch.py --heads "$1" --seqlens "$2"
+    done'
   step suite_kernels 120 300 $(suite suite_kernels)
   step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml --resume
   step bwd_splits 120 420 qlabench run configs/h200_bwd_splits.yaml --resume
