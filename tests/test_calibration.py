@@ -184,3 +184,63 @@ def test_a_backward_whose_chains_are_cheaper_than_dhu_alone_is_refused():
         times[("dhu", L)] *= 5
     with pytest.raises(RuntimeError, match="bwd_h"):
         calibrate.fit_bwd(times, 132, fwd)
+
+
+def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch):
+    """measure_fwd / measure_bwd on the CPU with every kernel launch replaced by a stub that binds
+    its arguments to the real launcher's signature (a wrong call fails here, not on the GPU), the
+    timer by one that calls the launch once and returns a time that grows with the batch."""
+    import inspect
+
+    import torch
+    from qlabench_kernels import backward, bwd_dhu, fixup, forward, fwd_fused, fwd_o, prep, seg_state
+
+    calls, batch = [], {}
+    t = torch.zeros(2, 2)
+    inter = dict(ctab=t, p_all=t, gcs=t, a_beta=t, stab=t, o=t, final_state=t, e_end=t, m_tr=t,
+                 cu_segs=torch.zeros(3, dtype=torch.int32), h_start=t, f_start=t, d_end=t, dh0=t, pt_all=t,
+                 w_all=t, dh_all=t, dvnew=t, split_tokens=0, block_v=64)  # fmt: skip
+
+    def stub(mod, name, out):
+        real = getattr(mod, name)
+
+        def fake(*a, **k):
+            inspect.signature(real).bind(*a, **k)
+            calls.append(name)
+            batch["split"] = bool(k.get("split_tokens"))
+            return out
+
+        monkeypatch.setattr(mod, name, fake)
+
+    stub(forward, "chunk_gdn_fwd_lowlevel", inter)
+    stub(backward, "chunk_gdn_bwd", inter)
+    for mod, name in ((prep, "run_prep"), (fwd_o, "run_fwd_o"), (fwd_fused, "run_fwd_fused"),
+                      (seg_state, "run_seg_state"), (fixup, "run_fixup"), (fixup, "run_rfixup"),
+                      (bwd_dhu, "run_bwd_dhu")):  # fmt: skip
+        stub(mod, name, None)
+    real_inputs = calibrate._inputs
+
+    def inputs(h_qk, h_v, seqlens, device, seed=0):
+        batch.update(lens=list(seqlens), h_v=h_v)
+        return real_inputs(h_qk, h_v, seqlens[:1] and [64] * len(seqlens), device, seed)
+
+    def timer(fn, reps):
+        n = len(calls)
+        fn()
+        assert len(calls) == n + 1  # one launch per timed call
+        lens, h_v = batch["lens"], batch["h_v"]
+        if calls[-1] == "run_bwd_dhu":  # one chain of the two: less than both together
+            return 5.0 + 0.006 * max(lens)
+        spread = 0.0002 if calls[-1] in ("run_rfixup", "run_fixup") else 0.001
+        split = 60.0 if calls[-1].startswith("chunk_gdn") and batch["split"] else 0.0  # its launches
+        return 5.0 + split + 0.01 * max(lens) + spread * sum(lens) * h_v
+
+    monkeypatch.setattr(calibrate, "_inputs", inputs)
+    monkeypatch.setattr(calibrate, "_graph_us", timer)
+    monkeypatch.setattr(plan, "sm_count", lambda device: 4)
+    fwd, checks = calibrate.measure_fwd("cpu", reps=1, echo=lambda *a: None)
+    assert fwd.unit == "us" and len(checks) == len(calibrate.CHECKS)
+    bwd, checks_bwd = calibrate.measure_bwd(fwd, "cpu", reps=1, echo=lambda *a: None)
+    assert bwd.unit == "us" and len(checks_bwd) == len(calibrate.CHECKS_BWD)
+    assert {"run_prep", "run_fwd_o", "run_fwd_fused", "run_seg_state", "run_fixup", "run_rfixup", "run_bwd_dhu",
+            "chunk_gdn_fwd_lowlevel", "chunk_gdn_bwd"} <= set(calls)  # fmt: skip
