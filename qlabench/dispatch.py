@@ -708,7 +708,8 @@ def kernel_of(label: str, h_qk: int, h_v: int, cu_seqlens, direction: str = "fwd
               choice: Choice | None = None) -> Kernel:
     """Backend ``name`` (default: ``label`` before any ``@``) with ``params`` as a
     :class:`Kernel` for the batch ``cu_seqlens``; its library is imported only now.
-    :class:`BackendUnavailable` when it is not registered or cannot run here."""
+    :class:`BackendUnavailable` when it is not registered, cannot run here, or imports another
+    version than a label's ``@<version>`` asks for."""
     from . import backends
     check_heads(h_qk, h_v)
     name = name or label.split("@")[0]
@@ -720,6 +721,11 @@ def kernel_of(label: str, h_qk: int, h_v: int, cu_seqlens, direction: str = "fwd
     ok, why = b.available()
     if not ok:
         raise BackendUnavailable(f"{who} cannot run here: {why}")
+    from .config import label_version_problem
+    wrong = label_version_problem(label, b.version())  # flashinfer@0.7.4 where 0.6.13 imports
+    if wrong:
+        raise BackendUnavailable(f"{who} cannot run here: {wrong} (put that version first on "
+                                 "PYTHONPATH, as the table's run did)")
     if direction not in b.directions:
         raise BackendUnavailable(f"{who} has no {direction} pass")
     return Kernel(label, b, int(h_qk), int(h_v), cu_seqlens, direction, choice)

@@ -295,6 +295,17 @@ def test_kernel_calls_the_chosen_backend_with_the_canonical_signature(tmp_path):
             d.kernel(4, 16, [0, 8192])
 
 
+def test_kernel_of_a_versioned_label_refuses_another_imported_version():
+    """A table's ``flashinfer@0.7.4`` must not hand an engine the FlashInfer this environment
+    imports when that is another version: the label's ``@version`` is checked, as the harness does."""
+    from qlabench.backends import get
+
+    have = get("reference").version()
+    with pytest.raises(dispatch.BackendUnavailable, match="asks for version 9.9"):
+        dispatch.kernel_of("reference@9.9", 2, 4, [0, 64], name="reference")
+    assert dispatch.kernel_of(f"reference@{have}", 2, 4, [0, 64], name="reference").label == f"reference@{have}"
+
+
 # --------------------------------------------------------------------------- held out
 
 
