@@ -1,7 +1,7 @@
 """An engine picking its GDN chunked-prefill kernel for each batch from a dispatch table.
 
     python examples/engine_dispatch.py [--table results/dispatch/h200_fwd.json]
-                                       [--heads 4/16] [--seqlens 1024,512]
+                                       [--heads 4/16] [--seqlens 1024,512] [--require]
 
 It loads the table once, then per batch: builds ``cu_seqlens``, asks the table for that batch's
 kernel (``Dispatch.kernel``: the backend it names, as a call with the canonical signature) and
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", default="results/dispatch/h200_fwd.json")
     ap.add_argument("--heads", default="4/16", help="H_QK/H_V")
     ap.add_argument("--seqlens", default="1024,512", help="comma-separated lengths of the batch")
+    ap.add_argument("--require", action="store_true",
+                    help="exit 1 when the chosen backend cannot run here (no reference stand-in)")
     a = ap.parse_args(argv)
     table = dispatch.load(a.table)                      # once, at engine start
     h_qk, h_v = (int(x) for x in a.heads.split("/"))
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kernel = table.kernel(h_qk, h_v, x.cu_seqlens)
     except dispatch.BackendUnavailable as e:
+        if a.require:
+            print(f"not here: {e}", file=sys.stderr)
+            return 1
         print(f"not here: {e}; the same call through the reference")
         kernel = None
     o_ref, ht_ref = reference(x.q, x.k, x.v, x.g, x.beta, initial_state=x.h0)

@@ -32,6 +32,9 @@ import warnings
 __all__ = ["FwdCosts", "BwdCosts", "CostTable", "from_json", "table_path", "load", "for_device", "default_table"]
 
 TABLES = pathlib.Path(__file__).resolve().parent / "cost_tables"
+#: the head configs the calibration micro-benchmark compiles and times: G = 1 everywhere, G = 4 for
+#: prep's per-q/k-head part (``qlabench precompile calibration`` compiles them offline)
+HEADS = ((1, 1), (1, 4))
 #: the table offline tools (no GPU) plan with, and the one a GPU without a table of its own falls back to
 DEFAULT_GPU = "NVIDIA H200"
 

@@ -14,7 +14,7 @@ from ._common import CHUNK, HEAD_DIM
 from .calibration import default_table
 
 __all__ = ["sm_count", "split_cost", "prep_cost", "prep_slices", "plan_fwd", "plan_split", "bwd_split_cost",
-           "plan_bwd_split", "fwd_candidates"]  # fmt: skip
+           "plan_bwd_split", "fwd_candidates", "bwd_candidates"]  # fmt: skip
 
 _SM_COUNT = {}
 
@@ -194,13 +194,20 @@ def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132, costs=None) -> 
     )
 
 
+def bwd_candidates(lens) -> list:
+    """The segment lengths :func:`plan_bwd_split` rates for ``lens`` (0 = unsplit): unsplit and
+    every 512 .. 16384-token length shorter than the longest sequence; unsplit alone when no
+    sequence is longer than 512 tokens."""
+    longest = max(lens, default=0)
+    if longest <= 512:
+        return [0]
+    return [0, *(s for s in _SPLIT_CANDIDATES[1:] if s < longest)]
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan_bwd_lens(lens: tuple, h_v: int, num_sms: int, c) -> int:
-    longest = max(lens, default=0)
     best, best_cost = 0, None
-    for seg in (0, *_SPLIT_CANDIDATES[1:]):
-        if seg and seg >= longest:
-            break
+    for seg in bwd_candidates(lens):
         cost = bwd_split_cost(lens, h_v, seg, num_sms, c)
         if best_cost is None or cost < best_cost * 0.95:  # split only for a clear gain
             best, best_cost = seg, cost

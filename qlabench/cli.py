@@ -21,7 +21,7 @@ console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 #: ``--wide`` of the views that print tables (:mod:`qlabench.render`)
 WIDE = typer.Option(False, "--wide", help="every column at its natural width, whatever the "
-                    "terminal's width (piped output is always wide)")
+                    "terminal's width (piped output is wide unless $COLUMNS is set)")
 
 
 def _load(path: Path) -> C.Sweep:

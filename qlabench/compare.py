@@ -102,7 +102,6 @@ VERDICTS = ("slower", "broken", "faster", "same", "incomparable", "same-row")
 _INFO = ("model", "tp", "layout", "num_seqs", "total_tokens", "point_index", "h_qk", "h_v")
 BOOTSTRAP_N = 1000
 #: the pair's :func:`qlabench.analysis.pairing` columns carried into the table
-PAIR_FIELDS = ("pairing", "same_gpu", "same_campaign", "throttled", "gpu_known", "campaign_known")
 #: columns whose values must agree for two rows to be compared (column -> word in the reason):
 #: the timing method, the GPU model and the input recipe. A pair whose rows differ in any of them
 #: is ``incomparable`` and lists those columns in ``differs``; :func:`compare_cmd` exits 3 on it.
@@ -277,12 +276,12 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
                      "base_backend": value(rb, "backend"), "new_backend": value(rn or {}, "backend"),
                      "base_calls_per_sample": value(rb, "calls_per_sample"),
                      "new_calls_per_sample": value(rn or {}, "calls_per_sample"),
-                     **{c: pr[c] for c in PAIR_FIELDS},
+                     **{c: pr[c] for c in analysis.PAIR_FIELDS},
                      "base_run_id": value(rb, "run_id"), "new_run_id": value(rn or {}, "run_id"),
                      "base_sha": value(rb, "git_sha"), "new_sha": value(rn or {}, "git_sha")})
     cols = [*KEY, *_INFO, "base_backend", "new_backend", "base_ms", "new_ms", "ratio", "ratio_lo", "ratio_hi", "p_value",
             "n_base", "n_new", "verdict", "reason", "differs", "base_calls_per_sample",
-            "new_calls_per_sample", *PAIR_FIELDS,
+            "new_calls_per_sample", *analysis.PAIR_FIELDS,
             "base_run_id", "new_run_id", "base_sha", "new_sha"]
     df = pd.DataFrame(rows, columns=cols)
     if not df.empty:

@@ -256,7 +256,7 @@ def speedup_table(df: pd.DataFrame, baseline: str = analysis.BASELINE, direction
     of ``df`` over ``baseline`` (made here when not given), whose speedups these are."""
     an = _analysis(df, baseline, an)
     ok = _ok(an.rows, direction)
-    if ok.empty or baseline not in set(ok["backend"]):
+    if ok.empty or analysis.resolve_baseline(ok, baseline) is None:
         return pd.DataFrame(columns=SPEEDUP_COLUMNS)
     sp = an.speedups[an.speedups.index.isin(ok.index)]
     other = ok.loc[sp.index]

@@ -68,7 +68,7 @@ def plan(targets: Iterable) -> list[tuple[int, int, dict]]:
         if t in ("bwd_sweep", "sweep", "all"):
             add(BWD_SWEEP_HEADS, [(1, 1)], [(1, 1)])
         if t in ("calibration", "all"):
-            from qlabench_tools.kernels.calibrate import HEADS
+            from qlabench_kernels.calibration import HEADS
 
             add(list(HEADS), [(1, 1)], [(1, 1)])
     return [(hq, hv, dict(fwd_flags=tuple(sorted(f)), bwd_flags=tuple(sorted(b))))

@@ -824,6 +824,9 @@ def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
         meta = results.load_meta(rows_dir) if rows_dir.is_dir() else {}
         # the in-repo kernel's extra speedup is over ``baseline`` (default fla); a label asked
         # for must have rows of this direction
+        if baseline == analysis.BEST_LIBRARY:  # a column of its own already (× best)
+            raise ReproduceError(f"--baseline {baseline}: reproduce prints the in-repo kernel against the "
+                           "best library in its `× best` column; give a label for the other one")
         extra_baseline = analysis.BASELINE if baseline is None else analysis.require_baseline(rows, baseline)
     except (ReproduceError, analysis.BadInput) as e:
         err.print(f"[red]error:[/red] {e}", highlight=False)

@@ -125,3 +125,15 @@ def test_best_library_footer_over_the_whole_run_and_no_library_exits_2(tmp_path)
     ours = S.write_run(tmp_path / "ours", **{**TWO, "backends": ("tilelang", "reference")})
     r = CliRunner().invoke(app, ["summary", str(ours), "--baseline", "best-library"])
     assert r.exit_code == 2 and "no rows of a library backend" in r.output
+
+
+def test_best_library_draws_the_speedup_figure_and_reproduce_refuses_it(tmp_path):
+    d = S.write_run(tmp_path / "r", **TWO)
+    lat = analysis.load_newest(d)
+    t = plots.speedup_table(lat, analysis.BEST_LIBRARY, "fwd")
+    assert set(t["backend"]) == {"fla", "flashqla", "tilelang", "reference"}
+    index = report.build([d], tmp_path / "site", baseline=analysis.BEST_LIBRARY)
+    assert "speedup vs best-library" in index.read_text()
+    r = CliRunner().invoke(app, ["reproduce", "flashqla-h200", "--direction", "fwd", "--from", str(d),
+                                 "--out", str(tmp_path / "rep"), "--baseline", "best-library"])
+    assert r.exit_code == 2 and "× best" in r.stderr

@@ -29,6 +29,16 @@ class TileLangParams(BaseModel):
     bwd_streams: bool = True
 
 
+def _cost_table_file():
+    """The cost table file the kernels' planners read here (``qlabench_kernels.calibration``)."""
+    import qlabench_kernels.calibration as cal
+    import torch
+
+    gpu = torch.cuda.get_device_name(torch.cuda.current_device()) if torch.cuda.is_available() else ""
+    path = cal.table_path(gpu) if gpu else None
+    return path if path is not None and path.is_file() else cal.table_path(cal.DEFAULT_GPU)
+
+
 class TileLangBackend(Backend):
     name = "tilelang"
     directions = ("fwd", "bwd", "fwdbwd")
@@ -38,8 +48,8 @@ class TileLangBackend(Backend):
     Params = TileLangParams
 
     def version(self) -> str:
-        """A hash of the kernel sources and the planners' cost tables: editing either makes a new
-        resume key."""
+        """A hash of the kernel sources and of the cost table that plans this machine's runs (its
+        GPU model's, the default one off CUDA): editing either makes a new resume key."""
         import hashlib
         from pathlib import Path
         try:
@@ -48,7 +58,7 @@ class TileLangBackend(Backend):
             return "unknown"
         h = hashlib.sha1()
         root = Path(qk.__file__).parent
-        for f in sorted([*root.glob("*.py"), *root.glob("cost_tables/*.json")]):
+        for f in [*sorted(root.glob("*.py")), _cost_table_file()]:
             h.update(f.name.encode())
             h.update(f.read_bytes())
         return f"src-{h.hexdigest()[:10]}"

@@ -6,7 +6,7 @@
 #               .tlcache/calib.tar.xz .tlcache/heldout.tar.xz .tlcache/fqla_heldout.tar.xz
 #               (scripts/airgapped/build_flashinfer06_aot.sh)]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
-#               here with `git archive HEAD -- . ':!results' | gzip`; its commit, which rows
+#               here with `git archive HEAD -- . ':!results' results/dispatch | gzip`; its commit, which rows
 #               record as git_sha, from the archive's header), then the job below started
 #               in its own process session (it outlives the call); returns at once.
 #               The tree travels with every call: it (~6 MB) and .devsite (~47 MB) fit the
@@ -27,15 +27,16 @@
 #   check_bwd    tools/kernels/check_bwd.py --quick [--cases $CHECK_BWD_CASES, set at setup]: every
 #                backward stage against its emulation, the gradients against the reference, stage
 #                times (into $J/checks);
-#   calibrate    python -m qlabench_tools.kernels.calibrate: the forward's stage costs on this GPU and the
-#                planner's picks under them on synthetic batches (into $J/checks: cost_table.json,
+#   calibrate    python -m qlabench_tools.kernels.calibrate: the forward's and the backward's stage costs
+#                on this GPU and the planners' picks under them on synthetic batches (into $J/checks: cost_table.json,
 #                calibration_checks.json, to commit as kernels/cost_tables/<gpu>.json); needs the
 #                cache of `qlabench precompile calibration`;
 #   verify_paths what runs where, on the device: FLA's backward with its TileLang backend off
 #                (FLA_TILELANG=0: its Triton dqkwg refuses this Triton, an `unsupported` row) and on
 #                (path triton+tilelang:chunk_bwd_dqkwg), 2 points of configs/h200_bwd_quick.yaml
-#                into runs/fla_paths; examples/engine_dispatch.py on three batches (the dispatch
-#                table's kernel call through the chosen backend, against the reference);
+#                into runs/fla_paths; examples/engine_dispatch.py --require on three batches (the
+#                dispatch table's kernel call through the chosen backend, FlashInfer 0.7.4 first on
+#                PYTHONPATH, against the reference; fails when the chosen backend cannot run);
 #   bwd_prev     tilelang vs tilelang@prev on the backward sweep (configs/h200_bwd_kernels_prev.yaml);
 #   bwd_splits   the backward planner's candidates side by side (configs/h200_bwd_splits.yaml);
 #   fwd_recipes  the forward sweep's points under the strong-decay and model recipes (tilelang);
@@ -171,9 +172,12 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step verify_paths 90 300 bash -c '
     FLA_TILELANG=0 qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/triton_only
     qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/dispatched
+    rc=0
     for b in "4/16 1024,512" "16/64 8192,8192,8192,8192" "2/8 32768"; do
-      set -- $b; python3 examples/engine_dispatch.py --heads "$1" --seqlens "$2"
-    done'
+      set -- $b
+      PYTHONPATH=$QLABENCH_FLASHINFER07_PATH:$PYTHONPATH python3 examples/engine_dispatch.py --require \
+        --table results/dispatch/h200_fwd.json --heads "$1" --seqlens "$2" || rc=1
+    done; exit $rc'
   step suite_kernels 120 300 $(suite suite_kernels)
   step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml --resume
   step bwd_splits 120 420 qlabench run configs/h200_bwd_splits.yaml --resume

@@ -27,14 +27,13 @@ import dataclasses
 import json
 import math
 import pathlib
+import sys
 
 from qlabench_kernels import plan
-from qlabench_kernels.calibration import BwdCosts, CostTable, FwdCosts, default_table, load
+from qlabench_kernels.calibration import HEADS, BwdCosts, CostTable, FwdCosts, default_table, load
 
 # --------------------------------------------------------------------------------------
 
-#: the head configs the micro-benchmark compiles: G = 1 everywhere, G = 4 for prep's per-q/k-head part
-HEADS = ((1, 1), (1, 4))
 #: the two lengths (tokens per sequence) each slope is taken between
 LENGTHS = (1024, 4096)
 #: fix-up: one sequence cut into this many 256-token segments (the slope is per serial segment)
@@ -331,7 +330,7 @@ def check_table_bwd(bwd: BwdCosts, device, reps: int = 10, echo=print, compare: 
     for h_qk, h_v, lens in CHECKS_BWD:
         x = _inputs(h_qk, h_v, list(lens), device)
         args, kw = _bwd_args(x)
-        cands = [0, *(s for s in plan._SPLIT_CANDIDATES[1:] if s < max(lens))] if max(lens) > 512 else [0]
+        cands = plan.bwd_candidates(lens)
         times = {
             seg: _graph_us(lambda seg=seg, args=args, kw=kw: chunk_gdn_bwd(*args, **kw, split_tokens=seg), reps)
             for seg in cands
@@ -402,8 +401,11 @@ def main(argv=None) -> int:
     ap.add_argument("--checks", type=pathlib.Path, default=None, help="write the planner check rows here (JSON)")
     ap.add_argument("--fwd-only", action="store_true", help="measure the forward's costs only (keep the backward's)")
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        print(f"error: --reps {args.reps}: at least 1", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
-        print("error: the calibration times kernels on a CUDA GPU; none is visible")
+        print("error: the calibration times kernels on a CUDA GPU; none is visible", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -419,7 +421,11 @@ def main(argv=None) -> int:
     uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", "")
     how = f"measured: python -m qlabench_tools.kernels.calibrate on {name} {uuid}, {datetime.date.today()}, commit {commit}"
     src = dict(base.source)
-    fwd, checks = measure_fwd(dev, args.reps, compare=base.fwd)
+    try:
+        fwd, checks = measure_fwd(dev, args.reps, compare=base.fwd)
+    except RuntimeError as e:  # the forward's fit refused: no table is written
+        print(f"error: forward not calibrated: {e}", file=sys.stderr)
+        return 1
     src["fwd"] = how
     bwd = base.bwd
     if not args.fwd_only:
