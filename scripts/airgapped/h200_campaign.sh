@@ -6,7 +6,8 @@
 #               .tlcache/calib.tar.xz .tlcache/heldout.tar.xz .tlcache/fqla_heldout.tar.xz
 #               (scripts/airgapped/build_flashinfer06_aot.sh)]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
-#               here with `git archive HEAD -- . ':!results' results/dispatch | gzip`; its commit, which rows
+#               here with `git archive HEAD -- . ':!results' | gzip`, plus the carried tree's
+#               results/dispatch tables; its commit, which rows
 #               record as git_sha, from the archive's header), then the job below started
 #               in its own process session (it outlives the call); returns at once.
 #               The tree travels with every call: it (~6 MB) and .devsite (~47 MB) fit the
@@ -92,6 +93,7 @@ setup)
   # its precompiled slot; the job checks it and falls back to the JIT build when it fails
   if [ -f .tlcache/fi0613_jit.tar.xz ]; then tar -xJf .tlcache/fi0613_jit.tar.xz -C /tmp/site312 && echo "flashinfer 0.6.13 module: carried"; fi
   rm -rf /tmp/repo && mkdir /tmp/repo && tar -xzf .run/repo.tar.gz -C /tmp/repo || exit 1
+  mkdir -p /tmp/repo/results/dispatch && cp results/dispatch/*.json /tmp/repo/results/dispatch/
   SHA=$(gzip -dc .run/repo.tar.gz | git get-tar-commit-id 2>/dev/null | cut -c1-12)
   cat > "$ENVF" <<EOF
 export PYTHONPATH=/tmp/site312 PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlc/all
