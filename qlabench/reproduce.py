@@ -500,12 +500,15 @@ SUMMARY_HEAD = ["backend", "ok points", "other statuses", f"within ±{WITHIN:.0%
                 "measured/published geomean", "min", "max", "versions (measured ≠ published)"]
 
 
-def _speedup_rows(pub: Published, s: dict) -> list[list[str]]:
+def _speedup_rows(pub: Published, s: dict, same_points: str | None = None) -> list[list[str]]:
+    """The speedup table's rows: published, published on the measured points (``same_points``:
+    that row's label, default "published B/T, measured points"), measured, and the in-repo
+    kernel's."""
     sp = s["speedup"]
     lab = f"{pub.baseline}/{pub.target}"
     rows = [[f"published {lab}", str(sp["published"]["n"]), _fx(sp["published"]["geomean"]),
              _fx(sp["published"]["min"]), _fx(sp["published"]["max"]), "–"],
-            [f"published {lab}, measured points", str(sp["published_same_points"]["n"]),
+            [same_points or f"published {lab}, measured points", str(sp["published_same_points"]["n"]),
              _fx(sp["published_same_points"]["geomean"]), _fx(sp["published_same_points"]["min"]),
              _fx(sp["published_same_points"]["max"]), "–"],
             [f"measured {lab}", str(sp["measured"]["n"]), _fx(sp["measured"]["geomean"]),
@@ -743,13 +746,7 @@ def print_report(rep: Reproduction, console: Console, width: int | None = None) 
                  title=f"per backend: measured / published ms (points within ±{WITHIN:.0%}; "
                        "geomean, min, max over the points)")
     lab = f"{pub.baseline}/{pub.target}"
-    sp = s["speedup"]
-    rows = [[f"published {lab}", str(sp["published"]["n"]), _fx(sp["published"]["geomean"]),
-             _fx(sp["published"]["min"]), _fx(sp["published"]["max"]), "–"],
-            ["  on the measured points", str(sp["published_same_points"]["n"]),
-             _fx(sp["published_same_points"]["geomean"]), _fx(sp["published_same_points"]["min"]),
-             _fx(sp["published_same_points"]["max"]), "–"]]
-    rows += _speedup_rows(pub, s)[2:]
+    rows = _speedup_rows(pub, s, same_points="  on the measured points")
     render.table(console, TTY_SPEEDUP, rows, width, title="speedups")
     for b, e in s["backends"].items():
         for k, r in e["reasons"].items():
