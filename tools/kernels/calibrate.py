@@ -162,37 +162,9 @@ CHECKS_BWD = ((1, 1, (16384,)), (1, 4, (32768,)), (1, 1, (2048,) * 8), (1, 4, (1
 
 def _graph_us(fn, reps: int) -> float:
     """Median µs per call over CUDA-graph replays (calls unrolled in the graph to ~1 ms or more)."""
-    import time
+    from qlabench_tools.kernels.check_fwd import graph_time_ms
 
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    inner = max(1, min(50, int(1e-3 / max(time.perf_counter() - t0, 1e-6))))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / inner)
-    times.sort()
-    return times[len(times) // 2]
+    return graph_time_ms(fn, reps, target_s=1e-3, max_inner=50) * 1000.0
 
 
 def _inputs(h_qk, h_v, seqlens, device, seed=0):

@@ -21,6 +21,7 @@ import time
 import traceback
 
 import torch
+from qlabench_tools.kernels.check_fwd import graph_time_ms
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -29,39 +30,6 @@ def _import_pkg():
     import qlabench_kernels as pkg
 
     return pkg, None
-
-
-def graph_time_ms(fn, reps=20, inner=None):
-    """Median per-call ms over CUDA-graph replays (``inner`` calls captured per graph)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    est = time.perf_counter() - t0
-    if inner is None:
-        inner = max(1, min(20, int(0.01 / max(est, 1e-6))))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    times.sort()
-    return times[len(times) // 2]
 
 
 TOL = {"dq": 4e-2, "dk": 4e-2, "dv": 4e-2, "dbeta": 4e-2, "dh0": 4e-2, "dg": 8e-2}

@@ -84,8 +84,9 @@ def reference_fp32(x, scale=128**-0.5):
     return o[None], torch.stack(hts)
 
 
-def graph_time_ms(fn, reps=20, inner=None):
-    """Median per-call ms over CUDA-graph replays (``inner`` calls captured per graph)."""
+def graph_time_ms(fn, reps=20, inner=None, target_s=0.01, max_inner=20):
+    """Median per-call ms over CUDA-graph replays (``inner`` calls captured per graph; None:
+    enough for ``target_s`` of work per replay, at most ``max_inner``)."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -93,7 +94,7 @@ def graph_time_ms(fn, reps=20, inner=None):
     torch.cuda.synchronize()
     est = time.perf_counter() - t0
     if inner is None:
-        inner = max(1, min(20, int(0.01 / max(est, 1e-6))))
+        inner = max(1, min(max_inner, int(target_s / max(est, 1e-6))))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
