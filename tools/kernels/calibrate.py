@@ -262,6 +262,18 @@ def _segment_maps(t):
     return torch.randn(t.shape, device=t.device).to(torch.bfloat16) * 0.01
 
 
+def _check_row(direction, h_qk, h_v, lens, times, pick, best, old, echo) -> dict:
+    """One planner-check row (JSON: plans as lists or ints), echoed as one line."""
+    js = (lambda c: list(c)) if direction == "fwd" else (lambda c: c)
+    row = dict(direction=direction, heads=f"{h_qk}/{h_v}",
+               seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
+               pick=js(pick), pick_us=times[pick], best=js(best), best_us=times[best],
+               committed=js(old), committed_us=times[old])  # fmt: skip
+    echo(f"  check {direction} {row['heads']:5s} {row['seqlens']:28s} pick {pick!s:>11} {times[pick]:9.1f} us  "
+         f"best {best!s:>11} {times[best]:9.1f} us  ({times[pick] / times[best]:.3f}x)")  # fmt: skip
+    return row
+
+
 def check_table(fwd: FwdCosts, device, reps: int = 10, echo=print, compare: FwdCosts | None = None) -> list[dict]:
     """On each of :data:`CHECKS`: every candidate (block_v, split) the planner rates, timed whole,
     against the planner's pick under ``fwd`` (and under ``compare``, e.g. the committed table).
@@ -282,13 +294,7 @@ def check_table(fwd: FwdCosts, device, reps: int = 10, echo=print, compare: FwdC
         pick = plan.plan_fwd(sum(lens), len(lens), h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=fwd)
         old = plan.plan_fwd(sum(lens), len(lens), h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=compare or fwd)
         best = min(times, key=times.get)
-        row = dict(direction="fwd", heads=f"{h_qk}/{h_v}",
-                   seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
-                   pick=list(pick), pick_us=times[pick], best=list(best), best_us=times[best],
-                   committed=list(old), committed_us=times[old])  # fmt: skip
-        echo(f"  check {row['heads']:5s} {row['seqlens']:28s} pick {pick} {times[pick]:9.1f} us  "
-             f"best {best} {times[best]:9.1f} us  ({times[pick] / times[best]:.3f}x)")  # fmt: skip
-        rows.append(row)
+        rows.append(_check_row("fwd", h_qk, h_v, lens, times, pick, best, old, echo))
     return rows
 
 
@@ -310,13 +316,7 @@ def check_table_bwd(bwd: BwdCosts, device, reps: int = 10, echo=print, compare: 
         pick = plan.plan_bwd_split(sum(lens), len(lens), h_v, sms, seqlens=list(lens), costs=bwd)
         old = plan.plan_bwd_split(sum(lens), len(lens), h_v, sms, seqlens=list(lens), costs=compare or bwd)
         best = min(times, key=times.get)
-        row = dict(direction="bwd", heads=f"{h_qk}/{h_v}",
-                   seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
-                   pick=pick, pick_us=times[pick], best=best, best_us=times[best], committed=old,
-                   committed_us=times[old])  # fmt: skip
-        echo(f"  check bwd {row['heads']:5s} {row['seqlens']:28s} pick {pick:6d} {times[pick]:9.1f} us  "
-             f"best {best:6d} {times[best]:9.1f} us  ({times[pick] / times[best]:.3f}x)")  # fmt: skip
-        rows.append(row)
+        rows.append(_check_row("bwd", h_qk, h_v, lens, times, pick, best, old, echo))
     return rows
 
 
