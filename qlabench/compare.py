@@ -79,9 +79,11 @@ The table (:func:`print_table`) reads BASE then NEW: the title names BASE → NE
 base ms, new ms and new/base. It fits the terminal (:mod:`qlabench.render`): in a narrow one the
 columns are left out in this order — model (heads name it too), 99% CI, p, calls, pairing, dir,
 then base ms with new ms — and named under the table; heads, layout, backend, new/base, verdict
-and reason are always shown. A column with one value in every row (dir, backend, calls,
-pairing) is stated once under the table. Reasons are numbered under the table (one number per
-distinct text).
+and reason are always shown; a column left out comes back when it fits beside the others. A
+column with one value in every row (dir, backend, calls, pairing) is stated once under the table,
+and so are the pairing tags every row carries (``every row: pairing cross-GPU, cross-campaign``;
+the column keeps the rest, e.g. ``throttled``). Reasons are numbered under the table (one number
+per distinct text; no reason names a run).
 """
 
 from __future__ import annotations
