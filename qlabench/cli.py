@@ -149,19 +149,25 @@ def validate(config: Path = typer.Argument(..., help="sweep YAML")):
 
 
 @app.command("list")
-def list_points(config: Path = typer.Argument(..., help="sweep YAML")):
-    """Print the points a sweep expands to."""
+def list_points(config: Path = typer.Argument(..., help="sweep YAML"), wide: bool = WIDE):
+    """Print the points a sweep expands to; the table fits the terminal (a long layout label reads
+    as count x mean length, the lengths wrap; where they are left out the full labels follow)."""
+    from . import render
     from .sweep import points
     s = _load(config)
     pts = points(s)
-    t = Table(title=f"{s.name}: {len(pts)} points")
-    for c in ("#", "model", "h_qk/h_v", "layout", "seqlens", "tokens", "gate"):
-        t.add_column(c)
-    for p in pts:
-        sl = " ".join(map(str, p.seqlens))
-        t.add_row(str(p.index), p.model, p.tp_label, p.layout_label,
-                  sl if len(sl) < 50 else sl[:47] + "...", str(p.total_tokens), p.gate_recipe)
-    console.print(t)
+    width = render.terminal_width(wide)
+    con = render.console(width)
+    cells = render.layout_cells([(p.layout_label, len(p.seqlens), p.total_tokens) for p in pts])
+    cols = [render.Column("#", "right"), render.Column("model"), render.Column("h_qk/h_v"),
+            render.Column("layout"), render.Column("seqlens", wrap=True, drop=1),
+            render.Column("tokens", "right"), render.Column("gate", same=True)]
+    f = render.table(con, cols, [[str(p.index), p.model, p.tp_label, c, " ".join(map(str, p.seqlens)),
+                                  str(p.total_tokens), p.gate_recipe] for c, p in zip(cells, pts)],
+                     width, title=f"{s.name}: {len(pts)} points", what="point")
+    if "seqlens" in f.dropped:  # the lengths are not in the table: the shortened labels in full
+        for note in render.layout_notes(cells, [p.layout_label for p in pts]):
+            render.line(con, f"layout {note}", width)
 
 
 def _method_mismatch() -> type:
@@ -370,6 +376,7 @@ def recommend(
     threshold: float = typer.Option(0.01, "--threshold", help="differences up to this are ties (0.01 = 1%)"),
     check: list[Path] = typer.Option([], "--check", help="another results directory of the same GPU: "
                                      "the table is also judged on its points (repeatable)"),
+    wide: bool = WIDE,
 ):
     """Dispatch table: per batch shape and head config, the fastest correct backend, judged held
     out twice (leave one layout out per model; leave one head config out) and on each --check
@@ -379,7 +386,8 @@ def recommend(
     unreadable, no ok row of --direction, a --backends label without rows, a --check directory
     without ok rows of --direction or measured on another GPU)."""
     from .dispatch import recommend_cmd
-    raise typer.Exit(recommend_cmd(results_dir, out, direction, backends, alpha, threshold, check))
+    raise typer.Exit(recommend_cmd(results_dir, out, direction, backends, alpha, threshold, check,
+                                   wide=wide))
 
 
 @app.command()

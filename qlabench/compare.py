@@ -41,8 +41,10 @@ two labels, instead of calling every one of its points ``broken``.
 
 ``same-row`` when both sides hold the same stored row (same :data:`results.ROW_IDENTITY`: run id,
 point index, backend, direction, start time) — e.g. a run directory compared with a copy or a
-merge of itself. Such a pair says nothing about repeatability, so it is not judged; when *every*
-compared pair is ``same-row``, :func:`compare_cmd` says so on stderr and exits 2.
+merge of itself. Such a pair says nothing about repeatability, so it is not judged; its reason
+names no run (the run ids are in ``--out``'s ``base_run_id`` / ``new_run_id``). When *every*
+compared pair is ``same-row``, :func:`compare_cmd` prints no table: one line on stderr, exit 2
+(``--out``, when given, still gets the pairs).
 
 Every pair also carries its :func:`qlabench.analysis.pairing` (``same_gpu``, ``same_campaign``,
 ``throttled`` and the tag ``pairing``, e.g. "cross-campaign, throttled") and both sides'
@@ -70,15 +72,18 @@ Exit codes of :func:`compare_cmd` (and of ``qlabench compare``; the first that a
 - 1: a row is ``slower`` or ``broken``;
 - 0: otherwise.
 
-Codes 2 and 3 come with one ``error: ...`` line on stderr; the table is printed before code 3.
+Codes 2 and 3 come with one ``error: ...`` line on stderr; the table is printed before code 3,
+never before code 2.
 
 The table (:func:`print_table`) reads BASE then NEW: the title names BASE → NEW, then per pair
 base ms, new ms and new/base. It fits the terminal (:mod:`qlabench.render`): in a narrow one the
 columns are left out in this order — model (heads name it too), 99% CI, p, calls, pairing, dir,
 then base ms with new ms — and named under the table; heads, layout, backend, new/base, verdict
-and reason are always shown. A column with one value in every row (dir, backend, calls,
-pairing) is stated once under the table. Reasons are numbered under the table (one number per
-distinct text).
+and reason are always shown; a column left out comes back when it fits beside the others. A
+column with one value in every row (dir, backend, calls, pairing) is stated once under the table,
+and so are the pairing tags every row carries (``every row: pairing cross-GPU, cross-campaign``;
+the column keeps the rest, e.g. ``throttled``). Reasons are numbered under the table (one number
+per distinct text; no reason names a run).
 """
 
 from __future__ import annotations
@@ -153,8 +158,7 @@ def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: fl
         return out
     if same_row(base, new):
         out["verdict"] = "same-row"
-        out["reason"] = (f"the same stored row on both sides (run {value(new, 'run_id')}, "
-                         f"started {value(new, 'started_at')})")
+        out["reason"] = "the same stored row on both sides"
         return out
     sn = value(new, "status")
     changed = [c for c in MUST_MATCH if value(base, c) is not None and value(new, c) is not None
@@ -328,7 +332,7 @@ def columns(alpha: float) -> list[Column]:
             Column("base ms", "right", drop=7), Column("new ms", "right", drop=7),
             Column("new/base", "right"), Column(f"{1 - alpha:.0%} CI", "right", drop=2),
             Column("p", "right", drop=3), Column("calls", "right", drop=4, same=True),
-            Column("pairing", drop=5, same=True), Column("verdict"), Column("reason", "right", omit_empty=True)]
+            Column("pairing", drop=5, same=True, parts=", "), Column("verdict"), Column("reason", "right", omit_empty=True)]
 
 
 def _p(x) -> str:
@@ -476,15 +480,18 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
         return 2
     both = f"{base_arg}: {base_backend}", str(new_backend)  # two labels of one directory
     names = both if base_backend is not None and Path(base_arg) == Path(new_arg) else (base, new)
+    if summary["same-row"] == len(df):
+        if out is not None:
+            write_out(df, summary, Path(out), base, new, threshold, alpha)
+        err.print(f"error: every one of the {len(df)} compared pairs is the same stored row on "
+                  f"both sides ({new} holds {base}'s rows): nothing was re-measured, so this says "
+                  "nothing about repeatability" + (f" (the pairs: {out})" if out is not None else ""),
+                  highlight=False, markup=False)
+        return 2
     print_table(df, summary, *names, threshold, alpha, console=console, width=width)
     if out is not None:
         write_out(df, summary, Path(out), base, new, threshold, alpha)
         render.line(console, f"wrote {out}", width)
-    if summary["same-row"] == len(df):
-        err.print(f"error: every one of the {len(df)} compared pairs is the same stored row on "
-                  f"both sides ({new} holds {base}'s rows): nothing was re-measured, so this says "
-                  "nothing about repeatability", highlight=False, markup=False)
-        return 2
     failed = summary["slower"] + summary["broken"]
     if summary["differs_pairs"] and not allow_incomparable:
         also = f"; besides, {failed} pairs are slower or broken" if failed else ""

@@ -57,8 +57,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import analysis
+from . import analysis, render
 from .analysis import ALPHA, THRESHOLD, BadInput, is_tie, value
+from .render import Column
 
 FORMAT = "qlabench-dispatch"
 VERSION = 2
@@ -902,58 +903,65 @@ def _line(name: str, f: dict) -> str:
             + ("" if f["meets_goal"] else "  [below goal]"))
 
 
-def print_table(table: dict, console) -> None:
-    from rich.table import Table
+#: the recommend table's columns (:mod:`qlabench.render`): the bounds wrap; runner-up and margin
+#: are left out together in a narrow terminal
+TABLE_COLUMNS = [Column("h_qk/h_v"), Column("bucket", "right"), Column("shapes", wrap=True, min_width=24),
+           Column("choice"), Column("runner-up", drop=1), Column("margin", "right", drop=1),
+           Column("winner/tie", "right")]
 
-    t = Table(title=f"dispatch ({table['direction']}) from {table['source']['dir']}: "
-              "per head config, the buckets that hold its batches")
-    for c, j in (("h_qk/h_v", "left"), ("bucket", "right"), ("shapes", "left"),
-                 ("choice", "left"), ("runner-up", "left"), ("margin", "right"),
-                 ("winner/tie", "right")):
-        t.add_column(c, justify=j)
+
+def print_table(table: dict, console, width: int | None = None) -> None:
+    """The table per head config and bucket, fitted to ``width`` columns (None: every column at
+    its natural width; :mod:`qlabench.render`), then the held-out and check figures and misses."""
+    rows = []
     for h in table["head_configs"]:
         own = [b for b in h["buckets"] if b["points"]]
         empty = [b for b in h["buckets"] if not b["points"]]
         for i, b in enumerate(own):
-            t.add_row(f"{h['h_qk']}/{h['h_v']}" if i == 0 else "", str(b["bucket"]),
-                      _fmt_bounds(b["bounds"]), b["choice"], b["runner_up"] or "",
-                      f"{b['margin']:.3f}×" if b["margin"] else "",
-                      f"{b['winner_or_tie']}/{b['points']}")
+            rows.append([f"{h['h_qk']}/{h['h_v']}" if i == 0 else "", str(b["bucket"]),
+                         _fmt_bounds(b["bounds"]), b["choice"], b["runner_up"] or "",
+                         f"{b['margin']:.3f}×" if b["margin"] else "",
+                         f"{b['winner_or_tie']}/{b['points']}"])
         if empty:
-            t.add_row("" if own else f"{h['h_qk']}/{h['h_v']}",
-                      ",".join(str(b["bucket"]) for b in empty), "no measured point",
-                      "none: answered from all head configs", "", "", "0/0")
-    console.print(t)
+            rows.append(["" if own else f"{h['h_qk']}/{h['h_v']}", "–",
+                         f"bucket{'s' * (len(empty) > 1)} "
+                         f"{', '.join(str(b['bucket']) for b in empty)}: no measured point, "
+                         "answered from all head configs", "–", "", "", "0/0"])
+    render.table(console, TABLE_COLUMNS, rows, width,
+                 title=f"dispatch ({table['direction']}) from {table['source']['dir']}: per head "
+                       "config, the buckets that hold its batches")
+
+    def say(text: str) -> None:
+        render.line(console, text, width)
+
     ho = table["held_out"]
     for key, name in ((MODES["layout"], "held out, leave-one-layout-out per model"),
                       (MODES["head_config"], "held out, leave-one-head-config-out")):
-        console.print(_line(name, ho[key]), highlight=False, markup=False)
+        say(_line(name, ho[key]))
     for c in table.get("checks", []):
-        console.print(_line(f"check on {c['dir']}", c), highlight=False, markup=False)
+        say(_line(f"check on {c['dir']}", c))
     for key, tag in ((MODES["layout"], "layout"), (MODES["head_config"], "head config")):
         for m in ho[key]["misses"]:
-            console.print(f"  miss ({tag} held out): {m['model']} {m['layout']}: chose "
-                          f"{m['chosen']}, winner {m['winner']} ({m['regret']:.3f}×)",
-                          highlight=False, markup=False)
+            say(f"  miss ({tag} held out): {m['model']} {m['layout']}: chose "
+                f"{m['chosen']}, winner {m['winner']} ({m['regret']:.3f}×)")
     for c in table.get("checks", []):
         for m in c["misses"]:
-            console.print(f"  miss (check {c['dir']}): {m['model']} {m['layout']}: chose "
-                          f"{m['chosen']}, winner {m['winner']} ({m['regret']:.3f}×)",
-                          highlight=False, markup=False)
+            say(f"  miss (check {c['dir']}): {m['model']} {m['layout']}: chose "
+                f"{m['chosen']}, winner {m['winner']} ({m['regret']:.3f}×)")
 
 
 def recommend_cmd(path: Path, out: Path, direction: str = "fwd", backends: str | None = None,
                   alpha: float = ALPHA, threshold: float = THRESHOLD,
-                  checks: Sequence[Path] = ()) -> int:
+                  checks: Sequence[Path] = (), wide: bool = False) -> int:
     """``qlabench recommend DIR --out FILE [--check DIR2]``: table and held-out figures on
-    stdout, JSON at ``out``; exit 2 with a message on bad input (missing/empty dir, no ok rows,
+    stdout fitted to the terminal (:func:`qlabench.render.terminal_width`; ``wide``: every
+    column), JSON at ``out``; exit 2 with a message on bad input (missing/empty dir, no ok rows,
     a --backends label without rows, a --check directory without ok rows or of another GPU)."""
-    import sys
-
     from rich.console import Console
 
     from .summary import load_latest
-    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    width = render.terminal_width(wide)
+    console = render.console(width)
     err = Console(stderr=True, soft_wrap=True)
     try:
         df = load_latest(path)
@@ -975,11 +983,11 @@ def recommend_cmd(path: Path, out: Path, direction: str = "fwd", backends: str |
     except BadInput as e:
         err.print(f"error: {e}", highlight=False, markup=False)
         return 2
-    print_table(table, console)
+    print_table(table, console, width)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1, default=_json_default))
-    console.print(f"wrote {out}", highlight=False, markup=False)
+    render.line(console, f"wrote {out}", width)
     return 0
 
 

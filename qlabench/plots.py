@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from . import analysis, results  # noqa: E402
+from . import analysis, render, results  # noqa: E402
 
 
 def palette(df: pd.DataFrame) -> dict[str, str | None]:
@@ -74,6 +74,17 @@ def _panel_label(sub: pd.DataFrame, m: str) -> str:
     return f"{m} (h_qk={r['h_qk']}, h_v={r['h_v']})" if "h_qk" in sub else str(m)
 
 
+def layout_ticks(rows: pd.DataFrame, layouts: list[str]) -> list[str]:
+    """Axis labels for ``layouts`` (values of ``rows['layout']``): the labels the terminal tables
+    show (:func:`qlabench.render.layout_cells`: one longer than
+    :data:`qlabench.render.LAYOUT_MAX` characters reads as ``<count>x~<mean length>``)."""
+    first = rows.drop_duplicates("layout").set_index("layout")
+    if not {"num_seqs", "total_tokens"} <= set(first.columns):
+        return [str(lab) for lab in layouts]
+    return render.layout_cells([(lab, first.at[lab, "num_seqs"], first.at[lab, "total_tokens"])
+                                for lab in layouts])
+
+
 def _grid(n_panels: int, n_groups: int, n_bars: int, bar_px: float = 14.0,
           panel_h_in: float = 3.0, extra_h_in: float = 0.9) -> tuple[int, int, tuple]:
     """(ncol, nrow, figsize) for panels of ``n_groups`` groups of ``n_bars`` bars: as many
@@ -116,7 +127,8 @@ def latency_figure(df: pd.DataFrame, out: str | Path, direction: str | None = No
                    error_kw={"elinewidth": 0.8, "capsize": 1.5, "ecolor": "#333333"})
         ax.set_yscale("log")
         ax.set_title(_panel_label(sub, m), fontsize=10)
-        ax.set_xticks(x, layouts, rotation=45, fontsize=8, ha="right", rotation_mode="anchor")
+        ax.set_xticks(x, layout_ticks(sub, layouts), rotation=45, fontsize=8, ha="right",
+                      rotation_mode="anchor")
         ax.tick_params(axis="y", labelsize=8)
         ax.set_xlim(-0.6, len(layouts) - 0.4)
         ax.set_ylabel("latency (ms, log)", fontsize=9)
@@ -331,7 +343,8 @@ def speedup_figure(df: pd.DataFrame, out: str | Path, baseline: str = analysis.B
         ax.set_ylim(0, top * (1.32 if values else 1.08))
         ax.set_xlim(-0.6, len(layouts) - 0.4)
         ax.set_title(_panel_label(sub, m), fontsize=10)
-        ax.set_xticks(x, layouts, rotation=45, fontsize=8, ha="right", rotation_mode="anchor")
+        ax.set_xticks(x, layout_ticks(sub, layouts), rotation=45, fontsize=8, ha="right",
+                      rotation_mode="anchor")
         ax.tick_params(axis="y", labelsize=8)
         ax.set_ylabel(f"speedup over {baseline} (×)", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
@@ -391,7 +404,7 @@ def winner_map(df: pd.DataFrame, out: str | Path, direction: str = "fwd", baseli
     tps = w.drop_duplicates("model").set_index("model")["tp"]
     ax.set_xticks(range(len(models)), [f"{m}\n({tps.get(m)})" for m in models], fontsize=8)
     ax.xaxis.tick_top()
-    ax.set_yticks(range(len(layouts)), layouts, fontsize=8)
+    ax.set_yticks(range(len(layouts)), layout_ticks(w, layouts), fontsize=8)
     ax.set_ylabel("layout (sequences, then tokens)", fontsize=9)
     for sp_ in ax.spines.values():
         sp_.set_visible(False)
@@ -448,8 +461,8 @@ def speedup_heatmap(df: pd.DataFrame, out: str | Path, baseline: str = analysis.
                 if np.isfinite(grid[i, j]):
                     ax.text(j, i, f"{grid[i, j]:.2f}{mark[i, j]}", ha="center", va="center",
                             fontsize=8)
-        ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right", fontsize=8,
-                      rotation_mode="anchor")
+        ax.set_xticks(range(len(cols)), layout_ticks(sp, cols), rotation=45, ha="right",
+                      fontsize=8, rotation_mode="anchor")
         ax.set_yticks(range(len(rows)), [f"{m} ({t})" for m, t in rows], fontsize=8)
         ax.set_title(f"{b} vs {baseline} — {analysis.pairing_label(sb)}", fontsize=9)
     if im is not None:

@@ -4,15 +4,20 @@ without cutting a cell.
 A table is a list of :class:`Column` and rows of cells. Every cell keeps its whole text: columns
 never shrink below their widest cell, nothing is ellipsized. When the table is wider than the
 width it is fitted to, whole columns are left out in the order of their ``drop`` rank (1 first;
-columns of one rank go together; ``drop=None``: always shown) until it fits, and a line under
-the table names what was left out. A free-text column (``wrap=True``) wraps at word boundaries
-within the room left, never narrower than its ``min_width``. A column marked ``same=True`` whose
-cells all hold one value is stated once under the table (``every row: dir fwd``) instead of
-repeated; one whose cells are all empty is left out (as is one marked ``omit_empty=True``).
+columns of one rank go together; ``drop=None``: always shown) until it fits; then the ranks left
+out are tried again, the last left out (the most important) first, and each that fits beside
+what is kept comes back. A line under the table names what stays left out. A free-text column
+(``wrap=True``) wraps at word boundaries within the room left, never narrower than its
+``min_width``. A column marked ``same=True`` whose cells all hold one value is stated once under
+the table (``every row: dir fwd``) instead of repeated; one whose cells are all empty is left out
+(as is one marked ``omit_empty=True``). With ``parts`` (a separator, e.g. ``", "``) the cells of
+a ``same`` column are lists: the parts every row holds are stated once under the table and the
+cells keep the rest (``every row: pairing cross-GPU``; a cell ``throttled``).
 
-The width a command fits to (:func:`terminal_width`): ``$COLUMNS`` when set, else the terminal's
-width when stdout is a terminal; none (every column at its natural width) with ``--wide`` or when
-stdout is a pipe or a file. Plain lines printed through :func:`line` wrap at that width.
+The width a command fits to (:func:`terminal_width`): ``$COLUMNS`` when it is a positive number,
+else the terminal's width when stdout is a terminal; none (every column at its natural width)
+with ``--wide`` or when stdout is a pipe or a file. Plain lines printed through :func:`line`
+wrap at that width.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class Column:
     columns are left out when the table is too wide, 1 first; None: always shown), ``wrap``
     (free text that wraps, at least ``min_width`` wide), ``same`` (a column with one value in
     every row is stated once under the table; all empty: left out), ``omit_empty`` (a column
-    whose cells are all empty is left out)."""
+    whose cells are all empty is left out), ``parts`` (with ``same``: the cells are lists joined
+    by this separator; the parts every row holds are stated once)."""
 
     header: str
     justify: str = "left"
@@ -48,14 +54,16 @@ class Column:
     min_width: int = 16
     same: bool = False
     omit_empty: bool = False
+    parts: str | None = None
 
 
 Cell = str | Text
 
 
 def terminal_width(wide: bool = False) -> int | None:
-    """The width tables are fitted to: None with ``wide``; ``$COLUMNS`` when set; the terminal's
-    width when stdout is a terminal; None otherwise (piped output keeps every column)."""
+    """The width tables are fitted to: None with ``wide``; ``$COLUMNS`` when it is a positive
+    number; the terminal's width when stdout is a terminal; None otherwise (piped output keeps
+    every column). A ``$COLUMNS`` of 0, negative or not a number counts as unset."""
     if wide:
         return None
     cols = os.environ.get("COLUMNS", "").strip()
@@ -67,9 +75,12 @@ def terminal_width(wide: bool = False) -> int | None:
 
 
 def console(width: int | None, stderr: bool = False) -> Console:
-    """A console for output fitted to ``width`` (None: lines are never wrapped)."""
+    """A console for output fitted to ``width`` (None: lines are never wrapped). Its own width
+    never comes from a ``$COLUMNS`` that :func:`terminal_width` counts as unset (rich would read
+    ``COLUMNS=0`` as a console 0 wide and print nothing)."""
     if width is None:
-        return Console(soft_wrap=True, stderr=stderr)
+        return Console(soft_wrap=True, stderr=stderr,
+                       width=shutil.get_terminal_size().columns)
     return Console(width=width, stderr=stderr)
 
 
@@ -115,17 +126,19 @@ def _width(con: Console, t: Table) -> int:
 @dataclass
 class Fitted:
     """What :func:`fit` decided: the kept column indices, the columns left out to fit, the
-    columns stated once (header, value) and the table's width."""
+    columns stated once (header, value), the table's width and its cells as shown."""
 
     keep: list[int]
     dropped: list[str]
     same: list[tuple[str, str]]
     width: int
+    rows: list[list[Text]]
 
 
 def fit(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], width: int | None,
         con: Console | None = None) -> Fitted:
-    """Which columns of the table to show at ``width`` (None: all of them): see the module doc."""
+    """Which columns of the table to show at ``width`` (None: all of them), and the cells as they
+    are shown: see the module doc."""
     con = con or Console(width=10**6)
     rows = [[_text(c) for c in r] for r in rows]
     keep, same = [], []
@@ -136,17 +149,34 @@ def fit(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], width: int | 
         if c.same and len(rows) > 1 and len(vals) == 1:
             same.append((c.header, vals.pop()))
             continue
+        if c.same and c.parts and len(rows) > 1:
+            lists = [r[i].plain.split(c.parts) if r[i].plain else [] for r in rows]
+            common = [p for p in lists[0] if all(p in ps for ps in lists[1:])]
+            if common:
+                same.append((c.header, c.parts.join(common)))
+                for r, ps in zip(rows, lists):
+                    r[i] = Text(c.parts.join(p for p in ps if p not in common))
+                if all(not r[i].plain for r in rows):
+                    continue
         keep.append(i)
-    dropped: list[str] = []
+
+    def too_wide(cols: list[int]) -> bool:
+        return width is not None and _width(con, _table(columns, rows, cols, True)) > width
+
+    out: list[int] = []  # ranks left out, in the order they went
     ranks = sorted({columns[i].drop for i in keep if columns[i].drop is not None})
-    while width is not None and ranks and _width(con, _table(columns, rows, keep, True)) > width:
-        r = ranks.pop(0)
-        dropped += [columns[i].header for i in keep if columns[i].drop == r]
-        keep = [i for i in keep if columns[i].drop != r]
+    while ranks and too_wide([i for i in keep if columns[i].drop not in out]):
+        out.append(ranks.pop(0))
+    for r in reversed(list(out)):  # the most important first: each rank that fits comes back
+        back = [i for i in keep if columns[i].drop not in out or columns[i].drop == r]
+        if not too_wide(back):
+            out.remove(r)
+    dropped = [columns[i].header for r in out for i in keep if columns[i].drop == r]
+    keep = [i for i in keep if columns[i].drop not in out]
     full = _width(con, _table(columns, rows, keep))
     least = _width(con, _table(columns, rows, keep, True))
     w = full if width is None else max(least, min(full, width))
-    return Fitted(keep, dropped, same, w)
+    return Fitted(keep, dropped, same, w, rows)
 
 
 def table(con: Console, columns: Sequence[Column], rows: Sequence[Sequence[Cell]],
@@ -155,9 +185,8 @@ def table(con: Console, columns: Sequence[Column], rows: Sequence[Sequence[Cell]
     column stated once (``every <what>: ...``) and one naming the columns left out."""
     if title:
         line(con, title, width)
-    rows = [[_text(c) for c in r] for r in rows]
     f = fit(columns, rows, width, con)
-    t = _table(columns, rows, f.keep)
+    t = _table(columns, f.rows, f.keep)
     t.width = f.width
     con.print(t, crop=False, soft_wrap=False)
     if f.same:

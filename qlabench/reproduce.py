@@ -40,6 +40,7 @@ from rich.console import Console
 
 from . import analysis, plots, render, results
 from .render import Column
+from .sweep import layout_label
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: where published sets are looked up (tests point this elsewhere)
@@ -203,7 +204,8 @@ def _select_rows(rows: pd.DataFrame, pub: Published) -> pd.DataFrame:
 def side_by_side(pub: Published, rows: pd.DataFrame, extra_baseline: str = analysis.BASELINE) -> pd.DataFrame:
     """One row per published point.
 
-    Columns: model, seqlens_label, seqlens, h_qk, h_v; per published backend ``b``:
+    Columns: model, layout (:func:`qlabench.sweep.layout_label`, the label every view shows),
+    seqlens_label (the published set's own label), seqlens, h_qk, h_v; per published backend ``b``:
     ``b_pub_ms``, ``b_ms`` (NaN unless ok), ``b_status`` (ok | a row status | missing),
     ``b_ratio`` (measured / published); ``speedup_pub``, ``speedup_ms`` (baseline / target),
     ``speedup_ratio`` (measured / published speedup); when tilelang rows exist: ``tilelang_ms``,
@@ -221,7 +223,7 @@ def side_by_side(pub: Published, rows: pd.DataFrame, extra_baseline: str = analy
     bes = list(lib_of) + ([EXTRA_BACKEND] if has_extra else [])
     out = []
     for p in pub.table.itertuples(index=False):
-        d = {"model": p.model, "seqlens_label": p.seqlens_label,
+        d = {"model": p.model, "layout": layout_label(p.key[2]), "seqlens_label": p.seqlens_label,
              "seqlens": " ".join(map(str, p.key[2])), "h_qk": p.h_qk, "h_v": p.h_v}
         for b in bes:
             rec = by.get((p.key, b))
@@ -350,7 +352,7 @@ def summarize(pub: Published, table: pd.DataFrame) -> dict:
                       for r in (f"vs_{eb}", "vs_best")}
     bes = _library_columns(table.columns)
     no_row = table[np.all([table[f"{b}_status"] == MISSING for b in bes], axis=0)]
-    s["missing_points"] = [f"{m} {lab}" for m, lab in zip(no_row["model"], no_row["seqlens_label"])]
+    s["missing_points"] = [f"{m} {lab}" for m, lab in zip(no_row["model"], no_row["layout"])]
     return s
 
 
@@ -539,7 +541,7 @@ def _point_head(pub: Published, table: pd.DataFrame) -> list[str]:
 
 
 def _point_row(pub: Published, t: pd.Series, extra_baseline: str = analysis.BASELINE) -> list[str]:
-    r = [str(t["model"]), str(t["seqlens_label"]), f"{t['h_qk']}/{t['h_v']}"]
+    r = [str(t["model"]), str(t["layout"]), f"{t['h_qk']}/{t['h_v']}"]
     r += [_cell(t, b) for b in _library_columns(t.index)]
     r += [_fx(t["speedup_pub"]), _fx(t["speedup_ms"]), _tag(t, "speedup", "speedup_ms")]
     if f"{EXTRA_BACKEND}_status" in t:
@@ -679,16 +681,17 @@ TTY_SPEEDUP = [Column("speedup"), Column("points", "right"), Column("geomean", "
 def tty_point_columns(pub: Published, table: pd.DataFrame) -> list[Column]:
     """The terminal's worst / best point tables: heads, layout, the published and measured
     speedup and their ratio; per measured library its measured / published ms; the in-repo
-    kernel's ms and speedups. ``drop`` (narrow terminal): the ratio of speedups, the in-repo
-    kernel's ms, the libraries outside the speedup, × best, × baseline."""
+    kernel's ms and speedups. ``drop`` (narrow terminal): the libraries outside the speedup, the
+    in-repo kernel's ms, × best, × baseline, then the ratio of speedups (the tables are ranked by
+    it)."""
     libs = _library_columns(table.columns)
     cols = [Column("heads"), Column("layout"), Column("pub", "right"), Column("meas", "right"),
-            Column("meas/pub", "right", drop=1)]
-    cols += [Column(b, "right", drop=None if b in (pub.baseline, pub.target) else 3) for b in libs]
+            Column("meas/pub", "right", drop=5)]
+    cols += [Column(b, "right", drop=None if b in (pub.baseline, pub.target) else 1) for b in libs]
     if f"{EXTRA_BACKEND}_status" in table:
         eb = table.attrs.get("extra_baseline", analysis.BASELINE)
-        cols += [Column(f"{EXTRA_BACKEND} ms", "right", drop=2), Column(f"× {eb}", "right", drop=5),
-                 Column("× best", "right", drop=4)]
+        cols += [Column(f"{EXTRA_BACKEND} ms", "right", drop=2), Column(f"× {eb}", "right", drop=4),
+                 Column("× best", "right", drop=3)]
     return cols
 
 
@@ -697,8 +700,10 @@ def _tty_ratio(t: pd.Series, b: str) -> str:
     return _fmt(t[f"{b}_ratio"], 2) if st == "ok" else st
 
 
-def tty_point_row(pub: Published, t: pd.Series, extra_baseline: str = analysis.BASELINE) -> list[str]:
-    r = [f"{t['h_qk']}/{t['h_v']}", str(t["seqlens_label"]), _fx(t["speedup_pub"]),
+def tty_point_row(pub: Published, t: pd.Series, extra_baseline: str = analysis.BASELINE,
+                  layout: str | None = None) -> list[str]:
+    """A worst / best table row; ``layout``: the layout cell (default: the point's label)."""
+    r = [f"{t['h_qk']}/{t['h_v']}", layout or str(t["layout"]), _fx(t["speedup_pub"]),
          _fx(t["speedup_ms"]), _fmt(t["speedup_ratio"], 2)]
     r += [_tty_ratio(t, b) for b in _library_columns(t.index)]
     if f"{EXTRA_BACKEND}_status" in t:
@@ -707,11 +712,20 @@ def tty_point_row(pub: Published, t: pd.Series, extra_baseline: str = analysis.B
     return r
 
 
-def _pairing_notes(pub: Published, points: pd.DataFrame, eb: str) -> list[str]:
+def _layout_cells(points: pd.DataFrame) -> list[str]:
+    """The layout cells of ``points`` (:func:`qlabench.render.layout_cells`: a long label read as
+    count and mean length)."""
+    lens = [[int(x) for x in str(s).split()] for s in points["seqlens"]]
+    return render.layout_cells([(lab, len(x), sum(x)) for lab, x in zip(points["layout"], lens)])
+
+
+def _pairing_notes(pub: Published, points: pd.DataFrame, eb: str,
+                   cells: list[str] | None = None) -> list[str]:
     """One ``heads layout: ratio tag`` entry per measured ratio of ``points`` whose rows do not
-    share GPU and campaign or are throttled."""
+    share GPU and campaign or are throttled (``cells``: the layouts as the table shows them)."""
     out = []
-    for _, t in points.iterrows():
+    cells = cells or [str(x) for x in points["layout"]]
+    for cell, (_, t) in zip(cells, points.iterrows()):
         tags = [(f"{pub.baseline}/{pub.target}", t["speedup_pairing"], t["speedup_ms"])]
         if f"{EXTRA_BACKEND}_status" in t:
             for r, what in ((f"vs_{eb}", f"{eb}/{EXTRA_BACKEND}"),
@@ -719,7 +733,7 @@ def _pairing_notes(pub: Published, points: pd.DataFrame, eb: str) -> list[str]:
                 tags.append((what, t[f"{EXTRA_BACKEND}_{r}_pairing"], t[f"{EXTRA_BACKEND}_{r}"]))
         bad = [f"{w} {tag}" for w, tag, v in tags if np.isfinite(v) and tag]
         if bad:
-            out.append(f"{t['h_qk']}/{t['h_v']} {t['seqlens_label']}: {', '.join(bad)}")
+            out.append(f"{t['h_qk']}/{t['h_v']} {cell}: {', '.join(bad)}")
     return out
 
 
@@ -777,12 +791,16 @@ def print_report(rep: Reproduction, console: Console, width: int | None = None) 
     if not worst.empty:
         for title, pts in ((f"worst points (measured {lab} speedup / published)", worst),
                            ("best points", best)):
-            render.table(console, cols, [tty_point_row(pub, t, eb) for _, t in pts.iterrows()],
+            cells = _layout_cells(pts)
+            render.table(console, cols, [tty_point_row(pub, t, eb, c)
+                                         for c, (_, t) in zip(cells, pts.iterrows())],
                          width, title=title, what="point")
-            tags = _pairing_notes(pub, pts, eb)
+            tags = _pairing_notes(pub, pts, eb, cells)
             if tags:
                 render.line(console, "pairing (rows not sharing GPU and campaign, or throttled): "
                             + "; ".join(tags), width)
+            for n in render.layout_notes(cells, list(pts["layout"])):
+                render.line(console, f"layout {n}", width)
         render.line(console, legend, width, style="dim")
     if rep.files:
         render.line(console, "wrote " + ", ".join(str(p) for p in rep.files.values()), width)
@@ -824,7 +842,12 @@ def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
         if baseline == analysis.BEST_LIBRARY:  # a column of its own already (× best)
             raise ReproduceError(f"--baseline {baseline}: reproduce prints the in-repo kernel against the "
                            "best library in its `× best` column; give a label for the other one")
-        extra_baseline = analysis.BASELINE if baseline is None else analysis.require_baseline(rows, baseline)
+        extra_baseline = analysis.BASELINE if baseline is None else \
+            analysis.resolve_baseline(rows, baseline)
+        if extra_baseline is None:  # the labels reproduce takes: no best-library (above)
+            raise ReproduceError(f"--baseline {baseline!r}: no {direction} rows of that label in "
+                                 f"{from_}; labels present: "
+                                 f"{', '.join(sorted(map(str, set(rows['backend'].dropna()))))}")
     except (ReproduceError, analysis.BadInput) as e:
         err.print(f"[red]error:[/red] {e}", highlight=False)
         return 2

@@ -27,8 +27,11 @@ def test_run_against_itself_is_refused_as_the_same_rows(base, tmp_path, capsys):
     out = _json(tmp_path / "v.json")
     assert len(out["rows"]) == 24 and {r["verdict"] for r in out["rows"]} == {"same-row"}
     assert all(r["ratio"] is None and "same stored row" in r["reason"] for r in out["rows"])
+    assert {r["base_run_id"] for r in out["rows"]} == {r["new_run_id"] for r in out["rows"]} \
+        == set(results.load(base)["run_id"])
     cap = capsys.readouterr()
-    assert "24 same-row" in cap.out
+    assert cap.out == ""  # found before the table: no table, no footnotes
+    assert cap.err.count("\n") == 1
     assert "every one of the 24 compared pairs is the same stored row" in cap.err
 
 

@@ -100,3 +100,24 @@ def test_each_figure_is_drawn_once_with_the_pixels_savefig_writes(tmp_path, monk
     with Image.open(p) as a, Image.open(tmp_path / "savefig.png") as b:
         assert a.size == b.size
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_long_layout_reads_as_count_and_mean_on_every_axis(tmp_path, monkeypatch, recwarn):
+    """A batch of 64 sequences (a ~300-character label) gets the terminal tables' short label
+    (``64x~242``) as its tick label, and the figure is laid out (no constrained-layout warning)."""
+    rng = np.random.default_rng(3)
+    many = [int(x) for x in rng.integers(1, 512, 64)]
+    lat = results.latest(results.load(S.write_run(tmp_path / "r", layouts=[[8192], many])))
+    long = S.layout_label(many)
+    assert len(long) > 200
+    short = f"64x~{round(sum(many) / 64)}"
+    figs = []
+    monkeypatch.setattr(plots.plt, "close", figs.append)
+    for draw in (plots.latency_figure, plots.speedup_figure, plots.winner_map, plots.speedup_heatmap):
+        draw(lat, tmp_path / f"{draw.__name__}.png", direction="fwd")
+    assert len(figs) == 4
+    for fig in figs:
+        ticks = [t.get_text() for ax in fig.axes for t in (*ax.get_xticklabels(), *ax.get_yticklabels())]
+        assert short in ticks and "1x8192" in ticks, ticks
+        assert max(len(t) for t in ticks if "x" in t) <= len(short) and long not in ticks
+    assert not [w for w in recwarn if "constrained_layout not applied" in str(w.message)]

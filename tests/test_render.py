@@ -30,9 +30,11 @@ def test_columns_go_in_rank_order_whole_ranks_at_a_time_and_cells_stay_whole():
     assert f.dropped == [] and "left out" not in out
     f, out = _print(cols, rows, full - 1)           # one column less is enough: b (rank 1)
     assert f.dropped == ["b"] and f"(left out to fit {full - 1} columns: b; --wide" in out
-    f, out = _print(cols, rows, full - 9)           # rank 2 goes as one: a and c together
+    f, out = _print(cols, rows, full - 9)           # rank 2 goes as one: a and c together,
+    assert f.dropped == ["a", "c"] and f.keep == [0, 2]  # then b fits again
+    f, out = _print(cols, rows, full - 17)          # b does not fit back
     assert f.dropped == ["b", "a", "c"] and f.keep == [0]
-    for width in (full - 1, full - 9):
+    for width in (full - 1, full - 9, full - 17):
         f, out = _print(cols, rows, width)
         assert "…" not in out and "flashinfer@0.7.4" in out
         assert max(len(ln) for ln in out.splitlines()) <= width
@@ -47,7 +49,7 @@ def test_free_text_wraps_within_the_room_left_before_a_column_goes():
     assert f.dropped == [] and f.width == full - 8
     assert max(len(ln) for ln in out.splitlines()) <= full - 8
     f, out = _print(COLS, ROWS, 40)                 # the text at its least width, columns go
-    assert "b" in f.dropped and 4 in f.keep and "…" not in out
+    assert f.dropped and 4 in f.keep and "…" not in out
     words = " ".join(out.split())
     assert all(w in words for w in "a few words of free text here".split())
 
@@ -76,3 +78,41 @@ def test_width_comes_from_columns_then_the_terminal_and_wide_or_a_pipe_keep_ever
     monkeypatch.delenv("COLUMNS")
     monkeypatch.setattr("sys.stdout.isatty", lambda: False, raising=False)
     assert render.terminal_width() is None
+
+
+def test_a_rank_left_out_comes_back_when_it_fits_beside_what_is_kept():
+    # a wide rank-2 column forces rank 1 out first; once rank 2 is out too, rank 1 fits again
+    cols = [Column("label"), Column("n", "right", drop=1), Column("wide", drop=2)]
+    rows = [["tilelang", "12", "x" * 40], ["fla", "3", ""]]
+    least = render.fit(cols[:2], rows, None).width
+    f = render.fit(cols, rows, least)
+    assert f.dropped == ["wide"] and f.keep == [0, 1] and f.width == least
+    # the most important rank left out comes back first
+    cols = [Column("label"), Column("a", drop=1), Column("b", drop=2), Column("wide", drop=3)]
+    rows = [["tilelang", "aaaa", "bbbb", "x" * 40]]
+    f = render.fit(cols, rows, render.fit(cols[:3], rows, None).width - 1)
+    assert f.dropped == ["a", "wide"] and f.keep == [0, 2]
+
+
+def test_parts_every_row_holds_are_stated_once_and_the_cells_keep_the_rest():
+    cols = [Column("layout"), Column("pairing", same=True, parts=", ")]
+    rows = [["1x8192", "cross-GPU, cross-campaign"], ["4x8192", "cross-GPU, cross-campaign, throttled"]]
+    f, out = _print(cols, rows, None)
+    assert f.same == [("pairing", "cross-GPU, cross-campaign")] and f.keep == [0, 1]
+    assert [r[1].plain for r in f.rows] == ["", "throttled"]
+    assert "every row: pairing cross-GPU, cross-campaign" in out
+    f, _ = _print(cols, [["1x8192", "cross-GPU"], ["4x8192", ""]], None)  # nothing in every row
+    assert f.same == [] and [r[1].plain for r in f.rows] == ["cross-GPU", ""]
+
+
+def test_a_COLUMNS_of_zero_or_not_a_number_counts_as_unset(monkeypatch):
+    monkeypatch.setattr("sys.stdout.isatty", lambda: False, raising=False)
+    for bad in ("0", "-3", "wide", ""):
+        monkeypatch.setenv("COLUMNS", bad)
+        assert render.terminal_width() is None
+        buf = io.StringIO()
+        con = render.console(None)
+        con.file = buf
+        render.table(con, [Column("layout"), Column("ms", "right")], [["1x8192", "0.1234"]], None)
+        render.line(con, "a line", None)
+        assert "1x8192" in buf.getvalue() and "0.1234" in buf.getvalue() and "a line" in buf.getvalue()

@@ -136,6 +136,11 @@ def test_missing_points_statuses_and_tilelang_column(tmp_path, pub_fwd):
     text = buf.getvalue()
     assert "no CUDA device (test)" in text and "152 points have no measured row" in text
     assert "tilelang" in text
+    # layouts read as in every other view (qlabench.sweep.layout_label), count first
+    assert list(t["layout"].iloc[:3]) == ["1x32768", "1x16384", "1x8192"]
+    assert {"4x2048", "2x[2048,6144]"} <= set(t["layout"])
+    md = (tmp_path / "out" / f"reproduce_{NAME}_fwd.md").read_text()
+    assert "2x[2048,6144]" in md and "2048+6144" not in md and "2048x4" not in md
 
 
 def test_version_differences_are_named_next_to_the_backend(tmp_path, pub_bwd):
@@ -181,6 +186,12 @@ def test_errors_exit_2_with_a_clear_message(tmp_path, pub_bwd):
     r = runner.invoke(app, ["reproduce", NAME, "--direction", "bwd", "--from", str(src),
                             "--out", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
+    # a --baseline without rows: the message lists only what reproduce takes (no best-library)
+    r = runner.invoke(app, ["reproduce", NAME, "--direction", "bwd", "--from", str(src),
+                            "--out", str(tmp_path / "o"), "--baseline", "nope"])
+    msg = " ".join(r.output.split())
+    assert r.exit_code == 2 and "--baseline 'nope'" in msg and "fla, flashqla" in msg
+    assert "best-library" not in msg
 
 
 def test_reproduce_only_reads_rows(tmp_path, pub_fwd):
