@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from . import results
+from .config import DIRECTIONS
 
 #: the default baseline label of every speedup
 BASELINE = "fla"
@@ -52,6 +53,22 @@ class BadInput(Exception):
 
 class UnknownBaseline(BadInput):
     """A ``--baseline`` label without rows in the data."""
+
+
+def check_tie_rule(alpha: float, threshold: float) -> None:
+    """:class:`BadInput` naming the option unless ``alpha`` is in (0, 1) and ``threshold`` >= 0
+    (the options of every view that tests or judges a difference: ``--alpha``, ``--threshold``)."""
+    if not (threshold >= 0):
+        raise BadInput(f"--threshold {threshold}: must be >= 0 (0.05 = 5%)")
+    if not (0 < alpha < 1):
+        raise BadInput(f"--alpha {alpha}: must be in (0, 1)")
+
+
+def check_direction(direction: str, allowed: Sequence[str] = DIRECTIONS) -> str:
+    """``direction`` when it is one of ``allowed``, else :class:`BadInput` naming them."""
+    if direction not in allowed:
+        raise BadInput(f"--direction {direction!r}: use one of {' | '.join(allowed)}")
+    return direction
 
 
 # --------------------------------------------------------------------------- rows
