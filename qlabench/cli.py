@@ -182,8 +182,8 @@ def submit(
     from .cluster import submit_sweep
     s = _load(config)
     _out(out, "dir")
-    raise typer.Exit(_writing(submit_sweep, s, config, shards, out, executor, partition, timeout_min, resume,
-                                  console, err))
+    raise typer.Exit(_writing(submit_sweep, s, config, shards, out, executor, partition,
+                              timeout_min, resume, console, err))
 
 
 @app.command()
@@ -376,10 +376,10 @@ def compare(
         err.print("error: NEW is missing (or give --base-backend and --new-backend to compare two "
                   "labels inside BASE)", highlight=False)
         raise typer.Exit(2)
-    raise typer.Exit(_writing(compare_cmd, base, new if new is not None else base, threshold=threshold,
-                                 alpha=alpha, out=out, base_backend=base_backend,
-                                 new_backend=new_backend, allow_incomparable=allow_incomparable,
-                                 wide=wide))
+    raise typer.Exit(_writing(compare_cmd, base, new if new is not None else base,
+                              threshold=threshold, alpha=alpha, out=out, base_backend=base_backend,
+                              new_backend=new_backend, allow_incomparable=allow_incomparable,
+                              wide=wide))
 
 
 @app.command()
@@ -512,8 +512,8 @@ def profile_cmd(
     from .profiling_cli import profile_main
     s = _load(config)
     _out(out, "dir")
-    raise typer.Exit(_writing(profile_main, s, config, point, model, backend, direction, ncu, out, console, err,
-                                  ncu_set=ncu_set, ncu_kernel=ncu_kernel))
+    raise typer.Exit(_writing(profile_main, s, config, point, model, backend, direction, ncu, out,
+                              console, err, ncu_set=ncu_set, ncu_kernel=ncu_kernel))
 
 
 @app.command()

@@ -591,14 +591,15 @@ class Dispatch:
                              f"{data.get('format')!r}, version {data.get('version')!r}); "
                              "rebuild it with `qlabench recommend`")
         tree = data.get("tree")
-        for key, v in (("tree.nodes", tree.get("nodes") if isinstance(tree, dict) else None),
-                       ("buckets", data.get("buckets")), ("head_configs", data.get("head_configs"))):
+        nodes = tree.get("nodes") if isinstance(tree, dict) else None
+        for key, v in (("tree.nodes", nodes), ("buckets", data.get("buckets")),
+                       ("head_configs", data.get("head_configs"))):
             if not isinstance(v, list):
                 raise ValueError(f"a {FORMAT} table without a {key} list; rebuild it with "
                                  "`qlabench recommend`")
         source = data.get("source")
         self.data = data
-        self.nodes = tree["nodes"]
+        self.nodes = nodes
         self.buckets = data["buckets"]
         self.sm_count = source.get("sm_count") if isinstance(source, dict) else None
         try:

@@ -6,8 +6,8 @@
 with ``isolate: false``), which starts its workers first thing: each imports torch and its
 library and reports its availability and version, while this process reads the results
 directory (refused, before any row, when it holds rows of another sweep, input recipe, GPU or
-timing method: :func:`other_rows`), the GPU's ceilings (cached per GPU: :mod:`qlabench.host`) and the
-environment. Once the first label is available (every label, for a ``--resume``, which needs
+timing method: :func:`other_rows`), the GPU's ceilings (cached per GPU: :mod:`qlabench.host`)
+and the environment. Once the first label is available (every label, for a ``--resume``, which needs
 every version for its done rows and campaign, and for several GPUs) the run writes its metadata
 (versions, environment, campaign: :func:`campaign_for`, timeline; rewritten as later checks come
 in) and the executor measures the rows (in sweep order on one GPU, heaviest first over several).
@@ -166,8 +166,8 @@ def other_rows(held, sweep: Sweep, pts: list[Point], gpu_name: str,
     t = sweep.timing
     theirs = method_counts(other_method(held, t.mode, t.l2))
     if theirs:
-        out["method"] = (f"rows timed with {', '.join(f'{m} ({n} rows)' for m, n in theirs.items())}"
-                         f", not with this run's timing_mode={t.mode}, l2={t.l2}")
+        ways = ", ".join(f"{m} ({n} rows)" for m, n in theirs.items())
+        out["method"] = f"rows timed with {ways}, not with this run's timing_mode={t.mode}, l2={t.l2}"
     return out
 
 
@@ -182,8 +182,9 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     sweep, input recipe, GPU or timing method (:func:`other_rows`) raises :class:`OtherRows`
     (:class:`RecipeMismatch` where a recipe differs) before any row, and nothing is written;
     ``append_other`` adds the run's rows to it anyway, except a ``--resume`` over rows of
-    another recipe or timing method. With ``refuse_unrunnable``, a run whose backends cannot run here while
-    ``out_dir`` already holds rows raises :class:`NothingRunnable` and writes nothing."""
+    another recipe or timing method. With ``refuse_unrunnable``, a run whose backends cannot run
+    here while ``out_dir`` already holds rows raises :class:`NothingRunnable` and writes
+    nothing."""
     t_run = time.time()
     tl: dict = {}  # the run's timeline (seconds from the run's start), stored in the metadata
     t_proc = process_started_at()

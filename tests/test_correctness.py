@@ -1,6 +1,5 @@
 """Correctness-check details and the resume/merge semantics found in review."""
 
-import pytest
 import torch
 
 from qlabench import config as C
