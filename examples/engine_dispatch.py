@@ -30,9 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--require", action="store_true",
                     help="exit 1 when the chosen backend cannot run here (no reference stand-in)")
     a = ap.parse_args(argv)
-    table = dispatch.load(a.table)                      # once, at engine start
-    h_qk, h_v = (int(x) for x in a.heads.split("/"))
-    seqlens = tuple(int(x) for x in a.seqlens.split(","))
+    try:                                                # bad input: one line, exit 2
+        table = dispatch.load(a.table)                  # once, at engine start
+    except (OSError, ValueError) as e:
+        print(f"error: --table {a.table}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
+    try:
+        h_qk, h_v = dispatch.parse_heads(a.heads)
+        seqlens = tuple(dispatch.parse_seqlens(a.seqlens))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     # a batch in the canonical layout (FLA's): q, k [1,T,H_qk,128], v [1,T,H_v,128] bf16 on a GPU
     # (fp32 on a CPU, where the reference runs), g (log-space decay) and beta [1,T,H_v] fp32,

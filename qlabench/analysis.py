@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from . import results
+from .config import DIRECTIONS
 
 #: the default baseline label of every speedup
 BASELINE = "fla"
@@ -52,6 +53,22 @@ class BadInput(Exception):
 
 class UnknownBaseline(BadInput):
     """A ``--baseline`` label without rows in the data."""
+
+
+def check_tie_rule(alpha: float, threshold: float) -> None:
+    """:class:`BadInput` naming the option unless ``alpha`` is in (0, 1) and ``threshold`` >= 0
+    (the options of every view that tests or judges a difference: ``--alpha``, ``--threshold``)."""
+    if not (threshold >= 0):
+        raise BadInput(f"--threshold {threshold}: must be >= 0 (0.05 = 5%)")
+    if not (0 < alpha < 1):
+        raise BadInput(f"--alpha {alpha}: must be in (0, 1)")
+
+
+def check_direction(direction: str, allowed: Sequence[str] = DIRECTIONS) -> str:
+    """``direction`` when it is one of ``allowed``, else :class:`BadInput` naming them."""
+    if direction not in allowed:
+        raise BadInput(f"--direction {direction!r}: use one of {' | '.join(allowed)}")
+    return direction
 
 
 # --------------------------------------------------------------------------- rows
@@ -91,7 +108,9 @@ def load_newest(path: str | Path) -> pd.DataFrame:
 # --------------------------------------------------------------------------- pairing
 
 #: columns that say whether two rows can be compared as measured side by side
-PAIR_COLUMNS = ("gpu_uuid", "campaign_id", "throttled")
+PAIR_COLUMNS = ("gpu_uuid", "campaign_id", "throttled", "timing_mode", "l2")
+#: the timing method of a row: rows of different methods are paired only with a tag saying so
+METHOD_COLUMNS = ("timing_mode", "l2")
 
 
 def known(v) -> bool:
@@ -105,8 +124,11 @@ def pairing(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     Columns (index of ``a``): ``gpu_known`` / ``campaign_known`` (both rows carry ``gpu_uuid`` /
     ``campaign_id``), ``same_gpu`` / ``same_campaign`` (known on both sides and equal; a value
     missing on either side, as on rows written before these columns existed, counts as not
-    shared), ``throttled`` (either row's ``throttled`` is true) and ``pairing``, the per-pair tag
-    of :func:`pair_tag` ("" for a clean pair). Frames lacking a column count it as unknown."""
+    shared), ``throttled`` (either row's ``throttled`` is true), ``same_method`` (no
+    :data:`METHOD_COLUMNS` value known on both sides differs, as ``qlabench compare`` judges
+    them: an ``events`` row against a ``graph-batch`` one is not the same method) and
+    ``pairing``, the per-pair tag of :func:`pair_tag` ("" for a clean pair). Frames lacking a
+    column count it as unknown."""
     if len(a) != len(b):
         raise ValueError(f"pairing: {len(a)} rows vs {len(b)} rows")
 
@@ -118,10 +140,12 @@ def pairing(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
 
 
 #: the columns of :func:`pairing` and the keys of :func:`pair`
-PAIR_FIELDS = ("gpu_known", "same_gpu", "campaign_known", "same_campaign", "throttled", "pairing")
+PAIR_FIELDS = ("gpu_known", "same_gpu", "campaign_known", "same_campaign", "throttled",
+               "same_method", "pairing")
 
 
-def _pair_values(gpu_a, gpu_b, campaign_a, campaign_b, throttled_a, throttled_b) -> dict:
+def _pair_values(gpu_a, gpu_b, campaign_a, campaign_b, throttled_a, throttled_b, mode_a, mode_b,
+                 l2_a, l2_b) -> dict:
     """:data:`PAIR_FIELDS` of one pair from its two rows' :data:`PAIR_COLUMNS` values."""
     out = {}
     for name, u, v in (("gpu", gpu_a, gpu_b), ("campaign", campaign_a, campaign_b)):
@@ -130,7 +154,10 @@ def _pair_values(gpu_a, gpu_b, campaign_a, campaign_b, throttled_a, throttled_b)
         out[f"same_{name}"] = bool(k and u == v)
     out["throttled"] = (known(throttled_a) and bool(throttled_a)) or \
         (known(throttled_b) and bool(throttled_b))
-    out["pairing"] = pair_tag(out["same_gpu"], out["same_campaign"], out["throttled"])
+    out["same_method"] = not any(known(u) and known(v) and u != v
+                                 for u, v in ((mode_a, mode_b), (l2_a, l2_b)))
+    out["pairing"] = pair_tag(out["same_gpu"], out["same_campaign"], out["throttled"],
+                              out["same_method"])
     return out
 
 
@@ -139,12 +166,16 @@ def pair(a: Mapping, b: Mapping) -> dict:
     return _pair_values(*(r.get(c) for c in PAIR_COLUMNS for r in (a, b)))
 
 
-def pair_tag(same_gpu: bool, same_campaign: bool, throttled: bool) -> str:
-    """Per-pair tag: "" when both rows share GPU and campaign and neither is throttled, else the
-    words that apply of ``cross-GPU``, ``cross-campaign``, ``throttled`` (comma-separated)."""
-    words = [w for w, bad in (("cross-GPU", not same_gpu), ("cross-campaign", not same_campaign),
-                              ("throttled", throttled)) if bad]
-    return ", ".join(words)
+#: the words of :func:`pair_tag`, in its order (each at most 12 characters: table cells)
+PAIR_WORDS = ("cross-GPU", "cross-campaign", "throttled", "cross-method")
+
+
+def pair_tag(same_gpu: bool, same_campaign: bool, throttled: bool,
+             same_method: bool = True) -> str:
+    """Per-pair tag: "" when both rows share GPU, campaign and timing method and neither is
+    throttled, else the words that apply of :data:`PAIR_WORDS` (comma-separated)."""
+    bad = (not same_gpu, not same_campaign, throttled, not same_method)
+    return ", ".join(w for w, b in zip(PAIR_WORDS, bad) if b)
 
 
 def pairing_label(p: pd.DataFrame) -> str:
@@ -163,6 +194,9 @@ def pairing_label(p: pd.DataFrame) -> str:
     t = int(p["throttled"].astype(bool).sum())
     if t:
         parts.append(f"throttled: {t}")
+    m = int((~p["same_method"].astype(bool)).sum())
+    if m:
+        parts.append(f"cross-method: {m} of {n} pair{'s' * (n != 1)}")
     return "; ".join(parts) if parts else f"same GPU and campaign: {n} pair{'s' * (n != 1)}"
 
 
@@ -249,8 +283,7 @@ def speedups(df: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     Columns: ``baseline_ms``, ``speedup`` (baseline latency / row latency), ``speedup_lo`` ..
     ``speedup_hi`` (baseline p10 / row p90 .. baseline p90 / row p10; a row without p10/p90
     contributes its median) and the pair's :func:`pairing` columns."""
-    cols = ["baseline_ms", "speedup", "speedup_lo", "speedup_hi", "gpu_known", "same_gpu",
-            "campaign_known", "same_campaign", "throttled", "pairing"]
+    cols = ["baseline_ms", "speedup", "speedup_lo", "speedup_hi", *PAIR_FIELDS]
     if df.empty:
         return pd.DataFrame(columns=cols)
     ok = df["status"] == "ok"

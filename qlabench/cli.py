@@ -32,6 +32,47 @@ def _load(path: Path) -> C.Sweep:
         raise typer.Exit(2) from None
 
 
+def _out(path: Path, kind: str) -> Path:
+    """``--out`` checked before anything is computed (:func:`qlabench.paths.check_out`: ``kind``
+    ``dir`` or ``file``); one error line and exit 2 when it cannot be written so."""
+    from .paths import OutPathError, check_out
+    try:
+        return check_out(path, kind)
+    except OutPathError as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        raise typer.Exit(2) from None
+
+
+def _writing(fn, *args, **kwargs) -> int:
+    """``fn(*args, **kwargs)`` (a command's body, returning its exit code), with an OSError it
+    raises (a disk full, a path gone since it was checked) as one error line and exit 2."""
+    try:
+        return fn(*args, **kwargs)
+    except OSError as e:
+        _os_error(e)
+
+
+def _os_error(e: OSError):
+    """One error line naming the file and the reason of ``e``; exit 2."""
+    what = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+    err.print(f"error: {what}", highlight=False, markup=False)
+    raise typer.Exit(2) from None
+
+
+def _tie_rule(alpha: float, threshold: float, direction: str | None = None) -> None:
+    """``--alpha``, ``--threshold`` (and ``--direction`` when given) checked as compare checks
+    them (:func:`qlabench.analysis.check_tie_rule`, :func:`qlabench.analysis.check_direction`);
+    one error line and exit 2 otherwise."""
+    from .analysis import BadInput, check_direction, check_tie_rule
+    try:
+        check_tie_rule(alpha, threshold)
+        if direction is not None:
+            check_direction(direction)
+    except BadInput as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        raise typer.Exit(2) from None
+
+
 def _backend_list(arg: str | None, sweep: C.Sweep) -> list[str]:
     """Labels to run: the sweep's, or ``--backends`` (labels of the sweep or registry names)."""
     labels = list(sweep.entries())
@@ -94,12 +135,18 @@ def merge(
                              "it already holds rows, unless --force)"),
     force: bool = typer.Option(False, "--force", help="add the inputs' rows to an --out that "
                                "already holds rows"),
+    mix_sweeps: bool = typer.Option(False, "--mix-sweeps", help="merge rows of several sweeps "
+                                    "or timing methods into one directory (refused otherwise, "
+                                    "exit 2)"),
 ):
-    """Merge shard outputs (or several runs) into one results directory: newest row per key."""
+    """Merge shard outputs (or several runs) into one results directory: newest row per key.
+    Rows of more than one sweep or timing method (the --out's own included) are refused (exit 2)
+    unless --mix-sweeps."""
+    _out(out, "dir")
     from .results import MergeError
     from .results import merge as do_merge
     try:
-        c = do_merge(out, inputs, force=force)
+        c = _writing(do_merge, out, inputs, force=force, mix_sweeps=mix_sweeps)
     except MergeError as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2) from None
@@ -134,8 +181,9 @@ def submit(
     """Run a sweep as a Slurm job array (one GPU per job) through submitit, then merge."""
     from .cluster import submit_sweep
     s = _load(config)
-    raise typer.Exit(submit_sweep(s, config, shards, out, executor, partition, timeout_min, resume,
-                                  console, err))
+    _out(out, "dir")
+    raise typer.Exit(_writing(submit_sweep, s, config, shards, out, executor, partition,
+                              timeout_min, resume, console, err))
 
 
 @app.command()
@@ -170,13 +218,6 @@ def list_points(config: Path = typer.Argument(..., help="sweep YAML"), wide: boo
             render.line(con, f"layout {note}", width)
 
 
-def _method_mismatch() -> type:
-    """``results.MethodMismatch``, imported once an exception is being matched (the storage code
-    is not imported before a run has started its worker)."""
-    from .results import MethodMismatch
-    return MethodMismatch
-
-
 def _unrunnable_into_kept(config: Path, out_dir: Path, e) -> None:
     """The config's default output directory already holds rows and no backend of the run can
     run here (``runner.NothingRunnable``): say so (exit 2); nothing was written. An explicit
@@ -206,13 +247,14 @@ def run(
     retry_failed: bool = typer.Option(False, "--retry-failed", help="with --resume, also re-run "
                                       "crashed / timeout / oom rows"),
     append_other: bool = typer.Option(False, "--append-other", help="add this run's rows to an "
-                                      "--out that holds rows of another sweep, input recipe or "
-                                      "GPU (refused otherwise, exit 2; a --resume over rows of "
-                                      "another input recipe stays refused)"),
+                                      "--out that holds rows of another sweep, input recipe, "
+                                      "GPU or timing method (refused otherwise, exit 2; a "
+                                      "--resume over rows of another input recipe or timing "
+                                      "method stays refused)"),
 ):
     """Run a sweep: every backend checked against the reference, then timed; one Parquet row each.
-    An --out holding rows of another sweep, input recipe or GPU is refused (exit 2) unless
-    --append-other."""
+    An --out holding rows of another sweep, input recipe, GPU or timing method (timing mode,
+    l2) is refused (exit 2) unless --append-other."""
     s = _load(config)
     from . import runner
     try:
@@ -226,7 +268,6 @@ def run(
     from .sweep import scheduled_points
     pts = scheduled_points(s, limit, shard_t)  # what runner.run measures, for the plan and the bar
     out_dir = out or Path(s.out.format(name=s.name))
-    from . import runner
     if dry_run:
         t = Table(title=f"plan: {len(pts)} points × {names} × {s.directions} -> {out_dir}")
         for c in ("backend", "available", "version", "reason"):
@@ -236,6 +277,7 @@ def run(
             t.add_row(n, "yes" if ok else "no", versions[n], why)
         console.print(t)
         return
+    _out(out_dir, "dir")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     total = len(pts) * len(s.directions)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -259,9 +301,11 @@ def run(
                                  if sys.stdout.isatty() else (lambda m: print(m, flush=True)))
         except runner.NothingRunnable as e:
             _unrunnable_into_kept(config, out_dir, e)
-        except (runner.OtherRows, _method_mismatch()) as e:
+        except runner.OtherRows as e:
             err.print(f"error: {e}", highlight=False)
             raise typer.Exit(2) from None
+        except OSError as e:
+            _os_error(e)
         except KeyboardInterrupt:
             from . import plots, results
             err.print("interrupted: every finished row is saved; rerun with --resume to go on",
@@ -329,6 +373,8 @@ def compare(
       0  otherwise
     """
     from .compare import compare_cmd
+    if out is not None:
+        _out(out, "file")
     if (base_backend is None) != (new_backend is None):
         err.print("error: --base-backend and --new-backend go together", highlight=False)
         raise typer.Exit(2)
@@ -336,10 +382,10 @@ def compare(
         err.print("error: NEW is missing (or give --base-backend and --new-backend to compare two "
                   "labels inside BASE)", highlight=False)
         raise typer.Exit(2)
-    raise typer.Exit(compare_cmd(base, new if new is not None else base, threshold=threshold,
-                                 alpha=alpha, out=out, base_backend=base_backend,
-                                 new_backend=new_backend, allow_incomparable=allow_incomparable,
-                                 wide=wide))
+    raise typer.Exit(_writing(compare_cmd, base, new if new is not None else base,
+                              threshold=threshold, alpha=alpha, out=out, base_backend=base_backend,
+                              new_backend=new_backend, allow_incomparable=allow_incomparable,
+                              wide=wide))
 
 
 @app.command()
@@ -360,6 +406,7 @@ def summary(
 
     Exit codes: 0 tables printed; 2 bad input (one error line on stderr: a path missing or
     unreadable, no rows, no ok row, an unknown --model, --direction or --baseline)."""
+    _tie_rule(alpha, threshold, direction)
     from .summary import summary_cmd
     raise typer.Exit(summary_cmd(results_dir, model, direction, baseline, alpha, threshold,
                                  wide=wide))
@@ -385,9 +432,11 @@ def recommend(
     Exit codes: 0 table written; 2 bad input (one error line on stderr: a path missing or
     unreadable, no ok row of --direction, a --backends label without rows, a --check directory
     without ok rows of --direction or measured on another GPU)."""
+    _tie_rule(alpha, threshold, direction)
+    _out(out, "file")
     from .dispatch import recommend_cmd
-    raise typer.Exit(recommend_cmd(results_dir, out, direction, backends, alpha, threshold, check,
-                                   wide=wide))
+    raise typer.Exit(_writing(recommend_cmd, results_dir, out, direction, backends, alpha,
+                              threshold, check, wide=wide))
 
 
 @app.command()
@@ -420,8 +469,9 @@ def report(
 
     Exit codes: 0 page written; 2 bad input (one error line on stderr: a path missing or
     unreadable, no rows in any directory, a --baseline label without rows)."""
+    _out(out, "dir")
     from .report import report_cmd
-    raise typer.Exit(report_cmd(results_dirs, out, baseline))
+    raise typer.Exit(_writing(report_cmd, results_dirs, out, baseline))
 
 
 @app.command()
@@ -443,8 +493,10 @@ def reproduce(
     Exit codes: 0 report written (whatever the agreement); 2 bad input (one error line on
     stderr: an unknown set or --direction, no --from, --from missing, unreadable or without rows
     of that direction, a --baseline label without rows)."""
+    _out(out, "dir")
     from .reproduce import reproduce_cmd
-    raise typer.Exit(reproduce_cmd(name, direction, from_, out, baseline=baseline, wide=wide))
+    raise typer.Exit(_writing(reproduce_cmd, name, direction, from_, out, baseline=baseline,
+                              wide=wide))
 
 
 @app.command("profile")
@@ -466,8 +518,9 @@ def profile_cmd(
     """Kernel breakdown of one backend on one point (torch.profiler; optional Nsight Compute)."""
     from .profiling_cli import profile_main
     s = _load(config)
-    raise typer.Exit(profile_main(s, config, point, model, backend, direction, ncu, out, console, err,
-                                  ncu_set=ncu_set, ncu_kernel=ncu_kernel))
+    _out(out, "dir")
+    raise typer.Exit(_writing(profile_main, s, config, point, model, backend, direction, ncu, out,
+                              console, err, ncu_set=ncu_set, ncu_kernel=ncu_kernel))
 
 
 @app.command()

@@ -449,10 +449,7 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
     try:
         if out is not None and Path(out).suffix.lower() not in (".json", ".csv"):
             raise BadInput(f"{out}: --out must end in .json or .csv")
-        if not (threshold >= 0):
-            raise BadInput(f"--threshold {threshold}: must be >= 0 (0.05 = 5%)")
-        if not (0 < alpha < 1):
-            raise BadInput(f"--alpha {alpha}: must be in (0, 1)")
+        analysis.check_tie_rule(alpha, threshold)
         bdf, ndf = load_side(Path(base)), load_side(Path(new))
         for opt, side, df_, label in (("--base-backend", base, bdf, base_backend),
                                       ("--new-backend", new, ndf, new_backend)):

@@ -118,6 +118,37 @@ def check_seqlens(seqlens) -> list[int]:
     return [int(x) for x in s]
 
 
+def parse_heads(text: str, option: str = "--heads") -> tuple[int, int]:
+    """``"H_QK/H_V"`` as :func:`check_heads` returns it; ValueError naming ``option`` and the text
+    otherwise."""
+    try:
+        hq, hv = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected H_QK/H_V, e.g. 16/64") from None
+    try:
+        return check_heads(hq, hv)
+    except ValueError as e:
+        raise ValueError(f"{option} {text!r}: {e}") from None
+
+
+def parse_seqlens(text: str, option: str = "--seqlens") -> list[int]:
+    """``"L1,L2,..."`` as :func:`check_seqlens` returns it; ValueError naming ``option`` and the
+    text on an empty item, a non-integer or a length below 1."""
+    items = [x.strip() for x in str(text).split(",")]
+    if any(not x for x in items):
+        raise ValueError(f"{option} {text!r}: an empty item; expected comma-separated lengths, "
+                         "e.g. 4096,4096")
+    try:
+        lens = [int(x) for x in items]
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected comma-separated lengths, "
+                         "e.g. 4096,4096") from None
+    try:
+        return check_seqlens(lens)
+    except ValueError as e:
+        raise ValueError(f"{option} {text!r}: {e}") from None
+
+
 def features(seqlens: Sequence[int], h_qk: int, h_v: int, sm_count: int | None = None) -> dict:
     """:data:`FEATURES` of a batch (module doc); ``sm_count`` None counts per GPU (1 SM).
     ValueError naming the value on an impossible head config or bad lengths."""
@@ -551,16 +582,34 @@ class Dispatch:
     """A loaded dispatch table (the JSON of ``docs/dispatch.md`` as ``data``)."""
 
     def __init__(self, data: dict):
+        """ValueError naming what is wrong unless ``data`` is a table of this format and
+        version: a JSON object with ``tree.nodes``, ``buckets`` and ``head_configs`` lists."""
+        if not isinstance(data, dict):
+            raise ValueError(f"not a {FORMAT} table: the JSON holds a {type(data).__name__}, not "
+                             "an object; write one with `qlabench recommend`")
         if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise ValueError(f"not a {FORMAT} version {VERSION} table (format "
                              f"{data.get('format')!r}, version {data.get('version')!r}); "
                              "rebuild it with `qlabench recommend`")
+        tree = data.get("tree")
+        nodes = tree.get("nodes") if isinstance(tree, dict) else None
+        for key, v in (("tree.nodes", nodes), ("buckets", data.get("buckets")),
+                       ("head_configs", data.get("head_configs"))):
+            if not isinstance(v, list):
+                raise ValueError(f"a {FORMAT} table without a {key} list; rebuild it with "
+                                 "`qlabench recommend`")
+        source = data.get("source")
         self.data = data
-        self.nodes = data["tree"]["nodes"]
+        self.nodes = nodes
         self.buckets = data["buckets"]
-        self.sm_count = data.get("source", {}).get("sm_count")
-        self.heads = {(int(h["h_qk"]), int(h["h_v"])): {b["bucket"]: b for b in h["buckets"]}
-                      for h in data["head_configs"]}
+        self.sm_count = source.get("sm_count") if isinstance(source, dict) else None
+        try:
+            self.heads = {(int(h["h_qk"]), int(h["h_v"])): {b["bucket"]: b for b in h["buckets"]}
+                          for h in data["head_configs"]}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"head_configs: an entry without h_qk, h_v and buckets "
+                             f"({type(e).__name__}: {e}); rebuild the table with "
+                             "`qlabench recommend`") from None
 
     @property
     def direction(self) -> str:
@@ -628,7 +677,9 @@ class Dispatch:
 
 
 def load(path: str | Path) -> Dispatch:
-    """Read a dispatch table written by ``qlabench recommend``."""
+    """Read a dispatch table written by ``qlabench recommend``: OSError where the file cannot be
+    read (a directory, missing), ValueError where it is not JSON or not such a table
+    (:class:`Dispatch`)."""
     return Dispatch(json.loads(Path(path).read_text()))
 
 
@@ -1003,21 +1054,20 @@ def choose_cmd(table_path: Path, heads: str, seqlens: str, fallback: bool = True
             table = load(table_path)
         except FileNotFoundError:
             raise BadInput(f"{table_path}: no such file") from None
-        except (ValueError, KeyError) as e:
+        except OSError as e:
+            raise BadInput(f"{table_path}: {e.strerror or e}") from None
+        except (ValueError, TypeError) as e:
             raise BadInput(f"{table_path}: {e}") from None
         try:
-            hq, hv = (int(x) for x in heads.split("/"))
-        except ValueError:
-            raise BadInput(f"--heads {heads!r}: expected H_QK/H_V, e.g. 16/64") from None
-        try:
-            lens = [int(x) for x in seqlens.split(",") if x.strip()]
-        except ValueError:
-            raise BadInput(f"--seqlens {seqlens!r}: expected comma-separated lengths, "
-                           "e.g. 4096,4096") from None
+            hq, hv = parse_heads(heads)
+            lens = parse_seqlens(seqlens)
+        except (ValueError, TypeError) as e:
+            raise BadInput(str(e)) from None
         try:
             c = table.choose(hq, hv, lens, fallback)
-        except ValueError as e:
-            raise BadInput(str(e)) from None
+        except (KeyError, IndexError, TypeError) as e:  # nodes or buckets of another shape
+            raise BadInput(f"{table_path}: a malformed tree or bucket ({type(e).__name__}: {e}); "
+                           "rebuild it with `qlabench recommend`") from None
     except BadInput as e:
         err.print(f"error: {e}", highlight=False, markup=False)
         return 2

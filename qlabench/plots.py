@@ -250,9 +250,9 @@ def _save(fig, out: str | Path) -> Path:
 
 SPEEDUP_COLUMNS = ["model", "tp", "h_qk", "h_v", "layout", "num_seqs", "total_tokens", "seqlens",
                    "point_index", "point_key", "backend", "backend_name",
-                   "speedup", "speedup_lo", "speedup_hi", "pairing", "same_gpu", "same_campaign", "throttled", "gpu_known",
-                   "campaign_known"]
-#: marks a number whose two rows are not known to share GPU and campaign, or include a throttled row
+                   "speedup", "speedup_lo", "speedup_hi", *analysis.PAIR_FIELDS]
+#: marks a number whose two rows are not known to share GPU and campaign, include a throttled row
+#: or were timed by different methods
 PAIR_MARK = "*"
 
 
@@ -290,7 +290,7 @@ def _analysis(df: pd.DataFrame, baseline: str,
 
 
 def _pair_note(labels: list[str]) -> str:
-    return f"{PAIR_MARK}: rows not known to share GPU and campaign, or throttled" \
+    return f"{PAIR_MARK}: rows not known to share GPU, campaign and timing method, or throttled" \
         if any(labels) else ""
 
 

@@ -146,8 +146,7 @@ def run_order(df: pd.DataFrame, metas: dict) -> pd.DataFrame:
     return g
 
 
-_NO_PAIR = {"pairing": "", "same_gpu": False, "same_campaign": False, "throttled": False,
-            "gpu_known": False, "campaign_known": False}
+_NO_PAIR = {**dict.fromkeys(analysis.PAIR_FIELDS, False), "pairing": ""}
 
 
 def history(df: pd.DataFrame, runs: pd.DataFrame, threshold: float = 0.05,
@@ -220,7 +219,7 @@ def _with_speedups(latest: pd.DataFrame, sp: pd.DataFrame) -> pd.DataFrame:
     d["pairing"] = ""
     if len(sp):
         d.loc[sp.index, "speedup"] = sp["speedup"]
-        for c in ("gpu_known", "same_gpu", "campaign_known", "same_campaign", "throttled", "pairing"):
+        for c in analysis.PAIR_FIELDS:
             d.loc[sp.index, c] = sp[c]
     return d
 

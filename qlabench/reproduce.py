@@ -292,7 +292,7 @@ def _library_columns(names) -> list[str]:
 
 
 #: per measured ratio ``r`` the table carries ``r_pairing`` (:func:`qlabench.analysis.pair_tag`) and these
-_PAIR_FLAGS = ("same_gpu", "same_campaign", "throttled", "gpu_known", "campaign_known")
+_PAIR_FLAGS = tuple(f for f in analysis.PAIR_FIELDS if f != "pairing")
 
 
 def _pair_cols(ratio: str, by: dict, key, a: str, b: str, has: bool) -> dict:

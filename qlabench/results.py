@@ -290,10 +290,6 @@ def resume_key(point_key: str, backend: str, direction: str, backend_version: st
     return (point_key, backend, direction, backend_version, backend_params)
 
 
-class MethodMismatch(Exception):
-    """--resume into a directory whose rows were timed with another method."""
-
-
 class ResultStore:
     def __init__(self, out_dir: str | Path):
         self.out = Path(out_dir)
@@ -347,23 +343,6 @@ class ResultStore:
         return {resume_key(r.point_key, r.backend, r.direction, r.backend_version,
                            r.backend_params): r.recipe_hash for r in df.itertuples()}
 
-    def check_method(self, mode: str, l2: str) -> None:
-        """Refuse to resume into a directory whose GPU rows were timed another way."""
-        df = self.load()
-        if df.empty or "timing_mode" not in df:
-            return
-        ok = df[(df["status"] == "ok") & ~df["timing_mode"].isin(["events", "cpu"])
-                & df["timing_mode"].notna()]
-        if mode in ("events", "cpu") or ok.empty:
-            return
-        other = ok[(ok["timing_mode"] != mode) | (ok["l2"] != l2)]
-        if len(other):
-            r = other.iloc[0]
-            raise MethodMismatch(
-                f"{self.out}: {len(other)} rows were timed with timing_mode={r['timing_mode']}, "
-                f"l2={r['l2']}; this config asks for {mode}, l2={l2}. Rows timed differently are "
-                "never mixed: use a new --out directory instead of --resume")
-
 
 def compact(path: str | Path) -> dict:
     """Fold a results directory's one-row part files into one Parquet file (``compact-<ts>.parquet``,
@@ -394,9 +373,39 @@ def holds_rows(path: str | Path) -> bool:
     return bool(_part_files(Path(path) / PARTS_DIR))
 
 
-#: what a stored row says about the sweep, input recipe and GPU it belongs to (:func:`owners`)
+#: what a stored row says about the sweep, input recipe, GPU and timing method it belongs to
+#: (:func:`owners`)
 OWNER_COLUMNS = ("run_id", "config", "point_key", "direction", "recipe_hash", "gate_recipe",
-                 "gpu_name")
+                 "gpu_name", "status", "timing_mode", "l2")
+#: timing modes that say nothing of a directory's method: ``events`` is also the per-row fallback
+#: of a graph mode (a call that cannot be captured), ``cpu`` every row of a run without a GPU
+FALLBACK_MODES = ("events", "cpu")
+
+
+def timed_methods(df: pd.DataFrame) -> pd.DataFrame:
+    """The ``ok`` rows of ``df`` whose ``timing_mode`` sets a method (known, not one of
+    :data:`FALLBACK_MODES`); empty when ``df`` has no such column."""
+    if df.empty or not {"status", "timing_mode", "l2"} <= set(df.columns):
+        return df.iloc[:0]
+    return df[(df["status"] == "ok") & df["timing_mode"].notna()
+              & ~df["timing_mode"].isin(FALLBACK_MODES)]
+
+
+def other_method(df: pd.DataFrame, mode: str, l2: str) -> pd.DataFrame:
+    """The rows of ``df`` (:func:`timed_methods`) timed with another method than a run of
+    ``mode``/``l2`` times with: another mode or l2; every one of them for a run in a
+    :data:`FALLBACK_MODES` mode."""
+    t = timed_methods(df)
+    if mode in FALLBACK_MODES:
+        return t
+    return t[(t["timing_mode"] != mode) | (t["l2"] != l2)]
+
+
+def method_counts(df: pd.DataFrame) -> dict[str, int]:
+    """``"timing_mode=M, l2=L"`` -> number of rows, over :func:`timed_methods` of ``df``."""
+    t = timed_methods(df)
+    return {f"timing_mode={m}, l2={c}": int(n) for (m, c), n in
+            t.groupby(["timing_mode", "l2"], dropna=False).size().items()}
 
 
 def owners(path: str | Path) -> pd.DataFrame:
@@ -508,18 +517,21 @@ def _write_rows_file(parts_dir: Path, prefix: str, df: pd.DataFrame) -> str:
     return name
 
 
-def merge(out_dir: str | Path, inputs: list[str | Path], force: bool = False) -> dict:
+def merge(out_dir: str | Path, inputs: list[str | Path], force: bool = False,
+          mix_sweeps: bool = False) -> dict:
     """Merge shard/run directories into ``out_dir``: every run's metadata, and for each row key
     (point, backend, direction) the newest row, written as one Parquet file (rows already in
     ``out_dir`` are not written again; works on compacted inputs). Refuses inputs whose rows for
-    one point were made from different input recipes, and an ``out_dir`` that already holds
-    rows unless ``force`` (a slip must not add rows to a kept run). Returns counts."""
+    one point were made from different input recipes, an ``out_dir`` that already holds rows
+    unless ``force`` (a slip must not add rows to a kept run), and rows (of the inputs and
+    ``out_dir``) of more than one sweep (:func:`owners`) or timing method
+    (:func:`method_counts`) unless ``mix_sweeps``. Returns counts."""
     import shutil
     have = load(out_dir) if Path(out_dir).exists() else pd.DataFrame()
     if len(have) and not force:
         raise MergeError(f"{out_dir} already holds {len(have)} rows; merge into a new or empty "
                          "directory, or pass --force to add the inputs' rows to it")
-    frames = []
+    frames, sweeps = [], {}
     for d in inputs:
         d = Path(d)
         if not (d / "parts").is_dir():
@@ -529,7 +541,20 @@ def merge(out_dir: str | Path, inputs: list[str | Path], force: bool = False) ->
             frames.append(df)
     if not frames:
         raise MergeError("no rows in any input")
+    for d in [*inputs, *([out_dir] if len(have) else [])]:
+        for name in owners(d)["sweep"].dropna().unique():
+            sweeps.setdefault(str(name), []).append(str(d))
     allrows = pd.concat(frames, ignore_index=True).drop_duplicates(subset=ROW_IDENTITY)
+    methods = method_counts(pd.concat([allrows, have], ignore_index=True))
+    if not mix_sweeps and (len(sweeps) > 1 or len(methods) > 1):
+        what = "; ".join(
+            ([f"rows of {len(sweeps)} sweeps: " + ", ".join(
+                f"'{n}' ({', '.join(ds)})" for n, ds in sorted(sweeps.items()))]
+             if len(sweeps) > 1 else [])
+            + ([f"rows timed {len(methods)} ways: " + ", ".join(
+                f"{m} ({n} rows)" for m, n in methods.items())] if len(methods) > 1 else []))
+        raise MergeError(f"{what}; one directory holds one sweep timed one way: merge them "
+                         "into separate directories, or pass --mix-sweeps to merge them anyway")
     rec = allrows.groupby(["point_key", "direction"])["recipe_hash"].nunique()
     bad = rec[rec > 1]
     if len(bad):

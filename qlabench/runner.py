@@ -5,9 +5,9 @@
 (:mod:`qlabench.executor`: supervised workers, one per backend library and GPU, or this process
 with ``isolate: false``), which starts its workers first thing: each imports torch and its
 library and reports its availability and version, while this process reads the results
-directory (refused, before any row, when it holds rows of another sweep, input recipe or GPU:
-:func:`other_rows`), the GPU's ceilings (cached per GPU: :mod:`qlabench.host`) and the
-environment. Once the first label is available (every label, for a ``--resume``, which needs
+directory (refused, before any row, when it holds rows of another sweep, input recipe, GPU or
+timing method: :func:`other_rows`), the GPU's ceilings (cached per GPU: :mod:`qlabench.host`)
+and the environment. Once the first label is available (every label, for a ``--resume``, which needs
 every version for its done rows and campaign, and for several GPUs) the run writes its metadata
 (versions, environment, campaign: :func:`campaign_for`, timeline; rewritten as later checks come
 in) and the executor measures the rows (in sweep order on one GPU, heaviest first over several).
@@ -41,13 +41,18 @@ __all__ = ["CAMPAIGN_HOURS", "NothingRunnable", "OtherRows", "RecipeMismatch", "
 
 
 class OtherRows(Exception):
-    """The results directory holds rows of another sweep, input recipe or GPU than the run's
-    (:func:`other_rows`); nothing was written. ``what``: the kinds that differ, of ``sweep``,
-    ``recipe``, ``gpu``."""
+    """The results directory holds rows of another sweep, input recipe, GPU or timing method than
+    the run's (:func:`other_rows`); nothing was written. ``what``: the kinds that differ, of
+    ``sweep``, ``recipe``, ``gpu``, ``method``."""
 
     def __init__(self, message: str, what=()):
         super().__init__(message)
         self.what = tuple(what)
+
+
+#: the kinds of :func:`other_rows` that a ``--resume`` is refused over even with
+#: ``append_other`` (kind -> what the refusal names)
+RESUME_NEVER_MIXES = {"recipe": "input recipes", "method": "timing methods"}
 
 
 class RecipeMismatch(OtherRows):
@@ -113,12 +118,14 @@ def campaign_for(store, uuids: list[str], resume: bool, sweep_dump: dict | None 
 def other_rows(held, sweep: Sweep, pts: list[Point], gpu_name: str,
                config_name: str = "") -> dict[str, str]:
     """What of a results directory's rows is not of this run: ``held`` is its
-    :func:`qlabench.results.owners`; the run is ``sweep`` (its ``name``; ``config_name``, the
-    YAML as given, only named), its points ``pts`` and the GPU it measures on, ``gpu_name``
-    (``cpu`` without CUDA). Returns kind -> phrase for each kind that differs: ``sweep`` (rows of
-    another sweep name), ``gpu`` (rows measured on a GPU of another name), ``recipe`` (rows of
-    one of ``pts``' keys with another ``recipe_hash``; the phrase names the first such point, both
-    hashes and both gate recipes). A value a row lacks is not compared."""
+    :func:`qlabench.results.owners`; the run is ``sweep`` (its ``name``, its ``timing`` mode and
+    l2; ``config_name``, the YAML as given, only named), its points ``pts`` and the GPU it
+    measures on, ``gpu_name`` (``cpu`` without CUDA). Returns kind -> phrase for each kind that
+    differs: ``sweep`` (rows of another sweep name), ``gpu`` (rows measured on a GPU of another
+    name), ``recipe`` (rows of one of ``pts``' keys with another ``recipe_hash``; the phrase
+    names the first such point, both hashes and both gate recipes), ``method`` (``ok`` rows timed
+    with another timing mode or l2: :func:`qlabench.results.other_method`). A value a row lacks
+    is not compared."""
     out: dict[str, str] = {}
     if held.empty:
         return out
@@ -155,6 +162,12 @@ def other_rows(held, sweep: Sweep, pts: list[Point], gpu_name: str,
                          f"input recipe (recipe_hash {r['recipe_hash']} vs this run's "
                          f"{p.recipe_hash}, {why})"
                          + (f", and for {more} more of this run's points" if more else ""))
+    from .results import method_counts, other_method
+    t = sweep.timing
+    theirs = method_counts(other_method(held, t.mode, t.l2))
+    if theirs:
+        ways = ", ".join(f"{m} ({n} rows)" for m, n in theirs.items())
+        out["method"] = f"rows timed with {ways}, not with this run's timing_mode={t.mode}, l2={t.l2}"
     return out
 
 
@@ -166,11 +179,12 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
     """Run a sweep into ``out_dir``. With ``isolate`` (default: the sweep's ``isolate``), points
     run in supervised worker processes, one per backend label (:class:`executor.WorkerPool`): a
     crash or a hang costs one row, not the sweep. An ``out_dir`` that holds rows of another
-    sweep, input recipe or GPU (:func:`other_rows`) raises :class:`OtherRows`
+    sweep, input recipe, GPU or timing method (:func:`other_rows`) raises :class:`OtherRows`
     (:class:`RecipeMismatch` where a recipe differs) before any row, and nothing is written;
     ``append_other`` adds the run's rows to it anyway, except a ``--resume`` over rows of
-    another recipe. With ``refuse_unrunnable``, a run whose backends cannot run here while
-    ``out_dir`` already holds rows raises :class:`NothingRunnable` and writes nothing."""
+    another recipe or timing method. With ``refuse_unrunnable``, a run whose backends cannot run
+    here while ``out_dir`` already holds rows raises :class:`NothingRunnable` and writes
+    nothing."""
     t_run = time.time()
     tl: dict = {}  # the run's timeline (seconds from the run's start), stored in the metadata
     t_proc = process_started_at()
@@ -192,8 +206,6 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
         _refuse_other_rows(ex, held, sweep, pts, gpu_name, out_dir, config_name, resume,
                            append_other)
         done = store.done_keys(retry_failed) if resume else {}
-        if resume:
-            store.check_method(sweep.timing.mode, sweep.timing.l2)
         ceilings, ceilings_source = host.ceilings(devices)
         tl["ceilings_measured"] = round(time.time() - t_run, 3)
         env = results.environment()
@@ -235,16 +247,19 @@ def run(sweep: Sweep, out_dir: str | Path, config_name: str = "", backend_names=
 def _refuse_other_rows(ex, held, sweep: Sweep, pts: list, gpu_name: str, out_dir, config_name: str,
                        resume: bool, append_other: bool) -> None:
     """Raise :class:`OtherRows` (:class:`RecipeMismatch`) where the results directory holds rows
-    of another sweep, recipe or GPU (:func:`other_rows`) that the run may not add to, having
-    closed the executor and removed the logs its workers made."""
+    of another sweep, recipe, GPU or timing method (:func:`other_rows`) that the run may not add
+    to, having closed the executor and removed the logs its workers made. ``append_other`` lifts
+    every kind but a ``--resume`` over rows of another recipe or method (the rows it would skip
+    are not of this run's inputs or method)."""
     other = {k: v for k, v in other_rows(held, sweep, pts, gpu_name, config_name).items()
-             if not append_other or (k == "recipe" and resume)}
+             if not append_other or (k in RESUME_NEVER_MIXES and resume)}
     if not other:
         return
     ex.close()
     ex.discard_logs()
-    hint = ("use a new --out directory (a --resume never mixes input recipes)"
-            if "recipe" in other and resume else
+    never = [RESUME_NEVER_MIXES[k] for k in other if k in RESUME_NEVER_MIXES] if resume else []
+    hint = (f"use a new --out directory (a --resume never mixes {' or '.join(never)})"
+            if never else
             "use a new --out directory, or pass --append-other to add this run's rows "
             "to it anyway")
     raise (RecipeMismatch if "recipe" in other else OtherRows)(

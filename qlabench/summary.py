@@ -15,8 +15,8 @@ Input: :func:`qlabench.analysis.newest` rows (one per point × backend label × 
 - correctness: ``winner_max_rel_l2`` and ``n_incorrect`` / ``n_failed`` (statuses ``incorrect``
   and ``crashed`` / ``timeout`` / ``oom``) over the point's labels; ``n_ok`` of ``n_backends``;
 - ``pairing`` / ``baseline_pairing``: :func:`qlabench.analysis.pair_tag` of winner vs runner-up and
-  winner vs baseline ("" when both rows share GPU and campaign; else ``cross-GPU``,
-  ``cross-campaign``, ``throttled``).
+  winner vs baseline ("" when both rows share GPU, campaign and timing method; else
+  ``cross-GPU``, ``cross-campaign``, ``throttled``, ``cross-method``).
 
 **Tie rule** (:func:`qlabench.analysis.is_tie`): the two sample lists are distinguishable only when the median
 ratio exceeds ``1 + threshold`` (a practical floor, 1% by default) **and** a two-sided
@@ -112,7 +112,8 @@ def legend(bname: str, alpha: float, threshold: float) -> str:
             f"margin: runner-up ms / winner ms; tie: not distinguishable (Mann–Whitney "
             f"p ≥ {alpha:g} or margin ≤ {threshold:.0%}); × {bname}: {bname} ms / winner ms; "
             "rel_l2: the winner's largest ‖out − ref‖ / ‖ref‖; ok: labels with an ok row; bad: "
-            "incorrect or failed rows; pairing: rows not sharing GPU and campaign, or throttled"
+            "incorrect or failed rows; pairing: rows not sharing GPU, campaign or timing method, or "
+            "throttled"
             + ("; best-library: per point the fastest ok row of a library backend"
                if bname == analysis.BEST_LIBRARY else ""))
 

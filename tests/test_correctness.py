@@ -1,6 +1,5 @@
 """Correctness-check details and the resume/merge semantics found in review."""
 
-import pytest
 import torch
 
 from qlabench import config as C
@@ -70,14 +69,17 @@ def test_latest_prefers_a_kept_ok_row_over_a_newer_unavailable_one(tmp_path):
     assert results.latest(results.load(tmp_path)).iloc[0]["latency_ms"] == 2.0
 
 
-def test_resume_refuses_another_timing_method(tmp_path):
+def test_other_method_names_rows_timed_another_way(tmp_path):
+    """The rows a run of another timing mode or l2 may not join (runner.other_rows' ``method``);
+    an ``events`` fallback row sets no method."""
     st = results.ResultStore(tmp_path)
     st.append(_row())
-    st.check_method("graph-batch", "warm")
-    with pytest.raises(results.MethodMismatch):
-        st.check_method("graph-single", "warm")
-    with pytest.raises(results.MethodMismatch):
-        st.check_method("graph-batch", "cold")
+    st.append(_row(run_id="r2", point_key="k2", timing_mode="events"))
+    df = results.load(tmp_path)
+    assert results.other_method(df, "graph-batch", "warm").empty
+    for mode, l2 in (("graph-single", "warm"), ("graph-batch", "cold"), ("events", "warm")):
+        assert list(results.other_method(df, mode, l2)["run_id"]) == ["r1"], (mode, l2)
+    assert results.method_counts(df) == {"timing_mode=graph-batch, l2=warm": 1}
 
 
 def test_retry_failed_reruns_crashed_rows(tmp_path, monkeypatch):

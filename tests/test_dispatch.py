@@ -206,6 +206,24 @@ def test_cli_choose_answers_and_refuses_bad_input(tmp_path):
     r = CliRunner().invoke(app, ["choose", str(out), "--heads", "8/32", "--seqlens", "512",
                                  "--no-fallback"])
     assert r.exit_code == 1 and r.output.splitlines()[0] == "none" and "fallback off" in r.output
+    # a table that is a directory, not JSON, JSON of another shape; an empty --seqlens item
+    good = json.loads(out.read_text())
+    cases = {"a-dir": None, "text.json": "not json", "list.json": json.dumps([1, 2]),
+             "no-tree.json": json.dumps({k: v for k, v in good.items() if k != "tree"}),
+             "bad-heads.json": json.dumps({**good, "head_configs": [{"h_qk": 4}]})}
+    named = {"a-dir": "Is a directory", "text.json": "Expecting value",
+             "list.json": "the JSON holds a list, not an object",
+             "no-tree.json": "without a tree.nodes list", "bad-heads.json": "head_configs: "}
+    for name, text in cases.items():
+        p = tmp_path / name
+        p.mkdir() if text is None else p.write_text(text)
+        r = CliRunner().invoke(app, ["choose", str(p), "--heads", "4/16", "--seqlens", "512"])
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and not r.stdout and len(lines) == 1, (name, r.output)
+        assert lines[0].startswith(f"error: {p}: ") and named[name] in lines[0], (name, lines)
+    for bad in ("4096,,", ",512", "512, ,512"):
+        r = CliRunner().invoke(app, ["choose", str(out), "--heads", "4/16", "--seqlens", bad])
+        assert r.exit_code == 2 and f"--seqlens {bad!r}: an empty item" in r.stderr, r.output
 
 
 # --------------------------------------------------------------------------- buckets without a point
@@ -445,3 +463,22 @@ def test_engine_example_runs_on_a_cpu(capsys):
     assert out.startswith("2/8 [64, 32] -> ") and "bucket" in out
     if not torch.cuda.is_available():
         assert "cannot run here" in out and "reference: o (1, 96, 8, 128)" in out
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--heads", "3/8"], "--heads '3/8': h_v=8 is not a multiple of h_qk=3"),
+    (["--heads", "4-16"], "--heads '4-16': expected H_QK/H_V"),
+    (["--seqlens", "1024,,"], "--seqlens '1024,,': an empty item"),
+    (["--seqlens", "1024,0"], "--seqlens '1024,0': "),
+    (["--table", "results"], "/results: Is a directory"),
+])
+def test_engine_example_refuses_bad_input_in_one_line(capsys, args, named):
+    import runpy
+
+    root = Path(__file__).resolve().parent.parent
+    main = runpy.run_path(str(root / "examples" / "engine_dispatch.py"))["main"]
+    table = ["--table", str(root / "results" / "dispatch" / "h200_fwd.json")]
+    assert main([*table, *args] if args[0] != "--table" else [*args[:1], str(root / args[1])]) == 2
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert not cap.out and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0]

@@ -1,6 +1,6 @@
 """One results directory, one sweep: `qlabench run` refuses (exit 2, one line naming what
-differs, nothing written) an --out holding rows of another sweep, input recipe or GPU unless
---append-other; the same sweep on the same GPU from the same recipe runs again into it, with or
+differs, nothing written) an --out holding rows of another sweep, input recipe, GPU or timing
+method unless --append-other; the same sweep on the same GPU from the same recipe runs again into it, with or
 without --resume."""
 
 from pathlib import Path
@@ -124,6 +124,38 @@ def test_another_gpu_is_refused_unless_append_other(tmp_path):
     r = _run(cfg, out, "--append-other")
     assert r.exit_code == 0, r.output
     assert R.load(out)["gpu_name"].value_counts().to_dict() == {"NVIDIA H200": 2, "cpu": 2}
+
+
+def test_another_timing_method_is_refused_unless_append_other(tmp_path):
+    """Rows timed in graph-batch with a warm L2; a run of the same sweep asking for a cold L2 or
+    graph-single: refused without --resume too (a --resume of either would be refused after);
+    --append-other adds it, a --resume over them stays refused. A CPU run's rows (timing_mode
+    cpu) and events fallback rows set no method."""
+    out = tmp_path / "o"
+    cfg = _cfg(tmp_path)
+    assert _run(cfg, out).exit_code == 0
+    assert _run(_cfg(tmp_path, "cold0.yaml", timing={**SWEEP["timing"], "l2": "cold"}),
+                out).exit_code == 0  # rows of mode cpu: nothing to differ from
+    restamp(out, timing_mode="graph-batch", l2="warm")
+    before = _files(out)
+    cold = _cfg(tmp_path, "cold.yaml", timing={**SWEEP["timing"], "l2": "cold"})
+    single = _cfg(tmp_path, "single.yaml", timing={**SWEEP["timing"], "mode": "graph-single"})
+    for c, mode, l2 in ((cold, "graph-batch", "cold"), (single, "graph-single", "warm")):
+        line = _refused(_run(c, out), out, before,
+                        "rows timed with timing_mode=graph-batch, l2=warm (4 rows)",
+                        f"not with this run's timing_mode={mode}, l2={l2}", "--append-other")
+        assert "sweep" not in line.split(" holds ")[1].split(";")[0]
+    _refused(_run(cold, out, "--resume"), out, before, "timing_mode=graph-batch, l2=warm",
+             "a --resume never mixes timing methods")
+    _refused(_run(cold, out, "--resume", "--append-other"), out, before,
+             "a --resume never mixes timing methods")
+    assert _run(cfg, out, "--resume").exit_code == 0  # its own method: resumed
+    r = _run(cold, out, "--append-other")
+    assert r.exit_code == 0, r.output
+    with pytest.raises(runner.OtherRows) as e:
+        runner.run(C.parse({**SWEEP, "timing": {**SWEEP["timing"], "mode": "graph-single"}}),
+                   out, log=lambda m: None)
+    assert e.value.what == ("method",)
 
 
 def test_every_difference_is_named_in_the_one_line(tmp_path):

@@ -37,6 +37,52 @@ def test_pairing_same_different_unknown_and_throttled():
         analysis.pairing(a, b.iloc[:2])
 
 
+def test_rows_timed_by_different_methods_are_tagged_cross_method():
+    """timing_mode or l2 known on both sides and different: ``cross-method``, as compare's
+    MUST_MATCH judges them; a side without a value is not compared."""
+    a = pd.DataFrame({**{c: ["G1"] * 4 for c in ("gpu_uuid",)}, "campaign_id": ["c1"] * 4,
+                      "timing_mode": ["graph-batch", "events", "graph-batch", None],
+                      "l2": ["warm", "warm", "cold", "warm"]})
+    b = a.assign(timing_mode=["graph-batch"] * 4, l2=["warm"] * 4)
+    p = analysis.pairing(a, b)
+    assert list(p["same_method"]) == [True, False, False, True]
+    assert list(p["pairing"]) == ["", "cross-method", "cross-method", ""]
+    assert analysis.pairing_label(p) == "cross-method: 2 of 4 pairs"
+    assert analysis.pair({"timing_mode": "events", **SAME}, {"timing_mode": "graph-batch",
+                                                             **SAME})["pairing"] == "cross-method"
+    assert set(analysis.PAIR_FIELDS) >= {"same_method"}
+
+
+def _mixed(tmp):
+    """One run, one GPU and campaign: fla's rows timed with per-call events (its fallback), the
+    others in graph-batch."""
+    rid, at = "20250101T000000-aaaaaa", "2025-01-01T00:00:00"
+    return S.write_rows(tmp / "mixed", S.make_rows(rid, at, backends=("fla",), timing_mode="events",
+                                                   extra=SAME)
+                        + S.make_rows(rid, at, backends=("flashqla", "tilelang"), extra=SAME, seed=1))
+
+
+def test_views_say_when_a_ratio_crosses_timing_methods(tmp_path):
+    """summary, the speedup table (figures, notebook) and the report tag every ratio over fla:
+    its rows were timed by different methods."""
+    from typer.testing import CliRunner
+
+    from qlabench.cli import app
+    d = _mixed(tmp_path)
+    r = CliRunner().invoke(app, ["summary", str(d), "--wide"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("pairing: vs fla, cross-method: 1x8192, 1x32768, 2x4096, 8x1024") == 2
+    lat = results.latest(results.load(d))
+    sp = plots.speedup_table(lat, "fla", "fwd")
+    assert len(sp) == 16 and set(sp["pairing"]) == {"cross-method"}
+    assert analysis.pairing_label(sp) == "cross-method: 16 of 16 pairs"
+    # winner vs runner-up: both graph-batch, a clean pair
+    assert set(analysis.point_table(lat)["pairing"]) == {""}
+    assert report.report_cmd([d], tmp_path / "site") == 0
+    page = (tmp_path / "site" / "index.html").read_text()
+    assert "fwd flashqla: geomean 1.43× FLA over 8 points — cross-method: 8 of 8 pairs" in page
+
+
 def _run(tmp, name="r", throttle=None, **kw):
     d = S.write_run(tmp / name, extra=SAME, **kw)
     if throttle:

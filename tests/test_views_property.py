@@ -329,3 +329,50 @@ VIEW_ARGS = {
 def test_views_on_junk_paths(tmp_path, view, kind):
     d = _junk(tmp_path, kind)
     invoke(view.split()[0], VIEW_ARGS[view](d, tmp_path))
+
+
+#: per view: its --out kind (None: no --out) and whether it takes --alpha/--threshold, --direction
+_OPTIONS = {"compare": ("file", True, False), "recommend": ("file", True, True),
+            "summary": (None, True, True), "report": ("dir", False, False),
+            "reproduce": ("dir", False, False)}
+#: --out values no view can write: the wrong kind of existing path, a path under a file, a
+#: directory that cannot be made (procfs, where there is one)
+_BAD_OUTS = ["wrong-kind", "under-a-file"] + (["/proc/nope/x"] if Path("/proc/self").is_dir() else [])
+
+
+@settings(SETTINGS, max_examples=_N or 40)
+@given(view=st.sampled_from(sorted(_OPTIONS)), pick=st.data())
+def test_views_refuse_a_bad_out_or_option_before_any_output(view, pick):
+    """A bad --out (wrong kind, under a file, not creatable), --alpha outside (0, 1), --threshold
+    below 0 or a --direction not fwd | bwd | fwdbwd: exit 2, one error line naming the option,
+    nothing on stdout and nothing written. Good options: one of the view's documented codes."""
+    kind, tie, direction = _OPTIONS[view]
+    with scratch() as root:
+        d = S.write_run(root / "r", extra={"gpu_uuid": "GPU-1", "campaign_id": "c1"})
+        junk = root / "a-file"
+        junk.write_text("x")
+        args = {"compare": [str(d), str(d)], "recommend": [str(d)], "summary": [str(d)],
+                "report": [str(d)], "reproduce": ["flashqla-h200", "--from", str(d)]}[view]
+        bad = []
+        if kind is not None:
+            out = pick.draw(st.sampled_from(["good", *_BAD_OUTS]))
+            path = {"good": root / "out" / ("v.json" if kind == "file" else "site"),
+                    "wrong-kind": root if kind == "file" else junk,
+                    "under-a-file": junk / "sub" / "v.json"}.get(out, Path(out))
+            args += ["--out", str(path)]
+            bad += ["--out"] * (out != "good")
+        if tie:
+            alpha = pick.draw(st.sampled_from([0.01, 0.01, 0.0, 1.0, 2.0, -0.5]))
+            threshold = pick.draw(st.sampled_from([0.01, 0.01, 0.0, -1.0]))
+            args += ["--alpha", str(alpha), "--threshold", str(threshold)]
+            bad += ["--alpha"] * (not 0 < alpha < 1) + ["--threshold"] * (threshold < 0)
+        if direction:
+            dr = pick.draw(st.sampled_from(["fwd", "up", "FWD"]))
+            args += ["--direction", dr]
+            bad += ["--direction"] * (dr != "fwd")
+        before = sorted(p for p in root.rglob("*"))
+        r = invoke(view, args)
+        if bad:
+            assert r.exit_code == 2 and not r.stdout.strip(), (view, args, r.stdout)
+            assert any(r.stderr.startswith(f"error: {o} ") for o in bad), (bad, r.stderr)
+            assert sorted(p for p in root.rglob("*")) == before
