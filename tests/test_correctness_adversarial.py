@@ -75,8 +75,9 @@ def test_a_timed_graph_whose_calls_do_the_work_of_one_is_incorrect(tmp_path, mon
 
 
 @pytest.mark.parametrize("name,why", [
-    ("input-watch", "rerun on fresh inputs took"), ("lazy-after-refresh", "rerun on fresh inputs took"),
-    ("refresh-lazy", "refresh took")])
+    pytest.param("input-watch", "rerun on fresh inputs took", id="input-watch"),
+    pytest.param("lazy-after-refresh", "rerun on fresh inputs took", id="lazy-after-refresh"),
+    pytest.param("refresh-lazy", "refresh took", id="refresh-lazy")])
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_work_skipped_by_the_timed_calls_is_incorrect(tmp_path, monkeypatch, name, why, direction):
     """Right on every call the check sees, fresh inputs included: only what the check's rerun
