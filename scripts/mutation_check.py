@@ -65,7 +65,7 @@ MUTATIONS: list[M] = [
       "a checked call sees the preallocated outputs as the last call left them",
       ["tests/test_poison.py::test_checked_call_poisons_preallocated_outputs"]),
     M("timed-path-check-ignored", "qlabench/measure.py",
-      "        if bad_t:\n", "        if False:\n",
+      "            if chk.bad:\n", "            if False:\n",
       "measure ignores the check of the timed path on fresh inputs",
       ["tests/test_correctness_adversarial.py::test_lazy_backends_are_caught_on_the_timed_path"]),
     M("timed-path-on-the-checked-inputs", "qlabench/correctness.py",
