@@ -10,13 +10,15 @@ away and one short sequence is not judged against its own vanishing norm.
 :func:`checked_call` makes one eager call with every output it can write poisoned beforehand
 (:mod:`qlabench.poison`), so an output left unwritten cannot pass with a stale answer.
 :func:`check_timed_path` checks the timed path itself: fresh inputs written into the same
-buffers, the timed path run once more as it was timed, every call's outputs compared.
+buffers, the timed path run once more as it was timed, every call's outputs compared, and what
+the rerun and the backend's ``refresh`` cost (:class:`TimedPathCheck`), which
+:func:`qlabench.measure.measure_backend` holds against the timed samples.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -269,23 +271,45 @@ def refill(x: Inputs, fresh: Inputs) -> None:
         t.data.copy_(new)
 
 
+@dataclass
+class TimedPathCheck:
+    """What :func:`check_timed_path` found: the worst global relative L2 error over the calls'
+    outputs (``worst``), the problems (``bad``), the rerun's time in ms per call and its number
+    of calls (``rerun_ms``, ``calls``), and ``Prepared.refresh``'s time in ms (``refresh_ms``;
+    None: the backend has no refresh, or it was not timed)."""
+
+    worst: float
+    bad: list[str]
+    rerun_ms: float | None = None
+    calls: int = 0
+    refresh_ms: float | None = None
+
+
 def check_timed_path(be: B.Backend, prep: B.Prepared, rerun, x: Inputs, fresh: Inputs,
-                     direction: str, ref: dict, sweep: Sweep) -> tuple[float, list[str]]:
+                     direction: str, ref: dict, sweep: Sweep, clock=None) -> TimedPathCheck:
     """Check the timed path itself on inputs it has not seen: ``fresh`` is written into the
     buffers the timed calls read (:func:`refill`; ``prep.refresh`` re-derives a backend's own
-    copies of them), then ``rerun`` runs the timed path once more exactly as it was timed (the
-    timed graph replayed, or one timed-style call) and returns the raw outputs of every call it
-    made; each is compared with ``ref``, the reference of ``fresh``. Nothing is poisoned, so
-    the call is one the backend cannot tell from a timed one; an output the path left unwritten,
-    or an answer cached from the inputs it was timed on, is wrong for ``fresh``."""
+    copies of them, timed by ``clock(f) -> (f(), ms)`` where given), then ``rerun`` runs the
+    timed path once more exactly as it was timed (the timed graph replayed, or one timed-style
+    call) and returns the raw outputs of every call it made and its time per call
+    (:attr:`qlabench.timing.TimingResult.rerun`); each output is compared with ``ref``, the
+    reference of ``fresh``. Nothing is poisoned, so the call is one the backend cannot tell from
+    a timed one; an output the path left unwritten, or an answer cached from the inputs it was
+    timed on, is wrong for ``fresh``. Where a graph's calls write into preallocated buffers,
+    the n outputs are the same tensors and only the last call's values are compared."""
     refill(x, fresh)
+    refresh_ms = None
     if prep.refresh is not None:
-        prep.refresh()
+        if clock is None:
+            prep.refresh()
+        else:
+            _, refresh_ms = clock(prep.refresh)
     _sync()
-    raws = rerun()
+    raws, rerun_ms = rerun()
     _sync()
     if not raws:
-        return float("nan"), ["the timed path returned no output to check"]
+        return TimedPathCheck(float("nan"), ["the timed path returned no output to check"],
+                              rerun_ms, 0, refresh_ms)
     worst, bad = 0.0, []
     for i, raw in enumerate(raws):
         outs = be.outputs_to_canonical(raw, x, direction)
@@ -294,4 +318,4 @@ def check_timed_path(be: B.Backend, prep: B.Prepared, rerun, x: Inputs, fresh: I
         if b:
             bad.append(f"call {i + 1} of {len(raws)}: " + "; ".join(b))
             break
-    return worst, bad
+    return TimedPathCheck(worst, bad, rerun_ms, len(raws), refresh_ms)

@@ -76,9 +76,10 @@ SCHEMA = pa.schema(
         # worst 64-token chunk x head (token outputs) or sequence x head (final_state, dh0)
         *[(f"local_rel_l2_{o}", _f) for o in OUTPUTS],
         ("max_rel_l2", _f), ("worst_block_rel_l2", _f),
-        # the timed path on fresh inputs (seed ``check_seed``) vs their reference; the marginal
-        # cost of an unrolled call of the timed graph
-        ("timed_max_rel_l2", _f), ("check_seed", _i), ("marginal_ratio", _f),
+        # the timed path on fresh inputs (seed ``check_seed``) vs their reference, its time and
+        # the backend's refresh's; the marginal cost of an unrolled call of the timed graph
+        ("timed_max_rel_l2", _f), ("check_seed", _i), ("rerun_ms", _f), ("refresh_ms", _f),
+        ("marginal_ratio", _f),
         # derived
         ("flops", _f), ("min_bytes", _f), ("intensity_flop_per_byte", _f), ("roofline_ms", _f),
         ("tflops", _f), ("gbps", _f), ("pct_roofline", _f),
@@ -191,6 +192,13 @@ FIELDS: dict[str, tuple[str, str]] = {
                          "call of one more graph replay or timed-style call, on fresh inputs "
                          "(seed `check_seed`) against their reference"),
     "check_seed": ("", "seed of the fresh inputs the timed path was checked on"),
+    "rerun_ms": ("ms per call", "the timed path's rerun on the fresh inputs, one more sample timed "
+                 "as the samples were; the gate fails it above `RERUN_FACTOR` x `p90_ms` + "
+                 "`RERUN_FLOOR_MS` per rerun (`qlabench/measure.py`, docs/correctness.md)"),
+    "refresh_ms": ("ms", "the backend's `Prepared.refresh` after the fresh inputs were written "
+                   "(one eager call, timed with the timing mode's clock; null: no refresh); the "
+                   "gate fails it above `REFRESH_FACTOR` x `p90_ms` + `REFRESH_FLOOR_MS` "
+                   "(`qlabench/measure.py`, docs/correctness.md)"),
     "marginal_ratio": ("ratio", "graph-batch: marginal cost of one unrolled call of the timed "
                        "graph over the mean per-call time (about 1; near 0 when the calls do "
                        "the work of one, which the gate fails below 0.5)"),

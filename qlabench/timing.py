@@ -23,18 +23,25 @@ the samples falls below ``rse_target``, or ``budget_s`` or ``max_samples`` is re
 are kept.
 
 Every mode also hands back ``rerun``: the timed path run once more exactly as it was timed (the
-graph replayed; one more call of the sample loop), so the correctness check can check what the timed calls
-compute. Graph-batch with more than one call per replay also measures ``marginal_ratio``, the
-marginal cost of an unrolled call over the mean: n calls that do the work of one show it near 0.
+graph replayed; one more call of the sample loop) and timed as a sample is, so the correctness
+check can check what the timed calls compute and what they cost on inputs they have not seen.
+A graph replay returns the outputs of every one of its n unrolled calls; where a backend writes
+into buffers it preallocated (``Prepared.outputs``), those n outputs are the same tensors, so
+only the last call's values are really compared there. Graph-batch with more than one call per
+replay also measures ``marginal_ratio``, the marginal cost of an unrolled call over the mean:
+n calls that do the work of one show it near 0 — the check that covers those aliased calls.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from .config import Timing
 
@@ -51,9 +58,13 @@ class TimingResult:
     fallback_reason: str = ""
     flush_ms: float | None = None
     #: runs the timed path once more exactly as it was timed (the timed graph replayed, or one
-    #: timed-style call) and returns the raw outputs of every call it made, for the check of
-    #: the timed path (:func:`qlabench.correctness.check_timed_path`)
-    rerun: Callable[[], list] | None = None
+    #: timed-style call), timed as one sample is, and returns (the raw outputs of every call it
+    #: made, its time in ms per call) for the check of the timed path
+    #: (:func:`qlabench.correctness.check_timed_path`). The outputs of a graph's n calls are the
+    #: tensors captured in it: n distinct ones where each call allocates its outputs, the same
+    #: preallocated buffers n times where the backend writes into those (then only the last
+    #: call's values are there to compare; ``marginal_ratio`` covers the other n - 1)
+    rerun: Callable[[], tuple[list, float]] | None = None
     #: graph-batch with n > 1 calls per replay: (replay time - one-call replay time) / (n - 1)
     #: over the mean per-call time. About 1 when each unrolled call does its own work; near 0
     #: when the n calls do the work of one (the per-call latency would be n times too small)
@@ -101,6 +112,37 @@ def _collect(sample: Callable[[], float], opts: Timing) -> tuple[list[float], st
                 return samples, "budget"
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's garbage collector off for a single timed call: a collection pause (tens of ms
+    in a large process) inside one call is not the call's cost."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def once_ms(f: Callable[[], Any], mode: str) -> tuple[Any, float]:
+    """Run ``f`` once, timed with the clock of timing mode ``mode``: wall clock around the call
+    for ``cpu``, CUDA events on the current stream otherwise (the device synchronised before and
+    after). Returns (what ``f`` returned, ms)."""
+    with _no_gc():
+        if mode == "cpu":
+            t = time.perf_counter()
+            out = f()
+            return out, (time.perf_counter() - t) * 1e3
+        _synchronize()
+        a, b = _events()
+        a.record()
+        out = f()
+        b.record()
+        b.synchronize()
+        return out, a.elapsed_time(b)
+
+
 def measure_cpu(fn: Callable, opts: Timing) -> TimingResult:
     for _ in range(opts.warmup):
         fn()
@@ -115,13 +157,15 @@ def measure_cpu(fn: Callable, opts: Timing) -> TimingResult:
     return TimingResult(samples, "cpu", "n/a", 1, why, rerun=_rerun_of(one, last))
 
 
-def _rerun_of(one: Callable[[], float], last: dict) -> Callable[[], list]:
-    """The ``rerun`` of a sample loop whose ``one()`` leaves its call's outputs in ``last``."""
+def _rerun_of(one: Callable[[], float], last: dict) -> Callable[[], tuple[list, float]]:
+    """The ``rerun`` of a sample loop whose ``one()`` times one call and leaves its outputs in
+    ``last``: one more sample, its outputs and its ms."""
     last.clear()
 
-    def rerun() -> list:
-        one()
-        return [last.pop("out")]
+    def rerun() -> tuple[list, float]:
+        with _no_gc():
+            ms = one()
+        return [last.pop("out")], ms
     return rerun
 
 
@@ -176,17 +220,20 @@ def _time_replays(g, n_calls: int, opts: Timing, flush: _Flusher | None,
         g.replay()
     _synchronize()
 
-    def one() -> float:
-        if flush is not None:
-            flush()
-        a, b = _events()
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        return (a.elapsed_time(b) - subtract_ms) / n_calls
+    return _collect(lambda: _replay_ms(g, n_calls, flush, subtract_ms), opts)
 
-    return _collect(one, opts)
+
+def _replay_ms(g, n_calls: int, flush: _Flusher | None, subtract_ms: float = 0.0) -> float:
+    """One sample of a graph: (replay time − ``subtract_ms``) / ``n_calls``, in ms per call; the
+    L2 flushed first (outside the timed region) when ``flush`` is given."""
+    if flush is not None:
+        flush()
+    a, b = _events()
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return (a.elapsed_time(b) - subtract_ms) / n_calls
 
 
 def estimate_call_ms(fn: Callable, reps: int = 3) -> float:
@@ -239,9 +286,10 @@ def measure_gpu(fn: Callable, opts: Timing, graph_safe: bool = True) -> tuple[Ti
             if n > 1:
                 marginal = _marginal_ratio(fn, n, samples, opts, flusher, cold, flush_ms)
 
-            def rerun() -> list:
-                g.replay()
-                return list(captured)
+            def rerun() -> tuple[list, float]:  # one more sample; every unrolled call's outputs
+                with _no_gc():
+                    ms = _replay_ms(g, n, None if cold else flusher, flush_ms)
+                return list(captured), ms
 
             return TimingResult(samples, mode, opts.l2, n, why,
                                 flush_ms=(flush_ms / n if cold else None),

@@ -3,7 +3,8 @@
 Each wraps an honest backend (``base``: the torch reference by default) and breaks one thing the
 gate must catch. ``Noisy`` adds bf16-sized noise to an honest answer first, so that the limits
 are tested as a kernel meets them (an exact answer would fail every injected bug on the global
-norm alone, whatever the local checks do).
+norm alone, whatever the local checks do). ``SavedForward`` is honest too: a refresh that
+re-derives a forward's outputs, as the library backward backends' do.
 """
 
 from __future__ import annotations
@@ -174,5 +175,138 @@ class ModeLazy(ReferenceBackend):
         return Prepared(fn=fn, graph_safe=False)
 
 
+def _copy(raw):
+    """A copy of a backend's raw outputs (a tuple, or a dict for the backward)."""
+    if isinstance(raw, dict):
+        return {k: (None if v is None else v.clone()) for k, v in raw.items()}
+    return tuple(None if v is None else v.clone() for v in raw)
+
+
+class InputWatch(ReferenceBackend):
+    """Recomputes only when a cheap fingerprint of its inputs (the sum of q) changes, else
+    returns its last answer. The timing repeats the same inputs, so its timed calls cost a sum;
+    the check's rerun on fresh inputs computes, and is right."""
+
+    name = "input-watch"
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        last: dict = {}
+
+        def fn():
+            key = float(x.q.float().sum())
+            if last.get("key") != key:
+                last["key"], last["out"] = key, inner.fn()
+            return last["out"]
+        return Prepared(fn=fn, graph_safe=False)
+
+
+class RefreshLazy(ReferenceBackend):
+    """Computes in ``prepare`` and in ``Prepared.refresh`` (called outside timing once fresh
+    inputs are written); every call returns a copy of that answer, right for the current
+    inputs."""
+
+    name = "refresh-lazy"
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        ans = [inner.fn()]
+
+        def refresh():
+            ans[0] = inner.fn()
+        return Prepared(fn=lambda: _copy(ans[0]), graph_safe=False, refresh=refresh)
+
+
+class LazyAfterRefresh(ReferenceBackend):
+    """Computes in ``prepare`` and on the first call after each ``Prepared.refresh`` (which only
+    marks its answer stale); every other call returns a copy of its last answer."""
+
+    name = "lazy-after-refresh"
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        ans, stale = [inner.fn()], [False]
+
+        def refresh():
+            stale[0] = True
+
+        def fn():
+            if stale[0]:
+                ans[0], stale[0] = inner.fn(), False
+            return _copy(ans[0])
+        return Prepared(fn=fn, graph_safe=False, refresh=refresh)
+
+
+class AlternatingLazy(ReferenceBackend):
+    """``RefreshLazy`` after odd refreshes, ``LazyAfterRefresh`` after even ones: the work is in
+    the refresh on one set of fresh inputs and in the rerun on the next."""
+
+    name = "alternating-lazy"
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        ans, stale, refreshes = [inner.fn()], [False], [0]
+
+        def refresh():
+            refreshes[0] += 1
+            if refreshes[0] % 2:
+                ans[0] = inner.fn()
+            else:
+                stale[0] = True
+
+        def fn():
+            if stale[0]:
+                ans[0], stale[0] = inner.fn(), False
+            return _copy(ans[0])
+        return Prepared(fn=fn, graph_safe=False, refresh=refresh)
+
+
+class WrongAfterRerun(ReferenceBackend):
+    """Right on every call up to the first after ``Prepared.refresh`` (the check's rerun of the
+    timed path); every later call's o (dv in the backward) is 10% off."""
+
+    name = "wrong-after-rerun"
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        since = [None]  # calls since the refresh
+
+        def refresh():
+            since[0] = 0
+
+        def fn():
+            raw = inner.fn()
+            if since[0] is None:
+                return raw
+            since[0] += 1
+            if since[0] == 1:
+                return raw
+            if isinstance(raw, dict):
+                return {**raw, "dv": raw["dv"] * 1.1}
+            return (raw[0] * 1.1, *raw[1:])
+        return Prepared(fn=fn, graph_safe=False, refresh=refresh)
+
+
+class SavedForward(ReferenceBackend):
+    """Honest: a backward that keeps a forward's outputs from ``prepare`` (as the library
+    backward backends keep a forward's intermediates) and re-derives them in ``refresh`` — a
+    forward, about a third of its call — then computes its gradients on every call."""
+
+    name = "saved-forward"
+
+    def prepare(self, x, direction):
+        if direction != "bwd":
+            raise NotImplementedError
+        fwd = ReferenceBackend.prepare(self, x, "fwd")
+        inner = super().prepare(x, direction)
+        saved = [t.clone() for t in fwd.fn()]
+
+        def refresh():
+            for t, now in zip(saved, fwd.fn()):
+                t.copy_(now)
+        return Prepared(fn=inner.fn, graph_safe=False, refresh=refresh)
+
+
 CHEATS = {c.name: c for c in (LastTokenZeroed, ChunkScaled, HeadScaled, AllScaled, Cached,
-                              HungOnInputs, NanLazy, ModeLazy)}
+                              HungOnInputs, NanLazy, ModeLazy, InputWatch, RefreshLazy,
+                              LazyAfterRefresh, AlternatingLazy, WrongAfterRerun)}

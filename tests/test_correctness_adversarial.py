@@ -7,7 +7,8 @@ import pytest
 
 from qlabench import backends as B
 from qlabench import config as C
-from qlabench import runner
+from qlabench import measure, runner
+from qlabench.backends.reference import ReferenceBackend
 
 #: layouts of the kind the issue's review used, scaled to a CPU reference: one long sequence,
 #: several equal ones, single tokens beside long ones, lengths of 1 mod 64
@@ -71,3 +72,74 @@ def test_a_timed_graph_whose_calls_do_the_work_of_one_is_incorrect(tmp_path, mon
     rows = _rows(tmp_path, monkeypatch, CB.Noisy, seqlens=[[64]])
     assert rows[0]["status"] == "incorrect" and "unrolled" in rows[0]["reason"]
     assert rows[0]["marginal_ratio"] == 0.05 < measure.MIN_MARGINAL_RATIO
+
+
+@pytest.mark.parametrize("name,why", [
+    pytest.param("input-watch", "rerun on fresh inputs took", id="input-watch"),
+    pytest.param("lazy-after-refresh", "rerun on fresh inputs took", id="lazy-after-refresh"),
+    pytest.param("refresh-lazy", "refresh took", id="refresh-lazy")])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_work_skipped_by_the_timed_calls_is_incorrect(tmp_path, monkeypatch, name, why, direction):
+    """Right on every call the check sees, fresh inputs included: only what the check's rerun
+    of the timed path and the backend's refresh cost, against the timed samples, gives them
+    away (``RERUN_FACTOR``, ``REFRESH_FACTOR`` and their floors)."""
+    rows = _rows(tmp_path, monkeypatch, CB.CHEATS[name], (direction,))
+    for r in rows:
+        assert r["status"] == "incorrect" and why in r["reason"], (r["layout"], r["reason"])
+        assert r["timed_max_rel_l2"] < C.Thresholds().o and r["latency_ms"] is None
+
+
+@pytest.mark.parametrize("cls,direction", [(ReferenceBackend, "fwd"), (ReferenceBackend, "bwd"),
+                                           (CB.SavedForward, "bwd"), (CB.Noisy, "fwd")])
+def test_honest_reruns_and_refreshes_fit_the_timed_samples(tmp_path, monkeypatch, cls, direction):
+    rows = _rows(tmp_path, monkeypatch, cls, (direction,))
+    for r in rows:
+        assert r["status"] == "ok", (r["layout"], r["reason"])
+        assert r["rerun_ms"] <= measure.RERUN_FACTOR * r["p90_ms"] + measure.RERUN_FLOOR_MS
+    if cls is CB.SavedForward:  # a forward: a fraction of the backward it is timed against
+        assert all(0 < r["refresh_ms"] < r["p90_ms"] for r in rows), \
+            [(r["refresh_ms"], r["p90_ms"]) for r in rows]
+    else:
+        assert all(r["refresh_ms"] is None for r in rows)
+
+
+def test_a_call_after_the_timed_path_check_is_checked(tmp_path, monkeypatch):
+    """Wrong only on the calls after the check's rerun: the poisoned eager call after timing is
+    what catches it."""
+    rows = _rows(tmp_path, monkeypatch, CB.WrongAfterRerun, ("fwd", "bwd"))
+    for r in rows:
+        assert r["status"] == "incorrect" and "a call after timing was wrong" in r["reason"], \
+            (r["layout"], r["reason"])
+        assert r["timed_max_rel_l2"] < C.Thresholds().o
+
+
+def test_costs_that_do_not_fit_are_confirmed_on_a_second_fresh_set(tmp_path, monkeypatch):
+    """One slow rerun (a host hiccup) is measured again on other fresh inputs and the row stays
+    `ok`, the first figure noted; work moved into refresh on one set and into the rerun on the
+    next does not fit on either, and is `incorrect`."""
+    import time
+
+    from qlabench.backends.base import Prepared
+
+    class OneSlowRerun(ReferenceBackend):
+        def prepare(self, x, direction):
+            inner = super().prepare(x, direction)
+            state = {"refreshes": 0, "slow": False}
+
+            def refresh():
+                state["refreshes"] += 1
+                state["slow"] = state["refreshes"] == 1
+
+            def fn():
+                if state["slow"]:
+                    state["slow"] = False
+                    time.sleep(0.3)
+                return inner.fn()
+            return Prepared(fn=fn, graph_safe=False, refresh=refresh)
+
+    rows = _rows(tmp_path / "a", monkeypatch, OneSlowRerun, seqlens=[[64]])
+    assert rows[0]["status"] == "ok", rows[0]["reason"]
+    assert "rerun on fresh inputs took" in rows[0]["reason"] and "costs fit" in rows[0]["reason"]
+    rows = _rows(tmp_path / "b", monkeypatch, CB.AlternatingLazy, seqlens=[[1024]])
+    assert rows[0]["status"] == "incorrect", rows[0]["reason"]
+    assert "on two sets of fresh inputs" in rows[0]["reason"]

@@ -146,19 +146,42 @@ def test_timed_path_check_runs_on_fresh_inputs_and_checks_every_call():
     def rerun():  # the timed path: it computes from the buffers it was timed on
         seen["q"] = x.q.clone()
         good = (ref2["o"].clone(), ref2["final_state"].clone(), x.h0)
-        return [good, good]
+        return [good, good], 0.5
 
     version = x.q._version
-    worst, bad = correctness.check_timed_path(be, Prepared(fn=None), rerun, x, fresh, "fwd", ref2, sw)
-    assert bad == [] and worst < 1e-6
+    chk = correctness.check_timed_path(be, Prepared(fn=None), rerun, x, fresh, "fwd", ref2, sw)
+    assert chk.bad == [] and chk.worst < 1e-6 and (chk.rerun_ms, chk.calls) == (0.5, 2)
     assert torch.equal(seen["q"], fresh.q) and x.q._version == version  # same tensors, new values
 
     def rerun_second_call_stale():
-        return [(ref2["o"], ref2["final_state"], x.h0), (ref2["o"] * 0, ref2["final_state"], x.h0)]
+        return [(ref2["o"], ref2["final_state"], x.h0),
+                (ref2["o"] * 0, ref2["final_state"], x.h0)], 0.5
 
-    _, bad = correctness.check_timed_path(be, Prepared(fn=None), rerun_second_call_stale, x, fresh,
-                                   "fwd", ref2, sw)
-    assert bad and bad[0].startswith("call 2 of 2")
+    chk = correctness.check_timed_path(be, Prepared(fn=None), rerun_second_call_stale, x, fresh,
+                                       "fwd", ref2, sw)
+    assert chk.bad and chk.bad[0].startswith("call 2 of 2")
+
+
+def test_refresh_is_timed_with_the_clock_given_after_the_fresh_values_are_written():
+    from qlabench.sweep import points
+    from qlabench.workloads import make
+    sw, x, _ = _tiny()
+    fresh = make(points(sw)[0], seed=4321)
+    ref2 = correctness.reference_outputs(fresh, "fwd", "chunked", "fp64")
+    seen = {}
+
+    def refresh():
+        seen["q"] = x.q.clone()
+
+    def clock(f):
+        return f(), 7.0
+
+    def rerun():
+        return [(ref2["o"], ref2["final_state"], x.h0)], 0.5
+    prep = Prepared(fn=None, refresh=refresh)
+    chk = correctness.check_timed_path(HandsBackH0(), prep, rerun, x, fresh, "fwd", ref2, sw,
+                                       clock=clock)
+    assert chk.bad == [] and chk.refresh_ms == 7.0 and torch.equal(seen["q"], fresh.q)
 
 
 def test_state_gate_catches_one_wrong_sequence_the_global_norm_hides():

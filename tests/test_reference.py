@@ -74,22 +74,34 @@ def test_grads_group_summed_shapes(tiny_point):
     assert gr["dh0"].shape == x.h0.shape and all(torch.isfinite(t).all() for t in gr.values())
 
 
-@pytest.mark.parametrize("seqlens,device", [
-    ((1, 65, 129, 1, 257), "cpu"),
-    pytest.param((1, 4097, 1, 1025, 64), "cuda", marks=pytest.mark.gpu),
+@pytest.fixture
+def one_thread():
+    """One torch thread: the token-by-token recurrence and its autograd are thousands of small
+    fp64 ops, slower on two threads of a shared machine than on one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("h_qk,h_v,head_dim,seqlens,device", [
+    (2, 4, 32, (1, 65, 129, 1, 257), "cpu"),
+    (1, 2, 128, (1, 1024, 1, 383), "cpu"),
+    pytest.param(2, 4, 32, (1, 4097, 1, 1025, 64), "cuda", marks=pytest.mark.gpu),
 ])
-def test_fp32_chunked_reference_against_fp64_recurrence_every_output(seqlens, device):
+def test_fp32_chunked_reference_against_fp64_recurrence_every_output(h_qk, h_v, head_dim, seqlens,
+                                                                     device, one_thread):
     """The correctness check's reference (chunked, fp32; gradients by autograd through it) against the fp64
-    token-by-token recurrence (gradients by autograd through the recurrence) on a short serving
-    layout — single tokens, lengths of 1 mod 64, a tail of one token — every output far inside
-    the check's limits (1% of the tightest)."""
+    token-by-token recurrence (gradients by autograd through the recurrence) on short serving
+    layouts — single tokens, lengths of 1 mod 64, a tail of one token; head dims 32 and 128 (the
+    models') — every output far inside the check's limits (1% of the tightest)."""
     from qlabench import config as C
     from qlabench import correctness
     from qlabench.backends.reference import gdn_recurrent
     from qlabench.sweep import Point
     from qlabench.workloads import make
 
-    p = Point("serving", 2, 4, 32, seqlens, "bf16", 0.25, 0, 0)
+    p = Point("serving", h_qk, h_v, head_dim, seqlens, "bf16", 0.25, 0, 0)
     x = make(p, device, with_grads=True)
     fwd = correctness.reference_outputs(x, "fwd", "chunked", "fp32")
     bwd = correctness.reference_outputs(x, "bwd", "chunked", "fp32")

@@ -33,8 +33,11 @@ class Prepared:
     ``refresh``: re-derives, in place and outside the timed calls, whatever ``prepare`` computed
     from the input values that ``fn`` reads instead of the inputs themselves (converted copies,
     a forward's saved tensors for a backward); the check of the timed path writes fresh values
-    into the canonical input tensors and calls it before running the timed path again. A backend
-    whose ``fn`` reads only the canonical inputs (or views of them) needs none."""
+    into the canonical input tensors and calls it before running the timed path again, timing
+    it: a refresh may cost a fraction of a call (a backward's forward, a dtype conversion), and
+    one that costs several timed calls marks the row ``incorrect`` (work moved out of the timed
+    call: :func:`qlabench.measure.timed_path_costs`). A backend whose ``fn`` reads only the
+    canonical inputs (or views of them) needs none."""
 
     fn: Callable[[], Any]
     graph_safe: bool = True
