@@ -52,11 +52,11 @@
 #   correctness_accept  scripts/airgapped/correctness_acceptance.py on FLA: every broken variant must be `incorrect`
 #                (CORRECTNESS_ONLY, set at setup: the variants to run, comma-separated; default all);
 #   last_tokens  tools/correctness/last_tokens.py: the error of a sequence's last tokens per backend;
-#   bwd_quick    configs/h200_bwd_quick.yaml (fla, flashqla, tilelang) into runs/h200_bwd_quick;
-#   fwd_quick    configs/h200_fwd_quick.yaml (FlashInfer 0.6.13 and 0.7.4 among them), once
+#   fwd_quick    configs/h200_fwd_quick.yaml (FlashInfer 0.6.13 and 0.7.4, TileOPs among them), once
 #                /tmp/fisite is ready, into runs/h200_fwd_quick;
 #   serving      configs/h200_serving.yaml, every backend, into runs/h200_serving (resumed once
 #                if cut);
+#   bwd_quick    configs/h200_bwd_quick.yaml (fla, flashqla, tilelang) into runs/h200_bwd_quick;
 #   fwd_heldout  configs/h200_fwd_heldout.yaml (held-out head configs, every backend), once
 #                /tmp/fisite is ready, into runs/h200_fwd_heldout (resumed once if cut);
 #   bwd_heldout  configs/h200_bwd_heldout.yaml (held-out backward head configs: fla, flashqla,
@@ -175,6 +175,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     FLA_TILELANG=0 qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/triton_only
     qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/dispatched
     rc=0
+    while [ ! -f /tmp/fisite.ready ] && [ $SECONDS -lt 300 ]; do sleep 5; done  # FlashInfer 0.7.4 (relay)
     for b in "4/16 1024,512" "16/64 8192,8192,8192,8192" "2/8 32768"; do
       set -- $b
       PYTHONPATH=$QLABENCH_FLASHINFER07_PATH:$PYTHONPATH python3 examples/engine_dispatch.py --require \
@@ -198,7 +199,6 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step correctness_accept 120 420 python3 scripts/airgapped/correctness_acceptance.py --fwd configs/h200_fwd_quick.yaml \
     --bwd configs/h200_bwd_quick.yaml --out runs/correctness_acceptance ${CORRECTNESS_ONLY:+--only "$CORRECTNESS_ONLY"}
   step last_tokens 60 240 python3 -m qlabench_tools.correctness.last_tokens --out "$J/checks"
-  step bwd_quick 120 420 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   if wants fwd_quick || wants serving || wants fwd_heldout; then
     while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
     log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
@@ -206,6 +206,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step fwd_quick 120 420 qlabench run configs/h200_fwd_quick.yaml --out runs/h200_fwd_quick --resume
   step serving 300 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step serving_resume 90 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
+  step bwd_quick 120 420 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   step fwd_heldout 300 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step fwd_heldout_resume 90 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
   step bwd_heldout 300 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
