@@ -128,6 +128,12 @@ MUTATIONS: list[M] = [
       "a cost that does not fit fails the row without a second set of fresh inputs (one host "
       "hiccup makes an honest row `incorrect`)",
       ["tests/test_correctness_adversarial.py::test_costs_that_do_not_fit_are_confirmed_on_a_second_fresh_set"]),
+    M("second-set-against-the-old-p90", "qlabench/measure.py",
+      "            slow = timed_path_costs(chk, max(timed[\"p90_ms\"], p90_now))\n",
+      "            slow = timed_path_costs(chk, timed[\"p90_ms\"])\n",
+      "the second set's costs are held against the samples' p90 alone, not the timed path "
+      "re-timed right before it (a machine slowed by load since the samples fails honest rows)",
+      ["tests/test_correctness_adversarial.py::test_a_machine_slowed_from_the_check_on_moves_both_sides"]),
     M("graph-rerun-returns-last-call", "qlabench/timing.py",
       "                return list(captured), ms\n", "                return list(captured)[-1:], ms\n",
       "the timed graph's rerun hands over only its last unrolled call's outputs",

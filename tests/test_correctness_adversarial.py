@@ -143,3 +143,33 @@ def test_costs_that_do_not_fit_are_confirmed_on_a_second_fresh_set(tmp_path, mon
     rows = _rows(tmp_path / "b", monkeypatch, CB.AlternatingLazy, seqlens=[[1024]])
     assert rows[0]["status"] == "incorrect", rows[0]["reason"]
     assert "on two sets of fresh inputs" in rows[0]["reason"]
+
+
+def test_a_machine_slowed_from_the_check_on_moves_both_sides(tmp_path, monkeypatch):
+    """Every call from the first fresh set on costs 0.3 s more (load beside the run): the second
+    set's costs are held against timed-style calls re-timed right before it, so the row stays
+    `ok`; without that re-timing (``RETIME_CALLS`` 0 stands for it) it would be `incorrect`."""
+    import time
+
+    from qlabench.backends.base import Prepared
+
+    class LoadedFromTheCheck(ReferenceBackend):
+        def prepare(self, x, direction):
+            inner = super().prepare(x, direction)
+            loaded = [False]
+
+            def refresh():
+                loaded[0] = True
+
+            def fn():
+                if loaded[0]:
+                    time.sleep(0.3)
+                return inner.fn()
+            return Prepared(fn=fn, graph_safe=False, refresh=refresh)
+
+    rows = _rows(tmp_path / "a", monkeypatch, LoadedFromTheCheck, seqlens=[[64]])
+    assert rows[0]["status"] == "ok", rows[0]["reason"]
+    assert "costs fit" in rows[0]["reason"]
+    monkeypatch.setattr(measure, "RETIME_CALLS", 0)
+    rows = _rows(tmp_path / "b", monkeypatch, LoadedFromTheCheck, seqlens=[[64]])
+    assert rows[0]["status"] == "incorrect", rows[0]["reason"]
