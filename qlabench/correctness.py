@@ -275,17 +275,14 @@ def refill(x: Inputs, fresh: Inputs) -> None:
 class TimedPathCheck:
     """What :func:`check_timed_path` found: the worst global relative L2 error over the calls'
     outputs (``worst``), the problems (``bad``), the rerun's time in ms per call and its number
-    of calls (``rerun_ms``, ``calls``), ``Prepared.refresh``'s time in ms (``refresh_ms``;
-    None: the backend has no refresh, or it was not timed) and, beside a timed refresh, the time
-    of one eager call of the timed callable on the same inputs (``eager_ms``), the like-for-like
-    measure a refresh (itself an eager call) is held against."""
+    of calls (``rerun_ms``, ``calls``), and ``Prepared.refresh``'s time in ms (``refresh_ms``;
+    None: the backend has no refresh, or it was not timed)."""
 
     worst: float
     bad: list[str]
     rerun_ms: float | None = None
     calls: int = 0
     refresh_ms: float | None = None
-    eager_ms: float | None = None
 
 
 def check_timed_path(be: B.Backend, prep: B.Prepared, rerun, x: Inputs, fresh: Inputs,
@@ -299,8 +296,7 @@ def check_timed_path(be: B.Backend, prep: B.Prepared, rerun, x: Inputs, fresh: I
     reference of ``fresh``. Nothing is poisoned, so the call is one the backend cannot tell from
     a timed one; an output the path left unwritten, or an answer cached from the inputs it was
     timed on, is wrong for ``fresh``. Where a graph's calls write into preallocated buffers,
-    the n outputs are the same tensors and only the last call's values are compared. A timed
-    refresh is followed, after the rerun, by one eager call of ``prep.fn`` timed by ``clock``."""
+    the n outputs are the same tensors and only the last call's values are compared."""
     refill(x, fresh)
     refresh_ms = None
     if prep.refresh is not None:
@@ -322,8 +318,4 @@ def check_timed_path(be: B.Backend, prep: B.Prepared, rerun, x: Inputs, fresh: I
         if b:
             bad.append(f"call {i + 1} of {len(raws)}: " + "; ".join(b))
             break
-    eager_ms = None
-    if refresh_ms is not None:  # after the rerun: a call that caches cannot speed the rerun up
-        _, eager_ms = clock(prep.fn)
-        _sync()
-    return TimedPathCheck(worst, bad, rerun_ms, len(raws), refresh_ms, eager_ms)
+    return TimedPathCheck(worst, bad, rerun_ms, len(raws), refresh_ms)

@@ -23,10 +23,8 @@ the samples falls below ``rse_target``, or ``budget_s`` or ``max_samples`` is re
 are kept.
 
 Every mode also hands back ``rerun``: the timed path run once more exactly as it was timed (the
-graph replayed; one more call of the sample loop) and timed as a sample is (``cpu``: as the
-smaller of its wall and CPU time, the work it did whatever load runs beside it), so the
-correctness check can check what the timed calls compute and what they cost on inputs they have
-not seen.
+graph replayed; one more call of the sample loop) and timed as a sample is, so the correctness
+check can check what the timed calls compute and what they cost on inputs they have not seen.
 A graph replay returns the outputs of every one of its n unrolled calls; where a backend writes
 into buffers it preallocated (``Prepared.outputs``), those n outputs are the same tensors, so
 only the last call's values are really compared there. Graph-batch with more than one call per
@@ -133,7 +131,9 @@ def once_ms(f: Callable[[], Any], mode: str) -> tuple[Any, float]:
     after). Returns (what ``f`` returned, ms)."""
     with _no_gc():
         if mode == "cpu":
-            return _cpu_once(f)
+            t = time.perf_counter()
+            out = f()
+            return out, (time.perf_counter() - t) * 1e3
         _synchronize()
         a, b = _events()
         a.record()
@@ -143,32 +143,18 @@ def once_ms(f: Callable[[], Any], mode: str) -> tuple[Any, float]:
         return out, a.elapsed_time(b)
 
 
-def _cpu_once(f: Callable[[], Any]) -> tuple[Any, float]:
-    """``f()`` and its cost in ms on the CPU: the smaller of the wall clock and the process's CPU
-    time around it. A process descheduled by load beside it (other workers, a loaded CI host)
-    loses wall time but no CPU time, and a call spread over threads spends more CPU time than
-    wall time, so the smaller is the work the call did, whichever way the host disturbs it."""
-    t, c = time.perf_counter(), time.process_time()
-    out = f()
-    return out, min(time.perf_counter() - t, time.process_time() - c) * 1e3
-
-
 def measure_cpu(fn: Callable, opts: Timing) -> TimingResult:
     for _ in range(opts.warmup):
         fn()
+    last: dict = {}
 
     def one() -> float:
         t = time.perf_counter()
-        fn()
+        last["out"] = fn()
         return (time.perf_counter() - t) * 1e3
 
     samples, why = _collect(one, opts)
-
-    def rerun() -> tuple[list, float]:  # one more call, its cost as the work it did
-        with _no_gc():
-            out, ms = _cpu_once(fn)
-        return [out], ms
-    return TimingResult(samples, "cpu", "n/a", 1, why, rerun=rerun)
+    return TimingResult(samples, "cpu", "n/a", 1, why, rerun=_rerun_of(one, last))
 
 
 def _rerun_of(one: Callable[[], float], last: dict) -> Callable[[], tuple[list, float]]:

@@ -201,22 +201,6 @@ class InputWatch(ReferenceBackend):
         return Prepared(fn=fn, graph_safe=False)
 
 
-class RefreshLazy(ReferenceBackend):
-    """Computes in ``prepare`` and in ``Prepared.refresh`` (called outside timing once fresh
-    inputs are written); every call returns a copy of that answer, right for the current
-    inputs."""
-
-    name = "refresh-lazy"
-
-    def prepare(self, x, direction):
-        inner = super().prepare(x, direction)
-        ans = [inner.fn()]
-
-        def refresh():
-            ans[0] = inner.fn()
-        return Prepared(fn=lambda: _copy(ans[0]), graph_safe=False, refresh=refresh)
-
-
 class LazyAfterRefresh(ReferenceBackend):
     """Computes in ``prepare`` and on the first call after each ``Prepared.refresh`` (which only
     marks its answer stale); every other call returns a copy of its last answer."""
@@ -229,30 +213,6 @@ class LazyAfterRefresh(ReferenceBackend):
 
         def refresh():
             stale[0] = True
-
-        def fn():
-            if stale[0]:
-                ans[0], stale[0] = inner.fn(), False
-            return _copy(ans[0])
-        return Prepared(fn=fn, graph_safe=False, refresh=refresh)
-
-
-class AlternatingLazy(ReferenceBackend):
-    """``RefreshLazy`` after odd refreshes, ``LazyAfterRefresh`` after even ones: the work is in
-    the refresh on one set of fresh inputs and in the rerun on the next."""
-
-    name = "alternating-lazy"
-
-    def prepare(self, x, direction):
-        inner = super().prepare(x, direction)
-        ans, stale, refreshes = [inner.fn()], [False], [0]
-
-        def refresh():
-            refreshes[0] += 1
-            if refreshes[0] % 2:
-                ans[0] = inner.fn()
-            else:
-                stale[0] = True
 
         def fn():
             if stale[0]:
@@ -308,5 +268,5 @@ class SavedForward(ReferenceBackend):
 
 
 CHEATS = {c.name: c for c in (LastTokenZeroed, ChunkScaled, HeadScaled, AllScaled, Cached,
-                              HungOnInputs, NanLazy, ModeLazy, InputWatch, RefreshLazy,
-                              LazyAfterRefresh, AlternatingLazy, WrongAfterRerun)}
+                              HungOnInputs, NanLazy, ModeLazy, InputWatch, LazyAfterRefresh,
+                              WrongAfterRerun)}

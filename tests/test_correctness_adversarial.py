@@ -76,13 +76,12 @@ def test_a_timed_graph_whose_calls_do_the_work_of_one_is_incorrect(tmp_path, mon
 
 @pytest.mark.parametrize("name,why", [
     pytest.param("input-watch", "rerun on fresh inputs took", id="input-watch"),
-    pytest.param("lazy-after-refresh", "rerun on fresh inputs took", id="lazy-after-refresh"),
-    pytest.param("refresh-lazy", "refresh took", id="refresh-lazy")])
+    pytest.param("lazy-after-refresh", "rerun on fresh inputs took", id="lazy-after-refresh")])
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_work_skipped_by_the_timed_calls_is_incorrect(tmp_path, monkeypatch, name, why, direction):
     """Right on every call the check sees, fresh inputs included: only what the check's rerun
-    of the timed path and the backend's refresh cost, against the timed samples, gives them
-    away (``RERUN_FACTOR``, ``REFRESH_FACTOR`` and their floors)."""
+    of the timed path costs, against the timed samples, gives them away (``RERUN_FACTOR`` and
+    its floor)."""
     rows = _rows(tmp_path, monkeypatch, CB.CHEATS[name], (direction,))
     for r in rows:
         assert r["status"] == "incorrect" and why in r["reason"], (r["layout"], r["reason"])
@@ -115,8 +114,8 @@ def test_a_call_after_the_timed_path_check_is_checked(tmp_path, monkeypatch):
 
 def test_costs_that_do_not_fit_are_confirmed_on_a_second_fresh_set(tmp_path, monkeypatch):
     """One slow rerun (a host hiccup) is measured again on other fresh inputs and the row stays
-    `ok`, the first figure noted; work moved into refresh on one set and into the rerun on the
-    next does not fit on either, and is `incorrect`."""
+    `ok`, the first figure noted; work done only on the first call after each refresh does not
+    fit on either set, and is `incorrect`."""
     import time
 
     from qlabench.backends.base import Prepared
@@ -140,9 +139,9 @@ def test_costs_that_do_not_fit_are_confirmed_on_a_second_fresh_set(tmp_path, mon
     rows = _rows(tmp_path / "a", monkeypatch, OneSlowRerun, seqlens=[[64]])
     assert rows[0]["status"] == "ok", rows[0]["reason"]
     assert "rerun on fresh inputs took" in rows[0]["reason"] and "costs fit" in rows[0]["reason"]
-    rows = _rows(tmp_path / "b", monkeypatch, CB.AlternatingLazy, seqlens=[[1024]])
+    rows = _rows(tmp_path / "b", monkeypatch, CB.LazyAfterRefresh, seqlens=[[1024]])
     assert rows[0]["status"] == "incorrect", rows[0]["reason"]
-    assert "on two sets of fresh inputs" in rows[0]["reason"]
+    assert f"on {measure.FRESH_SETS} sets of fresh inputs" in rows[0]["reason"]
 
 
 def test_a_machine_slowed_from_the_check_on_moves_both_sides(tmp_path, monkeypatch):
