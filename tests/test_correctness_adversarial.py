@@ -145,7 +145,7 @@ def test_costs_that_do_not_fit_are_confirmed_on_a_second_fresh_set(tmp_path, mon
 
 
 def test_a_machine_slowed_from_the_check_on_moves_both_sides(tmp_path, monkeypatch):
-    """Every call from the first fresh set on costs 0.3 s more (load beside the run): the second
+    """Every call from the first fresh set on costs 1 s more (load beside the run): the second
     set's costs are held against timed-style calls re-timed right before it, so the row stays
     `ok`; without that re-timing (``RETIME_CALLS`` 0 stands for it) it would be `incorrect`."""
     import time
@@ -162,7 +162,7 @@ def test_a_machine_slowed_from_the_check_on_moves_both_sides(tmp_path, monkeypat
 
             def fn():
                 if loaded[0]:
-                    time.sleep(0.3)
+                    time.sleep(1.0)
                 return inner.fn()
             return Prepared(fn=fn, graph_safe=False, refresh=refresh)
 
