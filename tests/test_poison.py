@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 import torch
+from fake_cuda import FakeEvent
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlabench import backends as B
@@ -257,17 +258,7 @@ def clock(monkeypatch):
     """A fake clock that CUDA events read and ``FakeGraph`` replays advance."""
     clock = [0.0]
 
-    class Ev:
-        def record(self):
-            self.t = clock[0]
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return other.t - self.t
-
-    monkeypatch.setattr(timing, "_events", lambda: (Ev(), Ev()))
+    monkeypatch.setattr(timing, "_events", lambda: (FakeEvent(clock), FakeEvent(clock)))
     monkeypatch.setattr(timing, "_synchronize", lambda: None)
     return clock
 

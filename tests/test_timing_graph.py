@@ -5,6 +5,7 @@ every unrolled call of one more replay, and that replay's time — is checked wi
 
 import pytest
 import torch
+from fake_cuda import FakeEvent
 
 from qlabench import config as C
 from qlabench import correctness, timing
@@ -31,16 +32,6 @@ def fake_gpu(monkeypatch):
     advance is returned."""
     clock = [0.0]
 
-    class Ev:
-        def record(self):
-            self.t = clock[0]
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return other.t - self.t
-
     class NoFlush:
         def __call__(self):
             pass
@@ -49,7 +40,7 @@ def fake_gpu(monkeypatch):
         body()  # the warm-up on the side stream
         return ReplayingGraph(body)
 
-    monkeypatch.setattr(timing, "_events", lambda: (Ev(), Ev()))
+    monkeypatch.setattr(timing, "_events", lambda: (FakeEvent(clock), FakeEvent(clock)))
     monkeypatch.setattr(timing, "_synchronize", lambda: None)
     monkeypatch.setattr(timing, "_capture", capture)
     monkeypatch.setattr(timing, "_Flusher", NoFlush)

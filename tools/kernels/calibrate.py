@@ -320,6 +320,16 @@ def check_table_bwd(bwd: BwdCosts, device, reps: int = 10, echo=print, compare: 
     return rows
 
 
+def _time_all(exps, time_one, device, reps: int, echo) -> dict:
+    """{experiment key: µs} of ``time_one(e, device, reps)`` for every experiment, each echoed."""
+    times = {}
+    for e in exps:
+        times[_key(e)] = time_one(e, device, reps)
+        echo(f"  {e['stage']:14s} heads {e['heads'][0]}/{e['heads'][1]} {len(e['seqlens'])}x{e['seqlens'][0]:<6d} "
+             f"split {e['split']:5d}: {times[_key(e)]:9.1f} us")  # fmt: skip
+    return times
+
+
 def measure_fwd(device=None, reps: int = 10, echo=print, compare=None) -> tuple[FwdCosts, list[dict]]:
     """Time :func:`experiments` on ``device`` (the current CUDA device), fit the forward's costs
     (:func:`fit_fwd`) and check them (:func:`check_table`)."""
@@ -327,11 +337,7 @@ def measure_fwd(device=None, reps: int = 10, echo=print, compare=None) -> tuple[
 
     device = torch.device("cuda") if device is None else torch.device(device)
     sms = plan.sm_count(device)
-    times = {}
-    for e in experiments(sms):
-        times[_key(e)] = _time_experiment(e, device, reps)
-        echo(f"  {e['stage']:14s} heads {e['heads'][0]}/{e['heads'][1]} {len(e['seqlens'])}x{e['seqlens'][0]:<6d} "
-             f"split {e['split']:5d}: {times[_key(e)]:9.1f} us")  # fmt: skip
+    times = _time_all(experiments(sms), _time_experiment, device, reps, echo)
     fwd = fit_fwd(times, sms)
     echo("  fwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(fwd).items() if k != "unit"))
     return fwd, check_table(fwd, device, reps, echo, compare)
@@ -344,11 +350,7 @@ def measure_bwd(fwd: FwdCosts, device=None, reps: int = 10, echo=print, compare=
 
     device = torch.device("cuda") if device is None else torch.device(device)
     sms = plan.sm_count(device)
-    times = {}
-    for e in experiments_bwd(sms):
-        times[_key(e)] = _time_experiment_bwd(e, device, reps)
-        echo(f"  {e['stage']:14s} heads {e['heads'][0]}/{e['heads'][1]} {len(e['seqlens'])}x{e['seqlens'][0]:<6d} "
-             f"split {e['split']:5d}: {times[_key(e)]:9.1f} us")  # fmt: skip
+    times = _time_all(experiments_bwd(sms), _time_experiment_bwd, device, reps, echo)
     bwd = fit_bwd(times, sms, fwd)
     echo("  bwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(bwd).items() if k != "unit"))
     return bwd, check_table_bwd(bwd, device, reps, echo, compare)
