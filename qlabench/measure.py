@@ -94,12 +94,10 @@ RERUN_FLOOR_MS = 1.0
 #: forward FLA, FlashQLA and ours re-derive for a backward of 64 short sequences took 2.3-10 ms
 #: against a graph-timed p90 of 0.3-0.8 ms —, so no bound on it separates work moved into refresh
 #: from an honest refresh
-#: sets of fresh inputs a rerun that does not fit is measured on before the row is ``incorrect``
-#: (an honest rerun stalled by the host rarely stalls three times; skipped work never fits)
+#: sets of fresh inputs a rerun that does not fit is measured on before the row is ``incorrect``,
+#: the point's own inputs re-timed before each further set (an honest rerun stalled by the host
+#: rarely stalls three times; skipped work never fits)
 FRESH_SETS = 3
-#: timed-style calls on seen inputs before each further fresh set: the slowest is the p90 that
-#: set's cost is also held against
-RETIME_CALLS = 3
 
 
 def timed_path_costs(chk, p90_ms: float) -> str:
@@ -199,12 +197,14 @@ def derived_fields(direction: str, latency_ms: float | None, x: Inputs, dtype: s
 
 def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: Sweep,
                     row: dict, expected_out_bytes: int, ceilings: dict,
-                    fresh=None, parts: list | None = None) -> dict:
+                    fresh=None, parts: list | None = None, own=None) -> dict:
     """Prepare, check, time one backend on one point × direction, then check the timed path on
     fresh inputs (:func:`correctness.check_timed_path`; its rerun held against the timed samples,
     :func:`timed_path_costs`) and one more eager call. ``fresh()``: (fresh
     inputs of the point, their reference, their seed) — a new seed, recorded as ``check_seed``;
-    None: no check of the timed path (unit use only). ``ceilings``: the run's measured GPU
+    None: no check of the timed path (unit use only). ``own()``: the point's own inputs again
+    (the values the samples are timed on), written back to re-time the path before a further
+    fresh set where one does not fit. ``ceilings``: the run's measured GPU
     ceilings (``matmul_tflops``, ``copy_gbps``; empty: no roofline), which the derived columns
     use. Returns the row: ``row`` (its identity) and the steps' fields (correctness figures,
     timing, kernels, derived metrics, outcome: :mod:`qlabench.rows`), merged at the end; each
@@ -233,31 +233,41 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
 
     gpu = torch.cuda.is_available() and sweep.timing.mode != "cpu"
     graph = None
-    if gpu:
-        for attempt in range(2):  # a throttled measurement is re-measured once
-            c0 = metrics.clocks()
-            tr, graph = timing.measure_gpu(prep.fn, sweep.timing, prep.graph_safe)
-            clocks = clock_fields(c0, metrics.clocks())
-            steps.append(clocks)
-            if not clocks["throttled"]:
-                break
-            if attempt == 0:
-                steps.append({"reason": "throttled (NVML clock-event reasons); re-measured once"})
-    else:
-        tr = timing.measure_cpu(prep.fn, sweep.timing.model_copy(update={"mode": "cpu"}))
-    timed = timing_fields(tr)
-    steps.append(timed)
-    if tr.marginal_ratio is not None and not tr.marginal_ratio >= MIN_MARGINAL_RATIO:
-        return failed(f"the {tr.calls_per_sample} calls unrolled in the timed graph "
-                      f"cost about as much as one (marginal cost {tr.marginal_ratio:.2f} of the "
-                      f"mean, below {MIN_MARGINAL_RATIO}): the latency would not be one call's")
+
+    def time_it():
+        """Time the path on the values in ``x``'s buffers; its fields into ``steps``."""
+        nonlocal graph
+        if gpu:
+            for attempt in range(2):  # a throttled measurement is re-measured once
+                c0 = metrics.clocks()
+                tr, graph = timing.measure_gpu(prep.fn, sweep.timing, prep.graph_safe)
+                clocks = clock_fields(c0, metrics.clocks())
+                steps.append(clocks)
+                if not clocks["throttled"]:
+                    break
+                if attempt == 0:
+                    steps.append({"reason": "throttled (NVML clock-event reasons); re-measured once"})
+        else:
+            tr = timing.measure_cpu(prep.fn, sweep.timing.model_copy(update={"mode": "cpu"}))
+        timed = timing_fields(tr)
+        steps.append(timed)
+        if tr.marginal_ratio is not None and not tr.marginal_ratio >= MIN_MARGINAL_RATIO:
+            return tr, timed, (f"the {tr.calls_per_sample} calls unrolled in the timed graph "
+                               f"cost about as much as one (marginal cost {tr.marginal_ratio:.2f} "
+                               f"of the mean, below {MIN_MARGINAL_RATIO}): the latency would not "
+                               "be one call's")
+        return tr, timed, ""
+
+    tr, timed, why = time_it()
+    if why:
+        return failed(why)
     if fresh is not None:  # what the timed path computes, on inputs it has not seen
-        seeds, p90_now, first = [], 0.0, ""
+        seeds, first = [], ""
         for attempt in range(FRESH_SETS):  # a cost that does not fit is confirmed on more sets
             x2, ref, seed = fresh()
             seeds.append(seed)
             chk = check_timed_path(be, prep, tr.rerun, x, x2, direction, ref, sweep,
-                                   clock=lambda f: timing.once_ms(f, tr.timing_mode))
+                                   clock=lambda f, mode=tr.timing_mode: timing.once_ms(f, mode))
             del x2
             steps.append({"check_seed": seed, "timed_max_rel_l2": chk.worst,
                           "rerun_ms": chk.rerun_ms, "refresh_ms": chk.refresh_ms})
@@ -265,21 +275,29 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
                 return failed(f"the timed path ({tr.timing_mode}) on fresh inputs differs "
                               "from their reference (another path when timed, or an answer "
                               "cached from the checked inputs?): " + "; ".join(chk.bad))
-            slow = timed_path_costs(chk, max(timed["p90_ms"], p90_now))
+            slow = timed_path_costs(chk, timed["p90_ms"])
             if not slow:
                 break
             if attempt == FRESH_SETS - 1:
                 return failed(f"{slow} (on {FRESH_SETS} sets of fresh inputs, seeds "
-                              f"{', '.join(map(str, seeds))})")
+                              f"{', '.join(map(str, seeds))}, the point's own inputs re-timed "
+                              "before each further set)")
             first = first or slow
-            # the timed path as timed, on inputs it has now seen, right before the next set:
-            # its cost is held against the larger p90, so a machine that has slowed down since
-            # the samples were taken (load beside it) moves both sides alike
-            p90_now = max([p90_now, *(tr.rerun()[1] for _ in range(RETIME_CALLS))])
-        if len(seeds) > 1:  # a host hiccup: a later set's cost fits
+            # the inputs the samples were timed on back in their buffers, and the timing again
+            # (the row keeps the new samples): timed calls that skip work on those inputs are as
+            # cheap as before, and the next set does not fit either; a machine slowed by load
+            # since the samples, or a backend that computes once it has seen other inputs, is
+            # timed at what it costs now
+            refill(x, own())
+            if prep.refresh is not None:
+                prep.refresh()
+            tr, timed, why = time_it()
+            if why:
+                return failed(why)
+        if len(seeds) > 1:  # a host hiccup: a later set's cost fits the new samples
             steps.append({"reason": noted(merge(row, *steps).get("reason"), (
-                f"on fresh inputs of seed {seeds[0]}: {first}; on seed {seeds[-1]} the costs "
-                "fit the timed samples"))})
+                f"on fresh inputs of seed {seeds[0]}: {first}; re-timed on the point's own "
+                f"inputs, on seed {seeds[-1]} the costs fit the timed samples"))})
     tr.rerun = None
     # one more eager call, poisoned (races, state carried between calls)
     outs, _ = checked_call(be, prep, x, direction, expected_out_bytes)
@@ -341,11 +359,13 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                     x2 = fresh_inputs(p, direction, dev, seed)
                     return x2, reference_outputs(x2, direction, sweep.reference.impl,
                                                  sweep.reference.dtype), seed
+                def own():
+                    return make(p, dev, with_grads=direction != "fwd")
                 try:
                     row = measure_backend(be, x, direction, ref, sweep, row, out_bytes,
-                                          ceilings, fresh, parts)
+                                          ceilings, fresh, parts, own)
                 finally:  # the next backend starts from the point's own inputs
-                    refill(x, make(p, dev, with_grads=direction != "fwd"))
+                    refill(x, own())
             except Exception as e:
                 status = "oom" if _is_oom(e) else "crashed"
                 refused = None if status == "oom" else be.refusal(e)

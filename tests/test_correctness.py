@@ -1,5 +1,6 @@
 """Correctness-check details and the resume/merge semantics found in review."""
 
+import pytest
 import torch
 
 from qlabench import config as C
@@ -139,3 +140,47 @@ def test_one_token_gradients_of_a_correct_bf16_kernel_pass():
         bad = {k: v.clone() for k, v in kernel.items()}
         bad["dg"][0, one, h] *= 1.2
         assert any(b.startswith("dg worst") for b in correctness.check_outputs(bad, ref, x, "bwd", sw)[2])
+
+
+def _point_inputs(h_qk, h_v, d, lens, recipe, h0, direction):
+    from qlabench import correctness
+    from qlabench.sweep import points
+    from qlabench.workloads import make
+
+    gate = {"published": {"zero_frac": 0.25, "seed": 0}}.get(recipe, {"recipe": recipe})
+    sw = C.parse({"name": "t", "models": [{"name": "m", "h_qk": h_qk, "h_v": h_v, "head_dim": d}],
+                  "seqlens": [list(lens)], "gate": gate, "initial_state": h0,
+                  "reference": {"impl": "chunked", "dtype": "fp32"}})
+    x = make(points(sw)[0], with_grads=direction == "bwd")
+    return sw, x, correctness.reference_outputs(x, direction, "chunked", "fp32")
+
+
+@pytest.mark.parametrize("h_qk,h_v,d,lens,recipe,h0", [
+    (1, 1, 64, (1,), "published", True), (1, 1, 32, (1,), "strong-decay", False),
+    (1, 2, 128, (3,), "published", True), (1, 2, 64, (2,), "model", False),
+    (2, 4, 128, (192, 241, 1), "strong-decay", False), (1, 8, 32, (1, 1, 65), "published", True)])
+def test_a_correct_bf16_kernel_passes_the_smallest_layouts(h_qk, h_v, d, lens, recipe, h0):
+    """A layout of one to three tokens has a few scalars of dg and dbeta per head, sums over the
+    K x V state with cancellation: a correct bf16 kernel is off there by several times the
+    limits derived on long sequences. The global limit allows twice what the check's own emulated
+    bf16 kernel is off by on the point (as the limits are twice what the libraries reach)."""
+    from bf16_kernel import bwd as emulated_bwd
+    from bf16_kernel import fwd as emulated_fwd
+
+    from qlabench import correctness
+    for direction, kernel in (("fwd", emulated_fwd), ("bwd", emulated_bwd)):
+        sw, x, ref = _point_inputs(h_qk, h_v, d, lens, recipe, h0, direction)
+        assert correctness.check_outputs(kernel(x), ref, x, direction, sw)[2] == [], direction
+
+
+def test_a_short_sequence_beside_long_ones_is_judged_by_its_own_scale():
+    """Without an initial state a one-token sequence's o is far smaller than the head's RMS over
+    the long sequences beside it: against the head's scale, 20% of it would pass."""
+    from bf16_kernel import fwd as emulated_fwd
+
+    from qlabench import correctness
+    sw, x, ref = _point_inputs(1, 4, 32, (1025, 1, 33), "published", False, "fwd")
+    out = emulated_fwd(x)
+    assert correctness.check_outputs(out, ref, x, "fwd", sw)[2] == []
+    out["o"][0, 1025] *= 0.8
+    assert any(b.startswith("o worst") for b in correctness.check_outputs(out, ref, x, "fwd", sw)[2])

@@ -146,10 +146,30 @@ def test_costs_that_do_not_fit_are_confirmed_on_a_second_fresh_set(tmp_path, mon
     assert f"on {measure.FRESH_SETS} sets of fresh inputs" in rows[0]["reason"]
 
 
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_an_answer_precomputed_for_the_timed_inputs_is_incorrect(tmp_path, monkeypatch, direction):
+    """Right and at full cost on any inputs but the point's own, whose answer it computed in
+    prepare: the point's own inputs, re-timed before each further fresh set, stay cheap, so no
+    set fits. (One sequence long enough that an honest call is far above the copy's cost.)"""
+    rows = _rows(tmp_path, monkeypatch, CB.OwnInputsPrecomputed, (direction,), seqlens=[[2048]])
+    assert rows[0]["status"] == "incorrect", rows[0]["reason"]
+    assert f"on {measure.FRESH_SETS} sets of fresh inputs" in rows[0]["reason"]
+
+
+def test_lazy_until_its_inputs_change_is_timed_at_its_honest_cost(tmp_path, monkeypatch):
+    """Lazy through the timed samples, honest from the check's first fresh set on: that set does
+    not fit, the point's own inputs are timed again before the next one, and the row keeps the
+    new samples — its latency is an honest call's, not the lazy one's."""
+    honest = _rows(tmp_path / "a", monkeypatch, ReferenceBackend, seqlens=[[1024]])[0]
+    row = _rows(tmp_path / "b", monkeypatch, CB.WatchThenHonest, seqlens=[[1024]])[0]
+    assert row["status"] == "ok" and "re-timed on the point's own inputs" in row["reason"], row["reason"]
+    assert row["latency_ms"] > 0.3 * honest["latency_ms"], (row["latency_ms"], honest["latency_ms"])
+
+
 def test_a_machine_slowed_from_the_check_on_moves_both_sides(tmp_path, monkeypatch):
-    """Every call from the first fresh set on costs 1 s more (load beside the run): the second
-    set's costs are held against timed-style calls re-timed right before it, so the row stays
-    `ok`; without that re-timing (``RETIME_CALLS`` 0 stands for it) it would be `incorrect`."""
+    """Every call from the first fresh set on costs 1 s more (load beside the run): the point's
+    own inputs are timed again before the second set, whose costs fit the new samples, so the
+    row stays `ok` (held against the first samples it would be `incorrect`)."""
     import time
 
     from qlabench.backends.base import Prepared
@@ -170,7 +190,4 @@ def test_a_machine_slowed_from_the_check_on_moves_both_sides(tmp_path, monkeypat
 
     rows = _rows(tmp_path / "a", monkeypatch, LoadedFromTheCheck, seqlens=[[64]])
     assert rows[0]["status"] == "ok", rows[0]["reason"]
-    assert "costs fit" in rows[0]["reason"]
-    monkeypatch.setattr(measure, "RETIME_CALLS", 0)
-    rows = _rows(tmp_path / "b", monkeypatch, LoadedFromTheCheck, seqlens=[[64]])
-    assert rows[0]["status"] == "incorrect", rows[0]["reason"]
+    assert "costs fit" in rows[0]["reason"] and rows[0]["p90_ms"] > 1000.0

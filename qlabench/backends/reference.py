@@ -121,8 +121,8 @@ def gdn_chunked(q, k, v, g, beta, scale=None, h0=None, cu_seqlens=None,
 
 
 def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
-                      dtype=torch.float32, store=_kept) -> dict[str, torch.Tensor]:
-    """Reference gradients by autograd through :func:`gdn_chunked` (``store``: its own).
+                      dtype=torch.float32, store=_kept, chunk: int = CHUNK) -> dict[str, torch.Tensor]:
+    """Reference gradients by autograd through :func:`gdn_chunked` (``store``, ``chunk``: its own).
 
     Returns dq, dk [1,T,H_qk,K] (summed over each GVA group), dv [1,T,H_v,V], dg, dbeta
     [1,T,H_v] (dg for the raw, un-cumsummed g) and dh0 [N,H_v,K,V] (when h0 is given)."""
@@ -130,7 +130,7 @@ def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
               for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("h0", h0))
               if t is not None}
     o, ht = gdn_chunked(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-                        scale, leaves.get("h0"), cu_seqlens, dtype=dtype, store=store)
+                        scale, leaves.get("h0"), cu_seqlens, dtype=dtype, chunk=chunk, store=store)
     loss = (o * do.to(dtype)).sum()
     if dht is not None:
         loss = loss + (ht * dht.to(dtype)).sum()

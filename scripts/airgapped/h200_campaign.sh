@@ -1,8 +1,8 @@
 #!/bin/bash
 # One H200 session's work as one background job, fed over the FlashInfer 0.7 relay
 # (../shared/device/README.md): device calls back to back on one warm machine, one GPU.
-#   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz
-#               [.tlcache/fqla_fwd.tar.xz .tlcache/fqla_bwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz
+#   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz (all of them built by
+#               scripts/airgapped/prepare.sh) [.tlcache/fqla.tar.xz .tlcache/fqla_fwd.tar.xz .tlcache/fqla_bwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz
 #               .tlcache/calib.tar.xz .tlcache/{,fqla_}heldout.tar.xz .tlcache/{,fqla_}bwd_heldout.tar.xz
 #               (scripts/airgapped/build_flashinfer06_aot.sh)]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
@@ -84,7 +84,7 @@ setup)
   tar -xJf .tlcache/all.tar.xz -C /tmp/tlc || exit 1
   # FlashQLA's kernels (the sweeps, tests, held-out heads) and ours for the calibration and the held-out
   # heads, compiled offline
-  for f in fqla_fwd fqla_bwd fqla_tests fqla_heldout fqla_bwd_heldout calib heldout bwd_heldout; do
+  for f in fqla fqla_fwd fqla_bwd fqla_tests fqla_heldout fqla_bwd_heldout calib heldout bwd_heldout; do
     [ -f .tlcache/$f.tar.xz ] && tar -xJf .tlcache/$f.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/$f/. /tmp/tlc/all/
   done
   if [ -d .run/prevkernels ]; then cp -r .run/prevkernels /tmp/prevkernels || exit 1; fi

@@ -1,0 +1,60 @@
+#!/bin/bash
+# Everything a session on the lent H200 carries, built on this CPU machine (docs/airgapped.md), in
+# one command; each part is skipped when its output is there (FORCE=1 rebuilds):
+#   bash scripts/airgapped/prepare.sh [PART ...]       (default: every part, in this order)
+#   devsite  .devsite/            GPU-side packages ($SHARED/device/bundle.sh; ~3 min)
+#   fi07     .fi07a/ .fi07b/      FlashInfer 0.7.4 for the relay ($SHARED/device/bundle_flashinfer07.sh; ~6 min)
+#   tileops  .tileops/            tileops 0.1.0 (scripts/airgapped/bundle_tileops.sh)
+#   fi0613   .tlcache/fi0613_jit.tar.xz   FlashInfer 0.6.13's GDN module (build_flashinfer06_aot.sh; ~5 min)
+#   ours     .tlcache/all.tar.xz  the in-repo kernels of every configs/h200_*.yaml, the GPU tests and
+#                                 the calibration (`qlabench precompile`, JOBS worker processes)
+#   fqla     .tlcache/fqla.tar.xz FlashQLA's kernels for those configs (precompile_flashqla.py)
+#   repo     .run/repo.tar.gz     the commit to run (HEAD, results/ left out); with PREV=<git ref>
+#                                 also .run/prevkernels/qlabench_kernels (the `tilelang@prev` label)
+# $SHARED: the shared folder beside the repository (default ../shared). Caches travel packed without
+# nvcc's cuda-binaries/, which loading does not need. Ends by listing what each device call would
+# carry against its 64 MiB.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+SHARED=${SHARED:-../shared}
+JOBS=${JOBS:-2}
+PARTS=${*:-devsite fi07 tileops fi0613 ours fqla repo}
+T0=$(date +%s); log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
+have() { [ -z "${FORCE:-}" ] && [ -e "$1" ] && { log "$2: $1 is there (FORCE=1 rebuilds)"; return 0; }; return 1; }
+pack() {  # pack .tlcache/NAME (a TileLang cache directory) as .tlcache/NAME.tar.xz
+  tar -cf - -C .tlcache --exclude=cuda-binaries "$1" | xz -T0 > ".tlcache/$1.tar.xz" || return 1
+  log "$1: $(find ".tlcache/$1" -name executable.so | wc -l) kernels, $(du -h ".tlcache/$1.tar.xz" | cut -f1)"; }
+CONFIGS=$(ls configs/h200_*.yaml)
+mkdir -p .tlcache .run
+rc=0
+for part in $PARTS; do
+  log "== $part"
+  case $part in
+    devsite) have .devsite/setup.sh "$part" || bash "$SHARED/device/bundle.sh" .devsite || rc=1 ;;
+    fi07) have .fi07b/setup_flashinfer07.sh "$part" || bash "$SHARED/device/bundle_flashinfer07.sh" || rc=1 ;;
+    tileops) have .tileops/setup.sh "$part" || bash scripts/airgapped/bundle_tileops.sh || rc=1 ;;
+    fi0613) have .tlcache/fi0613_jit.tar.xz "$part" || bash scripts/airgapped/build_flashinfer06_aot.sh || rc=1 ;;
+    ours)
+      have .tlcache/all.tar.xz "$part" || {
+        # shellcheck disable=SC2086
+        TILELANG_CACHE_DIR=$PWD/.tlcache/all qlabench precompile all $CONFIGS --jobs "$JOBS" && pack all; } || rc=1 ;;
+    fqla)
+      have .tlcache/fqla.tar.xz "$part" || {
+        args=(); for c in $CONFIGS; do args+=(--config "$c"); done
+        TILELANG_CACHE_DIR=$PWD/.tlcache/fqla python3 scripts/airgapped/precompile_flashqla.py "${args[@]}" && pack fqla; } || rc=1 ;;
+    repo)
+      git archive HEAD -- . ':!results' | gzip > .run/repo.tar.gz || rc=1
+      log "repo: $(git rev-parse --short=12 HEAD), $(du -h .run/repo.tar.gz | cut -f1)"
+      if [ -n "${PREV:-}" ]; then
+        rm -rf .run/prevkernels && mkdir -p .run/prevkernels/qlabench_kernels \
+          && git archive "$PREV" kernels | tar -x -C .run/prevkernels/qlabench_kernels --strip-components=1 \
+          && log "prevkernels: kernels/ of $(git rev-parse --short=12 "$PREV")" || rc=1
+      fi ;;
+    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo)" >&2; exit 2 ;;
+  esac
+done
+mib() { du -smc "$@" 2>/dev/null | tail -1 | cut -f1; }
+tree=$(git ls-files -z | du -smc --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+log "carried per call (MiB, limit 64): setup $(( tree + $(mib .devsite .tlcache/*.tar.xz .run) )), \
+tileops $(( tree + $(mib .tileops) )), fi07a $(( tree + $(mib .fi07a) )), fi07b $(( tree + $(mib .fi07b) ))"
+exit $rc
