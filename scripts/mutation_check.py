@@ -133,6 +133,12 @@ MUTATIONS: list[M] = [
       "every token output's local scale is floored at the head's RMS (a short sequence's o 20% "
       "off beside long ones passes)",
       ["tests/test_correctness.py::test_a_short_sequence_beside_long_ones_is_judged_by_its_own_scale"]),
+    M("layout-read-from-the-backends-inputs", "qlabench/correctness.py",
+      '    cu, want_ht = getattr(ref, "layout", None) or (x.cu_seqlens, x.output_final_state)\n',
+      "    cu, want_ht = x.cu_seqlens, x.output_final_state\n",
+      "the check reads the layout and whether a final state is wanted from the inputs the backend "
+      "holds (one that turns output_final_state off returns any final state)",
+      ["tests/test_correctness_adversarial.py::test_a_backend_cannot_change_what_is_checked"]),
     M("no-re-timing-before-a-further-set", "qlabench/measure.py",
       "            tr, timed, why = time_it()\n            if why:\n                return failed(why)\n        if len(seeds)",
       "            why = \"\"\n            if why:\n                return failed(why)\n        if len(seeds)",

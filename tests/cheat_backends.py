@@ -240,6 +240,26 @@ class OwnInputsPrecomputed(ReferenceBackend):
         return Prepared(fn=fn, graph_safe=False)
 
 
+class TamperedLayout(ReferenceBackend):
+    """Turns its inputs' ``output_final_state`` off and merges their sequences into one in
+    ``prepare`` (the check must not read them from the backend's inputs), then returns the
+    reference's o and a zero final state."""
+
+    name = "tampered-layout"
+
+    def prepare(self, x, direction):
+        inner = super().prepare(x, direction)
+        cu = x.cu_seqlens.clone()
+
+        def fn():
+            x.cu_seqlens.copy_(cu)
+            o, ht = inner.fn()
+            x.output_final_state = False
+            x.cu_seqlens[1:-1] = x.cu_seqlens[-1]
+            return o, torch.zeros_like(ht)
+        return Prepared(fn=fn, graph_safe=False)
+
+
 class LazyAfterRefresh(ReferenceBackend):
     """Computes in ``prepare`` and on the first call after each ``Prepared.refresh`` (which only
     marks its answer stale); every other call returns a copy of its last answer."""
@@ -308,4 +328,5 @@ class SavedForward(ReferenceBackend):
 
 CHEATS = {c.name: c for c in (LastTokenZeroed, ChunkScaled, HeadScaled, AllScaled, Cached,
                               HungOnInputs, NanLazy, ModeLazy, InputWatch, WatchThenHonest,
-                              OwnInputsPrecomputed, LazyAfterRefresh, WrongAfterRerun)}
+                              OwnInputsPrecomputed, TamperedLayout, LazyAfterRefresh,
+                              WrongAfterRerun)}

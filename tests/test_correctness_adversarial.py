@@ -48,6 +48,14 @@ def test_subtly_wrong_outputs_are_incorrect(tmp_path, monkeypatch, name, directi
     assert {r["status"] for r in rows} == {"incorrect"}, [(r["layout"], r["reason"]) for r in rows]
 
 
+def test_a_backend_cannot_change_what_is_checked(tmp_path, monkeypatch):
+    """The layout and whether a final state is asked for come from the reference's own copy,
+    not from the inputs the backend holds and may rewrite."""
+    rows = _rows(tmp_path, monkeypatch, CB.TamperedLayout)
+    for r in rows:
+        assert r["status"] == "incorrect" and "final_state" in r["reason"], (r["layout"], r["reason"])
+
+
 @pytest.mark.parametrize("name", ["cached", "hung-on-inputs", "nan-lazy", "mode-lazy"])
 def test_lazy_backends_are_caught_on_the_timed_path(tmp_path, monkeypatch, name):
     """Each passes the eager, poisoned checks; the timed path on fresh inputs gives it away."""
