@@ -79,6 +79,9 @@ def _backend_list(arg: str | None, sweep: C.Sweep) -> list[str]:
     if not arg:
         return labels
     names = [b.strip() for b in arg.split(",") if b.strip()]
+    if not names:
+        err.print(f"error: --backends {arg!r}: no backend named (a comma list of labels)", highlight=False)
+        raise typer.Exit(2)
     from . import backends
     known = backends.names()
     bad = [b for b in names if b not in known and b not in labels]

@@ -64,7 +64,8 @@ cleanly; anything else carries its ``pairing`` tag (``cross-campaign``, ...).
 Exit codes of :func:`compare_cmd` (and of ``qlabench compare``; the first that applies):
 
 - 2: bad input — a path missing, unreadable or without rows, required columns missing, no key in
-  common, a backend label of BASE without any row in NEW (:func:`missing_labels`), a
+  common, a backend label of BASE without any row in NEW (:func:`missing_labels`; a label
+  BASE's own newest run dropped is not compared: :func:`newest_run`), a
   ``--base-backend`` / ``--new-backend`` label without rows, every pair the same stored row, bad
   ``--out`` / ``--threshold`` / ``--alpha``;
 - 3: a pair's rows differ in timing method, GPU model or input recipe (``differs``), unless
@@ -422,6 +423,21 @@ def write_out(df: pd.DataFrame, summary: dict, out: Path, base: Path, new: Path,
                                "alpha": alpha, "summary": summary, "rows": recs}, indent=1))
 
 
+def newest_run(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``df``'s newest run (its campaign, where the run was one shard of one): the
+    run of the row started last."""
+    if df.empty or "started_at" not in df or "run_id" not in df:
+        return df
+    started = pd.to_datetime(df["started_at"], errors="coerce", utc=True)
+    if not started.notna().any():
+        return df
+    last = df.loc[started.idxmax()]
+    camp = last.get("campaign_id") if "campaign_id" in df else None
+    if isinstance(camp, str) and camp:
+        return df[df["campaign_id"] == camp]
+    return df[df["run_id"] == last["run_id"]]
+
+
 def missing_labels(base: pd.DataFrame, new: pd.DataFrame) -> list[str]:
     """Backend labels of ``base`` that ``new`` holds no row of at all, although ``new`` measured
     some of their points and directions with other labels (two runs of different labels, not a
@@ -457,6 +473,14 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
                 raise BadInput(f"{opt}: no rows of backend {label!r} in {side} (its labels: "
                                f"{', '.join(sorted(set(df_['backend'].dropna())))})")
         if base_backend is None:
+            # a baseline that keeps every earlier run (CI's history): a label its newest run no
+            # longer measures was dropped from the sweep, and is compared no more
+            retired = missing_labels(bdf, newest_run(bdf))
+            if retired:
+                bdf = bdf[~bdf["backend"].isin(retired)]
+                err.print(f"note: {base}: label{'s' * (len(retired) > 1)} "
+                          f"{', '.join(map(repr, retired))} not in its newest run, not compared",
+                          markup=False, highlight=False)
             miss = missing_labels(bdf, ndf)
             if miss:
                 theirs = ", ".join(sorted(set(ndf["backend"].dropna())))

@@ -258,6 +258,8 @@ class Reference(_Strict):
 
 #: a backend label: it names part files and is a field of point keys (``|``-separated)
 LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]*")
+#: the longest label: it names part files (with the run id and a counter) within a file name's 255 bytes
+LABEL_MAX = 100
 #: a label's ``@<version>`` suffix, checked against the version imported in its environment
 VERSION_SUFFIX_RE = re.compile(r"@(\d+(?:\.\d+)*)$")
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -328,6 +330,9 @@ class BackendEntry(_Strict):
         if not LABEL_RE.fullmatch(v):
             raise ValueError(f"label {v!r}: use letters, digits and . _ + - @ (starting with a "
                              "letter or digit); it names files and is a field of point keys")
+        if len(v) > LABEL_MAX:
+            raise ValueError(f"label {v[:20]}...: {len(v)} characters, at most {LABEL_MAX} (it names "
+                             "files)")
         return v
 
     @field_validator("python", "pythonpath")
@@ -534,7 +539,9 @@ def load(path: str | Path) -> Sweep:
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a text (UTF-8) YAML file") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     data = data or {}

@@ -416,23 +416,24 @@ def method_counts(df: pd.DataFrame) -> dict[str, int]:
 
 
 def owners(path: str | Path) -> pd.DataFrame:
-    """Per stored row of a results directory: :data:`OWNER_COLUMNS` (null where a row lacks one)
-    and ``sweep``, the sweep's name from its run's metadata (``sweep.name`` in
+    """Per stored row of a results directory: :data:`OWNER_COLUMNS` (null where a row lacks one),
+    ``sweep``, the sweep's name from its run's metadata (``sweep.name`` in
     ``_runs/<run_id>.json``), else the stem of its ``config`` where that names a YAML file, else
-    null. Reads only these columns (thousands of one-row parts in about a second); no rows: an
+    null, and ``judged_by`` (:func:`judged_by` of its run's sweep; null without metadata). Reads only these columns (thousands of one-row parts in about a second); no rows: an
     empty frame with these columns."""
     import pyarrow.dataset as ds
     cols = list(OWNER_COLUMNS)
     files = _part_files(Path(path) / PARTS_DIR)
     if not files:
-        return pd.DataFrame(columns=[*cols, "sweep"])
+        return pd.DataFrame(columns=[*cols, "sweep", "judged_by"])
     try:
         df = ds.dataset([str(f) for f in files], format="parquet",
                         schema=pa.schema([SCHEMA.field(c) for c in cols])).to_table().to_pandas()
     except (pa.ArrowInvalid, pa.ArrowTypeError, NotImplementedError):  # a part of another schema
         df = load(path).reindex(columns=cols)
-    names = {rid: (m.get("sweep") or {}).get("name") for rid, m in load_meta(path).items()
-             if isinstance(m, dict)}
+    meta = {rid: m for rid, m in load_meta(path).items() if isinstance(m, dict)}
+    names = {rid: (m.get("sweep") or {}).get("name") for rid, m in meta.items()}
+    judges = {rid: judged_by(m["sweep"]) for rid, m in meta.items() if isinstance(m.get("sweep"), dict)}
 
     def sweep_of(run_id, config):
         name = names.get(run_id)
@@ -442,7 +443,17 @@ def owners(path: str | Path) -> pd.DataFrame:
         return Path(c).stem if c.endswith((".yaml", ".yml")) else None
 
     df["sweep"] = [sweep_of(r, c) for r, c in zip(df["run_id"], df["config"])]
+    df["judged_by"] = [judges.get(r) for r in df["run_id"]]
     return df
+
+
+def judged_by(sweep: dict) -> str | None:
+    """What a run's verdicts were judged by, from its sweep (as dumped into its metadata): the
+    correctness limits (``thresholds``) and the reference (``reference``), as canonical JSON;
+    None where the dump has neither."""
+    import json
+    part = {k: sweep[k] for k in ("thresholds", "reference") if k in sweep}
+    return json.dumps(part, sort_keys=True) if part else None
 
 
 def load(path: str | Path, latest: bool = False) -> pd.DataFrame:

@@ -43,7 +43,7 @@ __all__ = ["CAMPAIGN_HOURS", "NothingRunnable", "OtherRows", "RecipeMismatch", "
 class OtherRows(Exception):
     """The results directory holds rows of another sweep, input recipe, GPU or timing method than
     the run's (:func:`other_rows`); nothing was written. ``what``: the kinds that differ, of
-    ``sweep``, ``recipe``, ``gpu``, ``method``."""
+    ``sweep``, ``recipe``, ``gpu``, ``method``, ``judge``."""
 
     def __init__(self, message: str, what=()):
         super().__init__(message)
@@ -52,7 +52,8 @@ class OtherRows(Exception):
 
 #: the kinds of :func:`other_rows` that a ``--resume`` is refused over even with
 #: ``append_other`` (kind -> what the refusal names)
-RESUME_NEVER_MIXES = {"recipe": "input recipes", "method": "timing methods"}
+RESUME_NEVER_MIXES = {"recipe": "input recipes", "method": "timing methods",
+                      "judge": "correctness limits or references"}
 
 
 class RecipeMismatch(OtherRows):
@@ -124,8 +125,9 @@ def other_rows(held, sweep: Sweep, pts: list[Point], gpu_name: str,
     differs: ``sweep`` (rows of another sweep name), ``gpu`` (rows measured on a GPU of another
     name), ``recipe`` (rows of one of ``pts``' keys with another ``recipe_hash``; the phrase
     names the first such point, both hashes and both gate recipes), ``method`` (``ok`` rows timed
-    with another timing mode or l2: :func:`qlabench.results.other_method`). A value a row lacks
-    is not compared."""
+    with another timing mode or l2: :func:`qlabench.results.other_method`), ``judge`` (rows
+    whose verdicts were judged under other correctness limits or another reference:
+    :func:`qlabench.results.judged_by`). A value a row lacks is not compared."""
     out: dict[str, str] = {}
     if held.empty:
         return out
@@ -162,7 +164,18 @@ def other_rows(held, sweep: Sweep, pts: list[Point], gpu_name: str,
                          f"input recipe (recipe_hash {r['recipe_hash']} vs this run's "
                          f"{p.recipe_hash}, {why})"
                          + (f", and for {more} more of this run's points" if more else ""))
-    from .results import method_counts, other_method
+    from .results import judged_by, method_counts, other_method
+    if "judged_by" in held:
+        mine_j = judged_by(sweep.model_dump(mode="json"))
+        jb = known("judged_by")
+        jb = jb[jb["judged_by"] != mine_j]
+        if len(jb):
+            import json
+            ours, theirs = json.loads(mine_j), json.loads(jb["judged_by"].iloc[0])
+            diff = ", ".join(f"{k} {theirs.get(k)} vs this run's {ours.get(k)}"
+                             for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
+            out["judge"] = (f"{len(jb)} rows judged under other correctness limits or reference "
+                            f"(run {jb['run_id'].iloc[0]}: {diff})")
     t = sweep.timing
     theirs = method_counts(other_method(held, t.mode, t.l2))
     if theirs:

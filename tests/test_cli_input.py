@@ -161,3 +161,36 @@ def test_merge_refuses_two_timing_methods_and_takes_shards_of_one(tmp_path):
     e = _sweep_dir(tmp_path / "e", "fwd", "20250103T000000-cccccc", timing_mode="events")
     r = CliRunner().invoke(app, ["merge", str(a), str(e), "--out", str(tmp_path / "m2")])
     assert r.exit_code == 0, r.output
+
+
+def test_a_config_that_is_not_text_an_empty_backends_list_and_a_long_label(tmp_path):
+    """A binary file as the config, ``--backends ,`` and a label too long to name a file: one
+    line each, exit 2, nothing written."""
+    binary = tmp_path / "rows.parquet"
+    binary.write_bytes(b"PAR1\x15\x04\xff\xfe\x00\x80" * 20)
+    for cmd in (["validate", str(binary)], ["list", str(binary)], ["run", str(binary), "--out", str(tmp_path / "o")]):
+        _one_error(CliRunner().invoke(app, cmd), "not a text")
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(yaml.safe_dump(SWEEP))
+    _one_error(CliRunner().invoke(app, ["run", str(cfg), "--backends", ",", "--out", str(tmp_path / "o")]),
+               "--backends")
+    assert not (tmp_path / "o").exists()
+    cfg.write_text(yaml.safe_dump({**SWEEP, "backends": [{"name": "reference", "label": "r" * 300}]}))
+    r = CliRunner().invoke(app, ["validate", str(cfg)])
+    assert r.exit_code == 2 and "at most 100" in r.stderr, r.stderr
+
+
+def test_rows_judged_under_other_limits_are_not_resumed_over(tmp_path):
+    """A verdict is only as good as the limits it was judged under: a run (``--resume`` or not)
+    into a directory whose rows were judged under other thresholds is refused, naming them."""
+    out = tmp_path / "o"
+    loose = tmp_path / "loose.yaml"
+    loose.write_text(yaml.safe_dump({**SWEEP, "thresholds": {"o": 5.0}}))
+    assert CliRunner().invoke(app, ["run", str(loose), "--out", str(out), "--no-plot"]).exit_code == 0
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(yaml.safe_dump(SWEEP))
+    before = _tree(out)
+    for extra in ([], ["--resume"], ["--resume", "--append-other"]):
+        r = CliRunner().invoke(app, ["run", str(cfg), "--out", str(out), "--no-plot", *extra])
+        assert r.exit_code == 2 and "correctness limits" in r.stderr, (extra, r.stderr)
+        assert _tree(out) == before

@@ -375,3 +375,23 @@ def test_base_reads_before_new_everywhere(base, tmp_path, capsys):
     assert Q.compare_cmd(base, base, base_backend="fla", new_backend="tilelang") == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{base}: fla → tilelang (threshold") and "backend fla → tilelang" in out
+
+
+def test_a_label_dropped_from_the_sweep_is_missing_once_not_forever(base, tmp_path):
+    """A CI baseline that keeps every earlier run: once a run without label ``fla`` has joined it,
+    the next run without ``fla`` is judged (exit 0), not refused for a label the sweep dropped;
+    against a baseline whose newest run still has it, its absence is still refused (exit 2)."""
+    def without_fla(src, dst, run_id, started_at):
+        out = S.copy_scaled(src, dst, {}, run_id=run_id, started_at=started_at)
+        df = results.load(out)
+        for f in (out / "parts").glob("*.parquet"):
+            f.unlink()
+        results._write_rows_file(out / "parts", "rows", df[df["backend"] != "fla"])
+        return out
+
+    first = without_fla(base, tmp_path / "first", "20250103T000000-cccccc", "2025-01-03T00:00:00")
+    assert Q.compare_cmd(base, first) == 2
+    history = tmp_path / "history"
+    results.merge(history, [base, first], mix_sweeps=True)
+    second = without_fla(base, tmp_path / "second", "20250104T000000-dddddd", "2025-01-04T00:00:00")
+    assert Q.compare_cmd(history, second) == 0
