@@ -516,10 +516,11 @@ def recipe_name(gate_recipe) -> str:
     return s.split(":", 1)[0] if ":" in s else "published"
 
 
-def by_recipe(df: pd.DataFrame) -> pd.DataFrame:
+def by_recipe(df: pd.DataFrame, always: bool = False) -> pd.DataFrame:
     """``df`` with ``model`` reading ``<model> [<recipe>]`` (:func:`recipe_name`) when its rows
-    hold several gate recipes, so that every view keeps each recipe apart; else ``df`` itself."""
-    if "gate_recipe" in df and df["gate_recipe"].nunique() > 1:
+    hold several gate recipes (or ``always``: two sides of a comparison that do between them),
+    so that every view keeps each recipe apart; else ``df`` itself."""
+    if "gate_recipe" in df and (always or df["gate_recipe"].nunique() > 1):
         return df.assign(model=[f"{m} [{recipe_name(r)}]"
                                 for m, r in zip(df["model"], df["gate_recipe"])])
     return df

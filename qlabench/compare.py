@@ -283,11 +283,13 @@ def compare_frames(base: pd.DataFrame, new: pd.DataFrame, threshold: float = 0.0
                      "new_calls_per_sample": value(rn or {}, "calls_per_sample"),
                      **{c: pr[c] for c in analysis.PAIR_FIELDS},
                      "base_run_id": value(rb, "run_id"), "new_run_id": value(rn or {}, "run_id"),
-                     "base_sha": value(rb, "git_sha"), "new_sha": value(rn or {}, "git_sha")})
+                     "base_sha": value(rb, "git_sha"), "new_sha": value(rn or {}, "git_sha"),
+                     "base_version": value(rb, "backend_version"),
+                     "new_version": value(rn or {}, "backend_version")})
     cols = [*KEY, *_INFO, "base_backend", "new_backend", "base_ms", "new_ms", "ratio", "ratio_lo", "ratio_hi", "p_value",
             "n_base", "n_new", "verdict", "reason", "differs", "base_calls_per_sample",
             "new_calls_per_sample", *analysis.PAIR_FIELDS,
-            "base_run_id", "new_run_id", "base_sha", "new_sha"]
+            "base_run_id", "new_run_id", "base_sha", "new_sha", "base_version", "new_version"]
     df = pd.DataFrame(rows, columns=cols)
     if not df.empty:
         order = {v: i for i, v in enumerate(VERDICTS)}
@@ -392,12 +394,25 @@ def print_table(df: pd.DataFrame, summary: dict, base: Path | str, new: Path | s
     render.line(console, f"pairing of the {summary['pairs']} ratios: {summary['pairing']}", width)
     if summary["differs_pairs"]:
         render.line(console, f"incomparable: {differs_line(summary, len(df))}", width)
+    for line in version_changes(df):
+        render.line(console, line, width)
     for r in df[df["verdict"].isin(["slower", "broken", "faster"])].to_dict("records"):
         what = (f"{r['ratio']:.3f}x (p={r['p_value']:.2g})" if r["verdict"] != "broken"
                 else f"broken: {r['reason']}")
         tag = f" [{r['pairing']}]" if r["verdict"] != "broken" and r["pairing"] else ""
         word = "IMPROVEMENT" if r["verdict"] == "faster" else "REGRESSION"
         render.line(console, f"{word} {row_label(r)}: {what}{tag}", width)
+
+
+def version_changes(df: pd.DataFrame) -> list[str]:
+    """One line per backend label whose version differs between the pairs' base and new rows
+    (``version LABEL: OLD → NEW (n pairs)``): a ratio across them measures the library's change
+    too, which a reader of a regression must see."""
+    if df.empty or "base_version" not in df:
+        return []
+    d = df[df["base_version"].notna() & df["new_version"].notna() & (df["base_version"] != df["new_version"])]
+    return [f"version {label}: {a} → {b} ({len(g)} pairs)"
+            for (label, a, b), g in d.groupby(["backend", "base_version", "new_version"], sort=True)]
 
 
 def _calls(r: Mapping) -> str:
@@ -467,6 +482,9 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
             raise BadInput(f"{out}: --out must end in .json or .csv")
         analysis.check_tie_rule(alpha, threshold)
         bdf, ndf = load_side(Path(base)), load_side(Path(new))
+        if "gate_recipe" in bdf and "gate_recipe" in ndf \
+                and pd.concat([bdf["gate_recipe"], ndf["gate_recipe"]]).nunique() > 1:
+            bdf, ndf = analysis.by_recipe(bdf, always=True), analysis.by_recipe(ndf, always=True)
         for opt, side, df_, label in (("--base-backend", base, bdf, base_backend),
                                       ("--new-backend", new, ndf, new_backend)):
             if label is not None and not (df_["backend"] == label).any():

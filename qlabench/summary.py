@@ -223,6 +223,7 @@ def summary_cmd(path: Path, model: str | None = None, direction: str | None = No
             df = df[df["direction"] == direction]
         if model is not None:
             df = select_model(df, model)
+        df = analysis.by_recipe(df)
         if not (df["status"] == "ok").any():
             raise BadInput(f"{path}: no ok rows to summarise (statuses: "
                            f"{', '.join(f'{k} {v}' for k, v in df['status'].value_counts().items())})")

@@ -395,3 +395,15 @@ def test_a_label_dropped_from_the_sweep_is_missing_once_not_forever(base, tmp_pa
     results.merge(history, [base, first], mix_sweeps=True)
     second = without_fla(base, tmp_path / "second", "20250104T000000-dddddd", "2025-01-04T00:00:00")
     assert Q.compare_cmd(history, second) == 0
+
+
+def test_a_backend_version_change_is_shown(base, tmp_path, capsys):
+    """A new library version is what CI measures after an upgrade: judged as usual (exit 1 for
+    the slowdown), with the change named in the output and in every --out row."""
+    new = S.copy_scaled(base, tmp_path / "new", {"fla": 2.0})
+    S.restamp(new, backend_version="9.9.9")
+    assert Q.compare_cmd(base, new, out=tmp_path / "v.json") == 1
+    out = capsys.readouterr().out
+    assert "version fla:" in out and "→ 9.9.9" in out
+    rows = _json(tmp_path / "v.json")["rows"]
+    assert {r["new_version"] for r in rows} == {"9.9.9"} and None not in {r["base_version"] for r in rows}

@@ -173,3 +173,16 @@ def test_run_prints_the_summary_table(tmp_path):
     assert r.exit_code == 0, r.output
     assert "fastest correct backend per layout" in r.output
     assert "reference: 1 win" in r.output
+
+
+def test_rows_of_two_gate_recipes_are_two_tables_named_by_recipe(tmp_path):
+    """The same layouts under two gate recipes: each recipe its own table (the model reads
+    ``<model> [<recipe>]``), never two indistinguishable rows of one table."""
+    rows = []
+    for i, recipe in enumerate(("zero0.25/seed0", "strong-decay:z0.0/s0")):
+        for b, ms in (("fla", 2.0), ("tilelang", 1.0)):
+            rows.append(row(b, ms, gate_recipe=recipe, point_key=f"{i}|8192", point_index=i))
+    r = CliRunner().invoke(app, ["summary", str(write(tmp_path, rows)), "--wide"])
+    assert r.exit_code == 0, r.output
+    assert f"{MODEL} [published]" in r.output and f"{MODEL} [strong-decay]" in r.output
+    assert r.output.count("fastest correct backend per layout") == 2
