@@ -494,23 +494,54 @@ class Sweep(_Strict):
         return [list(s) if isinstance(s, list) else s.lengths() for s in self.seqlens]
 
 
+def _is_branch(p) -> bool:
+    """A pydantic union-branch tag in an error's location (noise for a user)."""
+    return isinstance(p, str) and (p in ("EqualBatch", "RandomSplit", "str", "Model")
+                                   or p in GATE_RECIPES or "[" in p)
+
+
 def _fmt_loc(loc: tuple) -> str:
     parts: list[str] = []
     for p in loc:
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif p in ("list[Annotated[int, FieldInfo]]", "EqualBatch", "RandomSplit", "str", "Model") \
-                or p in GATE_RECIPES or "[" in str(p):
-            continue  # pydantic union-branch tags are noise for a user
-        else:
+        elif not _is_branch(p):
             parts.append(("." if parts else "") + str(p))
     return "".join(parts) or "<top>"
 
 
+#: error types that say a value is not of a union branch's shape at all
+_SHAPE_ERRORS = ("list_type", "model_type", "model_attributes_type", "dict_type", "string_type")
+
+
+def _closest_branches(errors: list[dict]) -> list[dict]:
+    """Where a value fits no branch of a union, the errors of the branch it comes closest to:
+    one of its shape (not a shape mismatch), with the fewest missing or unknown fields, then
+    the fewest errors; the other branches' errors are dropped."""
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    for e in errors:
+        loc = tuple(e["loc"])
+        i = next((j for j, p in enumerate(loc) if _is_branch(p)), None)
+        if i is not None:
+            groups.setdefault(loc[:i], {}).setdefault(loc[i], []).append(e)
+
+    def distance(errs: list[dict]) -> tuple:
+        return (any(e["type"] in _SHAPE_ERRORS for e in errs),
+                sum(e["type"] in ("missing", "extra_forbidden") for e in errs), len(errs))
+
+    dropped = set()
+    for branches in groups.values():
+        if len(branches) > 1:
+            best = min(branches, key=lambda b: distance(branches[b]))
+            dropped |= {id(e) for b, errs in branches.items() if b != best for e in errs}
+    return [e for e in errors if id(e) not in dropped]
+
+
 def format_validation_error(path: str, err: ValidationError) -> str:
-    lines = [f"{path}: invalid sweep config ({err.error_count()} problem(s))"]
+    errors = _closest_branches(err.errors())
+    lines = [f"{path}: invalid sweep config ({len(errors)} problem(s))"]
     seen = set()
-    for e in err.errors():
+    for e in errors:
         loc = _fmt_loc(e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         key = (loc, msg)

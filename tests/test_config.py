@@ -81,3 +81,17 @@ def test_presets_and_sets():
     s = C.parse({"name": "x", "models": ["qwen-fwd", "35B/9B/4B TP2"], "seqlens": [[8]]})
     ms = s.resolved_models()
     assert len(ms) == 10 and (ms[-1].h_qk, ms[-1].h_v) == (8, 16)
+
+
+@pytest.mark.parametrize("bad,line", [
+    ({"seqlens": [{"count": 0, "length": 64}]}, "seqlens[0].count: Input should be greater than 0"),
+    ({"seqlens": [[-5]]}, "seqlens[0][0]: Input should be greater than 0"),
+    ({"models": [{"name": "m", "h_qk": 2, "h_v": 3, "head_dim": 8}]}, "models[0]: h_v=3 is not a multiple of h_qk=2")])
+def test_a_bad_value_in_a_union_field_is_one_problem(bad, line):
+    """A layout or model entry that fits no form of its field is reported against the form it
+    comes closest to, not every form's complaints."""
+    base = {"name": "a", "models": [{"name": "m", "h_qk": 1, "h_v": 2, "head_dim": 8}], "seqlens": [[5]]}
+    with pytest.raises(C.ConfigError) as e:
+        C.parse({**base, **bad})
+    lines = str(e.value).splitlines()
+    assert lines[0].endswith("(1 problem(s))") and len(lines) == 2 and lines[1].strip().startswith(line), lines
