@@ -143,11 +143,11 @@ def merge(
     Rows of more than one sweep or timing method (the --out's own included) are refused (exit 2)
     unless --mix-sweeps."""
     _out(out, "dir")
-    from .results import MergeError
+    from .results import MergeError, RowsError
     from .results import merge as do_merge
     try:
         c = _writing(do_merge, out, inputs, force=force, mix_sweeps=mix_sweeps)
-    except MergeError as e:
+    except (MergeError, RowsError) as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2) from None
     console.print(f"merged {len(inputs)} dirs -> {out}: {c['rows']} rows "
@@ -156,13 +156,20 @@ def merge(
 
 @app.command()
 def compact(dirs: list[Path] = typer.Argument(..., help="results directories")):
-    """Fold each results directory's one-row part files into one Parquet file (all rows kept)."""
+    """Fold each results directory's one-row part files into one Parquet file (all rows kept).
+    A directory that is not one, a part that is not readable Parquet, or rows that lack the
+    columns the views read: one error line, exit 2 (that directory is left as it was)."""
+    from .results import RowsError
     from .results import compact as do_compact
     for d in dirs:
         if not (d / "parts").is_dir():
             err.print(f"error: {d}: no parts/ directory (not a results directory)", highlight=False)
             raise typer.Exit(2)
-        c = do_compact(d)
+        try:
+            c = _writing(do_compact, d)
+        except RowsError as e:
+            err.print(f"error: {e}", highlight=False, markup=False)
+            raise typer.Exit(2) from None
         console.print(f"{d}: {c['files']} part files -> {c.get('file', 'unchanged')} ({c['rows']} rows)")
 
 
@@ -279,6 +286,8 @@ def run(
         return
     _out(out_dir, "dir")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .paths import RowsError
     total = len(pts) * len(s.directions)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=not sys.stdout.isatty(),
@@ -301,8 +310,8 @@ def run(
                                  if sys.stdout.isatty() else (lambda m: print(m, flush=True)))
         except runner.NothingRunnable as e:
             _unrunnable_into_kept(config, out_dir, e)
-        except runner.OtherRows as e:
-            err.print(f"error: {e}", highlight=False)
+        except (runner.OtherRows, RowsError) as e:
+            err.print(f"error: {e}", highlight=False, markup=False)
             raise typer.Exit(2) from None
         except OSError as e:
             _os_error(e)
