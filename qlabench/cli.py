@@ -414,7 +414,9 @@ def summary(
     Tables fit the terminal: columns left out in a narrow one are named under the table.
 
     Exit codes: 0 tables printed; 2 bad input (one error line on stderr: a path missing or
-    unreadable, no rows, no ok row, an unknown --model, --direction or --baseline)."""
+    unreadable, rows lacking columns the views read, no rows, no ok row, an unknown --model,
+    --direction or --baseline). Rows with a null key column and ok rows without a finite
+    latency > 0 are set aside (one note line says how many)."""
     _tie_rule(alpha, threshold, direction)
     from .summary import summary_cmd
     raise typer.Exit(summary_cmd(results_dir, model, direction, baseline, alpha, threshold,
@@ -439,7 +441,7 @@ def recommend(
     directory (accuracy and geomean regret printed and stored).
 
     Exit codes: 0 table written; 2 bad input (one error line on stderr: a path missing or
-    unreadable, no ok row of --direction, a --backends label without rows, a --check directory
+    unreadable, rows lacking columns the views read, no ok row of --direction, a --backends label without rows, a --check directory
     without ok rows of --direction or measured on another GPU)."""
     _tie_rule(alpha, threshold, direction)
     _out(out, "file")
@@ -477,7 +479,8 @@ def report(
     """Static HTML dashboard (no server) over one or more results directories.
 
     Exit codes: 0 page written; 2 bad input (one error line on stderr: a path missing or
-    unreadable, no rows in any directory, a --baseline label without rows)."""
+    unreadable, rows lacking columns the views read, no rows in any directory, a --baseline
+    label without rows)."""
     _out(out, "dir")
     from .report import report_cmd
     raise typer.Exit(_writing(report_cmd, results_dirs, out, baseline))
