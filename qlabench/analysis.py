@@ -2,6 +2,8 @@
 ``compare``, the figures of :mod:`qlabench.plots`): views only render what these functions
 compute.
 
+- **rows a view reads**: :func:`read_rows` (a results path's rows, less those :func:`usable`
+  sets aside, with a note saying how many and why);
 - **newest rows**: :func:`newest` (one row per point × backend label × direction, as
   :func:`qlabench.results.latest` picks it) and :func:`load_newest`;
 - **pairing**: whether the two rows of a ratio share GPU and measurement campaign and whether one
@@ -90,6 +92,60 @@ def samples(row: Mapping) -> np.ndarray:
         return np.array([lat], float) if lat is not None and np.isfinite(lat) else np.array([])
     a = np.asarray(list(s), dtype=float)
     return a[np.isfinite(a)]
+
+
+#: columns a view groups and labels a row by: a row with one of them null is set aside
+#: (:func:`usable`)
+KEY_COLUMNS = ("point_key", "backend", "direction", "status", "model", "h_qk", "h_v", "layout")
+
+
+def usable(df: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
+    """The rows of ``df`` a view can use, and a note saying how many were set aside and why (None
+    when none was): a row with a null :data:`KEY_COLUMNS` value, and an ``ok`` row whose
+    ``latency_ms`` is not a finite number > 0 (nothing to time or rank it by)."""
+    if df.empty:
+        return df, None
+    null = df[[c for c in KEY_COLUMNS if c in df.columns]].isna().any(axis=1)
+    lat = pd.to_numeric(df["latency_ms"], errors="coerce") if "latency_ms" in df.columns \
+        else pd.Series(np.nan, index=df.index)
+    bad_lat = ~null & (df["status"] == "ok") & ~(np.isfinite(lat) & (lat > 0))
+    if not (null.any() or bad_lat.any()):
+        return df, None
+    why = []
+    if null.any():
+        cols = [c for c in KEY_COLUMNS if c in df.columns and df.loc[null, c].isna().any()]
+        why.append(f"{int(null.sum())} with a null {'/'.join(cols)}")
+    if bad_lat.any():
+        why.append(f"{int(bad_lat.sum())} ok with a latency_ms that is not a finite number > 0")
+    n = int(null.sum() + bad_lat.sum())
+    return df[~(null | bad_lat)], (f"{n} of {len(df)} row{'s' * (len(df) != 1)} set aside: "
+                                   + "; ".join(why))
+
+
+def read_rows(path: str | Path, notes: list[str] | None = None) -> pd.DataFrame:
+    """The rows a view reads from a results directory or Parquet file:
+    :func:`qlabench.results.read_rows` (its :class:`qlabench.results.RowsError` as
+    :class:`BadInput`, one line naming the path or file), less the rows :func:`usable` sets
+    aside; its note, naming ``path``, is appended to ``notes``. No rows stored: an empty frame;
+    rows stored but none usable: :class:`BadInput` saying why."""
+    try:
+        df = results.read_rows(path)
+    except results.RowsError as e:
+        raise BadInput(str(e)) from None
+    kept, note = usable(df)
+    if note is None:
+        return df
+    if kept.empty:
+        raise BadInput(f"{path}: no usable rows ({note})")
+    if notes is not None:
+        notes.append(f"{path}: {note}")
+    return kept
+
+
+def with_notes(message: object, notes: Sequence[str]) -> str:
+    """An error line of a view that set rows aside (:func:`read_rows`): ``message`` and the
+    notes, which may be why nothing was left to show."""
+    return str(message) + (f" (note: {'; '.join(dict.fromkeys(notes))})" if notes else "")
 
 
 def newest(df: pd.DataFrame) -> pd.DataFrame:

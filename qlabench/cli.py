@@ -146,11 +146,11 @@ def merge(
     Rows of more than one sweep or timing method (the --out's own included) are refused (exit 2)
     unless --mix-sweeps."""
     _out(out, "dir")
-    from .results import MergeError
+    from .results import MergeError, RowsError
     from .results import merge as do_merge
     try:
         c = _writing(do_merge, out, inputs, force=force, mix_sweeps=mix_sweeps)
-    except MergeError as e:
+    except (MergeError, RowsError) as e:
         err.print(f"error: {e}", highlight=False)
         raise typer.Exit(2) from None
     console.print(f"merged {len(inputs)} dirs -> {out}: {c['rows']} rows "
@@ -159,13 +159,20 @@ def merge(
 
 @app.command()
 def compact(dirs: list[Path] = typer.Argument(..., help="results directories")):
-    """Fold each results directory's one-row part files into one Parquet file (all rows kept)."""
+    """Fold each results directory's one-row part files into one Parquet file (all rows kept).
+    A directory that is not one, a part that is not readable Parquet, or rows that lack the
+    columns the views read: one error line, exit 2 (that directory is left as it was)."""
+    from .results import RowsError
     from .results import compact as do_compact
     for d in dirs:
         if not (d / "parts").is_dir():
             err.print(f"error: {d}: no parts/ directory (not a results directory)", highlight=False)
             raise typer.Exit(2)
-        c = do_compact(d)
+        try:
+            c = _writing(do_compact, d)
+        except RowsError as e:
+            err.print(f"error: {e}", highlight=False, markup=False)
+            raise typer.Exit(2) from None
         console.print(f"{d}: {c['files']} part files -> {c.get('file', 'unchanged')} ({c['rows']} rows)")
 
 
@@ -282,6 +289,8 @@ def run(
         return
     _out(out_dir, "dir")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .paths import RowsError
     total = len(pts) * len(s.directions)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=not sys.stdout.isatty(),
@@ -304,8 +313,8 @@ def run(
                                  if sys.stdout.isatty() else (lambda m: print(m, flush=True)))
         except runner.NothingRunnable as e:
             _unrunnable_into_kept(config, out_dir, e)
-        except runner.OtherRows as e:
-            err.print(f"error: {e}", highlight=False)
+        except (runner.OtherRows, RowsError) as e:
+            err.print(f"error: {e}", highlight=False, markup=False)
             raise typer.Exit(2) from None
         except OSError as e:
             _os_error(e)
@@ -408,7 +417,9 @@ def summary(
     Tables fit the terminal: columns left out in a narrow one are named under the table.
 
     Exit codes: 0 tables printed; 2 bad input (one error line on stderr: a path missing or
-    unreadable, no rows, no ok row, an unknown --model, --direction or --baseline)."""
+    unreadable, rows lacking columns the views read, no rows, no ok row, an unknown --model,
+    --direction or --baseline). Rows with a null key column and ok rows without a finite
+    latency > 0 are set aside (one note line says how many)."""
     _tie_rule(alpha, threshold, direction)
     from .summary import summary_cmd
     raise typer.Exit(summary_cmd(results_dir, model, direction, baseline, alpha, threshold,
@@ -433,7 +444,7 @@ def recommend(
     directory (accuracy and geomean regret printed and stored).
 
     Exit codes: 0 table written; 2 bad input (one error line on stderr: a path missing or
-    unreadable, no ok row of --direction, a --backends label without rows, a --check directory
+    unreadable, rows lacking columns the views read, no ok row of --direction, a --backends label without rows, a --check directory
     without ok rows of --direction or measured on another GPU)."""
     _tie_rule(alpha, threshold, direction)
     _out(out, "file")
@@ -471,7 +482,8 @@ def report(
     """Static HTML dashboard (no server) over one or more results directories.
 
     Exit codes: 0 page written; 2 bad input (one error line on stderr: a path missing or
-    unreadable, no rows in any directory, a --baseline label without rows)."""
+    unreadable, rows lacking columns the views read, no rows in any directory, a --baseline
+    label without rows)."""
     _out(out, "dir")
     from .report import report_cmd
     raise typer.Exit(_writing(report_cmd, results_dirs, out, baseline))

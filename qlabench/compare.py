@@ -100,8 +100,6 @@ from . import analysis, render, results
 from .analysis import BadInput, min_two_sided_p, samples, value  # noqa: F401 (public here too)
 from .render import Column
 
-REQUIRED = ("point_key", "backend", "direction", "status", "latency_ms", "samples_ms",
-            "timing_mode", "gpu_name")
 KEY = results.KEY
 VERDICTS = ("slower", "broken", "faster", "same", "incomparable", "same-row")
 #: columns copied from the rows for display (new side wins, base side fills in)
@@ -211,26 +209,14 @@ def judge(base: Mapping, new: Mapping | None, threshold: float = 0.05, alpha: fl
     return out
 
 
-def check_columns(df: pd.DataFrame, path: Path | str) -> None:
-    missing = [c for c in REQUIRED if c not in df.columns]
-    if missing:
-        raise BadInput(f"{path}: not a qlabench results table (missing column(s) "
-                       f"{', '.join(missing)})")
-
-
-def load_side(path: Path) -> pd.DataFrame:
-    """Rows of a results directory or Parquet file; :class:`BadInput` with the path on trouble."""
+def load_side(path: Path, notes: list[str] | None = None) -> pd.DataFrame:
+    """Rows of a results directory or Parquet file (:func:`qlabench.analysis.read_rows`: the
+    rows it sets aside noted in ``notes``); :class:`BadInput` with the path on trouble."""
     path = Path(path)
-    if not path.exists():
-        raise BadInput(f"{path}: no such file or directory")
-    try:
-        df = results.load(path)
-    except Exception as e:  # unreadable Parquet, permissions, ...
-        raise BadInput(f"{path}: cannot read results ({type(e).__name__}: {str(e)[:120]})") from None
+    df = analysis.read_rows(path, notes)
     if df.empty:
         where = path / "parts" if (path / "parts").is_dir() else path
         raise BadInput(f"{path}: no result rows (no *.parquet in {where})")
-    check_columns(df, path)
     return df
 
 
@@ -477,11 +463,12 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
     width = render.terminal_width(wide)
     console = render.console(width)
     err = Console(stderr=True, soft_wrap=True)
+    notes: list[str] = []
     try:
         if out is not None and Path(out).suffix.lower() not in (".json", ".csv"):
             raise BadInput(f"{out}: --out must end in .json or .csv")
         analysis.check_tie_rule(alpha, threshold)
-        bdf, ndf = load_side(Path(base)), load_side(Path(new))
+        bdf, ndf = load_side(Path(base), notes), load_side(Path(new), notes)
         if "gate_recipe" in bdf and "gate_recipe" in ndf \
                 and pd.concat([bdf["gate_recipe"], ndf["gate_recipe"]]).nunique() > 1:
             bdf, ndf = analysis.by_recipe(bdf, always=True), analysis.by_recipe(ndf, always=True)
@@ -496,9 +483,8 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
             retired = missing_labels(bdf, newest_run(bdf))
             if retired:
                 bdf = bdf[~bdf["backend"].isin(retired)]
-                err.print(f"note: {base}: label{'s' * (len(retired) > 1)} "
-                          f"{', '.join(map(repr, retired))} not in its newest run, not compared",
-                          markup=False, highlight=False)
+                notes.append(f"{base}: label{'s' * (len(retired) > 1)} "
+                             f"{', '.join(map(repr, retired))} not in its newest run, not compared")
             miss = missing_labels(bdf, ndf)
             if miss:
                 theirs = ", ".join(sorted(set(ndf["backend"].dropna())))
@@ -515,7 +501,7 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
             raise BadInput(f"{new}: nothing in common with {base} (no shared point × backend × "
                            "direction key; are they the same config?)")
     except BadInput as e:
-        err.print(f"error: {e}", highlight=False, markup=False)
+        err.print(f"error: {analysis.with_notes(e, notes)}", highlight=False, markup=False)
         return 2
     both = f"{base_arg}: {base_backend}", str(new_backend)  # two labels of one directory
     names = both if base_backend is not None and Path(base_arg) == Path(new_arg) else (base, new)
@@ -527,6 +513,8 @@ def compare_cmd(base: Path, new: Path, threshold: float = 0.05, alpha: float = 0
                   "nothing about repeatability" + (f" (the pairs: {out})" if out is not None else ""),
                   highlight=False, markup=False)
         return 2
+    for n in dict.fromkeys(notes):  # one note per path (BASE and NEW may be one directory)
+        render.line(console, f"note: {n}", width)
     print_table(df, summary, *names, threshold, alpha, console=console, width=width)
     if out is not None:
         write_out(df, summary, Path(out), base, new, threshold, alpha)

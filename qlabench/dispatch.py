@@ -58,7 +58,7 @@ import numpy as np
 import pandas as pd
 
 from . import analysis, render
-from .analysis import ALPHA, THRESHOLD, BadInput, is_tie, value
+from .analysis import ALPHA, THRESHOLD, BadInput, is_tie, value, with_notes
 from .render import Column
 
 FORMAT = "qlabench-dispatch"
@@ -1014,8 +1014,9 @@ def recommend_cmd(path: Path, out: Path, direction: str = "fwd", backends: str |
     width = render.terminal_width(wide)
     console = render.console(width)
     err = Console(stderr=True, soft_wrap=True)
+    notes: list[str] = []
     try:
-        df = load_latest(path)
+        df = load_latest(path, notes)
         want = None
         if backends:
             want = [b.strip() for b in backends.split(",") if b.strip()]
@@ -1028,12 +1029,14 @@ def recommend_cmd(path: Path, out: Path, direction: str = "fwd", backends: str |
         sms = sm_count_of(Path(path), set(used["run_id"].dropna()) if "run_id" in used else ())
         cdfs = []
         for c in checks:
-            cdf = load_latest(c)
+            cdf = load_latest(c, notes)
             cdfs.append((Path(c), cdf[cdf["backend"].isin(want)] if want else cdf))
         table = recommend(df, Path(path), direction, alpha, threshold, sms, cdfs)
     except BadInput as e:
-        err.print(f"error: {e}", highlight=False, markup=False)
+        err.print(f"error: {with_notes(e, notes)}", highlight=False, markup=False)
         return 2
+    for n in notes:
+        render.line(console, f"note: {n}", width)
     print_table(table, console, width)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,10 @@
-"""The directories inside a results directory (:mod:`qlabench.results` describes the layout), and
-the check of an output path a command is given (:func:`check_out`).
+"""The directories inside a results directory (:mod:`qlabench.results` describes the layout), the
+check of an output path a command is given (:func:`check_out`), and the error of rows that cannot
+be read (:class:`RowsError`).
 
 A module of its own, importing only the standard library, so that a run names its worker's log
-directory and checks its ``--out`` before it imports the storage code (pandas, pyarrow)."""
+directory, checks its ``--out`` and catches :class:`RowsError` before it imports the storage code
+(pandas, pyarrow)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,11 @@ import tempfile
 from pathlib import Path
 
 PARTS_DIR, RUNS_DIR, LOGS_DIR, FIGURES_DIR, SHARDS_DIR = "parts", "_runs", "_logs", "_figures", "_shards"
+
+
+class RowsError(Exception):
+    """A results path whose rows cannot be read for a command (:func:`qlabench.results.read_rows`);
+    the message is one line naming the path or the part file."""
 
 
 class OutPathError(ValueError):

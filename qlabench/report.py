@@ -102,22 +102,19 @@ def _table(df: pd.DataFrame, num: tuple = (), fmt: dict | None = None, cls_col: 
 
 
 def load_dirs(dirs: list[Path]) -> tuple[pd.DataFrame, dict[str, dict], list[str]]:
-    """Pooled rows (column ``_src``: the directory) and metadata {run_id: meta + ``_src``};
-    notes for directories without rows. :class:`compare.BadInput` on a missing path or foreign
-    table."""
+    """Pooled rows (column ``_src``: the directory; :func:`qlabench.analysis.read_rows`) and
+    metadata {run_id: meta + ``_src``}; notes for directories without rows and for rows set
+    aside. :class:`qlabench.analysis.BadInput` on a missing or unreadable path or rows that
+    lack the columns the views read."""
     frames, metas, notes = [], {}, []
     for d in dirs:
         d = Path(d)
         if not d.exists():
             raise Q.BadInput(f"{d}: no such results directory")
-        try:
-            df = results.load(d)
-        except Exception as e:
-            raise Q.BadInput(f"{d}: cannot read results ({type(e).__name__}: {str(e)[:120]})") from None
+        df = analysis.read_rows(d, notes)
         if df.empty:
             notes.append(f"{d}: no result rows")
             continue
-        Q.check_columns(df, d)
         df = df.assign(_src=str(d))
         frames.append(df)
         for rid, m in results.load_meta(d if d.is_dir() else d.parent).items():
@@ -429,13 +426,16 @@ def _margin(m: float, tie) -> str:
 
 
 def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0.01,
-          baseline: str | None = None) -> Path:
+          baseline: str | None = None, notes: list[str] | None = None) -> Path:
     """Write ``out/index.html`` (+ ``out/img/<section>/*.png``); returns the page's path.
     ``baseline``: the label speedups are over (:class:`qlabench.analysis.UnknownBaseline` when no
-    row carries it); None: ``fla``, its speedups blank where it has no rows."""
+    row carries it); None: ``fla``, its speedups blank where it has no rows. The page's notes
+    (:func:`load_dirs`) are also appended to ``notes``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    df, metas, notes = load_dirs(dirs)
+    df, metas, page_notes = load_dirs(dirs)
+    if notes is not None:
+        notes.extend(page_notes)
     baseline = analysis.BASELINE if baseline is None else analysis.require_baseline(df, baseline)
     # one section per results directory (a kept run may accumulate rows from several configs,
     # e.g. a quick subset first, then the full sweep with --resume)
@@ -505,7 +505,7 @@ def build(dirs: list[Path], out: Path, threshold: float = 0.05, alpha: float = 0
         f"<p class='muted'>generated {_e(time.strftime('%Y-%m-%d %H:%M:%S'))} from {src}; "
         f"history verdicts: threshold {threshold:.0%}, two-sided Mann–Whitney U at alpha "
         f"{alpha:g}</p><nav>{''.join(nav)}</nav>{''.join(banners)}"
-        + "".join(f"<p class='muted'>note: {_e(n)}</p>" for n in notes)
+        + "".join(f"<p class='muted'>note: {_e(n)}</p>" for n in page_notes)
         + "".join(sections) + "</body></html>")
     index = out / "index.html"
     index.write_text(page, encoding="utf-8")
@@ -518,11 +518,15 @@ def report_cmd(results_dirs: list[Path], out: Path, baseline: str | None = None)
     from rich.console import Console
 
     err = Console(stderr=True, soft_wrap=True)
+    notes: list[str] = []
     try:
-        index = build(list(results_dirs), Path(out), baseline=baseline)
+        index = build(list(results_dirs), Path(out), baseline=baseline, notes=notes)
     except Q.BadInput as e:
-        err.print(f"error: {e}", highlight=False, markup=False)
+        err.print(f"error: {analysis.with_notes(e, notes)}", highlight=False, markup=False)
         return 2
-    Console(soft_wrap=True).print(f"wrote {index} (open it in a browser; no server needed)",
-                                  highlight=False, markup=False)
+    con = Console(soft_wrap=True)
+    for n in notes:
+        con.print(f"note: {n}", highlight=False, markup=False)
+    con.print(f"wrote {index} (open it in a browser; no server needed)", highlight=False,
+              markup=False)
     return 0

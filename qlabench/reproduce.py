@@ -50,9 +50,6 @@ WITHIN = 0.10          # "agrees" = measured within ±10% of published
 N_EXTREMES = 5         # worst / best points printed
 MISSING = "missing"
 DIRECTIONS = ("fwd", "bwd")
-#: columns of the measured rows this reads
-MEASURED_COLUMNS = ("point_key", "backend", "direction", "status", "reason", "latency_ms",
-                    "h_qk", "h_v", "seqlens", "started_at", "run_id")
 
 
 class ReproduceError(Exception):
@@ -156,23 +153,20 @@ def published_speedups(pub: Published) -> pd.Series:
 # --------------------------------------------------------------------------- measured rows
 
 
-def measured_rows(from_: Path, direction: str) -> pd.DataFrame:
-    """Latest row per point × backend of ``direction`` under ``from_``; errors say what to do."""
+def measured_rows(from_: Path, direction: str, notes: list[str] | None = None) -> pd.DataFrame:
+    """Latest row per point × backend of ``direction`` under ``from_``
+    (:func:`qlabench.analysis.read_rows`: the rows it sets aside noted in ``notes``); errors say
+    what to do."""
     from_ = Path(from_)
     if not from_.exists():
         raise ReproduceError(f"--from {from_}: no such file or directory")
     try:
-        df = results.load(from_)
-    except Exception as e:  # unreadable Parquet, permissions, ...
-        raise ReproduceError(f"--from {from_}: cannot read results ({type(e).__name__}: "
-                             f"{str(e)[:120]})") from None
+        df = analysis.read_rows(from_, notes)
+    except analysis.BadInput as e:
+        raise ReproduceError(f"--from {e}") from None
     if df.empty:
         raise ReproduceError(
             f"--from {from_}: no result rows (expected {from_}/parts/*.parquet from `qlabench run`)")
-    missing = [c for c in MEASURED_COLUMNS if c not in df.columns]
-    if missing:
-        raise ReproduceError(f"--from {from_}: not a qlabench results table (missing column(s) "
-                             f"{', '.join(missing)})")
     df = results.latest(df)
     sub = df[df["direction"] == direction]
     if sub.empty:
@@ -826,6 +820,7 @@ def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
     if console is None:
         width = render.terminal_width(wide)
         console = render.console(width)
+    notes: list[str] = []
     try:
         if direction not in DIRECTIONS:
             raise ReproduceError(f"--direction {direction!r}: use one of {', '.join(DIRECTIONS)}")
@@ -835,7 +830,7 @@ def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
                 f"no --from: reproduce only reads measured rows; measure them with `qlabench run "
                 f"{_shown(pub.sweep_path())} --out DIR`, then pass --from DIR")
         rows_dir, source = Path(from_), f"rows read from {from_}"
-        rows = measured_rows(rows_dir, direction)
+        rows = measured_rows(rows_dir, direction, notes)
         meta = results.load_meta(rows_dir) if rows_dir.is_dir() else {}
         # the in-repo kernel's extra speedup is over ``baseline`` (default fla); a label asked
         # for must have rows of this direction
@@ -849,10 +844,12 @@ def reproduce_cmd(name: str, direction: str, from_: Path | None, out: Path,
                                  f"{from_}; labels present: "
                                  f"{', '.join(sorted(map(str, set(rows['backend'].dropna()))))}")
     except (ReproduceError, analysis.BadInput) as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+        err.print(f"[red]error:[/red] {analysis.with_notes(e, notes)}", highlight=False)
         return 2
     rep = compare_rows(pub, rows, meta, source, extra_baseline)
     write(rep, out)
+    for n in notes:
+        render.line(console, f"note: {n}", width)
     print_report(rep, console, width)
     if not any(e["ok"] for e in rep.summary["backends"].values()):
         render.line(console, "no backend measured any point (see the statuses above); the "

@@ -11,8 +11,10 @@ discovery skips names starting with ``_`` or ``.`` and tries to read every other
 
 ``pandas.read_parquet(OUT)`` and :func:`load` read every stored row of every run in it, one-row
 parts and compacted files alike (``--resume`` adds parts beside them); ``load(OUT, latest=True)``
-gives one row per key. Rows are read as stored, in today's schema (the kept runs were rewritten
-into it once; older layouts are not upgraded on load). The columns are documented in
+gives one row per key. Rows are read as stored (nothing is derived on load; a column a part
+lacks is null in its rows); :func:`read_rows`, what the views, ``merge``, ``compact`` and
+``run --resume`` read with, refuses rows without :data:`REQUIRED_COLUMNS`. The columns are
+documented in
 ``docs/schema.md``, generated from :data:`SCHEMA` and :data:`FIELDS`
 (``python -m qlabench.results --schema-md docs/schema.md``).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import time
@@ -37,8 +40,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# the directories of a results directory (see the module docstring)
-from .paths import FIGURES_DIR, LOGS_DIR, PARTS_DIR, RUNS_DIR, SHARDS_DIR  # noqa: F401
+# the directories of a results directory (see the module docstring); the error of unreadable rows
+from .paths import FIGURES_DIR, LOGS_DIR, PARTS_DIR, RUNS_DIR, SHARDS_DIR, RowsError  # noqa: F401
 
 STATUSES = ("ok", "unavailable", "unsupported", "incorrect", "oom", "crashed", "timeout",
             "skipped")
@@ -114,8 +117,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "tp": ("", "head-configuration label `h_qk/h_v` (e.g. `2/8`); kept under this name for "
            "compatibility — it is not a TP degree (see `tp_degree`)"),
     "tp_degree": ("", "tensor-parallel degree the model name states (`397B/122B TP8` -> 8); null "
-                  "where the name states none (`Sym h32`, a custom name); rows stored before the "
-                  "column get it on load"),
+                  "where the name states none (`Sym h32`, a custom name)"),
     "h_qk": ("heads", "query/key heads"),
     "h_v": ("heads", "value heads (a multiple of `h_qk`; v-head j reads q/k head j // (h_v/h_qk))"),
     "head_dim": ("", "head dimension K = V"),
@@ -137,10 +139,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "backend_version": ("", "version of the library imported where the entry ran (`unavailable` "
                         "when it did not import)"),
     "backend_name": ("", "registry name of the library (`reference`, `fla`, `flashinfer`, "
-                     "`flashqla`, `tilelang`); rows stored before it load with `backend`"),
+                     "`flashqla`, `tilelang`); where it is null or absent the views use `backend`"),
     "backend_params": ("", "the entry's backend parameters (YAML `params:`) that differ from the "
                        "backend's defaults, as sorted JSON (`{}`: defaults); a resume re-measures "
-                       "a key whose parameters changed; rows stored before it load with `{}`"),
+                       "a key whose parameters changed"),
     "gpu_name": ("", "device name (`cpu` without CUDA)"),
     "gpu_index": ("", "CUDA device index the row ran on (after `CUDA_VISIBLE_DEVICES`)"),
     "gpu_uuid": ("", "the GPU's UUID; ratios pair rows of one GPU"),
@@ -341,8 +343,10 @@ class ResultStore:
     def done_keys(self, retry_failed: bool = False) -> dict[tuple, str]:
         """:func:`resume_key` -> recipe_hash of the finished rows: every status but
         :data:`RETRY_STATUSES` (an ``incorrect`` row is a finished result), and with
-        ``retry_failed`` but :data:`FAILED_STATUSES` too (crashed / timeout / oom run again)."""
-        df = self.load()
+        ``retry_failed`` but :data:`FAILED_STATUSES` too (crashed / timeout / oom run again).
+        :class:`RowsError` as :func:`read_rows` gives it (rows of an older schema, a corrupt
+        part)."""
+        df = read_rows(self.out) if self.out.exists() else pd.DataFrame()
         if df.empty:
             return {}
         retry = RETRY_STATUSES + (FAILED_STATUSES if retry_failed else ())
@@ -357,12 +361,11 @@ def compact(path: str | Path) -> dict:
     to ~0.2 MB. Safe to interrupt: the new file is written and renamed into place before any old
     part is removed; a row present twice (old part + compact file of an interrupted compact) is
     the same row, which ``latest`` and ``done_keys`` treat as one and the next compact stores once."""
-    parts_dir = Path(path) / "parts"
-    files = sorted(f for f in parts_dir.glob("*.parquet") if not f.name.startswith("."))
+    parts_dir = Path(path) / PARTS_DIR
+    files = _part_files(parts_dir)
     if len(files) < 2:
         return {"files": len(files), "rows": 0}
-    tables = [pq.read_table(f) for f in files]
-    df = pa.concat_tables(tables, promote_options="default").to_pandas()
+    df = read_rows(path)
     df = df.drop_duplicates(subset=ROW_IDENTITY)  # a row stored twice (interrupted compact) once
     name = _write_rows_file(parts_dir, "compact", df)
     for f in files:
@@ -461,18 +464,76 @@ def load(path: str | Path, latest: bool = False) -> pd.DataFrame:
     ``rows.parquet``; every other file under it is ignored) or of a single Parquet file, as
     stored (``docs/schema.md``). With ``latest``: one row per key
     (point, backend label, direction), as :func:`latest` picks it — the documented way to get
-    "the" result of each point."""
-    p = Path(path)
-    if p.is_file():
-        df = pq.read_table(p).to_pandas()
-    else:
-        parts_dir = p / PARTS_DIR if (p / PARTS_DIR).is_dir() else p
-        files = _part_files(parts_dir)
-        if not files:
-            return pd.DataFrame(columns=COLUMNS)
-        tables = [pq.read_table(f) for f in files]
-        df = pa.concat_tables(tables, promote_options="default").to_pandas()
+    "the" result of each point. :class:`RowsError` naming the file for a part that is not
+    readable Parquet or whose column types clash with another part's."""
+    df = _frame(_tables(Path(path)))
     return globals()["latest"](df) if latest else df
+
+
+#: columns the views (summary, recommend, report, reproduce, compare), ``merge``, ``compact`` and
+#: ``run --resume`` read: rows without one of them are refused (:func:`read_rows`)
+REQUIRED_COLUMNS = ("run_id", "git_sha", "point_index", "point_key", "recipe_hash", "model", "tp",
+                    "h_qk", "h_v", "head_dim", "seqlens", "layout", "total_tokens", "num_seqs",
+                    "direction", "backend", "backend_version", "backend_params", "gpu_name",
+                    "started_at", "status", "reason", "latency_ms", "samples_ms", "timing_mode")
+
+
+def _tables(p: Path) -> list[tuple[Path, pa.Table]]:
+    """(file, table) of every stored row file of a results directory, or of one Parquet file."""
+    if p.is_file():
+        files = [p]
+    else:
+        files = _part_files(p / PARTS_DIR if (p / PARTS_DIR).is_dir() else p)
+    out = []
+    for f in files:
+        try:
+            out.append((f, pq.read_table(f)))
+        except (OSError, pa.ArrowException) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = re.sub(r"^Could not open Parquet input source '.*?': ", "", why)
+            raise RowsError(f"{f}: not a readable Parquet file ({why[:120]})") from None
+    return out
+
+
+def _frame(tables: list[tuple[Path, pa.Table]]) -> pd.DataFrame:
+    """The rows of :func:`_tables` as one frame (columns a part lacks are null in its rows);
+    :class:`RowsError` naming a part whose column type differs from an earlier part's."""
+    if not tables:
+        return pd.DataFrame(columns=COLUMNS)
+    try:
+        return pa.concat_tables([t for _, t in tables], promote_options="default").to_pandas()
+    except (pa.ArrowTypeError, pa.ArrowInvalid):
+        seen: dict[str, tuple[Path, pa.DataType]] = {}
+        for f, t in tables:
+            for field in t.schema:
+                if pa.types.is_null(field.type):
+                    continue
+                first = seen.setdefault(field.name, (f, field.type))
+                if first[1] != field.type:
+                    raise RowsError(f"{f}: column {field.name} is {field.type}, in {first[0]} "
+                                    f"{first[1]}; its rows cannot be read with the others") from None
+        raise
+
+
+def read_rows(path: str | Path) -> pd.DataFrame:
+    """The rows of a results directory or Parquet file (:func:`load`) for a command that reads
+    them (a view, ``merge``, ``compact``, ``run --resume``). :class:`RowsError`, one line: the
+    path missing, a part not readable Parquet or of clashing column types (naming the file), or
+    rows that lack :data:`REQUIRED_COLUMNS` (a part written before one of them existed)."""
+    p = Path(path)
+    if not p.exists():
+        raise RowsError(f"{p}: no such file or directory")
+    tables = _tables(p)
+    short = [(f, [c for c in REQUIRED_COLUMNS if c not in t.column_names]) for f, t in tables]
+    short = [(f, cols) for f, cols in short if cols]
+    if short:
+        lack = [c for c in REQUIRED_COLUMNS if any(c in cols for _, cols in short)]
+        shown = ", ".join(lack[:8]) + (f" and {len(lack) - 8} more" if len(lack) > 8 else "")
+        where = "" if len(short) == len(tables) else \
+            f"{len(short)} of {len(tables)} files, e.g. {short[0][0].name}; "
+        raise RowsError(f"{p}: rows lack columns {shown} ({where}written by an older qlabench? "
+                        "re-run the sweep into a new directory, or add the columns to its rows)")
+    return _frame(tables)
 
 
 def backend_names(df: pd.DataFrame) -> pd.Series:
@@ -523,8 +584,14 @@ ROW_IDENTITY = ["run_id", "point_index", "backend", "direction", "started_at"]
 
 
 def _write_rows_file(parts_dir: Path, prefix: str, df: pd.DataFrame) -> str:
-    """Write rows as one Parquet file in ``parts_dir`` (temp file, fsync, atomic rename)."""
-    table = pa.Table.from_pandas(df.reindex(columns=COLUMNS), schema=SCHEMA, preserve_index=False)
+    """Write rows as one Parquet file in ``parts_dir`` (temp file, fsync, atomic rename);
+    :class:`RowsError` when a column's values do not fit its type in :data:`SCHEMA`."""
+    try:
+        table = pa.Table.from_pandas(df.reindex(columns=COLUMNS), schema=SCHEMA,
+                                     preserve_index=False)
+    except (pa.ArrowTypeError, pa.ArrowInvalid, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RowsError(f"{parts_dir}: rows do not fit the row schema ({why[:120]})") from None
     name = f"{prefix}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}.parquet"
     tmp = parts_dir / f".{name}.tmp"
     with open(tmp, "wb") as fh:
@@ -545,7 +612,7 @@ def merge(out_dir: str | Path, inputs: list[str | Path], force: bool = False,
     ``out_dir``) of more than one sweep (:func:`owners`) or timing method
     (:func:`method_counts`) unless ``mix_sweeps``. Returns counts."""
     import shutil
-    have = load(out_dir) if Path(out_dir).exists() else pd.DataFrame()
+    have = read_rows(out_dir) if Path(out_dir).exists() else pd.DataFrame()
     if len(have) and not force:
         raise MergeError(f"{out_dir} already holds {len(have)} rows; merge into a new or empty "
                          "directory, or pass --force to add the inputs' rows to it")
@@ -554,7 +621,7 @@ def merge(out_dir: str | Path, inputs: list[str | Path], force: bool = False,
         d = Path(d)
         if not (d / "parts").is_dir():
             raise MergeError(f"{d}: not a results directory (no parts/)")
-        df = load(d)
+        df = read_rows(d)
         if not df.empty:
             frames.append(df)
     if not frames:
@@ -615,10 +682,14 @@ def schema_markdown() -> str:
         "`OUT/parts/`. Everything else in a results directory lives under names starting with `_`",
         "(`_runs/<run_id>.json` run metadata, `_logs/`, `_figures/`, `_shards/`, `_notes/`), which",
         "pyarrow's dataset discovery skips, so `pandas.read_parquet(OUT)` reads the rows as stored.",
-        "`qlabench.results.load(OUT)` reads them in this schema (columns added since a row was",
-        "stored are derived where they can be: `backend_name`, `tp_degree`, `layout`), and",
+        "`qlabench.results.load(OUT)` reads them as stored: nothing is derived on load, and a",
+        "column a part lacks (a part written before the column existed) is null in its rows.",
         "`qlabench.results.load(OUT, latest=True)` gives one row per key (`point_key`, `backend`,",
         "`direction`): the newest, a finished row preferred over an `unavailable` one.",
+        "The views, `merge`, `compact` and `run --resume` refuse rows that lack one of the",
+        "columns they read (`qlabench.results.REQUIRED_COLUMNS`: " + ", ".join(
+            f"`{c}`" for c in REQUIRED_COLUMNS) + "):",
+        "one error line naming the directory and the columns, exit 2.",
         "",
         "Null means not measured or not applicable (a non-`ok` row has no timing).",
         "",

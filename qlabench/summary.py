@@ -194,10 +194,11 @@ def _footer(foot: pd.DataFrame, base: str | None, bname: str) -> str:
     return "; ".join(parts)
 
 
-def load_latest(path: Path) -> pd.DataFrame:
-    """Latest rows of a results directory; :class:`BadInput` when missing or empty."""
+def load_latest(path: Path, notes: list[str] | None = None) -> pd.DataFrame:
+    """Latest rows of a results directory (:func:`qlabench.compare.load_side`: the rows it sets
+    aside noted in ``notes``); :class:`BadInput` when missing or empty."""
     from .compare import load_side
-    return analysis.newest(load_side(Path(path)))
+    return analysis.newest(load_side(Path(path), notes))
 
 
 def summary_cmd(path: Path, model: str | None = None, direction: str | None = None,
@@ -212,8 +213,9 @@ def summary_cmd(path: Path, model: str | None = None, direction: str | None = No
     width = render.terminal_width(wide)
     console = console or render.console(width)
     err = Console(stderr=True, soft_wrap=True)
+    notes: list[str] = []
     try:
-        df = load_latest(path)
+        df = load_latest(path, notes)
         if baseline is not None:  # a label asked for must have rows (the default may lack them)
             require_baseline(df, baseline)
         if direction is not None:
@@ -228,8 +230,10 @@ def summary_cmd(path: Path, model: str | None = None, direction: str | None = No
             raise BadInput(f"{path}: no ok rows to summarise (statuses: "
                            f"{', '.join(f'{k} {v}' for k, v in df['status'].value_counts().items())})")
     except BadInput as e:
-        err.print(f"error: {e}", highlight=False, markup=False)
+        err.print(f"error: {analysis.with_notes(e, notes)}", highlight=False, markup=False)
         return 2
+    for n in notes:
+        render.line(console, f"note: {n}", width)
     print_summary(df, console, baseline or BASELINE, alpha, threshold, width)
     return 0
 

@@ -325,7 +325,7 @@ def _bad_inputs(base, tmp):
     pd.DataFrame({"x": [1.0], "backend": ["fla"]}).to_parquet(foreign)
     other = S.write_run(tmp / "other", layouts=[[77]])
     return {"missing": (tmp / "nope", "no such file"), "empty": (empty, "no result rows"),
-            "schema": (foreign, "missing column"), "disjoint": (other, "nothing in common")}
+            "schema": (foreign, "rows lack columns"), "disjoint": (other, "nothing in common")}
 
 
 def test_bad_inputs_exit_2_with_a_one_line_message(base, tmp_path, capsys):

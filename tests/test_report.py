@@ -124,14 +124,14 @@ def test_each_section_is_analysed_once(tmp_path, monkeypatch):
             return f(*args, **kwargs)
         monkeypatch.setattr(module, name, counted)
 
-    count(results, "load")
+    count(results, "read_rows")
     count(analysis, "speedups")
     count(analysis, "point_table")
     assert report.report_cmd([a, b], tmp_path / "site") == 0
     page = (tmp_path / "site" / "index.html").read_text()
     assert "winner_fwd.png" in page and "winner_bwd.png" in page and "speedup_fwd.png" in page
     assert "Library regressions" in page
-    assert calls == {"load": 2, "speedups": 2, "point_table": 3}  # a: fwd, bwd; b: fwd
+    assert calls == {"read_rows": 2, "speedups": 2, "point_table": 3}  # a: fwd, bwd; b: fwd
 
 
 def _fixtures():

@@ -11,7 +11,7 @@ from qlabench import config as C
 from qlabench import reproduce as R
 from qlabench import results
 from qlabench.cli import app
-from qlabench.sweep import points
+from qlabench.sweep import layout_label, points
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "flashqla-h200"
@@ -40,7 +40,7 @@ def _write_rows(out, pub, factors=None, statuses=None, n_points=None, backends=N
             store.append({**dict(
                 run_id=run_id, point_index=i, backend=b, direction=pub.direction, status=st,
                 reason=why, latency_ms=base * factors.get(b, 1.0) if st == "ok" else None,
-                h_qk=p.h_qk, h_v=p.h_v, head_dim=128, seqlens=seq,
+                h_qk=p.h_qk, h_v=p.h_v, head_dim=128, seqlens=seq, layout=layout_label(seq),
                 point_key=f"{p.h_qk}/{p.h_v}/d128|{' '.join(map(str, seq))}|bf16",
                 started_at="2026-12-01T00:00:00", gpu_name="NVIDIA H200", timing_mode="graph-batch",
                 gate_zero_frac=0.25, model=p.model, backend_version="x"), **overrides})
