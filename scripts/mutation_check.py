@@ -89,7 +89,7 @@ MUTATIONS: list[M] = [
       "a chunk is judged against its own norm (a one-token sequence against one scalar)",
       ["tests/test_correctness.py::test_a_one_token_sequence_is_judged_against_its_sequence_scale_not_its_own_norm"]),
     M("no-rounding-allowance", "qlabench/correctness.py",
-      "    if rounded is not None:\n", "    if False:\n",
+      "    if rounded is not None:\n        c = rounded", "    if False:\n        c = rounded",
       "the local check ignores the reference's bf16-rounding sensitivity: a correct kernel's "
       "gradient of a one-token sequence is called incorrect",
       ["tests/test_correctness.py::test_one_token_gradients_of_a_correct_bf16_kernel_pass"]),
