@@ -11,6 +11,11 @@
 #   fqla     .tlcache/fqla.tar.xz FlashQLA's kernels for those configs (precompile_flashqla.py)
 #   repo     .run/repo.tar.gz     the commit to run (HEAD, results/ left out); with PREV=<git ref>
 #                                 also .run/prevkernels/qlabench_kernels (the `tilelang@prev` label)
+#   ab       (only when named, with AB="NAME=REF ...") the kernel variants of an A/B
+#            (scripts/airgapped/h200_fused_ab.sh): .run/var/pkg_NAME/qlabench_kernels = kernels/ of
+#            git REF, each compiled with the tree's for AB_HEADS (the kernels AB_KERNELS names, default
+#            fwd_fused prep tables; tools/kernels/res_usage.py, which prints their registers and stack and
+#            needs cuobjdump) into .tlcache/fused.tar.xz
 # $SHARED: the shared folder beside the repository (default ../shared). Caches travel packed without
 # nvcc's cuda-binaries/, which loading does not need. Ends by listing what each device call would
 # carry against its 64 MiB.
@@ -50,7 +55,24 @@ for part in $PARTS; do
           && git archive "$PREV" kernels | tar -x -C .run/prevkernels/qlabench_kernels --strip-components=1 \
           && log "prevkernels: kernels/ of $(git rev-parse --short=12 "$PREV")" || rc=1
       fi ;;
-    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo)" >&2; exit 2 ;;
+    ab)
+      [ -n "${AB:-}" ] || { echo "part ab: AB=\"NAME=REF ...\" names the variants" >&2; exit 2; }
+      heads=$(echo ${AB_HEADS:-2/8 1/3 16/64 4/16 8/32 32/32 16/32 8/24} | tr ' ' ,)
+      ab_compile() {  # [PYTHONPATH]: the kernels AB_KERNELS name, for AB_HEADS, with their registers and stack
+        for k in ${AB_KERNELS:-fwd_fused prep tables}; do
+          PYTHONPATH=${1:+$1:}${PYTHONPATH:-} python3 -m qlabench_tools.kernels.res_usage --heads "$heads" \
+            --kernel "$k" --cache "$PWD/.tlcache/fused" || return 1
+        done; }
+      ab_compile || rc=1
+      for v in $AB; do
+        name=${v%%=*} ref=${v#*=}
+        rm -rf ".run/var/pkg_$name" && mkdir -p ".run/var/pkg_$name/qlabench_kernels" \
+          && git archive "$ref" kernels | tar -x -C ".run/var/pkg_$name/qlabench_kernels" --strip-components=1 \
+          && ab_compile "$PWD/.run/var/pkg_$name" \
+          && log "ab: pkg_$name = kernels/ of $(git rev-parse --short=12 "$ref")" || rc=1
+      done
+      pack fused || rc=1 ;;
+    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab)" >&2; exit 2 ;;
   esac
 done
 mib() { du -smc "$@" 2>/dev/null | tail -1 | cut -f1; }
