@@ -315,6 +315,15 @@ def measure_backend(be: B.Backend, x: Inputs, direction: str, ref: dict, sweep: 
     return merge(row, *steps, outcome("ok", wall_s=time.perf_counter() - t_wall))
 
 
+def crash_reason(e: BaseException, frames: int = 4) -> str:
+    """A crashed row's ``reason``: the exception and message (300 characters at most), then
+    where it was raised, innermost frame first, as whole ``file:line function`` items (never a
+    traceback cut mid-line)."""
+    tb = traceback.extract_tb(e.__traceback__)[-frames:]
+    where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(tb))
+    return f"{type(e).__name__}: {str(e)[:300]}" + (f" | at {where}" if where else "")
+
+
 def row_for(task: Task, backend: str) -> dict:
     c = task.ctx
     return base_row(c["run_id"], c["sha"], c["config"], task.point, task.direction, backend,
@@ -372,9 +381,7 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                 if refused is not None:  # the library's own "not this configuration"
                     row = merge(row, *parts, outcome("unsupported", refused))
                 else:
-                    tb = traceback.format_exc(limit=4)
-                    row = merge(row, *parts, outcome(
-                        status, f"{type(e).__name__}: {str(e)[:300]} | {tb[-600:]}"))
+                    row = merge(row, *parts, outcome(status, crash_reason(e)))
                 if status == "oom":
                     x = ref = None  # free what we hold; the next backend rebuilds
                 if torch.cuda.is_available():

@@ -96,3 +96,20 @@ def test_sigint_sigterm_exit_cleanly_and_keep_rows(tmp_path, sig):
     df = results.load(out)
     assert len(df) >= 2 and set(df["status"]) == {"ok"}
     assert not list((out / "parts").glob(".*.tmp"))
+
+
+def test_a_crash_reason_names_where_in_whole_frames():
+    """The reason of a crashed row: the exception, then whole ``file:line function`` frames,
+    innermost first — never a traceback cut mid-line."""
+    from qlabench.measure import crash_reason
+
+    def inner():
+        raise ValueError("x" * 500)
+
+    try:
+        inner()
+    except ValueError as e:
+        r = crash_reason(e)
+    head, where = r.split(" | at ")
+    assert head == "ValueError: " + "x" * 300
+    assert where.startswith("test_faults.py:") and where.split(" < ")[0].endswith(" inner")
