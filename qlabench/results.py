@@ -422,8 +422,9 @@ def owners(path: str | Path) -> pd.DataFrame:
     """Per stored row of a results directory: :data:`OWNER_COLUMNS` (null where a row lacks one),
     ``sweep``, the sweep's name from its run's metadata (``sweep.name`` in
     ``_runs/<run_id>.json``), else the stem of its ``config`` where that names a YAML file, else
-    null, and ``judged_by`` (:func:`judged_by` of its run's sweep; null without metadata). Reads only these columns (thousands of one-row parts in about a second); no rows: an
-    empty frame with these columns."""
+    null, and ``judged_by`` (:func:`judged_by` of its run's sweep; null without metadata).
+    Reads only these columns (thousands of one-row parts in about a second); no rows: an empty
+    frame with these columns."""
     import pyarrow.dataset as ds
     cols = list(OWNER_COLUMNS)
     files = _part_files(Path(path) / PARTS_DIR)
@@ -454,7 +455,6 @@ def judged_by(sweep: dict) -> str | None:
     """What a run's verdicts were judged by, from its sweep (as dumped into its metadata): the
     correctness limits (``thresholds``) and the reference (``reference``), as canonical JSON;
     None where the dump has neither."""
-    import json
     part = {k: sweep[k] for k in ("thresholds", "reference") if k in sweep}
     return json.dumps(part, sort_keys=True) if part else None
 

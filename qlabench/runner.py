@@ -170,7 +170,6 @@ def other_rows(held, sweep: Sweep, pts: list[Point], gpu_name: str,
         jb = known("judged_by")
         jb = jb[jb["judged_by"] != mine_j]
         if len(jb):
-            import json
             ours, theirs = json.loads(mine_j), json.loads(jb["judged_by"].iloc[0])
             diff = ", ".join(f"{k} {theirs.get(k)} vs this run's {ours.get(k)}"
                              for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
