@@ -28,10 +28,8 @@
 #   check_bwd    tools/kernels/check_bwd.py --quick [--cases $CHECK_BWD_CASES, set at setup]: every
 #                backward stage against its emulation, the gradients against the reference, stage
 #                times (into $J/checks);
-#   calibrate    python -m qlabench_tools.kernels.calibrate: the forward's and the backward's stage costs
-#                on this GPU and the planners' picks under them on synthetic batches (into $J/checks: cost_table.json,
-#                calibration_checks.json, to commit as kernels/cost_tables/<gpu>.json); needs the
-#                cache of `qlabench precompile calibration`;
+#   bwd_quick    configs/h200_bwd_quick.yaml (fla, flashqla, tilelang) into runs/h200_bwd_quick
+#                (no FlashInfer: it runs while the relay's calls bring FlashInfer 0.7.4);
 #   verify_paths what runs where, on the device: FLA's backward with its TileLang backend off
 #                (FLA_TILELANG=0: its Triton dqkwg refuses this Triton, an `unsupported` row) and on
 #                (path triton+tilelang:chunk_bwd_dqkwg), 2 points of configs/h200_bwd_quick.yaml
@@ -47,6 +45,10 @@
 #                (no cap but the deadline: a campaign step after it gets what is left);
 #   campaign     the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4,
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
+#   calibrate    python -m qlabench_tools.kernels.calibrate: the forward's and the backward's stage costs
+#                on this GPU and the planners' picks under them on synthetic batches (into $J/checks: cost_table.json,
+#                calibration_checks.json, to commit as kernels/cost_tables/<gpu>.json); needs the
+#                cache of `qlabench precompile calibration`;
 #   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
 #   correctness_tests   the correctness check's GPU tests (the fp32 reference against the fp64 recurrence, poisoning);
 #   correctness_accept  scripts/airgapped/correctness_acceptance.py on FLA: every broken variant must be `incorrect`
@@ -56,7 +58,6 @@
 #                /tmp/fisite is ready, into runs/h200_fwd_quick;
 #   serving      configs/h200_serving.yaml, every backend, into runs/h200_serving (resumed once
 #                if cut);
-#   bwd_quick    configs/h200_bwd_quick.yaml (fla, flashqla, tilelang) into runs/h200_bwd_quick;
 #   fwd_heldout  configs/h200_fwd_heldout.yaml (held-out head configs, every backend), once
 #                /tmp/fisite is ready, into runs/h200_fwd_heldout (resumed once if cut);
 #   bwd_heldout  configs/h200_bwd_heldout.yaml (held-out backward head configs: fla, flashqla,
@@ -169,8 +170,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   fi
   mkdir -p "$J/checks"
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
-  step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
-    --checks "$J/checks/calibration_checks.json"
+  step bwd_quick 120 420 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   step verify_paths 90 300 bash -c '
     FLA_TILELANG=0 qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/triton_only
     qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/dispatched
@@ -206,11 +206,12 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step fwd_quick 120 420 qlabench run configs/h200_fwd_quick.yaml --out runs/h200_fwd_quick --resume
   step serving 300 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step serving_resume 90 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
-  step bwd_quick 120 420 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   step fwd_heldout 300 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step fwd_heldout_resume 90 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
   step bwd_heldout 300 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
+  step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
+    --checks "$J/checks/calibration_checks.json"
   step suite_warm 240 480 $(suite suite_warm)
   for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang"; do
     set -- $c; [ -d "$1" ] || continue

@@ -401,7 +401,19 @@ def main(argv=None) -> int:
         print(f"error: forward not calibrated: {e}", file=sys.stderr)
         return 1
     src["fwd"] = how
+
+    def write(bwd) -> str:  # the table and checks so far (the forward's first: a cut run keeps them)
+        table = CostTable(gpu=name, sms=plan.sm_count(dev), fwd=fwd, bwd=bwd, source=tuple(src.items()))
+        text = json.dumps(table.to_json(), indent=2) + "\n"
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        if args.checks:
+            args.checks.write_text(json.dumps(checks, indent=1) + "\n")
+        return text
+
     bwd = base.bwd
+    write(bwd)
     if not args.fwd_only:
         try:
             bwd, checks_bwd = measure_bwd(fwd, dev, args.reps, compare=base.bwd)
@@ -409,14 +421,7 @@ def main(argv=None) -> int:
             checks += checks_bwd
         except RuntimeError as e:  # the backward's fit refused: the table keeps its backward costs
             print(f"backward not calibrated: {e}")
-    table = CostTable(gpu=name, sms=plan.sm_count(dev), fwd=fwd, bwd=bwd, source=tuple(src.items()))
-    text = json.dumps(table.to_json(), indent=2) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    if args.checks:
-        args.checks.write_text(json.dumps(checks, indent=1) + "\n")
+    print(write(bwd))
     for d in ("fwd", "bwd"):
         rows = [r for r in checks if r["direction"] == d]
         if rows:
