@@ -11,6 +11,7 @@
 # before use and falls back to the JIT build when the check fails. ~5 min on 2 cores.
 # Needs .devsite/site312.tar.xz (bundle.sh), pip's nvidia-ml-py and apache-tvm-ffi 0.1.12 here.
 set -euo pipefail
+python3 -c "import pynvml, tvm_ffi" 2> /dev/null || { echo "build_flashinfer06_aot.sh: FlashInfer's import needs pynvml and tvm_ffi here: pip install nvidia-ml-py apache-tvm-ffi==0.1.12" >&2; exit 2; }
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 W=${WORK:-/tmp/fi06_aot}; rm -rf "$W"; mkdir -p "$W/py" "$W/stubs" "$W/out/flashinfer/data/aot/gdn_prefill_sm90"
 tar -xJf "$REPO/.devsite/site312.tar.xz" -C "$W" site312/flashinfer
@@ -56,7 +57,7 @@ CUDART=$(dirname "$(find /usr/local -name 'libcudart.so' 2>/dev/null | head -1)"
 echo "" > "$W/stubs/e.c" && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 "$W/stubs/e.c" -o "$W/stubs/libcuda.so"
 sed -i 's#-L$cuda_home/lib64 \$#-L'"$CUDART"' -L'"$W"'/stubs $#' "$NINJA"
 grep -q -- "-L$W/stubs" "$NINJA" || { echo "build.ninja: no -L\$cuda_home/lib64 line to replace"; exit 1; }
-ninja -j"$(nproc)" -f "$NINJA"
+ninja -j"$(nproc)" -C "$W" -f "$NINJA"  # its .ninja_log/.ninja_deps in $W, not the tree
 SO=$(dirname "$NINJA")/gdn_prefill_sm90.so
 cp "$SO" "$W/out/flashinfer/data/aot/gdn_prefill_sm90/"
 mkdir -p "$REPO/.tlcache" && tar -cJf "$REPO/.tlcache/fi0613_jit.tar.xz" -C "$W/out" flashinfer
