@@ -109,8 +109,6 @@ def load_dirs(dirs: list[Path]) -> tuple[pd.DataFrame, dict[str, dict], list[str
     frames, metas, notes = [], {}, []
     for d in dirs:
         d = Path(d)
-        if not d.exists():
-            raise Q.BadInput(f"{d}: no such results directory")
         df = analysis.read_rows(d, notes)
         if df.empty:
             notes.append(f"{d}: no result rows")

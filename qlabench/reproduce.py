@@ -158,8 +158,6 @@ def measured_rows(from_: Path, direction: str, notes: list[str] | None = None) -
     (:func:`qlabench.analysis.read_rows`: the rows it sets aside noted in ``notes``); errors say
     what to do."""
     from_ = Path(from_)
-    if not from_.exists():
-        raise ReproduceError(f"--from {from_}: no such file or directory")
     try:
         df = analysis.read_rows(from_, notes)
     except analysis.BadInput as e:
