@@ -246,6 +246,8 @@ def run(
                                     "`out`, under runs/; kept runs are written with an explicit "
                                     "--out results/...)"),
     backends: str | None = typer.Option(None, "--backends", help="comma list overriding the config's backends"),
+    direction: str | None = typer.Option(None, "--direction", help="only this one of the config's "
+                                         "directions (fwd, bwd or fwdbwd)"),
     limit: int | None = typer.Option(None, "--limit", min=1, help="only the first N points"),
     resume: bool = typer.Option(False, "--resume", help="skip rows already in --out (same key, backend version and parameters)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan; write nothing"),
@@ -266,6 +268,12 @@ def run(
     An --out holding rows of another sweep, input recipe, GPU or timing method (timing mode,
     l2) is refused (exit 2) unless --append-other."""
     s = _load(config)
+    if direction is not None:
+        if direction not in s.directions:
+            err.print(f"error: --direction {direction!r}: {config} runs {' | '.join(s.directions)}",
+                      highlight=False, markup=False)
+            raise typer.Exit(2)
+        s = s.model_copy(update={"directions": [direction]})
     from . import runner
     try:
         runner.early_rows(1)

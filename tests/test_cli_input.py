@@ -194,3 +194,17 @@ def test_rows_judged_under_other_limits_are_not_resumed_over(tmp_path):
         r = CliRunner().invoke(app, ["run", str(cfg), "--out", str(out), "--no-plot", *extra])
         assert r.exit_code == 2 and "correctness limits" in r.stderr, (extra, r.stderr)
         assert _tree(out) == before
+
+
+def test_direction_runs_one_of_the_configs_directions(tmp_path):
+    """``run --direction bwd`` writes the config's backward rows only; a direction the config
+    does not run is one line, exit 2, nothing written."""
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(yaml.safe_dump({**SWEEP, "directions": ["fwd", "bwd"]}))
+    _one_error(CliRunner().invoke(app, ["run", str(cfg), "--direction", "fwdbwd", "--out", str(tmp_path / "x")]),
+               "--direction", "fwd | bwd")
+    assert not (tmp_path / "x").exists()
+    out = tmp_path / "o"
+    r = CliRunner().invoke(app, ["run", str(cfg), "--direction", "bwd", "--out", str(out), "--no-plot"])
+    assert r.exit_code == 0, r.stderr
+    assert set(R.load(out)["direction"]) == {"bwd"}

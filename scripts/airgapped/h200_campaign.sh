@@ -30,6 +30,8 @@
 #                times (into $J/checks);
 #   bwd_quick    configs/h200_bwd_quick.yaml (fla, flashqla, tilelang) into runs/h200_bwd_quick
 #                (no FlashInfer: it runs while the relay's calls bring FlashInfer 0.7.4);
+#   serving_bwd  configs/h200_serving.yaml's backward only (fla, flashqla, tilelang: FlashInfer has none)
+#                into runs/h200_serving_bwd (no FlashInfer: no relay needed);
 #   verify_paths what runs where, on the device: FLA's backward with its TileLang backend off
 #                (FLA_TILELANG=0: its Triton dqkwg refuses this Triton, an `unsupported` row) and on
 #                (path triton+tilelang:chunk_bwd_dqkwg), 2 points of configs/h200_bwd_quick.yaml
@@ -170,7 +172,9 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   fi
   mkdir -p "$J/checks"
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
-  step bwd_quick 120 420 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
+  step bwd_quick 120 600 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
+  step serving_bwd 120 0 qlabench run configs/h200_serving.yaml --direction bwd --backends fla,flashqla,tilelang \
+    --out runs/h200_serving_bwd --resume
   step verify_paths 90 300 bash -c '
     FLA_TILELANG=0 qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/triton_only
     qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/dispatched
