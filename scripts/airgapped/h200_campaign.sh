@@ -3,8 +3,9 @@
 # (../shared/device/README.md): device calls back to back on one warm machine, one GPU.
 #   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz (all of them built by
 #               scripts/airgapped/prepare.sh) [.tlcache/fqla.tar.xz .tlcache/fqla_fwd.tar.xz .tlcache/fqla_bwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz
-#               .tlcache/calib.tar.xz .tlcache/{,fqla_}heldout.tar.xz .tlcache/{,fqla_}bwd_heldout.tar.xz
-#               (scripts/airgapped/build_flashinfer06_aot.sh)]:
+#               (scripts/airgapped/build_flashinfer06_aot.sh) .tlcache/calib.tar.xz .tlcache/{,fqla_}heldout.tar.xz
+#               .tlcache/{,fqla_}bwd_heldout.tar.xz .tlcache/triton_autotune.tgz (FLA's Triton autotuning
+#               results, a former job.tgz's triton_autotune.tgz)]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
 #               here with `git archive HEAD -- . ':!results' | gzip`, plus the carried tree's
 #               results/dispatch tables; its commit, which rows
@@ -76,7 +77,9 @@ J=/tmp/job; ENVF=$J/env.sh
 snapshot() {  # what the job has so far, into $OUT as two files (a call brings back at most 8
   # files); small: no kernel caches
   tar czf "$OUT/runs.tgz" -C /tmp/repo --exclude=_logs runs 2>/dev/null
-  (cd "$J" && shopt -s nullglob && f=(*.log *.xml *.csv) && { [ ! -d checks ] || f+=(checks); } \
+  (cd /tmp/triton_cache 2>/dev/null && find . -name '*.autotune.json' -print0 \
+    | tar czf "$J/triton_autotune.tgz" --null -T - 2>/dev/null)  # to carry next time (setup)
+  (cd "$J" && shopt -s nullglob && f=(*.log *.xml *.csv *.tgz) && { [ ! -d checks ] || f+=(checks); } \
     && tar czf "$OUT/job.tgz" "${f[@]}")
   ls -la "$OUT"; }
 
@@ -95,12 +98,17 @@ setup)
   # FlashInfer 0.6.13's GDN module built offline (the bf16 variants the sweeps and tests call) in
   # its precompiled slot; the job checks it and falls back to the JIT build when it fails
   if [ -f .tlcache/fi0613_jit.tar.xz ]; then tar -xJf .tlcache/fi0613_jit.tar.xz -C /tmp/site312 && echo "flashinfer 0.6.13 module: carried"; fi
+  # FLA's Triton autotuning results of an earlier session on this GPU model (its job.tgz's
+  # triton_autotune.tgz): the chosen configs are read back instead of compiling and timing every one
+  mkdir -p /tmp/triton_cache
+  if [ -f .tlcache/triton_autotune.tgz ]; then tar -xzf .tlcache/triton_autotune.tgz -C /tmp/triton_cache \
+    && echo "triton autotuning: $(find /tmp/triton_cache -name '*.autotune.json' | wc -l) results carried"; fi
   rm -rf /tmp/repo && mkdir /tmp/repo && tar -xzf .run/repo.tar.gz -C /tmp/repo || exit 1
   mkdir -p /tmp/repo/results/dispatch && cp results/dispatch/*.json /tmp/repo/results/dispatch/
   SHA=$(gzip -dc .run/repo.tar.gz | git get-tar-commit-id 2>/dev/null | cut -c1-12)
   cat > "$ENVF" <<EOF
 export PYTHONPATH=/tmp/site312 PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlc/all
-export FLA_FLASH_QLA=0 TRITON_CACHE_AUTOTUNING=1
+export FLA_FLASH_QLA=0 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton_cache
 export QLABENCH_PREV_KERNELS=/tmp/prevkernels
 export QLABENCH_FLASHINFER07_PATH=/tmp/fisite:/tmp/fisite/nvidia_cutlass_dsl/dsl_packages
 export QLABENCH_TILEOPS_PATH=/tmp/tileops_site
