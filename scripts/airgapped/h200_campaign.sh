@@ -181,7 +181,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   mkdir -p "$J/checks"
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
   step bwd_quick 120 600 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
-  step serving_bwd 120 0 qlabench run configs/h200_serving.yaml --direction bwd --backends fla,flashqla,tilelang \
+  step serving_bwd 120 700 qlabench run configs/h200_serving.yaml --direction bwd --backends fla,flashqla,tilelang \
     --out runs/h200_serving_bwd --resume
   step verify_paths 90 300 bash -c '
     FLA_TILELANG=0 qlabench run configs/h200_bwd_quick.yaml --backends fla --limit 2 --out runs/fla_paths/triton_only
