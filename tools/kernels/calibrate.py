@@ -149,10 +149,12 @@ def fit_bwd(times_us: dict, sms: int, fwd: FwdCosts) -> BwdCosts:
 
 
 #: the synthetic batches the table is checked on (h_qk, h_v, seqlens): few and many (sequence,
-#: v-head) pairs, short and long, equal and unequal; no sweep config's
+#: v-head) pairs, short and long, equal and unequal, and a serving-like mix of 64 sequences of 1 to
+#: 505 tokens; no sweep config's
 CHECKS = (
     (1, 1, (16384,)), (1, 1, (2048,) * 8), (1, 4, (32768,)), (1, 4, (1024,) * 40),
     (1, 4, (12000, 3000, 700, 300)), (1, 1, (8192,) * 96), (1, 4, (512,) * 200),
+    (1, 4, tuple(range(1, 513, 8))),
 )  # fmt: skip
 
 
