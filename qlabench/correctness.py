@@ -156,8 +156,9 @@ def token_local_err(out: torch.Tensor, ref: torch.Tensor, cu_seqlens: torch.Tens
     scalar of dg per head) or a sequence's last token is judged against a scale that neither
     vanishes with it nor falls below what its conditioning makes of a correct kernel's bf16
     rounding. A unit of fewer scalars than a full chunk (a one-token sequence's dg: one per
-    head) spreads wider around its expectation; its figure is divided by
-    :func:`spread_allowance`, so the value is in a full chunk's terms."""
+    head) spreads wider around its expectation: its sequence / head scale is widened by
+    :func:`spread_allowance` (so the value is in a full chunk's terms); the twin's sensitivity
+    is not, being itself one draw of that spread per scalar."""
     T, H = out.shape[1], out.shape[2]
     if T == 0:
         return 0.0
@@ -180,16 +181,17 @@ def token_local_err(out: torch.Tensor, ref: torch.Tensor, cu_seqlens: torch.Tens
     unit_tok = torch.zeros(nu, dtype=torch.float64, device=a.device).index_add_(0, unit, ones)
     unit_d2 = torch.zeros(nu, H, dtype=torch.float64, device=a.device).index_add_(0, unit, d2t)
     unit_seq = torch.zeros(nu, dtype=torch.int64, device=a.device).scatter_(0, unit, seq)
-    unit_scale = scale[unit_seq]
+    allow = spread_allowance((unit_tok * D).to(torch.int64), CHUNK_TOKENS * D)
+    base = scale[unit_seq]  # the sequence's (or head's) scale of each (unit, head)
+    sens = torch.zeros_like(base)  # the twin's rounding sensitivity, in the same units
     if rounded is not None:
         c = rounded.detach().reshape(T, H, -1).to(torch.float64).to(a.device)
         s2t = ((c - b) ** 2).sum(-1)  # [T, H]
         sens2 = float(s2t.sum() / r2t.sum().clamp(min=1e-300))  # the output's, squared
         if sens2 > 0:
             s2 = torch.zeros(nu, H, dtype=torch.float64, device=a.device).index_add_(0, unit, s2t)
-            unit_scale = torch.maximum(unit_scale, s2 / (unit_tok[:, None] * D) / sens2)
-    allow = spread_allowance((unit_tok * D).to(torch.int64), CHUNK_TOKENS * D)
-    return _worst_rel(unit_d2 / (unit_tok[:, None] * D), unit_scale * allow[:, None] ** 2)
+            sens = s2 / (unit_tok[:, None] * D) / sens2
+    return _worst_rel(unit_d2 / (unit_tok[:, None] * D), torch.maximum(base * allow[:, None] ** 2, sens))
 
 
 def worst_state_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -83,15 +83,20 @@ MUTATIONS: list[M] = [
       "the marginal cost compares a replay with a replay, blind to n calls doing one's work",
       ["tests/test_poison.py::test_marginal_ratio_tells_n_calls_from_the_work_of_one"]),
     M("local-check-against-own-norm", "qlabench/correctness.py",
-      "    return _worst_rel(unit_d2 / (unit_tok[:, None] * D), unit_scale * allow[:, None] ** 2)\n",
+      "    return _worst_rel(unit_d2 / (unit_tok[:, None] * D), torch.maximum(base * allow[:, None] ** 2, sens))\n",
       "    unit_r2 = torch.zeros(nu, H, dtype=torch.float64, device=a.device).index_add_(0, unit, r2t)\n"
       "    return _worst_rel(unit_d2, unit_r2)\n",
       "a chunk is judged against its own norm (a one-token sequence against one scalar)",
       ["tests/test_correctness.py::test_a_one_token_sequence_is_judged_against_its_sequence_scale_not_its_own_norm"]),
     M("no-spread-allowance", "qlabench/correctness.py",
-      "unit_scale * allow[:, None] ** 2)", "unit_scale)",
+      "torch.maximum(base * allow[:, None] ** 2, sens))", "torch.maximum(base, sens))",
       "a unit of one scalar (a one-token sequence's dbeta) is judged as a 64-token chunk's RMS: a "
       "correct kernel that rounds elsewhere than the twin is `incorrect`",
+      ["tests/test_correctness.py::test_one_token_gradients_of_a_kernel_that_rounds_elsewhere_pass"]),
+    M("spread-allowance-on-the-twin", "qlabench/correctness.py",
+      "torch.maximum(base * allow[:, None] ** 2, sens))", "torch.maximum(base, sens) * allow[:, None] ** 2)",
+      "the allowance for few scalars also widens the twin's sensitivity, itself one draw per scalar: "
+      "a one-token sequence's dg or dbeta 60% off passes",
       ["tests/test_correctness.py::test_one_token_gradients_of_a_kernel_that_rounds_elsewhere_pass"]),
     M("no-rounding-allowance", "qlabench/correctness.py",
       "    if rounded is not None:\n        c = rounded", "    if False:\n        c = rounded",
