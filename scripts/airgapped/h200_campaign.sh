@@ -98,7 +98,7 @@ setup)
   # FlashInfer 0.6.13's GDN module built offline (the bf16 variants the sweeps and tests call) in
   # its precompiled slot; the job checks it and falls back to the JIT build when it fails
   if [ -f .tlcache/fi0613_jit.tar.xz ]; then tar -xJf .tlcache/fi0613_jit.tar.xz -C /tmp/site312 && echo "flashinfer 0.6.13 module: carried"; fi
-  # FLA's Triton autotuning results of an earlier session on this GPU model (its job.tgz's
+  # FLA's Triton autotuning results from an earlier job on this GPU model (its job.tgz's
   # triton_autotune.tgz): the chosen configs are read back instead of compiling and timing every one
   mkdir -p /tmp/triton_cache
   if [ -f .tlcache/triton_autotune.tgz ]; then tar -xzf .tlcache/triton_autotune.tgz -C /tmp/triton_cache \
