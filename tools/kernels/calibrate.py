@@ -367,9 +367,10 @@ def _summary(rows: list[dict], key: str) -> str:
 def main(argv=None) -> int:
     import argparse
     import datetime
-    import subprocess
 
     import torch
+
+    from qlabench.results import git_sha
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, default=None, help="write the table here (default: print only)")
@@ -389,11 +390,7 @@ def main(argv=None) -> int:
         base = load(name)
     except FileNotFoundError:
         base = default_table()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=pathlib.Path(__file__).parent, check=False).stdout.strip() or "unknown"  # fmt: skip
-    except OSError:
-        commit = "unknown"
+    commit = git_sha(str(pathlib.Path(__file__).parent))  # $QLABENCH_GIT_SHA in a `git archive` tree
     uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", "")
     how = f"measured: python -m qlabench_tools.kernels.calibrate on {name} {uuid}, {datetime.date.today()}, commit {commit}"
     src = dict(base.source)
