@@ -12,7 +12,18 @@ candidates in whatever unit a table has):
     prep_qk      ... and per (chunk, q/k head)
     seg_state    one chunk of one seg_state CTA, two per SM
     fixup        one segment of the serial fix-up
-    launch       the split path's fixed cost (its extra launches and tables)
+    launch       the split path's fixed cost beyond its kernels' (its tables)
+    fwd_o_few    fwd_o's chunk step when its grid holds at most 1/8 as many CTAs as SMs (less
+                 contention for memory: between 1/8 and one CTA per SM the step is interpolated
+                 to ``fwd_o_alone``)
+    fused_few    the same for the fused kernel
+    cta_fwd_o    what one fwd_o CTA costs beyond its chunk steps (its state loads and stores), alone
+                 on its SM (two resident: scaled as its step)
+    cta_fused    the same for the fused kernel
+    cta_seg_state  the same for seg_state
+    kernel       one kernel's fixed cost in a CUDA graph (every kernel a path launches)
+
+Overheads (``launch``, ``cta_*``, ``kernel``) may be 0; step costs are positive.
 
 The backward's: ``dhu`` and ``bwd_h`` (the two chains' steps per (segment, v-head) item),
 ``seg_state``, ``fixup`` (per serial segment, each of the two fix-ups) and ``launch``. The
@@ -51,7 +62,17 @@ class FwdCosts:
     seg_state: float
     fixup: float
     launch: float
+    fwd_o_few: float
+    fused_few: float
+    cta_fwd_o: float
+    cta_fused: float
+    cta_seg_state: float
+    kernel: float
     unit: str = "us"
+
+
+#: the forward's costs that may be 0 (overheads); every other must be positive
+FWD_OVERHEADS = ("launch", "cta_fwd_o", "cta_fused", "cta_seg_state", "kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +114,16 @@ def _section(cls, d: dict, where: str):
     extra = [k for k in costs if k not in fields]
     if missing or extra:
         raise ValueError(f"{where}: costs must be exactly {fields}; missing {missing}, unknown {extra}")
-    bad = [k for k in fields if not (isinstance(costs[k], int | float) and costs[k] > 0 and math.isfinite(costs[k]))]
+    zero_ok = FWD_OVERHEADS if cls is FwdCosts else tuple(fields)  # the backward's: least squares, any may be 0
+
+    def ok(k):
+        v = costs[k]
+        return isinstance(v, int | float) and math.isfinite(v) and (v >= 0 if k in zero_ok else v > 0)
+
+    bad = [k for k in fields if not ok(k)]
     if bad:
-        raise ValueError(f"{where}: costs {bad} must be positive finite numbers, got {[costs[k] for k in bad]}")
+        what = "non-negative" if all(k in zero_ok for k in bad) else "positive"
+        raise ValueError(f"{where}: costs {bad} must be {what} finite numbers, got {[costs[k] for k in bad]}")
     return cls(**{k: float(costs[k]) for k in fields}, unit=str(d.get("unit", "us")))
 
 

@@ -43,16 +43,13 @@ FWD_O_CTAS_PER_SM = 2
 _SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-def _lpt_makespan(groups, slots: int) -> float:
-    """Makespan of longest-processing-time-first list scheduling of ``groups`` = [(duration, count)]
-    on ``slots`` identical slots (what a grid of equal-cost CTAs does on the SMs)."""
+def _lpt_loads(groups, slots: int) -> list:
+    """Per-slot loads, largest first, of longest-processing-time-first list scheduling of
+    ``groups`` = [(duration, count)] on ``slots`` identical slots (what a grid of CTAs does on the SMs)."""
     import heapq
 
-    items = sorted(groups, reverse=True)
-    if not items:
-        return 0.0
     heap = [0.0] * slots
-    for dur, cnt in items:
+    for dur, cnt in sorted(groups, reverse=True):
         # cnt jobs of equal length: while every slot is equally loaded, whole rounds over all slots
         # at once (exactly what LPT does then); otherwise one by one onto the least-loaded slot
         if heap[0] == max(heap) and cnt >= slots:
@@ -60,17 +57,22 @@ def _lpt_makespan(groups, slots: int) -> float:
             heap = [t + rounds * dur for t in heap]
         for _ in range(cnt):
             heapq.heappush(heap, heapq.heappop(heap) + dur)
-    return max(heap)
+    return sorted(heap, reverse=True)
+
+
+def _lpt_makespan(groups, slots: int) -> float:
+    """Makespan of :func:`_lpt_loads`' schedule."""
+    return _lpt_loads(groups, slots)[0] if groups else 0.0
 
 
 def prep_cost(lens, h_v: int, num_sms: int = 132, h_qk=None, costs=None) -> float:
     """prep's estimated time over the SMs: every chunk of every v-head (``costs.prep``), plus every
     chunk of every q/k head (``costs.prep_qk``: its loads and gate tables, shared by the group's G
-    v-heads; ``h_qk`` None: G = 1)."""
+    v-heads; ``h_qk`` None: G = 1), plus one kernel's fixed cost."""
     c = _fwd(costs)
     h_qk = h_v if h_qk is None else h_qk
     chunks = sum(math.ceil(ln / CHUNK) for ln in lens)
-    return chunks * (h_v * c.prep + h_qk * c.prep_qk) / num_sms
+    return chunks * (h_v * c.prep + h_qk * c.prep_qk) / num_sms + c.kernel
 
 
 #: prep's CTAs resident per SM (kernels/prep.py compiles with it as its MIN_BLOCKS)
@@ -97,17 +99,36 @@ def _runs_prep(seg: int, block_v: int) -> bool:
     return bool(seg) or block_v != HEAD_DIM
 
 
-def _fwd_o_grid(n_ctas: int, num_sms: int, c) -> tuple:
-    """(slots, step) of fwd_o's grid: at most one CTA per SM runs alone (``fwd_o_alone``); more
-    share the SMs ``FWD_O_CTAS_PER_SM`` at a time (``fwd_o``)."""
-    if n_ctas <= num_sms:
-        return num_sms, c.fwd_o_alone
-    return num_sms * FWD_O_CTAS_PER_SM, c.fwd_o
+def _few_step(n_ctas: int, num_sms: int, full: float, few: float) -> float:
+    """The chunk step of a grid of at most one CTA per SM: ``few`` up to ``num_sms / 8`` CTAs,
+    ``full`` at ``num_sms``, linear between (less contention for memory with fewer CTAs)."""
+    lo = num_sms / 8
+    if n_ctas <= lo:
+        return few
+    return few + (full - few) * min(1.0, (n_ctas - lo) / (num_sms - lo))
+
+
+def _fwd_o_makespan(groups, num_sms: int, c) -> float:
+    """fwd_o's grid [(chunks, CTAs)] on the SMs: at most one CTA per SM, longest-first at its step
+    alone (:func:`_few_step`); more, ``FWD_O_CTAS_PER_SM`` slots per SM at the shared step, each SM
+    pairing a heavily loaded slot with a lightly loaded one (the block scheduler spreads a partial
+    round over the SMs), the part of the heavier slot's load that runs with no partner at the step
+    alone."""
+    n = sum(k for _, k in groups)
+    if n <= num_sms:
+        step = _few_step(n, num_sms, c.fwd_o_alone, c.fwd_o_few)
+        return _lpt_makespan([(ch * step + c.cta_fwd_o, k) for ch, k in groups], num_sms)
+    ratio = c.fwd_o_alone / c.fwd_o  # a CTA's time alone over its time beside another
+    cta = c.cta_fwd_o / ratio
+    loads = _lpt_loads([(ch * c.fwd_o + cta, k) for ch, k in groups], num_sms * FWD_O_CTAS_PER_SM)
+    last = len(loads) - 1
+    return max(loads[last - i] + (loads[i] - loads[last - i]) * ratio for i in range(num_sms))
 
 
 def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> float:
     """The forward less prep: the final kernel's CTAs longest-first on the SMs and, when split,
-    seg_state's non-last segments, the serial fix-up and the split path's fixed cost."""
+    seg_state's non-last segments, the serial fix-up and the split path's fixed cost; every kernel's
+    fixed cost."""
     cpb = HEAD_DIM // block_v
     fwd, seg_state, serial = {}, {}, 0
     for ln in lens:
@@ -121,14 +142,14 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> floa
                 seg_state[ch] = seg_state.get(ch, 0) + h_v * 4
         serial = max(serial, ns - 1)
     if block_v == HEAD_DIM:
-        slots, step = num_sms, c.fused
+        step = _few_step(sum(fwd.values()), num_sms, c.fused, c.fused_few)
+        cost = _lpt_makespan([(ch * step + c.cta_fused, k) for ch, k in fwd.items()], num_sms)
     else:
-        slots, step = _fwd_o_grid(sum(fwd.values()), num_sms, c)
-    cost = _lpt_makespan(list(fwd.items()), slots) * step
+        cost = _fwd_o_makespan(list(fwd.items()), num_sms, c)
+    cost += c.kernel
     if seg:
-        cost += (
-            _lpt_makespan(list(seg_state.items()), 2 * num_sms) * c.seg_state + serial * c.fixup + c.launch
-        )
+        states = [(ch * c.seg_state + c.cta_seg_state, k) for ch, k in seg_state.items()]
+        cost += _lpt_makespan(states, 2 * num_sms) + serial * c.fixup + c.launch + 2 * c.kernel
     return cost
 
 

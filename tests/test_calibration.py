@@ -35,7 +35,9 @@ def test_the_planners_price_with_the_default_table():
     [
         (lambda d: d["fwd"]["costs"].pop("fused"), "missing ['fused']"),
         (lambda d: d["fwd"]["costs"].update(fuzed=1.0), "unknown ['fuzed']"),
-        (lambda d: d["bwd"]["costs"].update(dhu=-1.0), "['dhu'] must be positive"),
+        (lambda d: d["bwd"]["costs"].update(dhu=-1.0), "['dhu'] must be non-negative"),
+        (lambda d: d["fwd"]["costs"].update(fused=0.0), "['fused'] must be positive"),
+        (lambda d: d["fwd"]["costs"].update(kernel=-1.0), "['kernel'] must be non-negative"),
         (lambda d: d["fwd"]["costs"].update(prep=float("nan")), "['prep'] must be positive"),
         (lambda d: d.update(sms=0), "sms must be a positive int"),
         (lambda d: d.pop("bwd"), "no 'bwd'"),
@@ -58,57 +60,86 @@ def test_round_trip_and_unknown_gpu_falls_back_with_a_warning():
     assert calibration.for_device(__import__("torch").device("cpu")) == t
 
 
+TRUTH = calibration.FwdCosts(fwd_o=1.9, fwd_o_alone=1.1, fused=3.1, prep=1.2, prep_qk=0.7, seg_state=1.6,
+                             fixup=2.9, launch=13.0, fwd_o_few=0.8, fused_few=2.5, cta_fwd_o=4.0, cta_fused=6.0,
+                             cta_seg_state=2.0, kernel=3.0)  # fmt: skip
+
+
 def _model_times(c: calibration.FwdCosts, sms: int) -> dict:
-    """What each experiment takes if the GPU were the planner's model with costs ``c``, plus a fixed
-    cost per stage (launches) that the fit must not take for a step cost."""
-    fixed = {"fwd_o": 7.0, "fwd_o_alone": 7.0, "fused": 6.0, "prep_g1": 5.0, "prep_g4": 5.5, "seg_state": 4.0,
-             "fixup": 3.0, "total_split": 20.0, "total_unsplit": 20.0}  # fmt: skip
+    """What each experiment takes if the GPU were the planner's model with costs ``c``."""
     out = {}
     for e in calibrate.experiments(sms):
         (h_qk, h_v), lens, st = e["heads"], e["seqlens"], e["stage"]
-        if st in ("fwd_o", "fwd_o_alone", "fused"):
+        if st.startswith(("fwd_o", "fused")):
             t = plan._final_cost(lens, h_v, 0, sms, e["block_v"], c)
         elif st.startswith("prep"):
             t = plan.prep_cost(lens, h_v, sms, h_qk, c)
         elif st == "seg_state":  # the non-last segment of each sequence: 4 CTAs per (segment, v-head)
-            t = plan._lpt_makespan([(e["split"] // 64, 4 * h_v * len(lens))], 2 * sms) * c.seg_state
+            grid = [(e["split"] // 64 * c.seg_state + c.cta_seg_state, 4 * h_v * len(lens))]
+            t = c.kernel + plan._lpt_makespan(grid, 2 * sms)
         elif st == "fixup":
-            t = (len(range(0, lens[0], e["split"])) - 1) * c.fixup
+            t = c.kernel + (len(range(0, lens[0], e["split"])) - 1) * c.fixup
         else:
             t = plan.split_cost(lens, h_v, e["split"], sms, e["block_v"], h_qk=h_qk, costs=c)
-        out[calibrate._key(e)] = fixed[st] + t
+        out[calibrate._key(e)] = t
     return out
 
 
 @pytest.mark.parametrize("sms", [132, 78, 7])
 def test_the_fit_recovers_the_costs_that_made_the_timings(sms):
-    truth = calibration.FwdCosts(fwd_o=1.9, fwd_o_alone=1.1, fused=3.1, prep=1.2, prep_qk=0.7, seg_state=1.6,
-                                 fixup=2.9, launch=13.0)  # fmt: skip
-    got = calibrate.fit_fwd(_model_times(truth, sms), sms)
-    for f in dataclasses.fields(truth):
+    got = calibrate.fit_fwd(_model_times(TRUTH, sms), sms)
+    for f in dataclasses.fields(TRUTH):
         if f.name != "unit":
-            assert getattr(got, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-9), f.name
+            assert getattr(got, f.name) == pytest.approx(getattr(TRUTH, f.name), rel=1e-9), f.name
+
+
+def test_overheads_below_zero_are_zero_and_a_step_below_zero_is_refused():
+    """Noise around no overhead gives 0, not a negative cost; a broken step timing gives an error."""
+    times = _model_times(dataclasses.replace(TRUTH, cta_fused=0.0, launch=0.0), 132)
+    times[("fused_many", 0)] -= 5.0  # a little faster than one round's overhead allows
+    times[("total_split", 0)] -= 5.0
+    got = calibrate.fit_fwd(times, 132)
+    assert got.cta_fused == 0.0 and got.launch == 0.0 and got.fused == pytest.approx(TRUTH.fused)
+    times[("fused", 4096)] = times[("fused", 1024)]  # no slope
+    with pytest.raises(RuntimeError, match="non-positive costs .*fused"):
+        calibrate.fit_fwd(times, 132)
 
 
 def test_the_experiments_fill_the_sms_as_the_fit_assumes():
-    """fwd_o at two CTAs per SM and alone, the fused kernel and seg_state one round each."""
+    """fwd_o at two CTAs per SM, one, and at most 1/8 of one; the fused kernel one round and 1/8 of
+    one; the many-rounds experiments ROUNDS rounds of the fused kernel, ROUNDS / 2 of fwd_o's pairs."""
     sms = 132
-    c = calibration.FwdCosts(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    unit = calibration.FwdCosts(*[1.0] * 10, cta_fwd_o=0.0, cta_fused=0.0, cta_seg_state=0.0, kernel=0.0)
+    ctas = {}
     for e in calibrate.experiments(sms):
         lens, chunks = e["seqlens"], e["seqlens"][0] // 64
-        if e["stage"] == "fwd_o":
-            assert 2 * len(lens) == 2 * sms and plan._fwd_o_grid(2 * len(lens), sms, c)[0] == 2 * sms
-        if e["stage"] == "fwd_o_alone":
-            assert plan._fwd_o_grid(2 * len(lens), sms, c)[0] == sms
-        if e["stage"] in ("fwd_o", "fwd_o_alone", "fused"):
-            assert plan._final_cost(lens, 1, 0, sms, e["block_v"], c) == chunks
+        ctas[e["stage"]] = len(lens) * (2 if e["block_v"] == 64 else 1)
+        if e["stage"].startswith(("fwd_o", "fused")) and e["x"]:
+            assert plan._final_cost(lens, 1, 0, sms, e["block_v"], unit) == chunks
+    assert ctas["fwd_o"] == 2 * sms and ctas["fwd_o_alone"] == sms and ctas["fwd_o_few"] <= sms / 8
+    assert ctas["fused"] == sms and ctas["fused_few"] <= sms / 8
+    assert ctas["fused_many"] == calibrate.ROUNDS * sms and ctas["fwd_o_many"] == calibrate.ROUNDS * sms
 
 
-def test_a_fit_that_gives_a_non_positive_cost_is_refused():
-    times = _model_times(calibration.default_table().fwd, 132)
-    times[("fused", 4096)] = times[("fused", 1024)]  # no slope: a broken timing
-    with pytest.raises(RuntimeError, match="non-positive costs .*fused"):
-        calibrate.fit_fwd(times, 132)
+def test_more_ctas_than_slots_pair_on_the_sms():
+    """fwd_o beyond one CTA per SM: pairs at the shared step, the rest of a slot's load alone; with
+    equal steps this is the plain longest-first makespan over two slots per SM."""
+    c = dataclasses.replace(TRUTH, cta_fwd_o=0.0, kernel=0.0)
+    sms, ch = 10, 16
+    # 30 CTAs on 10 SMs: 10 pairs, then 10 alone
+    assert plan._fwd_o_makespan([(ch, 30)], sms, c) == pytest.approx(ch * c.fwd_o + ch * c.fwd_o_alone)
+    assert plan._fwd_o_makespan([(ch, 20)], sms, c) == pytest.approx(ch * c.fwd_o)
+    flat = dataclasses.replace(c, fwd_o_alone=c.fwd_o)
+    for n in (11, 20, 25, 37):
+        assert plan._fwd_o_makespan([(ch, n), (3, 7)], sms, flat) == plan._lpt_makespan([(ch * c.fwd_o, n), (3 * c.fwd_o, 7)], 2 * sms)
+
+
+def test_few_ctas_step_faster_up_to_an_eighth_of_the_sms():
+    assert plan._few_step(16, 132, 2.0, 1.4) == 1.4
+    assert plan._few_step(132, 132, 2.0, 1.4) == 2.0
+    assert 1.4 < plan._few_step(74, 132, 2.0, 1.4) < 2.0
+    assert calibrate._few_and_full(plan._few_step(90, 132, 2.0, 1.4), 90, plan._few_step(30, 132, 2.0, 1.4), 30, 132) == (
+        pytest.approx(1.4), pytest.approx(2.0))
 
 
 def test_the_planner_follows_the_table():
@@ -120,7 +151,7 @@ def test_the_planner_follows_the_table():
     assert plan.plan_fwd(sum(lens), 4, 64, seqlens=lens, h_qk=16, costs=cheap)[0] == 128
     assert plan.plan_fwd(sum(lens), 4, 64, seqlens=lens, h_qk=16, costs=dear)[0] == 64
     # a split path that costs nothing fixed splits a single long sequence of few heads more finely
-    free = dataclasses.replace(base, launch=1e-6, fixup=1e-6)
+    free = dataclasses.replace(base, launch=0.0, fixup=1e-6)
     assert plan.plan_split(32768, 1, 8, costs=free) < plan.plan_split(32768, 1, 8)
 
 
@@ -154,43 +185,33 @@ def test_a_changed_cost_table_is_a_new_tilelang_version(tmp_path, monkeypatch):
     calibration.load.cache_clear()
 
 
-def _model_times_bwd(c: calibration.BwdCosts, fwd: calibration.FwdCosts, rfixup: float, sms: int) -> dict:
-    """The backward's experiments as the planner's model prices them, plus what the chains' model
-    leaves out: stages spread over every SM (per chunk of every sequence) and fixed costs."""
-    spread = 0.9  # µs per chunk of every (sequence, v-head) over all SMs: bwd_pw, dqkwg, wy
+BWD_TRUTH = calibration.BwdCosts(dhu=2.2, bwd_h=1.3, seg_state=1.6, fixup=3.2, launch=21.0)
+
+
+def _model_times_bwd(c: calibration.BwdCosts, sms: int) -> dict:
+    """The fit batches at every candidate segment length as the split model prices them, plus a base
+    per batch that the split does not change (the stages spread over every SM)."""
     out = {}
-    for e in calibrate.experiments_bwd(sms):
-        lens, st = e["seqlens"], e["stage"]
-        chunks = sum(-(-ln // 64) for ln in lens)
-        if st in ("bwd_full", "bwd_half", "bwd_split", "bwd_unsplit"):
-            t = 50.0 + plan.bwd_split_cost(lens, 1, e["split"], sms, c) + spread * chunks / sms
-        elif st == "dhu":
-            t = 4.0 + plan._lpt_makespan([(lens[0] // 64, len(lens))], sms) * c.dhu
-        else:  # rfixup
-            t = 3.0 + (len(range(0, lens[0], e["split"])) - 1) * rfixup
-        out[calibrate._key(e)] = t
+    for _, h_v, lens in calibrate.FIT_BWD:
+        base = 50.0 + 0.9 * sum(-(-ln // 64) for ln in lens) * h_v / sms
+        for seg in plan.bwd_candidates(lens):
+            out[(h_v, tuple(lens), seg)] = base + plan.bwd_split_cost(lens, h_v, seg, sms, c)
     return out
 
 
 @pytest.mark.parametrize("sms", [132, 78])
 def test_the_backward_fit_recovers_the_costs_that_made_the_timings(sms):
-    fwd = calibration.FwdCosts(1.9, 1.1, 3.1, 1.2, 0.7, seg_state=1.6, fixup=2.9, launch=13.0)
-    truth = calibration.BwdCosts(dhu=2.2, bwd_h=1.3, seg_state=1.6, fixup=(2.9 + 3.5) / 2, launch=21.0)
-    got = calibrate.fit_bwd(_model_times_bwd(truth, fwd, 3.5, sms), sms, fwd)
-    for f in dataclasses.fields(truth):
+    got = calibrate.fit_bwd(_model_times_bwd(BWD_TRUTH, sms), sms)
+    for f in dataclasses.fields(BWD_TRUTH):
         if f.name != "unit":
-            assert getattr(got, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-9), f.name
+            assert getattr(got, f.name) == pytest.approx(getattr(BWD_TRUTH, f.name), rel=1e-6, abs=1e-6), f.name
 
 
-def test_a_backward_whose_chains_are_cheaper_than_dhu_alone_is_refused():
-    """Timings the chains' model cannot describe give an error, not a table with a negative cost."""
-    fwd = calibration.default_table().fwd
-    truth = calibration.BwdCosts(dhu=2.2, bwd_h=1.3, seg_state=1.6, fixup=2.0, launch=21.0)
-    times = _model_times_bwd(truth, fwd, 1.1, 132)
-    for L in calibrate.LENGTHS:
-        times[("dhu", L)] *= 5
-    with pytest.raises(RuntimeError, match="bwd_h"):
-        calibrate.fit_bwd(times, 132, fwd)
+def test_a_backward_the_split_does_not_change_is_refused():
+    """Timings no split changes give no chain cost: an error, not a table that never splits."""
+    times = {k: 100.0 for k in _model_times_bwd(BWD_TRUTH, 132)}
+    with pytest.raises(RuntimeError, match="chains' step came out 0"):
+        calibrate.fit_bwd(times, 132)
 
 
 def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch):
@@ -200,7 +221,7 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
     import inspect
 
     import torch
-    from qlabench_kernels import backward, bwd_dhu, fixup, forward, fwd_fused, fwd_o, prep, seg_state
+    from qlabench_kernels import backward, fixup, forward, fwd_fused, fwd_o, prep, seg_state
 
     calls, batch = [], {}
     t = torch.zeros(2, 2)
@@ -214,7 +235,7 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
         def fake(*a, **k):
             inspect.signature(real).bind(*a, **k)
             calls.append(name)
-            batch["split"] = bool(k.get("split_tokens"))
+            batch["split"] = int(k.get("split_tokens") or 0)
             return out
 
         monkeypatch.setattr(mod, name, fake)
@@ -222,8 +243,7 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
     stub(forward, "chunk_gdn_fwd_lowlevel", inter)
     stub(backward, "chunk_gdn_bwd", inter)
     for mod, name in ((prep, "run_prep"), (fwd_o, "run_fwd_o"), (fwd_fused, "run_fwd_fused"),
-                      (seg_state, "run_seg_state"), (fixup, "run_fixup"), (fixup, "run_rfixup"),
-                      (bwd_dhu, "run_bwd_dhu")):  # fmt: skip
+                      (seg_state, "run_seg_state"), (fixup, "run_fixup")):  # fmt: skip
         stub(mod, name, None)
     real_inputs = calibrate._inputs
 
@@ -236,9 +256,9 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
         fn()
         assert len(calls) == n + 1  # one launch per timed call
         lens, h_v = batch["lens"], batch["h_v"]
-        if calls[-1] == "run_bwd_dhu":  # one chain of the two: less than both together
-            return 5.0 + 0.006 * max(lens)
-        spread = 0.0002 if calls[-1] in ("run_rfixup", "run_fixup") else 0.001
+        if calls[-1] == "chunk_gdn_bwd":  # the split model's price plus a base
+            return 50.0 + plan.bwd_split_cost(lens, h_v, batch["split"], 4, BWD_TRUTH)
+        spread = 0.0002 if calls[-1] == "run_fixup" else 0.001
         split = 60.0 if calls[-1].startswith("chunk_gdn") and batch["split"] else 0.0  # its launches
         return 5.0 + split + 0.01 * max(lens) + spread * sum(lens) * h_v
 
@@ -247,7 +267,7 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
     monkeypatch.setattr(plan, "sm_count", lambda device: 4)
     fwd, checks = calibrate.measure_fwd("cpu", reps=1, echo=lambda *a: None)
     assert fwd.unit == "us" and len(checks) == len(calibrate.CHECKS)
-    bwd, checks_bwd = calibrate.measure_bwd(fwd, "cpu", reps=1, echo=lambda *a: None)
+    bwd, checks_bwd = calibrate.measure_bwd("cpu", reps=1, echo=lambda *a: None)
     assert bwd.unit == "us" and len(checks_bwd) == len(calibrate.CHECKS_BWD)
-    assert {"run_prep", "run_fwd_o", "run_fwd_fused", "run_seg_state", "run_fixup", "run_rfixup", "run_bwd_dhu",
-            "chunk_gdn_fwd_lowlevel", "chunk_gdn_bwd"} <= set(calls)  # fmt: skip
+    assert {"run_prep", "run_fwd_o", "run_fwd_fused", "run_seg_state", "run_fixup", "chunk_gdn_fwd_lowlevel",
+            "chunk_gdn_bwd"} <= set(calls)  # fmt: skip

@@ -6,19 +6,19 @@ GPU model's cost table (:mod:`qlabench_kernels.calibration`, ``kernels/cost_tabl
 
 Its kernels (heads 1/1 and 1/4): ``qlabench precompile calibration`` fills the cache offline.
 
-:func:`measure_fwd` times each stage alone (CUDA-graph medians) on synthetic batches of one or four
-v-heads per q/k head whose grids fill the SMs a known number of times, at two sequence lengths:
-a cost is the slope between the two, so a launch's fixed cost does not enter it. Nothing in it
-comes from a sweep config. It then checks the table: on further synthetic batches (few and many
+:func:`measure_fwd` times each stage alone (CUDA-graph medians) on synthetic batches whose grids
+fill the SMs a known number of times: a step cost is the slope between two sequence lengths (so no
+fixed cost enters it), at two CTAs per SM, one, and 1/8 of one; a CTA's own overhead and a kernel's
+fixed cost come from the same kernel on many short sequences (many rounds of CTAs) against one
+round; the split path's remaining fixed cost from the whole forward split and unsplit. Nothing in
+it comes from a sweep config. It then checks the table: on further synthetic batches (few and many
 (sequence, v-head) pairs, short and long) it times every candidate the planner rates and reports how
 far the planner's pick is from the fastest.
 
-The backward's (:func:`measure_bwd`), in µs: ``dhu`` the reverse chain's step alone (one (sequence,
-v-head) item per SM); ``bwd_h`` what the two chains together add to it, from the whole backward at
-one item per SM and at one per two SMs (the stages spread over every SM halve, the chains do not);
-``seg_state`` the forward's (the same kernel); ``fixup`` the mean of the forward and reverse fix-ups'
-per-segment steps (the split path runs both); ``launch`` as the forward's. Checked the same way,
-on synthetic batches, every segment length against the planner's pick.
+The backward's (:func:`measure_bwd`): the whole backward timed at every segment length the planner
+rates on synthetic batches (:data:`FIT_BWD`), and its split model's costs fitted to them by
+non-negative least squares with one free base per batch (what the split does not change); checked
+the same way on other batches (:data:`CHECKS_BWD`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pathlib
 import sys
 
 from qlabench_kernels import plan
-from qlabench_kernels.calibration import HEADS, BwdCosts, CostTable, FwdCosts, default_table, load
+from qlabench_kernels.calibration import FWD_OVERHEADS, HEADS, BwdCosts, CostTable, FwdCosts, default_table, load
 
 # --------------------------------------------------------------------------------------
 
@@ -38,30 +38,39 @@ from qlabench_kernels.calibration import HEADS, BwdCosts, CostTable, FwdCosts, d
 LENGTHS = (1024, 4096)
 #: fix-up: one sequence cut into this many 256-token segments (the slope is per serial segment)
 FIXUP_SEGMENTS = (8, 64)
+#: the many-rounds experiments: sequences of this many tokens (two chunks), this many rounds of CTAs
+SHORT, ROUNDS = 128, 8
 
 
 def experiments(sms: int) -> list[dict]:
     """The stage timings the costs are fitted from: dicts of stage, x (the length or segment count
-    the slope is taken over), heads (h_qk, h_v), seqlens, split (segment tokens, 0 = unsplit) and
-    block_v. Grids (CTAs):
+    the slope is taken over; 0: one timing), heads (h_qk, h_v), seqlens, split (segment tokens,
+    0 = unsplit) and block_v. Grids (CTAs):
 
-    - fwd_o:  2 per (sequence, v-head): ``sms`` sequences fill two per SM, ``sms // 2`` one;
-    - fused:  1 per (sequence, v-head): ``sms`` sequences, one per SM;
+    - fwd_o:  2 per (sequence, v-head): ``sms`` sequences fill two per SM, ``sms // 2`` one,
+      ``sms // 16`` at most 1/8 of one; ``ROUNDS * sms / 2`` short sequences ``ROUNDS / 2`` rounds
+      of two per SM;
+    - fused:  1 per (sequence, v-head): ``sms`` sequences, one per SM; ``sms // 8``;
+      ``ROUNDS * sms`` short sequences, ``ROUNDS`` rounds;
     - prep:   ``sms`` sequences at G = 1 and G = 4 (per-v-head and per-q/k-head parts);
     - seg_state: sequences of 2L cut at L: ``sms // 2`` non-last segments, 4 CTAs each;
     - fixup:  one sequence of n 256-token segments (n - 1 serial steps);
     - split / unsplit: the whole forward on one 4096-token sequence cut at 1024 and not cut
       (the split path's fixed cost, less what the model prices of it).
     """
-    half = max(1, sms // 2)
+    half, few_o, few_f = max(1, sms // 2), max(1, sms // 16), max(1, sms // 8)
     out = []
     for L in LENGTHS:
         out.append(dict(stage="fwd_o", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0, block_v=64))
         out.append(dict(stage="fwd_o_alone", x=L, heads=(1, 1), seqlens=(L,) * half, split=0, block_v=64))
+        out.append(dict(stage="fwd_o_few", x=L, heads=(1, 1), seqlens=(L,) * few_o, split=0, block_v=64))
         out.append(dict(stage="fused", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0, block_v=128))
+        out.append(dict(stage="fused_few", x=L, heads=(1, 1), seqlens=(L,) * few_f, split=0, block_v=128))
         for hk in HEADS:
             out.append(dict(stage=f"prep_g{hk[1] // hk[0]}", x=L, heads=hk, seqlens=(L,) * sms, split=0, block_v=64))
         out.append(dict(stage="seg_state", x=L, heads=(1, 1), seqlens=(2 * L,) * half, split=L, block_v=64))
+    out.append(dict(stage="fwd_o_many", x=0, heads=(1, 1), seqlens=(SHORT,) * (ROUNDS * sms // 2), split=0, block_v=64))
+    out.append(dict(stage="fused_many", x=0, heads=(1, 1), seqlens=(SHORT,) * (ROUNDS * sms), split=0, block_v=128))
     for n in FIXUP_SEGMENTS:
         out.append(dict(stage="fixup", x=n, heads=(1, 1), seqlens=(256 * n,), split=256, block_v=64))
     out.append(dict(stage="total_split", x=0, heads=(1, 1), seqlens=(4096,), split=1024, block_v=64))
@@ -73,79 +82,102 @@ def _key(e: dict) -> tuple:
     return (e["stage"], e["x"])
 
 
+def _few_and_full(s_a: float, n_a: int, s_b: float, n_b: int, sms: int) -> tuple:
+    """(few, full) steps of :func:`plan._few_step` from slopes ``s_a``, ``s_b`` measured on grids of
+    ``n_a`` > ``n_b`` CTAs (at most one per SM): its weights are known, so two timings give both."""
+
+    def w(n):
+        lo = sms / 8
+        return min(1.0, max(0.0, (n - lo) / (sms - lo)))
+
+    wa, wb = w(n_a), w(n_b)
+    if wa == wb:
+        raise RuntimeError(f"calibration: grids of {n_a} and {n_b} CTAs on {sms} SMs do not separate the steps")
+    d = (s_a - s_b) / (wa - wb)
+    few = s_b - d * wb
+    return few, few + d
+
+
 def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
-    """The forward's costs (µs) from :func:`experiments`' timings, ``times_us[_key(e)]``."""
+    """The forward's costs (µs) from :func:`experiments`' timings, ``times_us[_key(e)]``. Overheads
+    that come out below 0 (noise around none) are 0; a step cost that is not positive is refused."""
     L1, L2 = LENGTHS
-    dchunks = (L2 - L1) // 64
+    dchunks, c1 = (L2 - L1) // 64, L1 // 64
 
     def slope(stage):
         return (times_us[(stage, L2)] - times_us[(stage, L1)]) / dchunks
 
-    fwd_o, alone, fused, seg_state = slope("fwd_o"), slope("fwd_o_alone"), slope("fused"), slope("seg_state")
+    fwd_o, fused, seg_state = slope("fwd_o"), slope("fused"), slope("seg_state")
+    few_o, alone = _few_and_full(slope("fwd_o_alone"), 2 * max(1, sms // 2), slope("fwd_o_few"), 2 * max(1, sms // 16), sms)
+    few_f, _ = _few_and_full(fused, sms, slope("fused_few"), max(1, sms // 8), sms)
     # prep over ``sms`` sequences: per chunk of one sequence (h_v · prep + h_qk · prep_qk) · sms / sms
     g1, g4 = slope("prep_g1"), slope("prep_g4")  # = prep + prep_qk, 4 prep + prep_qk
     prep = (g4 - g1) / 3
     prep_qk = g1 - prep
     n1, n2 = FIXUP_SEGMENTS
     fixup = (times_us[("fixup", n2)] - times_us[("fixup", n1)]) / (n2 - n1)
-    partial = FwdCosts(fwd_o, alone, fused, prep, prep_qk, seg_state, fixup, launch=0.0)
+    # one round: kernel + cta + c1 steps; ROUNDS rounds of two-chunk CTAs: kernel + ROUNDS (2 steps + cta)
+    short = SHORT // 64
+    i_f = times_us[("fused", L1)] - c1 * fused
+    cta_f = (times_us[("fused_many", 0)] - ROUNDS * short * fused - i_f) / (ROUNDS - 1)
+    r2 = ROUNDS // 2  # fwd_o's rounds of two CTAs per SM; its overheads in the shared step's time
+    i_o = times_us[("fwd_o", L1)] - c1 * fwd_o
+    cta_o = (times_us[("fwd_o_many", 0)] - r2 * short * fwd_o - i_o) / (r2 - 1)
+    kernel = max(0.0, ((i_f - cta_f) + (i_o - cta_o)) / 2)
+    cta_f, cta_o = max(0.0, cta_f), max(0.0, cta_o * alone / fwd_o)
+    cta_s = max(0.0, times_us[("seg_state", L1)] - c1 * seg_state - kernel)
+    vals = dict(fwd_o=fwd_o, fwd_o_alone=alone, fused=fused, prep=prep, prep_qk=prep_qk, seg_state=seg_state,
+                fixup=fixup, launch=0.0, fwd_o_few=few_o, fused_few=few_f, cta_fwd_o=cta_o, cta_fused=cta_f,
+                cta_seg_state=cta_s, kernel=kernel)  # fmt: skip
+    bad = {k: v for k, v in vals.items() if k not in FWD_OVERHEADS and not (v > 0 and math.isfinite(v))}
+    bad.update({k: v for k, v in vals.items() if not math.isfinite(v)})
+    if bad:
+        raise RuntimeError(f"calibration gave non-positive costs {bad} (timings: {times_us}); re-run on a quiet GPU")
+    partial = FwdCosts(**vals, unit="us")
     measured = times_us[("total_split", 0)] - times_us[("total_unsplit", 0)]
     modelled = plan.split_cost((4096,), 1, 1024, sms, 64, h_qk=1, costs=partial) - plan.split_cost(
         (4096,), 1, 0, sms, 64, h_qk=1, costs=partial
     )
-    launch = measured - modelled
-    vals = dict(fwd_o=fwd_o, fwd_o_alone=alone, fused=fused, prep=prep, prep_qk=prep_qk, seg_state=seg_state,
-                fixup=fixup, launch=launch)  # fmt: skip
-    bad = {k: v for k, v in vals.items() if not (v > 0 and math.isfinite(v))}
-    if bad:
-        raise RuntimeError(f"calibration gave non-positive costs {bad} (timings: {times_us}); re-run on a quiet GPU")
-    return FwdCosts(**vals, unit="us")
+    return dataclasses.replace(partial, launch=max(0.0, measured - modelled))
 
 
-def experiments_bwd(sms: int) -> list[dict]:
-    """The backward's timings (as :func:`experiments`): the whole backward unsplit on ``sms``
-    sequences of one v-head (one chain item per SM) and on ``sms // 2``; the reverse chain alone on
-    ``sms``; the reverse fix-up over 8 and 64 segments; the whole backward split and unsplit."""
-    half = max(1, sms // 2)
-    out = []
-    for L in LENGTHS:
-        out.append(dict(stage="bwd_full", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0))
-        out.append(dict(stage="bwd_half", x=L, heads=(1, 1), seqlens=(L,) * half, split=0))
-        out.append(dict(stage="dhu", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0))
-    for n in FIXUP_SEGMENTS:
-        out.append(dict(stage="rfixup", x=n, heads=(1, 1), seqlens=(256 * n,), split=256))
-    out.append(dict(stage="bwd_split", x=0, heads=(1, 1), seqlens=(4096,), split=1024))
-    out.append(dict(stage="bwd_unsplit", x=0, heads=(1, 1), seqlens=(4096,), split=0))
-    return out
+#: the backward's fit batches (h_qk, h_v, seqlens): long single sequences of few heads (where the
+#: split pays) to many shorter ones (where it does not); none a check batch's or a sweep config's
+FIT_BWD = (
+    (1, 1, (8192,)), (1, 1, (32768,)), (1, 4, (16384,)), (1, 1, (4096,) * 4), (1, 4, (6000, 2000, 1000)),
+    (1, 1, (2048,) * 16), (1, 1, (24000,) + (700,) * 12),
+)  # fmt: skip
 
 
-def fit_bwd(times_us: dict, sms: int, fwd: FwdCosts) -> BwdCosts:
-    """The backward's costs (µs) from :func:`experiments_bwd`' timings and the forward's
-    (seg_state, fix-up) of the same GPU."""
-    L1, L2 = LENGTHS
-    dchunks = (L2 - L1) // 64
+def fit_bwd(times_us: dict, sms: int) -> BwdCosts:
+    """The backward split model's costs (µs) from whole-backward timings ``times_us[(h_v, lens,
+    seg)]``: :func:`plan.bwd_split_cost` is linear in its costs, so the timings are fitted by
+    non-negative least squares (relative error) with one free base per batch (the stages the split
+    does not change); a batch timed at one segment length only adds nothing and is left out."""
+    import numpy as np
+    from scipy.optimize import nnls
 
-    def slope(stage):
-        return (times_us[(stage, L2)] - times_us[(stage, L1)]) / dchunks
-
-    full, half = slope("bwd_full"), slope("bwd_half")
-    chains = 2 * half - full  # full = chains + spread, half = chains + spread / 2
-    dhu = slope("dhu")
-    n1, n2 = FIXUP_SEGMENTS
-    rfixup = (times_us[("rfixup", n2)] - times_us[("rfixup", n1)]) / (n2 - n1)
-    partial = BwdCosts(dhu=dhu, bwd_h=chains - dhu, seg_state=fwd.seg_state, fixup=(fwd.fixup + rfixup) / 2, launch=0.0)
-    measured = times_us[("bwd_split", 0)] - times_us[("bwd_unsplit", 0)]
-    modelled = plan.bwd_split_cost((4096,), 1, 1024, sms, partial) - plan.bwd_split_cost((4096,), 1, 0, sms, partial)
-    vals = dataclasses.asdict(partial)
-    vals.pop("unit")
-    vals["launch"] = measured - modelled
-    bad = {k: v for k, v in vals.items() if not (v > 0 and math.isfinite(v))}
-    if bad:
-        raise RuntimeError(
-            f"backward calibration gave non-positive costs {bad} (chains {chains:.4g}, dhu {dhu:.4g}; "
-            f"timings: {times_us}); the chains' model does not describe this GPU's timings"
-        )
-    return BwdCosts(**vals, unit="us")
+    names = [f.name for f in dataclasses.fields(BwdCosts) if f.name != "unit"]
+    batches = sorted({(h_v, lens) for h_v, lens, _ in times_us}, key=str)
+    batches = [b for b in batches if sum(1 for k in times_us if k[:2] == b) > 1]
+    A, y = [], []
+    for i, (h_v, lens) in enumerate(batches):
+        for (hv, ln, seg), t in sorted(times_us.items(), key=str):
+            if (hv, ln) != (h_v, lens):
+                continue
+            unit = [BwdCosts(**{m: float(m == n) for m in names}) for n in names]
+            A.append([float(j == i) for j in range(len(batches))]
+                     + [plan.bwd_split_cost(lens, h_v, seg, sms, u) for u in unit])  # fmt: skip
+            y.append(t)
+    if len(y) < len(batches) + len(names):
+        raise RuntimeError(f"backward calibration: {len(y)} timings for {len(batches) + len(names)} unknowns")
+    A, y = np.array(A), np.array(y)
+    x, _ = nnls(A / y[:, None], np.ones_like(y))
+    tiny = 1e-9 * float(y.max())  # the solver's round-off around 0
+    costs = {n: float(v) if v > tiny else 0.0 for n, v in zip(names, x[len(batches) :])}
+    if costs["dhu"] + costs["bwd_h"] <= 0:
+        raise RuntimeError(f"backward calibration: the chains' step came out 0 ({costs}); timings {times_us}")
+    return BwdCosts(**costs, unit="us")
 
 
 #: the synthetic batches the table is checked on (h_qk, h_v, seqlens): few and many (sequence,
@@ -210,7 +242,7 @@ def _time_experiment(e: dict, device, reps: int) -> float:
         fn = lambda: run_fwd_o(  # noqa: E731
             x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
         )  # fmt: skip
-    elif st == "fused":
+    elif st.startswith("fused"):
         fn = lambda: run_fwd_fused(  # noqa: E731
             x["q"], x["k"], x["v"], x["g"], x["beta"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
         )  # fmt: skip
@@ -231,37 +263,16 @@ def _bwd_args(x):
     return (x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht), dict(initial_state=x["h0"], cu_seqlens=x["cu"])
 
 
-def _time_experiment_bwd(e: dict, device, reps: int) -> float:
+def _time_bwd_candidates(h_qk, h_v, lens, device, reps: int) -> dict:
+    """{segment length: µs} of the whole backward at every segment length the planner rates."""
     from qlabench_kernels.backward import chunk_gdn_bwd
-    from qlabench_kernels.bwd_dhu import run_bwd_dhu
-    from qlabench_kernels.fixup import run_rfixup
 
-    h_qk, h_v = e["heads"]
-    x = _inputs(h_qk, h_v, list(e["seqlens"]), device)
+    x = _inputs(h_qk, h_v, list(lens), device)
     args, kw = _bwd_args(x)
-    sp, st = e["split"], e["stage"]
-    if st.startswith("bwd_"):
-        return _graph_us(lambda: chunk_gdn_bwd(*args, **kw, split_tokens=sp), reps)
-    r = chunk_gdn_bwd(*args, **kw, split_tokens=sp, return_intermediates=True)
-    scale = 128**-0.5
-    if st == "dhu":
-        q, k, _, _, _, do, dht = args
-        fn = lambda: run_bwd_dhu(  # noqa: E731
-            q, k, r["gcs"], r["a_beta"], do, dht, r["stab"], scale, r["dh0"], r["pt_all"], r["w_all"], r["dh_all"], r["dvnew"]
-        )  # fmt: skip
-    elif st == "rfixup":
-        m_tr = _segment_maps(r["h_start"])
-        fn = lambda: run_rfixup(m_tr, r["f_start"], r["cu_segs"], args[6], r["d_end"])  # noqa: E731
-    else:
-        raise ValueError(f"unknown calibration stage {st!r}")
-    return _graph_us(fn, reps)
-
-
-def _segment_maps(t):
-    """A bf16 tensor of ``t``'s shape (the reverse fix-up's segment maps: their values do not change its time)."""
-    import torch
-
-    return torch.randn(t.shape, device=t.device).to(torch.bfloat16) * 0.01
+    return {
+        seg: _graph_us(lambda seg=seg: chunk_gdn_bwd(*args, **kw, split_tokens=seg), reps)
+        for seg in plan.bwd_candidates(lens)
+    }
 
 
 def _check_row(direction, h_qk, h_v, lens, times, pick, best, old, echo) -> dict:
@@ -303,18 +314,10 @@ def check_table(fwd: FwdCosts, device, reps: int = 10, echo=print, compare: FwdC
 def check_table_bwd(bwd: BwdCosts, device, reps: int = 10, echo=print, compare: BwdCosts | None = None) -> list[dict]:
     """On each of :data:`CHECKS_BWD`: the whole backward at every segment length the planner rates,
     against its pick under ``bwd`` (and under ``compare``); rows as :func:`check_table`'s."""
-    from qlabench_kernels.backward import chunk_gdn_bwd
-
     sms = plan.sm_count(device)
     rows = []
     for h_qk, h_v, lens in CHECKS_BWD:
-        x = _inputs(h_qk, h_v, list(lens), device)
-        args, kw = _bwd_args(x)
-        cands = plan.bwd_candidates(lens)
-        times = {
-            seg: _graph_us(lambda seg=seg, args=args, kw=kw: chunk_gdn_bwd(*args, **kw, split_tokens=seg), reps)
-            for seg in cands
-        }
+        times = _time_bwd_candidates(h_qk, h_v, lens, device, reps)
         pick = plan.plan_bwd_split(sum(lens), len(lens), h_v, sms, seqlens=list(lens), costs=bwd)
         old = plan.plan_bwd_split(sum(lens), len(lens), h_v, sms, seqlens=list(lens), costs=compare or bwd)
         best = min(times, key=times.get)
@@ -345,15 +348,19 @@ def measure_fwd(device=None, reps: int = 10, echo=print, compare=None) -> tuple[
     return fwd, check_table(fwd, device, reps, echo, compare)
 
 
-def measure_bwd(fwd: FwdCosts, device=None, reps: int = 10, echo=print, compare=None) -> tuple[BwdCosts, list[dict]]:
-    """Time :func:`experiments_bwd` on ``device``, fit the backward's costs (:func:`fit_bwd`, with
-    the forward's ``fwd`` of the same GPU) and check them (:func:`check_table_bwd`)."""
+def measure_bwd(device=None, reps: int = 10, echo=print, compare=None) -> tuple[BwdCosts, list[dict]]:
+    """Time the whole backward at every candidate segment length on :data:`FIT_BWD`, fit the split
+    model's costs (:func:`fit_bwd`) and check them (:func:`check_table_bwd`)."""
     import torch
 
     device = torch.device("cuda") if device is None else torch.device(device)
     sms = plan.sm_count(device)
-    times = _time_all(experiments_bwd(sms), _time_experiment_bwd, device, reps, echo)
-    bwd = fit_bwd(times, sms, fwd)
+    times = {}
+    for h_qk, h_v, lens in FIT_BWD:
+        for seg, t in _time_bwd_candidates(h_qk, h_v, lens, device, reps).items():
+            times[(h_v, tuple(lens), seg)] = t
+            echo(f"  bwd heads {h_qk}/{h_v} {len(lens)}x{lens[0]:<6d} split {seg:5d}: {t:9.1f} us")
+    bwd = fit_bwd(times, sms)
     echo("  bwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(bwd).items() if k != "unit"))
     return bwd, check_table_bwd(bwd, device, reps, echo, compare)
 
@@ -415,7 +422,7 @@ def main(argv=None) -> int:
     write(bwd)
     if not args.fwd_only:
         try:
-            bwd, checks_bwd = measure_bwd(fwd, dev, args.reps, compare=base.bwd)
+            bwd, checks_bwd = measure_bwd(dev, args.reps, compare=base.bwd)
             src["bwd"] = how
             checks += checks_bwd
         except RuntimeError as e:  # the backward's fit refused: the table keeps its backward costs
