@@ -124,6 +124,8 @@ def _section(cls, d: dict, where: str):
     if bad:
         what = "non-negative" if all(k in zero_ok for k in bad) else "positive"
         raise ValueError(f"{where}: costs {bad} must be {what} finite numbers, got {[costs[k] for k in bad]}")
+    if cls is BwdCosts and costs["dhu"] + costs["bwd_h"] <= 0:
+        raise ValueError(f"{where}: dhu + bwd_h must be positive (the chains' step), got {costs['dhu'] + costs['bwd_h']}")
     return cls(**{k: float(costs[k]) for k in fields}, unit=str(d.get("unit", "us")))
 
 

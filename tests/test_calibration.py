@@ -38,6 +38,7 @@ def test_the_planners_price_with_the_default_table():
         (lambda d: d["bwd"]["costs"].update(dhu=-1.0), "['dhu'] must be non-negative"),
         (lambda d: d["fwd"]["costs"].update(fused=0.0), "['fused'] must be positive"),
         (lambda d: d["fwd"]["costs"].update(kernel=-1.0), "['kernel'] must be non-negative"),
+        (lambda d: d["bwd"]["costs"].update(dhu=0.0, bwd_h=0.0), "dhu + bwd_h must be positive"),
         (lambda d: d["fwd"]["costs"].update(prep=float("nan")), "['prep'] must be positive"),
         (lambda d: d.update(sms=0), "sms must be a positive int"),
         (lambda d: d.pop("bwd"), "no 'bwd'"),
@@ -97,18 +98,28 @@ def test_overheads_below_zero_are_zero_and_a_step_below_zero_is_refused():
     """Noise around no overhead gives 0, not a negative cost; a broken step timing gives an error."""
     times = _model_times(dataclasses.replace(TRUTH, cta_fused=0.0, launch=0.0), 132)
     times[("fused_many", 0)] -= 5.0  # a little faster than one round's overhead allows
-    times[("total_split", 0)] -= 5.0
+    times[("total_split", 0)] -= 2.0
     got = calibrate.fit_fwd(times, 132)
     assert got.cta_fused == 0.0 and got.launch == 0.0 and got.fused == pytest.approx(TRUTH.fused)
-    times[("fused", 4096)] = times[("fused", 1024)]  # no slope
-    with pytest.raises(RuntimeError, match="non-positive costs .*fused"):
-        calibrate.fit_fwd(times, 132)
+    broken = dict(times)
+    broken[("total_split", 0)] -= 200.0  # the split path far faster than the unsplit one: a broken timing
+    with pytest.raises(RuntimeError, match="negative overhead launch"):
+        calibrate.fit_fwd(broken, 132)
+    broken = dict(times)
+    broken[("fused_many", 0)] *= 0.7
+    with pytest.raises(RuntimeError, match="negative overhead cta_fused"):
+        calibrate.fit_fwd(broken, 132)
+    for stage in ("fused", "fwd_o"):  # no slope
+        broken = dict(times)
+        broken[(stage, 4096)] = broken[(stage, 1024)]
+        with pytest.raises(RuntimeError, match=f"non-positive costs .*'{stage}'"):
+            calibrate.fit_fwd(broken, 132)
 
 
-def test_the_experiments_fill_the_sms_as_the_fit_assumes():
+@pytest.mark.parametrize("sms", [132, 114, 78, 16])
+def test_the_experiments_fill_the_sms_as_the_fit_assumes(sms):
     """fwd_o at two CTAs per SM, one, and at most 1/8 of one; the fused kernel one round and 1/8 of
     one; the many-rounds experiments ROUNDS rounds of the fused kernel, ROUNDS / 2 of fwd_o's pairs."""
-    sms = 132
     unit = calibration.FwdCosts(*[1.0] * 10, cta_fwd_o=0.0, cta_fused=0.0, cta_seg_state=0.0, kernel=0.0)
     ctas = {}
     for e in calibrate.experiments(sms):
@@ -260,7 +271,7 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
             return 50.0 + plan.bwd_split_cost(lens, h_v, batch["split"], 4, BWD_TRUTH)
         spread = 0.0002 if calls[-1] == "run_fixup" else 0.001
         split = 60.0 if calls[-1].startswith("chunk_gdn") and batch["split"] else 0.0  # its launches
-        return 5.0 + split + 0.01 * max(lens) + spread * sum(lens) * h_v
+        return 5.0 + split + 0.01 * max(lens) + spread * sum(lens) * h_v + 0.5 * len(lens) * h_v  # per CTA
 
     monkeypatch.setattr(calibrate, "_inputs", inputs)
     monkeypatch.setattr(calibrate, "_graph_us", timer)

@@ -30,7 +30,7 @@ import pathlib
 import sys
 
 from qlabench_kernels import plan
-from qlabench_kernels.calibration import FWD_OVERHEADS, HEADS, BwdCosts, CostTable, FwdCosts, default_table, load
+from qlabench_kernels.calibration import HEADS, BwdCosts, CostTable, FwdCosts, default_table, load
 
 # --------------------------------------------------------------------------------------
 
@@ -39,7 +39,12 @@ LENGTHS = (1024, 4096)
 #: fix-up: one sequence cut into this many 256-token segments (the slope is per serial segment)
 FIXUP_SEGMENTS = (8, 64)
 #: the many-rounds experiments: sequences of this many tokens (two chunks), this many rounds of CTAs
+#: (even: fwd_o's pairs take half as many)
 SHORT, ROUNDS = 128, 8
+assert ROUNDS % 2 == 0 and ROUNDS > 2
+#: an overhead that comes out below 0 by more than this share of the timing it is taken from is a
+#: broken measurement, not noise around none
+NOISE = 0.05
 
 
 def experiments(sms: int) -> list[dict]:
@@ -99,8 +104,9 @@ def _few_and_full(s_a: float, n_a: int, s_b: float, n_b: int, sms: int) -> tuple
 
 
 def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
-    """The forward's costs (µs) from :func:`experiments`' timings, ``times_us[_key(e)]``. Overheads
-    that come out below 0 (noise around none) are 0; a step cost that is not positive is refused."""
+    """The forward's costs (µs) from :func:`experiments`' timings, ``times_us[_key(e)]``. An overhead
+    below 0 by at most ``NOISE`` of the timing it comes from (noise around none) is 0; one further
+    below, or a step cost that is not positive, is refused (RuntimeError)."""
     L1, L2 = LENGTHS
     dchunks, c1 = (L2 - L1) // 64, L1 // 64
 
@@ -116,29 +122,39 @@ def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
     prep_qk = g1 - prep
     n1, n2 = FIXUP_SEGMENTS
     fixup = (times_us[("fixup", n2)] - times_us[("fixup", n1)]) / (n2 - n1)
+    steps = dict(fwd_o=fwd_o, fwd_o_alone=alone, fused=fused, prep=prep, prep_qk=prep_qk, seg_state=seg_state,
+                 fixup=fixup, fwd_o_few=few_o, fused_few=few_f)  # fmt: skip
+    bad = {k: v for k, v in steps.items() if not (v > 0 and math.isfinite(v))}
+    if bad:
+        raise RuntimeError(f"calibration gave non-positive costs {bad} (timings: {times_us}); re-run on a quiet GPU")
+
+    def overhead(name, raw, source):  # noise around 0 is 0; more below 0 is a broken timing
+        if not math.isfinite(raw) or raw < -NOISE * times_us[source]:
+            raise RuntimeError(
+                f"calibration gave a negative overhead {name} = {raw:.4g} us (from {source}, "
+                f"{times_us[source]:.4g} us; timings: {times_us}); re-run on a quiet GPU"
+            )
+        return max(0.0, raw)
+
     # one round: kernel + cta + c1 steps; ROUNDS rounds of two-chunk CTAs: kernel + ROUNDS (2 steps + cta)
     short = SHORT // 64
     i_f = times_us[("fused", L1)] - c1 * fused
-    cta_f = (times_us[("fused_many", 0)] - ROUNDS * short * fused - i_f) / (ROUNDS - 1)
+    cta_f = overhead("cta_fused", (times_us[("fused_many", 0)] - ROUNDS * short * fused - i_f) / (ROUNDS - 1),
+                     ("fused_many", 0))  # fmt: skip
     r2 = ROUNDS // 2  # fwd_o's rounds of two CTAs per SM; its overheads in the shared step's time
     i_o = times_us[("fwd_o", L1)] - c1 * fwd_o
-    cta_o = (times_us[("fwd_o_many", 0)] - r2 * short * fwd_o - i_o) / (r2 - 1)
-    kernel = max(0.0, ((i_f - cta_f) + (i_o - cta_o)) / 2)
-    cta_f, cta_o = max(0.0, cta_f), max(0.0, cta_o * alone / fwd_o)
-    cta_s = max(0.0, times_us[("seg_state", L1)] - c1 * seg_state - kernel)
-    vals = dict(fwd_o=fwd_o, fwd_o_alone=alone, fused=fused, prep=prep, prep_qk=prep_qk, seg_state=seg_state,
-                fixup=fixup, launch=0.0, fwd_o_few=few_o, fused_few=few_f, cta_fwd_o=cta_o, cta_fused=cta_f,
-                cta_seg_state=cta_s, kernel=kernel)  # fmt: skip
-    bad = {k: v for k, v in vals.items() if k not in FWD_OVERHEADS and not (v > 0 and math.isfinite(v))}
-    bad.update({k: v for k, v in vals.items() if not math.isfinite(v)})
-    if bad:
-        raise RuntimeError(f"calibration gave non-positive costs {bad} (timings: {times_us}); re-run on a quiet GPU")
+    cta_o = overhead("cta_fwd_o", (times_us[("fwd_o_many", 0)] - r2 * short * fwd_o - i_o) / (r2 - 1),
+                     ("fwd_o_many", 0))  # fmt: skip
+    kernel = overhead("kernel", ((i_f - cta_f) + (i_o - cta_o)) / 2, ("fwd_o", L1))
+    cta_s = overhead("cta_seg_state", times_us[("seg_state", L1)] - c1 * seg_state - kernel, ("seg_state", L1))
+    vals = dict(steps, launch=0.0, cta_fwd_o=cta_o * alone / fwd_o, cta_fused=cta_f, cta_seg_state=cta_s,
+                kernel=kernel)  # fmt: skip
     partial = FwdCosts(**vals, unit="us")
     measured = times_us[("total_split", 0)] - times_us[("total_unsplit", 0)]
     modelled = plan.split_cost((4096,), 1, 1024, sms, 64, h_qk=1, costs=partial) - plan.split_cost(
         (4096,), 1, 0, sms, 64, h_qk=1, costs=partial
     )
-    return dataclasses.replace(partial, launch=max(0.0, measured - modelled))
+    return dataclasses.replace(partial, launch=overhead("launch", measured - modelled, ("total_split", 0)))
 
 
 #: the backward's fit batches (h_qk, h_v, seqlens): long single sequences of few heads (where the
@@ -396,6 +412,9 @@ def main(argv=None) -> int:
     try:
         base = load(name)
     except FileNotFoundError:
+        base = default_table()
+    except ValueError as e:  # a table this version cannot read: measured anew, compared with the default
+        print(f"warning: {e}; comparing with the {default_table().gpu}'s table", file=sys.stderr)
         base = default_table()
     commit = git_sha(str(pathlib.Path(__file__).parent))  # $QLABENCH_GIT_SHA in a `git archive` tree
     uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", "")
