@@ -130,3 +130,48 @@ def test_git_sha_outside_a_checkout_comes_from_the_environment(tmp_path, monkeyp
     assert git_sha(str(tmp_path)) == "abc123def456"
     monkeypatch.delenv("QLABENCH_GIT_SHA")
     assert git_sha(str(tmp_path)) == "unknown"
+
+
+def test_a_cost_table_param_must_load_and_plans_with_that_table(tmp_path, monkeypatch):
+    """``cost_table``: a file that does not load is a config error naming it (exit 2); one that loads
+    makes prepare pass the planners' choices under that table, not the committed one's."""
+    import types
+
+    import qlabench_kernels as qk
+    import torch
+    from qlabench_kernels import calibration
+
+    from qlabench.backends.tilelang import TileLangBackend
+
+    def validate(params):
+        p = tmp_path / "s.yaml"
+        p.write_text(yaml.safe_dump({**BASE, "backends": [{"name": "tilelang", "label": "tl-t", "params": params}]}))
+        return CliRunner().invoke(app, ["validate", str(p)])
+
+    r = validate({"cost_table": str(tmp_path / "missing.json")})
+    assert r.exit_code == 2 and "cost_table" in r.output and "missing.json" in r.output
+    d = calibration.default_table().to_json()
+    d["fwd"]["costs"].pop("kernel")
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    r = validate({"cost_table": str(tmp_path / "old.json")})
+    assert r.exit_code == 2 and "missing ['kernel']" in r.output
+    # a table under which the fused kernel is dear and splitting free: fwd_o, split, for one long sequence
+    d = calibration.default_table().to_json()
+    d["fwd"]["costs"].update(fused=100.0, fused_few=100.0, launch=0.0, fixup=1e-3)
+    d["bwd"]["costs"].update(launch=0.0, fixup=1e-3)
+    (tmp_path / "t.json").write_text(json.dumps(d))
+    assert validate({"cost_table": str(tmp_path / "t.json")}).exit_code == 0
+    table = calibration.from_json(d)
+    seen = {}
+    monkeypatch.setattr(qk, "chunk_gdn_fwd_lowlevel", lambda *a, **k: seen.update(fwd=k) or {"o": 0, "final_state": 0})
+    monkeypatch.setattr(qk, "chunk_gdn_bwd", lambda *a, **k: seen.update(bwd=k) or (0,) * 6)
+    lens = [32768]
+    x = types.SimpleNamespace(q=torch.zeros(1, 1, 2, 1), k=None, v=torch.zeros(1, 1, 8, 1), g=None, beta=None,
+                              scale=1.0, h0=None, output_final_state=True, do=None, dht=None,
+                              cu_seqlens=torch.tensor([0, *lens]))  # fmt: skip
+    b = TileLangBackend(TileLangBackend.Params(cost_table=str(tmp_path / "t.json")))
+    b.prepare(x, "fwd").fn()
+    assert (seen["fwd"]["block_v"], seen["fwd"]["split_tokens"]) == qk.plan_fwd(32768, 1, 8, 132, seqlens=lens, h_qk=2, costs=table.fwd)
+    assert seen["fwd"]["split_tokens"] != qk.plan_fwd(32768, 1, 8, 132, seqlens=lens, h_qk=2)[1]
+    b.prepare(x, "bwd").fn()
+    assert seen["bwd"]["split_tokens"] == qk.plan_bwd_split(32768, 1, 8, 132, seqlens=lens, costs=table.bwd)

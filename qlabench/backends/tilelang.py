@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .base import Backend, Prepared
 
@@ -27,6 +27,31 @@ class TileLangParams(BaseModel):
     bwd_split_tokens: _Tokens | None = None
     #: the backward's state side on a second CUDA stream
     bwd_streams: bool = True
+    #: a cost table file (``kernels/cost_tables/`` format, e.g. what ``python -m
+    #: qlabench_tools.kernels.calibrate --out FILE`` wrote) the planners price with instead of the
+    #: GPU model's committed one; choices given above stay as given
+    cost_table: str | None = None
+
+    @field_validator("cost_table")
+    @classmethod
+    def _table_loads(cls, v):
+        if v is not None:
+            _load_table(v)  # ValueError naming the file and the field that is wrong
+        return v
+
+
+def _load_table(path: str):
+    import json
+    import pathlib
+
+    from qlabench_kernels.calibration import from_json
+
+    f = pathlib.Path(path)
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read cost table {path}: {e}") from None
+    return from_json(d, where=str(f))
 
 
 def _cost_table_file():
@@ -95,6 +120,13 @@ class TileLangBackend(Backend):
         # the planner's forward choices replaced by the parameters (none: the planner's)
         fwd_kw = (dict(split_tokens=p.fwd_split_tokens, block_v=p.fwd_block_v, seqlens=lens)
                   if p.fwd_block_v is not None or p.fwd_split_tokens is not None else {})
+        if p.cost_table is not None:  # the planners' choices under that table, made here on the host
+            from qlabench_kernels.plan import sm_count
+            table = _load_table(p.cost_table)
+            if direction == "fwd" and not fwd_kw:
+                bv, seg = qk.plan_fwd(sum(lens), len(lens), x.v.shape[2], sm_count(x.v.device), seqlens=lens,
+                                      h_qk=x.q.shape[2], costs=table.fwd)
+                fwd_kw = dict(split_tokens=seg, block_v=bv, seqlens=lens)
 
         def fwd():
             if fwd_kw:
@@ -120,6 +152,9 @@ class TileLangBackend(Backend):
         bwd_kw = {}
         if p.bwd_split_tokens is not None:
             bwd_kw["split_tokens"] = p.bwd_split_tokens
+        elif p.cost_table is not None:
+            bwd_kw["split_tokens"] = qk.plan_bwd_split(sum(lens), len(lens), x.v.shape[2], sm_count(x.v.device),
+                                                       seqlens=lens, costs=table.bwd)
         if not p.bwd_streams:
             bwd_kw["streams"] = False
 

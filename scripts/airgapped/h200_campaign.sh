@@ -26,6 +26,13 @@
 # The job (STEP=job, in /tmp/repo), each step only when JOB_STEPS names it:
 #   FlashInfer 0.6.13's module checked (the carried one) or JIT-built in the background, when a
 #   step runs it (campaign, suite_*);
+#   calibrate    python -m qlabench_tools.kernels.calibrate: the forward's and the backward's stage costs
+#                on this GPU and the planners' picks under them on synthetic batches (into $J/checks: cost_table.json,
+#                calibration_checks.json, to commit as kernels/cost_tables/<gpu>.json); needs the
+#                cache of `qlabench precompile calibration`;
+#   tables       configs/h200_fwd.yaml, h200_bwd.yaml and h200_fwd_heldout.yaml, the in-repo kernels only, planned
+#                by the committed table (`tilelang`) and by the one calibrate measured (`tl-measured`, its
+#                `cost_table` parameter) side by side, into runs/<config>_tables (at most 600 s);
 #   check_bwd    tools/kernels/check_bwd.py --quick [--cases $CHECK_BWD_CASES, set at setup]: every
 #                backward stage against its emulation, the gradients against the reference, stage
 #                times (into $J/checks);
@@ -48,10 +55,6 @@
 #                (no cap but the deadline: a campaign step after it gets what is left);
 #   campaign     the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4,
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
-#   calibrate    python -m qlabench_tools.kernels.calibrate: the forward's and the backward's stage costs
-#                on this GPU and the planners' picks under them on synthetic batches (into $J/checks: cost_table.json,
-#                calibration_checks.json, to commit as kernels/cost_tables/<gpu>.json); needs the
-#                cache of `qlabench precompile calibration`;
 #   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
 #   correctness_tests   the correctness check's GPU tests (the fp32 reference against the fp64 recurrence, poisoning);
 #   correctness_accept  scripts/airgapped/correctness_acceptance.py on FLA: every broken variant must be `incorrect`
@@ -179,6 +182,20 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     if [ ! -f "$AOT" ]; then python3 -c "$fi_calls" > "$J/fi_jit.log" 2>&1 & FI_PID=$!; else log "flashinfer: carried module ok"; fi
   fi
   mkdir -p "$J/checks"
+  step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
+    --checks "$J/checks/calibration_checks.json"
+  if wants tables && [ -f "$J/checks/cost_table.json" ]; then  # the sweeps, planned by each table, side by side
+    python3 - "$J/checks/cost_table.json" <<'PY'
+import sys, yaml
+for name in ("h200_fwd", "h200_bwd", "h200_fwd_heldout"):
+    d = yaml.safe_load(open(f"configs/{name}.yaml"))
+    d.update(name=f"{name}_tables", out=f"runs/{name}_tables",
+             backends=["tilelang", {"name": "tilelang", "label": "tl-measured", "params": {"cost_table": sys.argv[1]}}])
+    yaml.safe_dump(d, open(f"/tmp/job/{name}_tables.yaml", "w"))
+PY
+  fi
+  step tables 120 600 bash -c 'for n in h200_fwd h200_bwd h200_fwd_heldout; do
+    qlabench run /tmp/job/${n}_tables.yaml --resume || exit 1; done'
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
   step bwd_quick 120 600 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   step serving_bwd 120 700 qlabench run configs/h200_serving.yaml --direction bwd --backends fla,flashqla,tilelang \
@@ -222,10 +239,10 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step fwd_heldout_resume 90 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
   step bwd_heldout 300 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
-  step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
-    --checks "$J/checks/calibration_checks.json"
   step suite_warm 240 480 $(suite suite_warm)
-  for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang"; do
+  for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang" \
+      "runs/h200_fwd_tables tilelang tl-measured" "runs/h200_bwd_tables tilelang tl-measured" \
+      "runs/h200_fwd_heldout_tables tilelang tl-measured"; do
     set -- $c; [ -d "$1" ] || continue
     qlabench compare "$1" --base-backend "$2" --new-backend "$3" --out "$1/compare_$2_vs_$3.json" \
       > "$1/compare_$2_vs_$3.txt" 2>&1; echo "exit $?" >> "$1/compare_$2_vs_$3.txt"; tail -25 "$1/compare_$2_vs_$3.txt"
