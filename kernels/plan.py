@@ -48,15 +48,19 @@ def _lpt_loads(groups, slots: int) -> list:
     ``groups`` = [(duration, count)] on ``slots`` identical slots (what a grid of CTAs does on the SMs)."""
     import heapq
 
-    heap = [0.0] * slots
+    heap, top = [0.0] * slots, 0.0  # a min-heap of the loads, and their maximum
     for dur, cnt in sorted(groups, reverse=True):
-        # cnt jobs of equal length: while every slot is equally loaded, whole rounds over all slots
-        # at once (exactly what LPT does then); otherwise one by one onto the least-loaded slot
-        if heap[0] == max(heap) and cnt >= slots:
-            rounds, cnt = divmod(cnt, slots)
-            heap = [t + rounds * dur for t in heap]
-        for _ in range(cnt):
-            heapq.heappush(heap, heapq.heappop(heap) + dur)
+        # cnt jobs of equal length, one by one onto the least-loaded slot; while the loads lie
+        # within one job of each other, the next ``slots`` jobs go one to each slot (a slot that
+        # takes one is then at least as loaded as every other), so whole rounds go at once
+        while cnt:
+            if cnt >= slots and top - heap[0] <= dur:
+                rounds, cnt = divmod(cnt, slots)
+                heap = [t + rounds * dur for t in heap]
+                top += rounds * dur
+                continue
+            top = max(top, heapq.heapreplace(heap, heap[0] + dur) + dur)
+            cnt -= 1
     return sorted(heap, reverse=True)
 
 

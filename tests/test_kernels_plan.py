@@ -1,6 +1,7 @@
 """CPU tests of the planners (kernels/plan.py): their picks on cases the H200 measured, from host
 values only."""
 
+import pytest
 import qlabench_kernels
 
 
@@ -31,6 +32,29 @@ def test_lpt_makespan_is_list_scheduling():
     assert lpt([], 132) == 0
     # Hv 32, one sequence: 64 fwd_o CTAs of 512 chunks unsplit, so the planner cuts it
     assert pkg.plan_fwd(32768, 1, 32) == (64, 8192)
+
+
+def test_lpt_loads_take_whole_rounds_only_where_one_by_one_would():
+    """The per-slot loads equal one-job-at-a-time longest-first scheduling on random grids (whole
+    rounds at once only while the loads lie within one job of each other)."""
+    import heapq
+    import random
+
+    from qlabench_kernels.plan import _lpt_loads
+
+    def one_by_one(groups, slots):
+        heap = [0.0] * slots
+        for dur, cnt in sorted(groups, reverse=True):
+            for _ in range(cnt):
+                heapq.heappush(heap, heapq.heappop(heap) + dur)
+        return sorted(heap, reverse=True)
+
+    rng = random.Random(1)
+    for _ in range(400):
+        slots = rng.choice([1, 2, 7, 132, 264])
+        groups = [(rng.choice([float(rng.randint(1, 600)), rng.random() * 10]), rng.randint(0, 800))
+                  for _ in range(rng.randint(0, 6))]  # fmt: skip
+        assert _lpt_loads(groups, slots) == pytest.approx(one_by_one(groups, slots), rel=1e-9)
 
 
 def test_plan_bwd_split_cuts_only_few_long_chains():
