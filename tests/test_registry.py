@@ -175,3 +175,9 @@ def test_a_cost_table_param_must_load_and_plans_with_that_table(tmp_path, monkey
     assert seen["fwd"]["split_tokens"] != qk.plan_fwd(32768, 1, 8, 132, seqlens=lens, h_qk=2)[1]
     b.prepare(x, "bwd").fn()
     assert seen["bwd"]["split_tokens"] == qk.plan_bwd_split(32768, 1, 8, 132, seqlens=lens, costs=table.bwd)
+    # the table's content keys the resume: the same file re-measured is a new version
+    v = b.version()
+    assert v != TileLangBackend().version()
+    d["fwd"]["costs"]["fused"] = 99.0
+    (tmp_path / "t.json").write_text(json.dumps(d))
+    assert b.version() != v

@@ -73,8 +73,9 @@ class TileLangBackend(Backend):
     Params = TileLangParams
 
     def version(self) -> str:
-        """A hash of the kernel sources and of the cost table that plans this machine's runs (its
-        GPU model's, the default one off CUDA): editing either makes a new resume key."""
+        """A hash of the kernel sources and of the cost table that plans this machine's runs (the
+        ``cost_table`` parameter's, else its GPU model's, the default one off CUDA): editing either
+        makes a new resume key."""
         import hashlib
         from pathlib import Path
         try:
@@ -83,7 +84,8 @@ class TileLangBackend(Backend):
             return "unknown"
         h = hashlib.sha1()
         root = Path(qk.__file__).parent
-        for f in [*sorted(root.glob("*.py")), _cost_table_file()]:
+        table = Path(self.params.cost_table) if self.params.cost_table else _cost_table_file()
+        for f in [*sorted(root.glob("*.py")), table]:
             h.update(f.name.encode())
             h.update(f.read_bytes())
         return f"src-{h.hexdigest()[:10]}"
