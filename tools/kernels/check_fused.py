@@ -51,6 +51,9 @@ def strong_gates(g):
     g[..., 2] = -4.5 * torch.rand(g[..., 2].shape, generator=torch.Generator(device=g.device).manual_seed(1), device=g.device)
     return g
 
+#: configs/h200_serving.yaml's first layout
+SERVING_64 = [227, 295, 332, 297, 185, 435, 445, 89, 106, 72, 84, 465, 169, 220, 137, 247, 156, 1, 430, 512, 429, 60, 322, 39, 429, 375, 193, 93, 438, 509, 507, 382, 255, 155, 75, 48, 127, 148, 121, 229, 50, 307, 316, 61, 97, 351, 121, 62, 186, 211, 51, 371, 407, 64, 352, 308, 65, 100, 250, 75, 477, 501, 405, 460]
+
 TIMING = [
     # (name, seqlens, h_qk, h_v)
     ("16/64 1x32768", [32768], 16, 64),
@@ -62,6 +65,10 @@ TIMING = [
     ("2/8 4x8192", [8192] * 4, 2, 8),
     ("2/8 8x1024", [1024] * 8, 2, 8),
     ("32/32 4x8192", [8192] * 4, 32, 32),
+    # configs/h200_serving.yaml's 64 sequences of 1 to 512 tokens (many short (sequence, v-head) items)
+    ("8/24 64x~242", SERVING_64, 8, 24),
+    ("16/32 64x~242", SERVING_64, 16, 32),
+    ("2/8 64x~242", SERVING_64, 2, 8),
 ]
 
 def rel(a, b):
