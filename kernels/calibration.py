@@ -40,7 +40,8 @@ import pathlib
 import re
 import warnings
 
-__all__ = ["FwdCosts", "BwdCosts", "CostTable", "from_json", "table_path", "load", "for_device", "default_table"]
+__all__ = ["FwdCosts", "BwdCosts", "CostTable", "from_json", "from_file", "table_path", "load", "for_device",
+           "default_table"]
 
 TABLES = pathlib.Path(__file__).resolve().parent / "cost_tables"
 #: the head configs the calibration micro-benchmark compiles and times: G = 1 everywhere, G = 4 for
@@ -152,6 +153,17 @@ def table_path(gpu: str) -> pathlib.Path:
     return TABLES / f"{slug(gpu)}.json"
 
 
+def from_file(path) -> CostTable:
+    """The table in the JSON file ``path``; ValueError naming the file when it cannot be read or
+    the field that is wrong."""
+    path = pathlib.Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read cost table {path}: {e}") from None
+    return from_json(d, where=str(path))
+
+
 @functools.lru_cache(maxsize=16)
 def load(gpu: str = DEFAULT_GPU) -> CostTable:
     """The committed table of ``gpu`` (a CUDA device name); FileNotFoundError when there is none."""
@@ -159,7 +171,7 @@ def load(gpu: str = DEFAULT_GPU) -> CostTable:
     if not path.is_file():
         have = sorted(p.stem for p in TABLES.glob("*.json"))
         raise FileNotFoundError(f"no cost table for GPU {gpu!r} ({path.name}); tables: {have}")
-    return from_json(json.loads(path.read_text()), where=str(path))
+    return from_file(path)
 
 
 def default_table() -> CostTable:

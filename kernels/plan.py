@@ -103,13 +103,17 @@ def _runs_prep(seg: int, block_v: int) -> bool:
     return bool(seg) or block_v != HEAD_DIM
 
 
+def _few_weight(n_ctas: int, num_sms: int) -> float:
+    """The full-round step's weight in :func:`_few_step`: 0 up to ``num_sms / 8`` CTAs, 1 from
+    ``num_sms``, linear between."""
+    lo = num_sms / 8
+    return min(1.0, max(0.0, (n_ctas - lo) / (num_sms - lo)))
+
+
 def _few_step(n_ctas: int, num_sms: int, full: float, few: float) -> float:
     """The chunk step of a grid of at most one CTA per SM: ``few`` up to ``num_sms / 8`` CTAs,
     ``full`` at ``num_sms``, linear between (less contention for memory with fewer CTAs)."""
-    lo = num_sms / 8
-    if n_ctas <= lo:
-        return few
-    return few + (full - few) * min(1.0, (n_ctas - lo) / (num_sms - lo))
+    return few + (full - few) * _few_weight(n_ctas, num_sms)
 
 
 def _fwd_o_makespan(groups, num_sms: int, c) -> float:

@@ -41,17 +41,9 @@ class TileLangParams(BaseModel):
 
 
 def _load_table(path: str):
-    import json
-    import pathlib
+    from qlabench_kernels.calibration import from_file
 
-    from qlabench_kernels.calibration import from_json
-
-    f = pathlib.Path(path)
-    try:
-        d = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read cost table {path}: {e}") from None
-    return from_json(d, where=str(f))
+    return from_file(path)
 
 
 def _cost_table_file():

@@ -91,11 +91,7 @@ def _few_and_full(s_a: float, n_a: int, s_b: float, n_b: int, sms: int) -> tuple
     """(few, full) steps of :func:`plan._few_step` from slopes ``s_a``, ``s_b`` measured on grids of
     ``n_a`` > ``n_b`` CTAs (at most one per SM): its weights are known, so two timings give both."""
 
-    def w(n):
-        lo = sms / 8
-        return min(1.0, max(0.0, (n - lo) / (sms - lo)))
-
-    wa, wb = w(n_a), w(n_b)
+    wa, wb = plan._few_weight(n_a, sms), plan._few_weight(n_b, sms)
     if wa == wb:
         raise RuntimeError(f"calibration: grids of {n_a} and {n_b} CTAs on {sms} SMs do not separate the steps")
     d = (s_a - s_b) / (wa - wb)
