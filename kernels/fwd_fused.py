@@ -16,11 +16,16 @@ last valid value)
 The inverse on tensor cores, in fp16: L is stored once in fp16; D = blockdiag((I + L_bb)⁻¹) over
 its 16x16 diagonal blocks (substitution in fp32, 64 threads); N = D L with the diagonal blocks
 dropped (there D L_bb = I − D), strictly block-lower so N⁴ = 0 and (I + L)⁻¹ = (I + N)⁻¹ D =
-(I − N)(I + N²) D: Y = (I + N²) Dβ (Dβ = D diag β), A_β = Y − N Y. Four 64x64x64 wgmmas; fp16
-(not bf16) operands keep A_β's error (~5e-4 relative on correlated keys) below its own bf16
-rounding. Every aux step gates or masks in registers; L, N, I + N² and Y go to shared memory by
-stmatrix, P and A_β too (each ring slot is a buffer of its own: ``T.copy`` emits stmatrix only
-into a buffer's offset 0, so slot c % 2 is picked by a branch, not an index).
+(I − N + N² − N³) D. From N's accumulator, R₁ = I − N, R₂ = I − R₁ N, R₃ = I − R₂ N in registers
+(each Rₖ cast to fp16 as the next wgmma's A operand, −N the B operand from shared memory), then
+A_β = R₃ Dβ (Dβ = D diag β): four 64x64x64 wgmmas, −N the only intermediate stored. D is stored
+negated, so the first wgmma gives −N and each round's accumulator is Rₖ(−N): Rₖ₊₁ = I + acc is a
+select of 1 on the diagonal (where acc is exactly 0) or acc, with no negation and no loop-invariant
+constants (hoisted out of the chunk loop, those spill: aux holds 104 registers). fp16 (not bf16)
+operands keep A_β's error (~5e-4 relative on correlated keys) below its own bf16 rounding. Every
+aux step gates or masks in registers; L and −N go to shared memory by stmatrix, P and A_β too (each
+ring slot is a buffer of its own: ``T.copy`` emits stmatrix only into a buffer's offset 0, so slot
+c % 2 is picked by a branch, not an index).
 
 Gating by factors. With m = (g_0 + g_l) / 2, Γ_ij = e^{g_i − m} · e^{m − g_j}: the producer writes
 per chunk the row factors β e^{g − m} (for L) and scale · e^{g − m} (for P) and the column factors
@@ -146,12 +151,11 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             ta1_sh = T.alloc_shared((C, C), "bfloat16")
             pp0_sh = T.alloc_shared((C, C), "bfloat16")
             pp1_sh = T.alloc_shared((C, C), "bfloat16")
-            # aux scratch (fp16): L, then I + N²; D, Dβ, N, Y
+            # aux scratch (fp16): L, −D, Dβ, −N
             lo_sh = T.alloc_shared((C, C), "float16")
             d_sh = T.alloc_shared((C, C), "float16")
             db_sh = T.alloc_shared((C, C), "float16")
             n_sh = T.alloc_shared((C, C), "float16")
-            y_sh = T.alloc_shared((C, C), "float16")
 
             # state warpgroups
             s_acc = T.alloc_fragment((D, D), "float32")  # Sᵀ [V, K]
@@ -167,9 +171,11 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             gi = T.alloc_fragment((C,), "float32")  # g cumsum (or scale e^{g − m}) per row of a_acc
             bi = T.alloc_fragment((C,), "float32")  # β (or β e^{g − m}) per row
             cj = T.alloc_fragment((C,), "float32")  # e^{m − g} per column of a_acc
+            r16 = T.alloc_fragment((C, C), "float16")  # Rₖ, the A operand of the inverse's rounds
             fac = T.alloc_var("float32")
             x16 = T.alloc_local((B,), "float32")
             acc1 = T.alloc_var("float32")
+            lsub = T.alloc_var("int32")  # aux's thread index, re-read per chunk for the substitution
             # producer warp 13
             gv = T.alloc_local((2,), "float32")
             bv2 = T.alloc_local((2,), "float32")
@@ -302,38 +308,48 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     else:
                         T.copy(p_acc, pp1_sh)
                     # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
-                    # Dβ outside the diagonal blocks stay zero from before the loop)
-                    if li < C:  # @trace a_subst
+                    # Dβ = D diag β outside the diagonal blocks stay zero from before the loop). Its
+                    # thread index comes from a shuffle (the identity) each chunk: with li itself the
+                    # compiler hoists the 16 unit-vector selects and the row addresses out of the chunk
+                    # loop, and ptxas spills them (aux holds 104 registers)
+                    lsub = T.shfl_sync(li, li % 32)
+                    if lsub < C:  # @trace a_subst
                         for i in T.unroll(B):
                             x16[i] = T.float32(0)
                         for i in T.unroll(B):
-                            acc1 = T.if_then_else(li % B == i, T.float32(1), T.float32(0))
+                            acc1 = T.if_then_else(lsub % B == i, T.float32(1), T.float32(0))
                             for j in T.unroll(i):
-                                acc1 = acc1 - T.cast(lo_sh[(li // B) * B + i, (li // B) * B + j], "float32") * x16[j]
+                                acc1 = (
+                                    acc1 - T.cast(lo_sh[(lsub // B) * B + i, (lsub // B) * B + j], "float32") * x16[j]
+                                )
                             x16[i] = acc1
                         for i in T.unroll(B):  # @trace a_sstore
-                            d_sh[(li // B) * B + i, li] = T.cast(x16[i], "float16")
-                            db_sh[(li // B) * B + i, li] = T.cast(x16[i] * gt_sh[js, 1, li], "float16")
+                            d_sh[(lsub // B) * B + i, lsub] = T.cast(-x16[i], "float16")
+                            db_sh[(lsub // B) * B + i, lsub] = T.cast(x16[i] * gt_sh[js, 1, lsub], "float16")
                     T.fence_proxy_async()  # @trace a_sfence
-                    # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D)
+                    # −N = −D L_off: −D L with its diagonal blocks dropped (there D L_bb = I − D); D is
+                    # stored negated, so that no pass below negates an accumulator
                     T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)  # @trace a_n
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
                     T.copy(a_acc, n_sh)  # @trace a_nstore
-                    T.fence_proxy_async()
-                    # I + N² (into lo_sh: L is dead)
-                    T.gemm(n_sh, n_sh, a_acc, clear_accum=True)  # @trace a_n2
+                    # (I + N)⁻¹ = I − N + N² − N³ = R₃ by R₁ = I − N, Rₖ₊₁ = I − Rₖ N = I + Rₖ (−N), then
+                    # A_β = R₃ Dβ: Rₖ is the A operand from registers (fp16), −N and Dβ the B operands
+                    # from shared memory. The diagonals of N and of Rₖ N are exactly 0 (each product has
+                    # a structural zero factor), so I + acc is a select of 1 or acc (a select of the
+                    # constants 1 / 0 is loop-invariant: hoisted out of the chunk loop, it spills)
                     for i, j in T.Parallel(C, C):
-                        a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
-                    T.copy(a_acc, lo_sh)
+                        r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
                     T.fence_proxy_async()
-                    # Y = (I + N²) Dβ (in P's accumulator, free now), then A_β = Y − N Y
-                    T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)  # @trace a_y
-                    T.copy(p_acc, y_sh)
-                    T.fence_proxy_async()
-                    T.gemm(n_sh, y_sh, a_acc, clear_accum=True)  # @trace a_ny
+                    T.gemm(r16, n_sh, a_acc, clear_accum=True)  # @trace a_r2
                     for i, j in T.Parallel(C, C):
-                        a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
+                        r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
+                    T.gemm(r16, n_sh, a_acc, clear_accum=True)  # @trace a_r3
+                    for i, j in T.Parallel(C, C):
+                        r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
+                    T.gemm(r16, db_sh, a_acc, clear_accum=True)  # @trace a_ab
+                    for i, j in T.Parallel(C, C):
+                        a_acc[i, j] = T.if_then_else(i >= j, a_acc[i, j], T.float32(0))
                     if jt == 0:  # @trace a_store
                         T.copy(a_acc, ta0_sh)
                     else:

@@ -17,13 +17,12 @@ Then two loops over the v-heads: P for each (Q Kᵀ on wgmma, re-issued per v-he
 q / k, gated in registers by that v-head's factors where its flag allows it, else per element;
 stmatrix, TMA store), after which q is dead; then L and A_β for each: K Kᵀ gated alike into L
 (fp16), D = blockdiag((I + L_bb)⁻¹) over the 16x16 diagonal blocks by substitution (64 threads),
-N = D L without its diagonal blocks (N⁴ = 0), I + N², Y = (I + N²) Dβ, A_β = Y − N Y (four
-64x64x64 wgmmas), A_β by stmatrix and TMA store. A buffer used inside a loop is live for the whole
-loop in TileLang's packing, so the chain reuses its buffers by hand (L → I + N² → Y, D → N, Dβ)
-and the A_β loop's buffers take q's and P's place: 48 KB of dynamic shared memory. Rows past the
+N = D L without its diagonal blocks (N⁴ = 0), then in registers R₁ = I − N, R₂ = I − R₁ N,
+R₃ = I − R₂ N = (I + N)⁻¹ and A_β = R₃ Dβ (Dβ = D diag β; four 64x64x64 fp16 wgmmas, the last
+three with A from registers; D and N are stored negated, as in the fused kernel's aux, so each
+Rₖ₊₁ is a select of 1 or the accumulator), A_β by stmatrix and TMA store. Rows past the
 sequence end get q = k = 0 and β = 0, so their rows and columns of A_β and P are 0. Fast math.
-ptxas is held to ``MIN_BLOCKS`` CTAs per SM (``__launch_bounds__``: 128 registers and 8 bytes of
-stack for G > 1, 104 and none for G = 1).
+ptxas is held to ``MIN_BLOCKS`` CTAs per SM (``__launch_bounds__``: 128 registers, no stack).
 
 Layouts (chunk-slot space, see ``_common.chunk_table``; slot c covers rows c*64 .. c*64+63):
     q, k  [1, T, Hqk, 128] bf16    g, beta [1, T, Hv] fp32     ctab [NCS, 4] int32
@@ -79,13 +78,14 @@ def prep_program(h_qk: int, h_v: int):
             k_sh = T.alloc_shared((C, D), "bfloat16")
             p_sh = T.alloc_shared((C, C), "bfloat16")
             ab_sh = T.alloc_shared((C, C), "bfloat16")
-            # the solve (fp16), each buffer reused along the chain (a buffer used inside a loop
-            # lives the whole loop for TileLang's packing): L, I + N², then Y; D, then N; Dβ
+            # the solve (fp16): L; −D, then −N over it (a buffer used inside a loop lives the whole
+            # loop for TileLang's packing: a fifth would take prep to 56 KB, three CTAs per SM); Dβ
             lo_sh = T.alloc_shared((C, C), "float16")
             dn_sh = T.alloc_shared((C, C), "float16")
             db_sh = T.alloc_shared((C, C), "float16")
             a_acc = T.alloc_fragment((C, C), "float32")
             p_acc = T.alloc_fragment((C, C), "float32")
+            r16 = T.alloc_fragment((C, C), "float16")  # Rₖ, the A operand of the inverse's rounds
             gi = T.alloc_fragment((C,), "float32")
             bi = T.alloc_fragment((C,), "float32")
             cj = T.alloc_fragment((C,), "float32")
@@ -206,28 +206,30 @@ def prep_program(h_qk: int, h_v: int):
                             acc1 = acc1 - T.cast(lo_sh[(tx // B) * B + i, (tx // B) * B + j], "float32") * x16[j]
                         x16[i] = acc1
                     for i in T.unroll(B):
-                        dn_sh[(tx // B) * B + i, tx] = T.cast(x16[i], "float16")
+                        dn_sh[(tx // B) * B + i, tx] = T.cast(-x16[i], "float16")
                         db_sh[(tx // B) * B + i, tx] = T.cast(x16[i] * gt_sh[v, 1, tx], "float16")
                 T.fence_proxy_async()
-                # N = D L_off: D L with its diagonal blocks dropped (there D L_bb = I − D), over D
+                # −N = −D L_off: −D L with its diagonal blocks dropped (there D L_bb = I − D); D is
+                # stored negated, so that no pass below negates an accumulator; −N then over −D
                 T.gemm(dn_sh, lo_sh, a_acc, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
                 T.copy(a_acc, dn_sh)
-                T.fence_proxy_async()
-                # I + N² over L
-                T.gemm(dn_sh, dn_sh, a_acc, clear_accum=True)
+                # (I + N)⁻¹ = R₃ by R₁ = I − N, Rₖ₊₁ = I + Rₖ (−N) (Rₖ the A operand from registers,
+                # fp16), then A_β = R₃ Dβ; the diagonals of N and Rₖ N are exactly 0, so I + acc is a
+                # select of 1 or acc
                 for i, j in T.Parallel(C, C):
-                    a_acc[i, j] = a_acc[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
-                T.copy(a_acc, lo_sh)
+                    r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
                 T.fence_proxy_async()
-                # Y = (I + N²) Dβ over I + N², then A_β = Y − N Y
-                T.gemm(lo_sh, db_sh, p_acc, clear_accum=True)
-                T.copy(p_acc, lo_sh)
-                T.fence_proxy_async()
-                T.gemm(dn_sh, lo_sh, a_acc, clear_accum=True)
+                T.gemm(r16, dn_sh, a_acc, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    a_acc[i, j] = T.if_then_else(i >= j, p_acc[i, j] - a_acc[i, j], T.float32(0))
+                    r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
+                T.gemm(r16, dn_sh, a_acc, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
+                T.gemm(r16, db_sh, a_acc, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    a_acc[i, j] = T.if_then_else(i >= j, a_acc[i, j], T.float32(0))
                 T.copy(a_acc, ab_sh)
                 T.copy(ab_sh, a_beta[hv0 + v, c * C : c * C + C, 0:C])
                 for i in T.Parallel(C):

@@ -90,20 +90,26 @@ def test_fused_aux_gates_by_factors_with_a_per_element_fallback(sources):
     producer = src[src.index(f"warpgroup_reg_dealloc<{nreg[2]}>") :]
     assert aux.count("if (fac != ") == 2 and aux.count("expf(") == 2
     assert aux.count("*(float2*)(cj + ") == 2
-    # L, N, I + N², Y by stmatrix, and P and A_β into each of their two ring buffers
-    assert aux.count("ptx_stmatrix") == 8
+    # L and N by stmatrix, and P and A_β into each of their two ring buffers
+    assert aux.count("ptx_stmatrix") == 6
+    # the inverse: −N = −D L from shared memory, then three rounds with Rₖ from registers
+    assert aux.count("wgmma_ss<tl::DataType::kFloat16") == 1 and aux.count("wgmma_rs<tl::DataType::kFloat16") == 3
+    # the substitution's thread index comes from a shuffle each chunk, so that its selects and row
+    # addresses are not hoisted out of the chunk loop (where ptxas spills them on GVA-3 heads)
+    assert aux.count("__shfl_sync(") == 1
     assert "__all_sync" in producer
 
 
 def test_prep_solves_on_tensor_cores_as_the_fused_aux(sources):
     """prep runs the fused kernel's aux algorithm: Q Kᵀ and K Kᵀ on bf16 wgmma, gated by the factor
-    tables behind the flag with the per-element fallback, the inverse as four fp16 wgmmas; P, L, N,
-    I + N², Y and A_β by stmatrix; P and A_β out by TMA stores; warp 0 votes for the flag."""
+    tables behind the flag with the per-element fallback, the inverse as four fp16 wgmmas (N = D L from
+    shared memory, the three rounds after it with A from registers); P, L, N and A_β by stmatrix; P and
+    A_β out by TMA stores; warp 0 votes for the flag."""
     src = sources["prep"]
     assert src.count("wgmma_ss<tl::DataType::kBFloat16") == 2
-    assert src.count("wgmma_ss<tl::DataType::kFloat16") == 4
+    assert src.count("wgmma_ss<tl::DataType::kFloat16") == 1 and src.count("wgmma_rs<tl::DataType::kFloat16") == 3
     assert src.count("if (fac != ") == 2 and src.count("*(float2*)(cj + ") == 2
-    assert src.count("ptx_stmatrix") == 6
+    assert src.count("ptx_stmatrix") == 4
     assert src.count("tma_store(") == 2
     assert "__all_sync" in src
     assert f"__launch_bounds__(128, {_mod('prep').MIN_BLOCKS})" in src

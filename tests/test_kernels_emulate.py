@@ -200,7 +200,7 @@ def test_forward_refuses_more_chunk_slots_than_preps_grid_holds():
 @pytest.mark.parametrize("split", [0, 128])
 @pytest.mark.parametrize("lens,h_qk,h_v,with_h0", [([300], 2, 4, True), ([64, 130, 7, 200], 1, 3, True), ([400, 90], 2, 2, False)])
 def test_fused_algebra_matches_reference(lens, h_qk, h_v, with_h0, split):
-    """The fused kernel's algebra (state as Sᵀ, A_β by the fp16 (I − N)(I + N²)D inverse, its bf16
+    """The fused kernel's algebra (state as Sᵀ, A_β by the fp16 (I − N + N² − N³)D inverse, its bf16
     casts) against the fp64 token recurrence: o and the final state within bf16 error, unsplit and
     from the split path's segment start states (seg_state + fixup, emulated)."""
     from qlabench_kernels._common import chunk_table, segment_table

@@ -202,18 +202,25 @@ def fused_gate(kk, qk, gr, gch, bch, scale, factored=True, bound=FACTOR_RANGE):
 
 
 def fused_a_beta_from_l(lg, bch):
-    """The fused kernel's A_β on tensor cores from the gated L (fp32, [H,64,64]) and β (zero past the
-    end): L in fp16; D = blockdiag((I+L_bb)⁻¹) by substitution from it; N = D L with its diagonal
-    blocks dropped; Y = (I + N²) Dβ; A_β = Y − N Y, fp16 operands. Returns [H,64,64] bf16 values."""
+    """The fused kernel's (and prep's) A_β on tensor cores from the gated L (fp32, [H,64,64]) and β
+    (zero past the end): L in fp16; D = blockdiag((I+L_bb)⁻¹) by substitution from it; N = D L with
+    its diagonal blocks dropped (N⁴ = 0); R₁ = I − N, Rₖ₊₁ = I − Rₖ N (Rₖ rounded to fp16, the A
+    operand from registers); A_β = R₃ Dβ (Dβ = D diag β in fp16). The kernels store −D and −N and take
+    Rₖ₊₁ as 1 on the diagonal, else Rₖ(−N): the same values (fp16 negation is exact, the diagonal of
+    Rₖ N is exactly 0). Returns [H,64,64] bf16 values."""
     i = torch.arange(C, device=lg.device)
     z = torch.zeros((), device=lg.device)
+    eye = torch.eye(C, device=lg.device)
     l16 = _r16(lg)
     blk = i[:, None] // 16 == i[None] // 16
     Dm = solve_blocked_diag(torch.where(blk, l16, z))
     d16, db16 = _r16(Dm), _r16(Dm * bch[..., None, :])
-    n16 = _r16(torch.where(i[:, None] // 16 > i[None] // 16, d16 @ l16, z))
-    y = _r16(n16 @ n16 + torch.eye(C, device=lg.device)) @ db16
-    return _r(torch.where(i[:, None] >= i[None], y - n16 @ _r16(y), z))
+    n = torch.where(i[:, None] // 16 > i[None] // 16, d16 @ l16, z)
+    n16 = _r16(n)
+    r = _r16(eye - n)
+    for _ in range(2):
+        r = _r16(eye - r @ n16)
+    return _r(torch.where(i[:, None] >= i[None], r @ db16, z))
 
 
 def fused_a_beta(kc, gch, bch):
