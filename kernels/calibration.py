@@ -12,16 +12,17 @@ candidates in whatever unit a table has):
     prep_qk      ... and per (chunk, q/k head)
     seg_state    one chunk of one seg_state CTA, two per SM
     fixup        one segment of the serial fix-up
-    launch       the split path's fixed cost beyond its kernels' (its tables)
+    launch       the split path's fixed cost: seg_state's and the fix-up's kernels, its tables
     fwd_o_few    fwd_o's chunk step when its grid holds at most 1/8 as many CTAs as SMs (less
                  contention for memory: between 1/8 and one CTA per SM the step is interpolated
                  to ``fwd_o_alone``)
     fused_few    the same for the fused kernel
+    seg_state_alone, seg_state_few  seg_state's steps alone and in few-CTA grids (as fwd_o's)
     cta_fwd_o    what one fwd_o CTA costs beyond its chunk steps (its state loads and stores), alone
                  on its SM (two resident: scaled as its step)
     cta_fused    the same for the fused kernel
     cta_seg_state  the same for seg_state
-    kernel       one kernel's fixed cost in a CUDA graph (every kernel a path launches)
+    kernel       one kernel's fixed cost in a CUDA graph (prep's, the final kernel's)
 
 Overheads (``launch``, ``cta_*``, ``kernel``) may be 0; step costs are positive.
 
@@ -65,6 +66,8 @@ class FwdCosts:
     launch: float
     fwd_o_few: float
     fused_few: float
+    seg_state_alone: float
+    seg_state_few: float
     cta_fwd_o: float
     cta_fused: float
     cta_seg_state: float

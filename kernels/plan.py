@@ -37,9 +37,9 @@ def _bwd(costs):
     return default_table().bwd if costs is None else costs
 
 
-#: fwd_o's CTAs resident per SM (kernels/fwd_o.py: 256 threads at 128 registers, 98 KB of shared
+#: fwd_o's and seg_state's CTAs resident per SM (256 threads at 128 registers; fwd_o 98 KB of shared
 #: memory); grids of more CTAs than SMs are scheduled on this many slots per SM
-FWD_O_CTAS_PER_SM = 2
+PAIRED_CTAS_PER_SM = 2
 _SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -116,27 +116,37 @@ def _few_step(n_ctas: int, num_sms: int, full: float, few: float) -> float:
     return few + (full - few) * _few_weight(n_ctas, num_sms)
 
 
-def _fwd_o_makespan(groups, num_sms: int, c) -> float:
-    """fwd_o's grid [(chunks, CTAs)] on the SMs: at most one CTA per SM, longest-first at its step
-    alone (:func:`_few_step`); more, ``FWD_O_CTAS_PER_SM`` slots per SM at the shared step, each SM
-    pairing a heavily loaded slot with a lightly loaded one (the block scheduler spreads a partial
-    round over the SMs), the part of the heavier slot's load that runs with no partner at the step
-    alone."""
+def _paired_makespan(groups, num_sms: int, pair: float, alone: float, few: float, cta: float) -> float:
+    """A two-CTAs-per-SM kernel's grid [(chunks, CTAs)] on the SMs (fwd_o, seg_state): at most one
+    CTA per SM, longest-first at its step alone (:func:`_few_step` of ``alone`` and ``few``); more,
+    two slots per SM at the shared step ``pair``, each SM pairing a heavily loaded slot with a lightly
+    loaded one (the block scheduler spreads a partial round over the SMs), the part of the heavier
+    slot's load that runs with no partner at the step alone. ``cta``: a CTA's cost beyond its chunk
+    steps, alone on its SM (beside another, scaled as the step)."""
     n = sum(k for _, k in groups)
     if n <= num_sms:
-        step = _few_step(n, num_sms, c.fwd_o_alone, c.fwd_o_few)
-        return _lpt_makespan([(ch * step + c.cta_fwd_o, k) for ch, k in groups], num_sms)
-    ratio = c.fwd_o_alone / c.fwd_o  # a CTA's time alone over its time beside another
-    cta = c.cta_fwd_o / ratio
-    loads = _lpt_loads([(ch * c.fwd_o + cta, k) for ch, k in groups], num_sms * FWD_O_CTAS_PER_SM)
+        step = _few_step(n, num_sms, alone, few)
+        return _lpt_makespan([(ch * step + cta, k) for ch, k in groups], num_sms)
+    ratio = alone / pair  # a CTA's time alone over its time beside another
+    loads = _lpt_loads([(ch * pair + cta / ratio, k) for ch, k in groups], num_sms * PAIRED_CTAS_PER_SM)
     last = len(loads) - 1
     return max(loads[last - i] + (loads[i] - loads[last - i]) * ratio for i in range(num_sms))
 
 
+def _fwd_o_makespan(groups, num_sms: int, c) -> float:
+    """fwd_o's grid [(chunks, CTAs)] on the SMs (:func:`_paired_makespan`)."""
+    return _paired_makespan(groups, num_sms, c.fwd_o, c.fwd_o_alone, c.fwd_o_few, c.cta_fwd_o)
+
+
+def _seg_state_makespan(groups, num_sms: int, c) -> float:
+    """seg_state's grid [(chunks, CTAs)] on the SMs (:func:`_paired_makespan`)."""
+    return _paired_makespan(groups, num_sms, c.seg_state, c.seg_state_alone, c.seg_state_few, c.cta_seg_state)
+
+
 def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> float:
-    """The forward less prep: the final kernel's CTAs longest-first on the SMs and, when split,
-    seg_state's non-last segments, the serial fix-up and the split path's fixed cost; every kernel's
-    fixed cost."""
+    """The forward less prep: the final kernel's CTAs longest-first on the SMs and its fixed cost;
+    when split, seg_state's non-last segments, the serial fix-up and the split path's fixed cost
+    (``launch``: seg_state's and the fix-up's kernels, the segment tables)."""
     cpb = HEAD_DIM // block_v
     fwd, seg_state, serial = {}, {}, 0
     for ln in lens:
@@ -156,8 +166,7 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> floa
         cost = _fwd_o_makespan(list(fwd.items()), num_sms, c)
     cost += c.kernel
     if seg:
-        states = [(ch * c.seg_state + c.cta_seg_state, k) for ch, k in seg_state.items()]
-        cost += _lpt_makespan(states, 2 * num_sms) + serial * c.fixup + c.launch + 2 * c.kernel
+        cost += _seg_state_makespan(list(seg_state.items()), num_sms, c) + serial * c.fixup + c.launch
     return cost
 
 

@@ -103,9 +103,9 @@ def test_plan_fwd_picks_the_faster_final_kernel():
     assert pkg.plan_fwd(200, 1, 8) == (64, 0)
     # fwd_o's CTAs share an SM two at a time: two CTAs per SM cost one round at fwd_o's step, one
     # CTA per SM (or fewer) one round at its step alone
-    from qlabench_kernels.plan import FWD_O_CTAS_PER_SM
+    from qlabench_kernels.plan import PAIRED_CTAS_PER_SM
 
-    assert FWD_O_CTAS_PER_SM == 2
+    assert PAIRED_CTAS_PER_SM == 2
     assert _final_cost([4096], 132, 0, 132, 64, c) == 64 * c.fwd_o  # 264 CTAs
     assert _final_cost([4096], 66, 0, 132, 64, c) == 64 * c.fwd_o_alone  # 132 CTAs
     assert _final_cost([4096], 67, 0, 132, 64, c) == 64 * c.fwd_o  # 134: some SMs hold two

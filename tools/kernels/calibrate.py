@@ -58,12 +58,14 @@ def experiments(sms: int) -> list[dict]:
     - fused:  1 per (sequence, v-head): ``sms`` sequences, one per SM; ``sms // 8``;
       ``ROUNDS * sms`` short sequences, ``ROUNDS`` rounds;
     - prep:   ``sms`` sequences at G = 1 and G = 4 (per-v-head and per-q/k-head parts);
-    - seg_state: sequences of 2L cut at L: ``sms // 2`` non-last segments, 4 CTAs each;
+    - seg_state: sequences of 2L cut at L, a non-last segment 4 CTAs: ``sms // 2`` segments (two
+      CTAs per SM), ``sms // 4`` (one), ``sms // 32`` (at most 1/8 of one);
     - fixup:  one sequence of n 256-token segments (n - 1 serial steps);
     - split / unsplit: the whole forward on one 4096-token sequence cut at 1024 and not cut
       (the split path's fixed cost, less what the model prices of it).
     """
     half, few_o, few_f = max(1, sms // 2), max(1, sms // 16), max(1, sms // 8)
+    quarter, few_s = _seg_state_grids(sms)
     out = []
     for L in LENGTHS:
         out.append(dict(stage="fwd_o", x=L, heads=(1, 1), seqlens=(L,) * sms, split=0, block_v=64))
@@ -74,6 +76,8 @@ def experiments(sms: int) -> list[dict]:
         for hk in HEADS:
             out.append(dict(stage=f"prep_g{hk[1] // hk[0]}", x=L, heads=hk, seqlens=(L,) * sms, split=0, block_v=64))
         out.append(dict(stage="seg_state", x=L, heads=(1, 1), seqlens=(2 * L,) * half, split=L, block_v=64))
+        out.append(dict(stage="seg_state_alone", x=L, heads=(1, 1), seqlens=(2 * L,) * quarter, split=L, block_v=64))
+        out.append(dict(stage="seg_state_few", x=L, heads=(1, 1), seqlens=(2 * L,) * few_s, split=L, block_v=64))
     out.append(dict(stage="fwd_o_many", x=0, heads=(1, 1), seqlens=(SHORT,) * (ROUNDS * sms // 2), split=0, block_v=64))
     out.append(dict(stage="fused_many", x=0, heads=(1, 1), seqlens=(SHORT,) * (ROUNDS * sms), split=0, block_v=128))
     for n in FIXUP_SEGMENTS:
@@ -81,6 +85,12 @@ def experiments(sms: int) -> list[dict]:
     out.append(dict(stage="total_split", x=0, heads=(1, 1), seqlens=(4096,), split=1024, block_v=64))
     out.append(dict(stage="total_unsplit", x=0, heads=(1, 1), seqlens=(4096,), split=0, block_v=64))
     return out
+
+
+def _seg_state_grids(sms: int) -> tuple:
+    """The segments of seg_state's one-per-SM and few-CTA experiments (4 CTAs each); on fewer
+    than 8 SMs one segment is both."""
+    return max(1, sms // 4), max(1, sms // 32)
 
 
 def _key(e: dict) -> tuple:
@@ -112,6 +122,11 @@ def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
     fwd_o, fused, seg_state = slope("fwd_o"), slope("fused"), slope("seg_state")
     few_o, alone = _few_and_full(slope("fwd_o_alone"), 2 * max(1, sms // 2), slope("fwd_o_few"), 2 * max(1, sms // 16), sms)
     few_f, _ = _few_and_full(fused, sms, slope("fused_few"), max(1, sms // 8), sms)
+    quarter, few_s = _seg_state_grids(sms)
+    if quarter > few_s:
+        few_ss, alone_ss = _few_and_full(slope("seg_state_alone"), 4 * quarter, slope("seg_state_few"), 4 * few_s, sms)
+    else:
+        few_ss = alone_ss = slope("seg_state_alone")
     # prep over ``sms`` sequences: per chunk of one sequence (h_v · prep + h_qk · prep_qk) · sms / sms
     g1, g4 = slope("prep_g1"), slope("prep_g4")  # = prep + prep_qk, 4 prep + prep_qk
     prep = (g4 - g1) / 3
@@ -119,7 +134,8 @@ def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
     n1, n2 = FIXUP_SEGMENTS
     fixup = (times_us[("fixup", n2)] - times_us[("fixup", n1)]) / (n2 - n1)
     steps = dict(fwd_o=fwd_o, fwd_o_alone=alone, fused=fused, prep=prep, prep_qk=prep_qk, seg_state=seg_state,
-                 fixup=fixup, fwd_o_few=few_o, fused_few=few_f)  # fmt: skip
+                 fixup=fixup, fwd_o_few=few_o, fused_few=few_f, seg_state_alone=alone_ss,
+                 seg_state_few=few_ss)  # fmt: skip
     bad = {k: v for k, v in steps.items() if not (v > 0 and math.isfinite(v))}
     if bad:
         raise RuntimeError(f"calibration gave non-positive costs {bad} (timings: {times_us}); re-run on a quiet GPU")
@@ -143,7 +159,8 @@ def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
                      ("fwd_o_many", 0))  # fmt: skip
     kernel = overhead("kernel", ((i_f - cta_f) + (i_o - cta_o)) / 2, ("fwd_o", L1))
     cta_s = overhead("cta_seg_state", times_us[("seg_state", L1)] - c1 * seg_state - kernel, ("seg_state", L1))
-    vals = dict(steps, launch=0.0, cta_fwd_o=cta_o * alone / fwd_o, cta_fused=cta_f, cta_seg_state=cta_s,
+    vals = dict(steps, launch=0.0, cta_fwd_o=cta_o * alone / fwd_o, cta_fused=cta_f,
+                cta_seg_state=cta_s * alone_ss / seg_state,
                 kernel=kernel)  # fmt: skip
     partial = FwdCosts(**vals, unit="us")
     measured = times_us[("total_split", 0)] - times_us[("total_unsplit", 0)]
@@ -258,7 +275,7 @@ def _time_experiment(e: dict, device, reps: int) -> float:
         fn = lambda: run_fwd_fused(  # noqa: E731
             x["q"], x["k"], x["v"], x["g"], x["beta"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
         )  # fmt: skip
-    elif st == "seg_state":
+    elif st.startswith("seg_state"):
         fn = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"])  # noqa: E731
     elif st == "fixup":
         fn = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])  # noqa: E731
