@@ -30,7 +30,9 @@
 #                on this GPU and the planners' picks under them on synthetic batches (into $J/checks: cost_table.json,
 #                calibration_checks.json, to commit as kernels/cost_tables/<gpu>.json); needs the
 #                cache of `qlabench precompile calibration`;
-#   tables       configs/h200_fwd.yaml, h200_bwd.yaml and h200_fwd_heldout.yaml, the in-repo kernels only, planned
+#   fwd_prev     tilelang vs tilelang@prev on the forward sweep (configs/h200_fwd_kernels_prev.yaml; at most
+#                420 s, before `tables`);
+#   tables       configs/h200_fwd_heldout.yaml, h200_bwd.yaml and h200_fwd.yaml (in this order), the in-repo kernels only, planned
 #                by the committed table (`tilelang`) and by the one calibrate measured (`tl-measured`, its
 #                `cost_table` parameter) side by side, into runs/<config>_tables (at most 600 s);
 #   check_bwd    tools/kernels/check_bwd.py --quick [--cases $CHECK_BWD_CASES, set at setup]: every
@@ -184,17 +186,18 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   mkdir -p "$J/checks"
   step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
     --checks "$J/checks/calibration_checks.json"
+  step fwd_prev 120 420 qlabench run configs/h200_fwd_kernels_prev.yaml --resume
   if wants tables && [ -f "$J/checks/cost_table.json" ]; then  # the sweeps, planned by each table, side by side
     python3 - "$J/checks/cost_table.json" <<'PY'
 import sys, yaml
-for name in ("h200_fwd", "h200_bwd", "h200_fwd_heldout"):
+for name in ("h200_fwd_heldout", "h200_bwd", "h200_fwd"):
     d = yaml.safe_load(open(f"configs/{name}.yaml"))
     d.update(name=f"{name}_tables", out=f"runs/{name}_tables",
              backends=["tilelang", {"name": "tilelang", "label": "tl-measured", "params": {"cost_table": sys.argv[1]}}])
     yaml.safe_dump(d, open(f"/tmp/job/{name}_tables.yaml", "w"))
 PY
   fi
-  step tables 120 600 bash -c 'for n in h200_fwd h200_bwd h200_fwd_heldout; do
+  step tables 120 600 bash -c 'for n in h200_fwd_heldout h200_bwd h200_fwd; do
     qlabench run /tmp/job/${n}_tables.yaml --resume || exit 1; done'
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
   step bwd_quick 120 600 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
@@ -241,6 +244,7 @@ PY
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
   step suite_warm 240 480 $(suite suite_warm)
   for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang" \
+      "runs/h200_fwd_kernels_prev tilelang@prev tilelang" \
       "runs/h200_fwd_tables tilelang tl-measured" "runs/h200_bwd_tables tilelang tl-measured" \
       "runs/h200_fwd_heldout_tables tilelang tl-measured"; do
     set -- $c; [ -d "$1" ] || continue
