@@ -34,7 +34,8 @@
 #                420 s, before `tables`);
 #   tables       configs/h200_fwd_heldout.yaml, h200_bwd.yaml and h200_fwd.yaml (in this order), the in-repo kernels only, planned
 #                by the committed table (`tilelang`) and by the one calibrate measured (`tl-measured`, its
-#                `cost_table` parameter) side by side, into runs/<config>_tables (at most 600 s);
+#                `cost_table` parameter) side by side, into runs/<config>_tables (at most 600 s): only the points whose
+#                plans differ (tools/kernels/table_points.py; the counts into $J/checks/table_points.txt);
 #   check_bwd    tools/kernels/check_bwd.py --quick [--cases $CHECK_BWD_CASES, set at setup]: every
 #                backward stage against its emulation, the gradients against the reference, stage
 #                times (into $J/checks);
@@ -187,18 +188,15 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
     --checks "$J/checks/calibration_checks.json"
   step fwd_prev 120 420 qlabench run configs/h200_fwd_kernels_prev.yaml --resume
-  if wants tables && [ -f "$J/checks/cost_table.json" ]; then  # the sweeps, planned by each table, side by side
-    python3 - "$J/checks/cost_table.json" <<'PY'
-import sys, yaml
-for name in ("h200_fwd_heldout", "h200_bwd", "h200_fwd"):
-    d = yaml.safe_load(open(f"configs/{name}.yaml"))
-    d.update(name=f"{name}_tables", out=f"runs/{name}_tables",
-             backends=["tilelang", {"name": "tilelang", "label": "tl-measured", "params": {"cost_table": sys.argv[1]}}])
-    yaml.safe_dump(d, open(f"/tmp/job/{name}_tables.yaml", "w"))
-PY
+  if wants tables && [ -f "$J/checks/cost_table.json" ]; then  # the points whose plans differ under the two tables
+    rm -rf "$J/tables"
+    for n in h200_fwd_heldout h200_bwd h200_fwd; do
+      python3 -m qlabench_tools.kernels.table_points configs/$n.yaml --table "$J/checks/cost_table.json" \
+        --out-dir "$J/tables" | tee -a "$J/checks/table_points.txt"
+    done
   fi
   step tables 120 600 bash -c 'for n in h200_fwd_heldout h200_bwd h200_fwd; do
-    qlabench run /tmp/job/${n}_tables.yaml --resume || exit 1; done'
+    for f in /tmp/job/tables/${n}_tables_[0-9]*.yaml; do [ -f "$f" ] && { qlabench run "$f" --resume || exit 1; }; done; done'
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
   step bwd_quick 120 600 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   step serving_bwd 120 700 qlabench run configs/h200_serving.yaml --direction bwd --backends fla,flashqla,tilelang \
