@@ -282,9 +282,15 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
     monkeypatch.setattr(calibrate, "_inputs", inputs)
     monkeypatch.setattr(calibrate, "_graph_us", timer)
     monkeypatch.setattr(plan, "sm_count", lambda device: 4)
-    fwd, checks = calibrate.measure_fwd("cpu", reps=1, echo=lambda *a: None)
+    record = {}
+    fwd, checks = calibrate.measure_fwd("cpu", reps=1, echo=lambda *a: None, record=record)
     assert fwd.unit == "us" and len(checks) == len(calibrate.CHECKS)
-    bwd, checks_bwd = calibrate.measure_bwd("cpu", reps=1, echo=lambda *a: None)
+    assert len(record["fwd"]) == len(calibrate.experiments(4))  # every timing the fit took
+    for row, (_, _, lens) in zip(checks, calibrate.CHECKS):  # every candidate's time, the pick's among them
+        assert set(row["times"]) == {calibrate._cand(c) for c in plan.fwd_candidates(lens, 4)}
+        assert row["times"][calibrate._cand(tuple(row["pick"]))] == row["pick_us"]
+    bwd, checks_bwd = calibrate.measure_bwd("cpu", reps=1, echo=lambda *a: None, record=record)
     assert bwd.unit == "us" and len(checks_bwd) == len(calibrate.CHECKS_BWD)
+    assert len(record["bwd"]) == sum(len(plan.bwd_candidates(lens)) for _, _, lens in calibrate.FIT_BWD)
     assert {"run_prep", "run_fwd_o", "run_fwd_fused", "run_seg_state", "run_fixup", "chunk_gdn_fwd_lowlevel",
             "chunk_gdn_bwd"} <= set(calls)  # fmt: skip

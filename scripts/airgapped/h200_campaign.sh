@@ -28,7 +28,7 @@
 #   step runs it (campaign, suite_*);
 #   calibrate    python -m qlabench_tools.kernels.calibrate: the forward's and the backward's stage costs
 #                on this GPU and the planners' picks under them on synthetic batches (into $J/checks: cost_table.json,
-#                calibration_checks.json, to commit as kernels/cost_tables/<gpu>.json); needs the
+#                to commit as kernels/cost_tables/<gpu>.json, calibration_checks.json, calibration_timings.json); needs the
 #                cache of `qlabench precompile calibration`;
 #   fwd_prev     tilelang vs tilelang@prev on the forward sweep (configs/h200_fwd_kernels_prev.yaml; at most
 #                420 s, before `tables`);
@@ -186,6 +186,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   fi
   mkdir -p "$J/checks"
   step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
+    --timings "$J/checks/calibration_timings.json" \
     --checks "$J/checks/calibration_checks.json"
   step fwd_prev 120 420 qlabench run configs/h200_fwd_kernels_prev.yaml --resume
   if wants tables && [ -f "$J/checks/cost_table.json" ]; then  # the points whose plans differ under the two tables

@@ -2,7 +2,7 @@
 GPU model's cost table (:mod:`qlabench_kernels.calibration`, ``kernels/cost_tables/<gpu>.json``).
 
     python -m qlabench_tools.kernels.calibrate [--out kernels/cost_tables/nvidia_h200.json] [--reps 10]
-        [--checks CHECKS.json] [--fwd-only]
+        [--checks CHECKS.json] [--timings TIMINGS.json] [--fwd-only]
 
 Its kernels (heads 1/1 and 1/4): ``qlabench precompile calibration`` fills the cache offline.
 
@@ -304,13 +304,20 @@ def _time_bwd_candidates(h_qk, h_v, lens, device, reps: int) -> dict:
     }
 
 
+def _cand(c) -> str:
+    """A candidate plan as a JSON key: '64,1024' (forward) or '1024' (backward)."""
+    return ",".join(map(str, c)) if isinstance(c, tuple) else str(c)
+
+
 def _check_row(direction, h_qk, h_v, lens, times, pick, best, old, echo) -> dict:
-    """One planner-check row (JSON: plans as lists or ints), echoed as one line."""
+    """One planner-check row (JSON: plans as lists or ints; ``times``: every candidate's µs by
+    :func:`_cand`), echoed as one line."""
     js = (lambda c: list(c)) if direction == "fwd" else (lambda c: c)
     row = dict(direction=direction, heads=f"{h_qk}/{h_v}",
                seqlens=f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else str(list(lens)),
                pick=js(pick), pick_us=times[pick], best=js(best), best_us=times[best],
-               committed=js(old), committed_us=times[old])  # fmt: skip
+               committed=js(old), committed_us=times[old],
+               times={_cand(c): t for c, t in times.items()})  # fmt: skip
     echo(f"  check {direction} {row['heads']:5s} {row['seqlens']:28s} pick {pick!s:>11} {times[pick]:9.1f} us  "
          f"best {best!s:>11} {times[best]:9.1f} us  ({times[pick] / times[best]:.3f}x)")  # fmt: skip
     return row
@@ -364,22 +371,26 @@ def _time_all(exps, time_one, device, reps: int, echo) -> dict:
     return times
 
 
-def measure_fwd(device=None, reps: int = 10, echo=print, compare=None) -> tuple[FwdCosts, list[dict]]:
+def measure_fwd(device=None, reps: int = 10, echo=print, compare=None, record=None) -> tuple[FwdCosts, list[dict]]:
     """Time :func:`experiments` on ``device`` (the current CUDA device), fit the forward's costs
-    (:func:`fit_fwd`) and check them (:func:`check_table`)."""
+    (:func:`fit_fwd`) and check them (:func:`check_table`). ``record`` (a dict): gets the timings
+    the fit took, ``record['fwd'][stage@x]`` in µs, before the fit (a refused fit keeps them)."""
     import torch
 
     device = torch.device("cuda") if device is None else torch.device(device)
     sms = plan.sm_count(device)
     times = _time_all(experiments(sms), _time_experiment, device, reps, echo)
+    if record is not None:
+        record["fwd"] = {f"{st}@{x}": t for (st, x), t in times.items()}
     fwd = fit_fwd(times, sms)
     echo("  fwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(fwd).items() if k != "unit"))
     return fwd, check_table(fwd, device, reps, echo, compare)
 
 
-def measure_bwd(device=None, reps: int = 10, echo=print, compare=None) -> tuple[BwdCosts, list[dict]]:
+def measure_bwd(device=None, reps: int = 10, echo=print, compare=None, record=None) -> tuple[BwdCosts, list[dict]]:
     """Time the whole backward at every candidate segment length on :data:`FIT_BWD`, fit the split
-    model's costs (:func:`fit_bwd`) and check them (:func:`check_table_bwd`)."""
+    model's costs (:func:`fit_bwd`) and check them (:func:`check_table_bwd`). ``record``: gets the
+    timings, ``record['bwd']['h_v|lens|seg']`` in µs, before the fit."""
     import torch
 
     device = torch.device("cuda") if device is None else torch.device(device)
@@ -389,6 +400,8 @@ def measure_bwd(device=None, reps: int = 10, echo=print, compare=None) -> tuple[
         for seg, t in _time_bwd_candidates(h_qk, h_v, lens, device, reps).items():
             times[(h_v, tuple(lens), seg)] = t
             echo(f"  bwd heads {h_qk}/{h_v} {len(lens)}x{lens[0]:<6d} split {seg:5d}: {t:9.1f} us")
+    if record is not None:
+        record["bwd"] = {f"{hv}|{','.join(map(str, ls))}|{seg}": t for (hv, ls, seg), t in times.items()}
     bwd = fit_bwd(times, sms)
     echo("  bwd costs (us): " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(bwd).items() if k != "unit"))
     return bwd, check_table_bwd(bwd, device, reps, echo, compare)
@@ -412,6 +425,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=None, help="write the table here (default: print only)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--checks", type=pathlib.Path, default=None, help="write the planner check rows here (JSON)")
+    ap.add_argument("--timings", type=pathlib.Path, default=None,
+                    help="write the timings the fits took here (JSON, µs), a refused fit's too")
     ap.add_argument("--fwd-only", action="store_true", help="measure the forward's costs only (keep the backward's)")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -433,11 +448,20 @@ def main(argv=None) -> int:
     uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", "")
     how = f"measured: python -m qlabench_tools.kernels.calibrate on {name} {uuid}, {datetime.date.today()}, commit {commit}"
     src = dict(base.source)
+    record = {"gpu": name, "sms": plan.sm_count(dev), "commit": commit}
+
+    def write_timings():
+        if args.timings:
+            args.timings.parent.mkdir(parents=True, exist_ok=True)
+            args.timings.write_text(json.dumps(record, indent=1) + "\n")
+
     try:
-        fwd, checks = measure_fwd(dev, args.reps, compare=base.fwd)
+        fwd, checks = measure_fwd(dev, args.reps, compare=base.fwd, record=record)
     except RuntimeError as e:  # the forward's fit refused: no table is written
+        write_timings()
         print(f"error: forward not calibrated: {e}", file=sys.stderr)
         return 1
+    write_timings()
     src["fwd"] = how
 
     def write(bwd) -> str:  # the table and checks so far (the forward's first: a cut run keeps them)
@@ -454,11 +478,12 @@ def main(argv=None) -> int:
     write(bwd)
     if not args.fwd_only:
         try:
-            bwd, checks_bwd = measure_bwd(dev, args.reps, compare=base.bwd)
+            bwd, checks_bwd = measure_bwd(dev, args.reps, compare=base.bwd, record=record)
             src["bwd"] = how
             checks += checks_bwd
         except RuntimeError as e:  # the backward's fit refused: the table keeps its backward costs
             print(f"backward not calibrated: {e}")
+        write_timings()
     print(write(bwd))
     for d in ("fwd", "bwd"):
         rows = [r for r in checks if r["direction"] == d]
