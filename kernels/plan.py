@@ -116,13 +116,15 @@ def _few_step(n_ctas: int, num_sms: int, full: float, few: float) -> float:
     return few + (full - few) * _few_weight(n_ctas, num_sms)
 
 
-def _paired_makespan(groups, num_sms: int, pair: float, alone: float, few: float, cta: float) -> float:
-    """A two-CTAs-per-SM kernel's grid [(chunks, CTAs)] on the SMs (fwd_o, seg_state): at most one
-    CTA per SM, longest-first at its step alone (:func:`_few_step` of ``alone`` and ``few``); more,
-    two slots per SM at the shared step ``pair``, each SM pairing a heavily loaded slot with a lightly
-    loaded one (the block scheduler spreads a partial round over the SMs), the part of the heavier
-    slot's load that runs with no partner at the step alone. ``cta``: a CTA's cost beyond its chunk
-    steps, alone on its SM (beside another, scaled as the step)."""
+def _paired_makespan(groups, num_sms: int, c, stage: str = "fwd_o") -> float:
+    """A two-CTAs-per-SM kernel's grid [(chunks, CTAs)] on the SMs, priced by the ``stage``'s costs
+    (fwd_o or seg_state: ``stage``, ``stage_alone``, ``stage_few``, ``cta_stage``): at most one CTA
+    per SM, longest-first at its step alone (:func:`_few_step`); more, two slots per SM at the
+    shared step, each SM pairing a heavily loaded slot with a lightly loaded one (the block
+    scheduler spreads a partial round over the SMs), the part of the heavier slot's load that runs
+    with no partner at the step alone. A CTA's overhead is its cost alone (beside another, scaled
+    as the step)."""
+    pair, alone, few, cta = (getattr(c, n) for n in (stage, f"{stage}_alone", f"{stage}_few", f"cta_{stage}"))
     n = sum(k for _, k in groups)
     if n <= num_sms:
         step = _few_step(n, num_sms, alone, few)
@@ -131,16 +133,6 @@ def _paired_makespan(groups, num_sms: int, pair: float, alone: float, few: float
     loads = _lpt_loads([(ch * pair + cta / ratio, k) for ch, k in groups], num_sms * PAIRED_CTAS_PER_SM)
     last = len(loads) - 1
     return max(loads[last - i] + (loads[i] - loads[last - i]) * ratio for i in range(num_sms))
-
-
-def _fwd_o_makespan(groups, num_sms: int, c) -> float:
-    """fwd_o's grid [(chunks, CTAs)] on the SMs (:func:`_paired_makespan`)."""
-    return _paired_makespan(groups, num_sms, c.fwd_o, c.fwd_o_alone, c.fwd_o_few, c.cta_fwd_o)
-
-
-def _seg_state_makespan(groups, num_sms: int, c) -> float:
-    """seg_state's grid [(chunks, CTAs)] on the SMs (:func:`_paired_makespan`)."""
-    return _paired_makespan(groups, num_sms, c.seg_state, c.seg_state_alone, c.seg_state_few, c.cta_seg_state)
 
 
 def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> float:
@@ -163,10 +155,10 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> floa
         step = _few_step(sum(fwd.values()), num_sms, c.fused, c.fused_few)
         cost = _lpt_makespan([(ch * step + c.cta_fused, k) for ch, k in fwd.items()], num_sms)
     else:
-        cost = _fwd_o_makespan(list(fwd.items()), num_sms, c)
+        cost = _paired_makespan(list(fwd.items()), num_sms, c)
     cost += c.kernel
     if seg:
-        cost += _seg_state_makespan(list(seg_state.items()), num_sms, c) + serial * c.fixup + c.launch
+        cost += _paired_makespan(list(seg_state.items()), num_sms, c, "seg_state") + serial * c.fixup + c.launch
     return cost
 
 

@@ -77,7 +77,7 @@ def _model_times(c: calibration.FwdCosts, sms: int) -> dict:
         elif st.startswith("prep"):
             t = plan.prep_cost(lens, h_v, sms, h_qk, c)
         elif st.startswith("seg_state"):  # the non-last segment of each sequence: 4 CTAs per (segment, v-head)
-            t = c.kernel + plan._seg_state_makespan([(e["split"] // 64, 4 * h_v * len(lens))], sms, c)
+            t = c.kernel + plan._paired_makespan([(e["split"] // 64, 4 * h_v * len(lens))], sms, c, "seg_state")
         elif st == "fixup":
             t = c.kernel + (len(range(0, lens[0], e["split"])) - 1) * c.fixup
         else:
@@ -144,11 +144,11 @@ def test_more_ctas_than_slots_pair_on_the_sms():
     c = dataclasses.replace(TRUTH, cta_fwd_o=0.0, kernel=0.0)
     sms, ch = 10, 16
     # 30 CTAs on 10 SMs: 10 pairs, then 10 alone
-    assert plan._fwd_o_makespan([(ch, 30)], sms, c) == pytest.approx(ch * c.fwd_o + ch * c.fwd_o_alone)
-    assert plan._fwd_o_makespan([(ch, 20)], sms, c) == pytest.approx(ch * c.fwd_o)
+    assert plan._paired_makespan([(ch, 30)], sms, c) == pytest.approx(ch * c.fwd_o + ch * c.fwd_o_alone)
+    assert plan._paired_makespan([(ch, 20)], sms, c) == pytest.approx(ch * c.fwd_o)
     flat = dataclasses.replace(c, fwd_o_alone=c.fwd_o)
     for n in (11, 20, 25, 37):
-        assert plan._fwd_o_makespan([(ch, n), (3, 7)], sms, flat) == plan._lpt_makespan([(ch * c.fwd_o, n), (3 * c.fwd_o, 7)], 2 * sms)
+        assert plan._paired_makespan([(ch, n), (3, 7)], sms, flat) == plan._lpt_makespan([(ch * c.fwd_o, n), (3 * c.fwd_o, 7)], 2 * sms)
 
 
 def test_few_ctas_step_faster_up_to_an_eighth_of_the_sms():
