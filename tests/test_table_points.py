@@ -3,10 +3,11 @@
 import json
 
 import yaml
-from qlabench.config import load
-from qlabench.sweep import points
 from qlabench_kernels import calibration, plan
 from qlabench_tools.kernels import table_points
+
+from qlabench.config import load
+from qlabench.sweep import points
 
 
 def _write_table(path, **fwd):

@@ -80,8 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="tl-measured")
     a = ap.parse_args(argv)
 
-    from qlabench.config import ConfigError, load
     from qlabench_kernels import calibration
+
+    from qlabench.config import ConfigError, load
 
     try:
         load(a.config)
