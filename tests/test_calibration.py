@@ -242,7 +242,7 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
 
     calls, batch = [], {}
     t = torch.zeros(2, 2)
-    inter = dict(ctab=t, p_all=t, gcs=t, a_beta=t, stab=t, o=t, final_state=t, e_end=t, m_tr=t,
+    inter = dict(ctab=t, p_all=t, gcs=t, a_beta=t, stab=torch.zeros(3, 8, dtype=torch.int32), o=t, final_state=t, e_end=t, m_tr=t,
                  cu_segs=torch.zeros(3, dtype=torch.int32), h_start=t, f_start=t, d_end=t, dh0=t, pt_all=t,
                  w_all=t, dh_all=t, dvnew=t, split_tokens=0, block_v=64)  # fmt: skip
 

@@ -22,7 +22,7 @@ def test_the_same_table_leaves_no_point(tmp_path, capsys):
     out = tmp_path / "out"
     assert table_points.main(["configs/h200_fwd_heldout.yaml", "--table", str(same), "--base", str(same),
                               "--sms", "132", "--out-dir", str(out)]) == 0
-    assert "plans differ on 0 of 40 points" in capsys.readouterr().out
+    assert "plans differ on 0 of 40 (model, layout) pairs" in capsys.readouterr().out
     assert not list(out.glob("*_tables_[0-9]*.yaml"))
 
 
@@ -39,7 +39,7 @@ def test_the_configs_hold_exactly_the_points_whose_plans_differ(tmp_path, capsys
         if a != b:
             assert a[0] == 128 and b[0] == 64
             want.add((p.model, p.seqlens))
-    assert want and f"plans differ on {len(want)} of 171 points" in capsys.readouterr().out
+    assert want and f"plans differ on {len(want)} of 171 (model, layout) pairs" in capsys.readouterr().out
     got = set()
     files = sorted(out.glob("h200_fwd_tables_[0-9]*.yaml"))
     for f in files:
@@ -63,3 +63,19 @@ def test_a_table_that_cannot_be_read_exits_2(tmp_path, capsys):
     bad.write_text(json.dumps(d))
     assert table_points.main(["configs/h200_fwd.yaml", "--table", str(bad), "--out-dir", str(tmp_path)]) == 2
     assert "fused" in capsys.readouterr().err
+
+
+def test_fwdbwd_rows_differ_only_by_the_backward_plan_and_a_nameless_config_takes_its_stem(tmp_path, capsys):
+    """Under fwdbwd the backend plans the forward with the GPU's table (only the backward's split
+    follows the parameter): a table that changes only forward plans leaves no fwdbwd point."""
+    cfg = tmp_path / "fb.yaml"
+    raw = yaml.safe_load(open("configs/h200_fwd.yaml"))
+    raw.pop("name")
+    raw.update(directions=["fwd", "fwdbwd"], seqlens=[[8192] * 4, [2048] * 8])
+    cfg.write_text(yaml.safe_dump(raw))
+    dear = _write_table(tmp_path / "dear.json", fused=100.0, fused_few=100.0)
+    assert table_points.main([str(cfg), "--table", str(dear), "--sms", "132", "--out-dir", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "fb_tables fwdbwd: plans differ on 0 of 18" in out and "fb_tables fwd: plans differ on 0 of 18" not in out
+    for f in (tmp_path / "o").glob("fb_tables_[0-9]*.yaml"):
+        assert yaml.safe_load(f.read_text())["directions"] == ["fwd"]

@@ -197,7 +197,8 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     done
   fi
   step tables 120 600 bash -c 'for n in h200_fwd_heldout h200_bwd h200_fwd; do
-    for f in /tmp/job/tables/${n}_tables_[0-9]*.yaml; do [ -f "$f" ] && { qlabench run "$f" --resume || exit 1; }; done; done'
+    for f in /tmp/job/tables/${n}_tables_[0-9]*.yaml; do [ -f "$f" ] || continue; qlabench run "$f" --resume || exit 1; done
+  done'
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
   step bwd_quick 120 600 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   step serving_bwd 120 700 qlabench run configs/h200_serving.yaml --direction bwd --backends fla,flashqla,tilelang \

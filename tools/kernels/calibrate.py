@@ -59,7 +59,8 @@ def experiments(sms: int) -> list[dict]:
       ``ROUNDS * sms`` short sequences, ``ROUNDS`` rounds;
     - prep:   ``sms`` sequences at G = 1 and G = 4 (per-v-head and per-q/k-head parts);
     - seg_state: sequences of 2L cut at L, a non-last segment 4 CTAs: ``sms // 2`` segments (two
-      CTAs per SM), ``sms // 4`` (one), ``sms // 32`` (at most 1/8 of one);
+      CTAs per SM), ``sms // 4`` (one), ``sms // 32`` (at most 1/8 of one), launched for the
+      non-last segments only;
     - fixup:  one sequence of n 256-token segments (n - 1 serial steps);
     - split / unsplit: the whole forward on one 4096-token sequence cut at 1024 and not cut
       (the split path's fixed cost, less what the model prices of it).
@@ -89,7 +90,8 @@ def experiments(sms: int) -> list[dict]:
 
 def _seg_state_grids(sms: int) -> tuple:
     """The segments of seg_state's one-per-SM and few-CTA experiments (4 CTAs each); on fewer
-    than 8 SMs one segment is both."""
+    than 8 SMs one segment is both. (On an odd SM count the two-per-SM grid leaves one SM a single
+    CTA, whose step is then the slope's if it is the slower.)"""
     return max(1, sms // 4), max(1, sms // 32)
 
 
@@ -276,7 +278,11 @@ def _time_experiment(e: dict, device, reps: int) -> float:
             x["q"], x["k"], x["v"], x["g"], x["beta"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
         )  # fmt: skip
     elif st.startswith("seg_state"):
-        fn = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"])  # noqa: E731
+        # the non-last segments only: the kernel launches 4 CTAs for a last segment too (they exit at
+        # once), and those would sit between the working ones in the order the SMs take CTAs
+        keep = (r["stab"][:, 2] >= 0) & (r["stab"][:, 5] == 0)
+        st_, n = r["stab"][keep].contiguous(), int(keep.sum())
+        fn = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], st_, r["e_end"][:n], r["m_tr"][:n])  # noqa: E731
     elif st == "fixup":
         fn = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])  # noqa: E731
     else:

@@ -8,10 +8,10 @@ For every (model, layout) of CONFIG and each of its directions, the in-repo kern
 plans with here, the GPU model's committed one or the default GPU's) and under ``--table``: the forward's (block_v, segment length) (:func:`plan.plan_fwd`), the
 backward's segment length (:func:`plan.plan_bwd_split`). A point whose plans are the same runs the
 same kernels under both tables, so only the others need timing: DIR/NAME_<k>.yaml, one config per
-model holding that model's differing layouts, all named NAME (one sweep: their runs share one
+model holding that model's differing layouts and directions, all named NAME (one sweep: their runs share one
 results directory), each with two backends, ``tilelang`` (the GPU's committed table) and LABEL
-(``tilelang`` with parameter ``cost_table`` = FILE), out ``runs/NAME``. Prints per direction how
-many points differ and writes DIR/NAME_plans.json (every point's plans). Exit 2 on a config or
+(``tilelang`` with parameter ``cost_table`` = FILE), out ``runs/NAME``. Prints per direction on how
+many (model, layout) pairs the plans differ and writes DIR/NAME_plans.json (every point's plans). Exit 2 on a config or
 table that cannot be read.
 """
 
@@ -31,7 +31,7 @@ def plans(h_qk: int, h_v: int, lens, direction: str, table, sms: int) -> dict:
 
     T, N = sum(lens), len(lens)
     out = {}
-    if direction in ("fwd", "fwdbwd"):
+    if direction == "fwd":  # under fwdbwd the forward is planned by the GPU's table (the backend's prepare)
         out["fwd"] = list(plan.plan_fwd(T, N, h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=table.fwd))
     if direction in ("bwd", "fwdbwd"):
         out["bwd"] = plan.plan_bwd_split(T, N, h_v, sms, list(lens), costs=table.bwd)
@@ -39,15 +39,16 @@ def plans(h_qk: int, h_v: int, lens, direction: str, table, sms: int) -> dict:
 
 
 def differing(raw: dict, base, table, sms: int):
-    """([(model entry, [layout entries])] whose plans differ, [per-point plan records])."""
-    from qlabench.config import MODEL_PRESETS, parse
+    """([(model entry, [layout entries], [directions])] whose plans differ, [per (model, layout)
+    plan records])."""
+    from qlabench.config import MODEL_PRESETS, Model, parse
 
     sweep = parse(raw)
     keep, records = [], []
     for m in sweep.resolved_models():  # a preset by its name, any other head config in full
         preset = MODEL_PRESETS.get(m.name)
-        m_raw = m.name if preset and tuple(preset[:2]) == (m.h_qk, m.h_v) else m.model_dump(exclude_defaults=True)
-        layouts = []
+        m_raw = m.name if preset and m == Model(name=m.name, h_qk=preset[0], h_v=preset[1]) else m.model_dump()
+        layouts, dirs = [], set()
         for l_raw, lens in zip(raw["seqlens"], sweep.resolved_layouts()):
             rec = dict(model=m.name, heads=f"{m.h_qk}/{m.h_v}", seqlens=list(lens), differs=[])
             for d in sweep.directions:
@@ -58,8 +59,9 @@ def differing(raw: dict, base, table, sms: int):
             records.append(rec)
             if rec["differs"]:
                 layouts.append(l_raw)
+                dirs.update(rec["differs"])
         if layouts:
-            keep.append((m_raw, layouts))
+            keep.append((m_raw, layouts, [d for d in sweep.directions if d in dirs]))
     return keep, records
 
 
@@ -85,8 +87,8 @@ def main(argv=None) -> int:
     from qlabench.config import ConfigError, load
 
     try:
-        load(a.config)
-        raw = yaml.safe_load(pathlib.Path(a.config).read_text())
+        sweep_name = load(a.config).name
+        raw = dict(yaml.safe_load(pathlib.Path(a.config).read_text()), name=sweep_name)  # load's default name too
         table = calibration.from_file(a.table)
         base = calibration.from_file(a.base) if a.base else calibration.for_device(_device())
     except (ConfigError, ValueError, OSError) as e:
@@ -99,20 +101,21 @@ def main(argv=None) -> int:
     if a.sms <= 0:
         print(f"error: --sms {a.sms}: must be positive", file=sys.stderr)
         return 2
-    name = a.name or f"{raw['name']}_tables"
+    name = a.name or f"{sweep_name}_tables"
     keep, records = differing(raw, base, table, a.sms)
     out = pathlib.Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob(f"{name}_[0-9]*.yaml"):
         old.unlink()
     backends = ["tilelang", {"name": "tilelang", "label": a.label, "params": {"cost_table": str(pathlib.Path(a.table).resolve())}}]
-    for k, (m_raw, layouts) in enumerate(keep):
-        d = dict(raw, name=name, models=[m_raw], seqlens=layouts, backends=backends, out=f"runs/{name}")
+    for k, (m_raw, layouts, dirs) in enumerate(keep):
+        d = dict(raw, name=name, models=[m_raw], seqlens=layouts, directions=dirs, backends=backends,
+                 out=f"runs/{name}")
         (out / f"{name}_{k}.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
     (out / f"{name}_plans.json").write_text(json.dumps(records, indent=1))
-    for d in raw.get("directions", ["fwd"]):
+    for d in load(a.config).directions:
         n = sum(d in r["differs"] for r in records)
-        print(f"{name} {d}: plans differ on {n} of {len(records)} points")
+        print(f"{name} {d}: plans differ on {n} of {len(records)} (model, layout) pairs")
     print(f"{name}: {len(keep)} config(s) in {out}")
     return 0
 
