@@ -46,6 +46,20 @@ def _load_table(path: str):
     return from_file(path)
 
 
+def table_plans(lens, h_qk: int, h_v: int, sms: int, direction: str, table) -> dict:
+    """The choices ``cost_table`` makes for one batch: ``fwd`` (block_v, segment tokens) when the
+    direction is fwd (under fwdbwd the forward keeps the GPU's table), ``bwd`` (segment tokens) when
+    it runs the backward. ``table``: a :class:`qlabench_kernels.calibration.CostTable`."""
+    import qlabench_kernels as qk
+
+    out = {}
+    if direction == "fwd":
+        out["fwd"] = qk.plan_fwd(sum(lens), len(lens), h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=table.fwd)
+    if direction in ("bwd", "fwdbwd"):
+        out["bwd"] = qk.plan_bwd_split(sum(lens), len(lens), h_v, sms, seqlens=list(lens), costs=table.bwd)
+    return out
+
+
 def _cost_table_file():
     """The cost table file the kernels' planners read here (``qlabench_kernels.calibration``)."""
     import qlabench_kernels.calibration as cal
@@ -114,12 +128,13 @@ class TileLangBackend(Backend):
         # the planner's forward choices replaced by the parameters (none: the planner's)
         fwd_kw = (dict(split_tokens=p.fwd_split_tokens, block_v=p.fwd_block_v, seqlens=lens)
                   if p.fwd_block_v is not None or p.fwd_split_tokens is not None else {})
+        planned = {}
         if p.cost_table is not None:  # the planners' choices under that table, made here on the host
             from qlabench_kernels.plan import sm_count
-            table = _load_table(p.cost_table)
-            if direction == "fwd" and not fwd_kw:
-                bv, seg = qk.plan_fwd(sum(lens), len(lens), x.v.shape[2], sm_count(x.v.device), seqlens=lens,
-                                      h_qk=x.q.shape[2], costs=table.fwd)
+            planned = table_plans(lens, x.q.shape[2], x.v.shape[2], sm_count(x.v.device), direction,
+                                  _load_table(p.cost_table))
+            if "fwd" in planned and not fwd_kw:
+                bv, seg = planned["fwd"]
                 fwd_kw = dict(split_tokens=seg, block_v=bv, seqlens=lens)
 
         def fwd():
@@ -146,9 +161,8 @@ class TileLangBackend(Backend):
         bwd_kw = {}
         if p.bwd_split_tokens is not None:
             bwd_kw["split_tokens"] = p.bwd_split_tokens
-        elif p.cost_table is not None:
-            bwd_kw["split_tokens"] = qk.plan_bwd_split(sum(lens), len(lens), x.v.shape[2], sm_count(x.v.device),
-                                                       seqlens=lens, costs=table.bwd)
+        elif "bwd" in planned:
+            bwd_kw["split_tokens"] = planned["bwd"]
         if not p.bwd_streams:
             bwd_kw["streams"] = False
 

@@ -5,8 +5,8 @@
 
 For every (model, layout) of CONFIG and each of its directions, the in-repo kernels' plan on
 ``--sms`` SMs (default: the GPU's, else the default table's) under ``--base`` (default: the table ``tilelang``
-plans with here, the GPU model's committed one or the default GPU's) and under ``--table``: the forward's (block_v, segment length) (:func:`plan.plan_fwd`), the
-backward's segment length (:func:`plan.plan_bwd_split`). A point whose plans are the same runs the
+plans with here, the GPU model's committed one or the default GPU's) and under ``--table``: what the ``tilelang`` backend plans under a table
+(:func:`qlabench.backends.tilelang.table_plans`). A point whose plans are the same runs the
 same kernels under both tables, so only the others need timing: DIR/NAME_<k>.yaml, one config per
 model holding that model's differing layouts and directions, all named NAME (one sweep: their runs share one
 results directory), each with two backends, ``tilelang`` (the GPU's committed table) and LABEL
@@ -25,25 +25,12 @@ import sys
 import yaml
 
 
-def plans(h_qk: int, h_v: int, lens, direction: str, table, sms: int) -> dict:
-    """The in-repo kernels' choices for one point under ``table`` (a :class:`CostTable`)."""
-    from qlabench_kernels import plan
-
-    T, N = sum(lens), len(lens)
-    out = {}
-    if direction == "fwd":  # under fwdbwd the forward is planned by the GPU's table (the backend's prepare)
-        out["fwd"] = list(plan.plan_fwd(T, N, h_v, sms, seqlens=list(lens), h_qk=h_qk, costs=table.fwd))
-    if direction in ("bwd", "fwdbwd"):
-        out["bwd"] = plan.plan_bwd_split(T, N, h_v, sms, list(lens), costs=table.bwd)
-    return out
-
-
-def differing(raw: dict, base, table, sms: int):
+def differing(sweep, raw: dict, base, table, sms: int):
     """([(model entry, [layout entries], [directions])] whose plans differ, [per (model, layout)
-    plan records])."""
-    from qlabench.config import MODEL_PRESETS, Model, parse
+    plan records]); ``sweep`` the loaded config, ``raw`` its YAML."""
+    from qlabench.backends.tilelang import table_plans
+    from qlabench.config import MODEL_PRESETS, Model
 
-    sweep = parse(raw)
     keep, records = [], []
     for m in sweep.resolved_models():  # a preset by its name, any other head config in full
         preset = MODEL_PRESETS.get(m.name)
@@ -52,7 +39,7 @@ def differing(raw: dict, base, table, sms: int):
         for l_raw, lens in zip(raw["seqlens"], sweep.resolved_layouts()):
             rec = dict(model=m.name, heads=f"{m.h_qk}/{m.h_v}", seqlens=list(lens), differs=[])
             for d in sweep.directions:
-                a, b = plans(m.h_qk, m.h_v, lens, d, base, sms), plans(m.h_qk, m.h_v, lens, d, table, sms)
+                a, b = (table_plans(lens, m.h_qk, m.h_v, sms, d, t) for t in (base, table))
                 rec[d] = dict(base=a, table=b)
                 if a != b:
                     rec["differs"].append(d)
@@ -87,8 +74,8 @@ def main(argv=None) -> int:
     from qlabench.config import ConfigError, load
 
     try:
-        sweep_name = load(a.config).name
-        raw = dict(yaml.safe_load(pathlib.Path(a.config).read_text()), name=sweep_name)  # load's default name too
+        sweep = load(a.config)
+        raw = yaml.safe_load(pathlib.Path(a.config).read_text())
         table = calibration.from_file(a.table)
         base = calibration.from_file(a.base) if a.base else calibration.for_device(_device())
     except (ConfigError, ValueError, OSError) as e:
@@ -101,8 +88,8 @@ def main(argv=None) -> int:
     if a.sms <= 0:
         print(f"error: --sms {a.sms}: must be positive", file=sys.stderr)
         return 2
-    name = a.name or f"{sweep_name}_tables"
-    keep, records = differing(raw, base, table, a.sms)
+    name = a.name or f"{sweep.name}_tables"
+    keep, records = differing(sweep, raw, base, table, a.sms)
     out = pathlib.Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob(f"{name}_[0-9]*.yaml"):
@@ -113,7 +100,7 @@ def main(argv=None) -> int:
                  out=f"runs/{name}")
         (out / f"{name}_{k}.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
     (out / f"{name}_plans.json").write_text(json.dumps(records, indent=1))
-    for d in load(a.config).directions:
+    for d in sweep.directions:
         n = sum(d in r["differs"] for r in records)
         print(f"{name} {d}: plans differ on {n} of {len(records)} (model, layout) pairs")
     print(f"{name}: {len(keep)} config(s) in {out}")
