@@ -30,12 +30,12 @@
 #                on this GPU and the planners' picks under them on synthetic batches (into $J/checks: cost_table.json,
 #                to commit as kernels/cost_tables/<gpu>.json, calibration_checks.json, calibration_timings.json); needs the
 #                cache of `qlabench precompile calibration`;
-#   fwd_prev     tilelang vs tilelang@prev on the forward sweep (configs/h200_fwd_kernels_prev.yaml; at most
-#                420 s, before `tables`);
 #   tables       configs/h200_fwd_heldout.yaml, h200_bwd.yaml and h200_fwd.yaml (in this order), the in-repo kernels only, planned
 #                by the committed table (`tilelang`) and by the one calibrate measured (`tl-measured`, its
 #                `cost_table` parameter) side by side, into runs/<config>_tables (at most 600 s): only the points whose
 #                plans differ (tools/kernels/table_points.py; the counts into $J/checks/table_points.txt);
+#   fwd_prev     tilelang vs tilelang@prev on the forward sweep (configs/h200_fwd_kernels_prev.yaml; at most
+#                420 s, after `tables`);
 #   check_bwd    tools/kernels/check_bwd.py --quick [--cases $CHECK_BWD_CASES, set at setup]: every
 #                backward stage against its emulation, the gradients against the reference, stage
 #                times (into $J/checks);
@@ -188,7 +188,6 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step calibrate 60 300 python3 -m qlabench_tools.kernels.calibrate --out "$J/checks/cost_table.json" \
     --timings "$J/checks/calibration_timings.json" \
     --checks "$J/checks/calibration_checks.json"
-  step fwd_prev 120 420 qlabench run configs/h200_fwd_kernels_prev.yaml --resume
   if wants tables && [ -f "$J/checks/cost_table.json" ]; then  # the points whose plans differ under the two tables
     rm -rf "$J/tables"
     for n in h200_fwd_heldout h200_bwd h200_fwd; do
@@ -199,6 +198,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step tables 120 600 bash -c 'for n in h200_fwd_heldout h200_bwd h200_fwd; do
     for f in /tmp/job/tables/${n}_tables_[0-9]*.yaml; do [ -f "$f" ] || continue; qlabench run "$f" --resume || exit 1; done
   done'
+  step fwd_prev 120 420 qlabench run configs/h200_fwd_kernels_prev.yaml --resume
   step check_bwd 60 240 env OUT="$J/checks" python3 -m qlabench_tools.kernels.check_bwd --quick ${CHECK_BWD_CASES:+--cases "$CHECK_BWD_CASES"}
   step bwd_quick 120 600 qlabench run configs/h200_bwd_quick.yaml --out runs/h200_bwd_quick --resume
   step serving_bwd 120 700 qlabench run configs/h200_serving.yaml --direction bwd --backends fla,flashqla,tilelang \

@@ -10,7 +10,8 @@
 # full check_fused timing for TIMEFULL; for each name in PREP (base or a variant) prep alone
 # (tools/kernels/check_fwd.py --stage prep on PREP_CASES: its outputs against the mirror, every slicing
 # timed) and the whole forward on FWD_CASES (check_fwd --quick: against the fp32 recurrence, stages,
-# timings). Everything into one $OUT/ab.tgz (the device returns few files).
+# timings). SMALL=0 skips the fused kernel's small checks (a variant of prep alone).
+# Everything into one $OUT/ab.tgz (the device returns few files).
 #   VARIANTS="A B" TRACE="base A" bash scripts/airgapped/h200_fused_ab.sh 2>&1 | tee $OUT/ab.log
 set -uo pipefail
 : "${VARIANTS:?VARIANTS='name ...' (each VARIANT_DIR/pkg_name/qlabench_kernels)}"
@@ -28,9 +29,11 @@ run_v() {  # name [pkg]
     python3 -m qlabench_tools.kernels.check_fused --cases small --fused-only ${TIMING:+--timing "$TIMING"} > "$OUT/$name/log" 2>&1
   log "$name: exit $?"; grep -E "ok=|fused_ms|Error|error" "$OUT/$name/log" | sed 's/^/    /' | cut -c1-220
 }
-run_v base
-for v in $VARIANTS; do run_v "$v" "${VARIANT_DIR:-.run/var}/pkg_$v"; done
-run_v base2
+if [ "${SMALL:-1}" = 1 ]; then
+  run_v base
+  for v in $VARIANTS; do run_v "$v" "${VARIANT_DIR:-.run/var}/pkg_$v"; done
+  run_v base2
+fi
 for v in ${TRACE:-base}; do
   mkdir -p "$OUT/trace_$v"; pkg=""; [ "$v" != base ] && pkg=$PWD/${VARIANT_DIR:-.run/var}/pkg_$v
   PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/trace_$v timeout --kill-after=10 90 \
