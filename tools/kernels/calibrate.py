@@ -60,7 +60,7 @@ def experiments(sms: int) -> list[dict]:
     - prep:   ``sms`` sequences at G = 1 and G = 4 (per-v-head and per-q/k-head parts);
     - seg_state: sequences of 2L cut at L, a non-last segment 4 CTAs: ``sms // 2`` segments (two
       CTAs per SM), ``sms // 4`` (one), ``sms // 32`` (at most 1/8 of one), launched for the
-      non-last segments only;
+      non-last segments only; ``ROUNDS * sms / 4`` short segments ``ROUNDS / 2`` rounds of two per SM;
     - fixup:  one sequence of n 256-token segments (n - 1 serial steps);
     - split / unsplit: the whole forward on one 4096-token sequence cut at 1024 and not cut
       (the split path's fixed cost, less what the model prices of it).
@@ -81,6 +81,8 @@ def experiments(sms: int) -> list[dict]:
         out.append(dict(stage="seg_state_few", x=L, heads=(1, 1), seqlens=(2 * L,) * few_s, split=L, block_v=64))
     out.append(dict(stage="fwd_o_many", x=0, heads=(1, 1), seqlens=(SHORT,) * (ROUNDS * sms // 2), split=0, block_v=64))
     out.append(dict(stage="fused_many", x=0, heads=(1, 1), seqlens=(SHORT,) * (ROUNDS * sms), split=0, block_v=128))
+    out.append(dict(stage="seg_state_many", x=0, heads=(1, 1), seqlens=(2 * SHORT,) * (ROUNDS * sms // 4), split=SHORT,
+                    block_v=64))  # fmt: skip
     for n in FIXUP_SEGMENTS:
         out.append(dict(stage="fixup", x=n, heads=(1, 1), seqlens=(256 * n,), split=256, block_v=64))
     out.append(dict(stage="total_split", x=0, heads=(1, 1), seqlens=(4096,), split=1024, block_v=64))
@@ -160,7 +162,10 @@ def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
     cta_o = overhead("cta_fwd_o", (times_us[("fwd_o_many", 0)] - r2 * short * fwd_o - i_o) / (r2 - 1),
                      ("fwd_o_many", 0))  # fmt: skip
     kernel = overhead("kernel", ((i_f - cta_f) + (i_o - cta_o)) / 2, ("fwd_o", L1))
-    cta_s = overhead("cta_seg_state", times_us[("seg_state", L1)] - c1 * seg_state - kernel, ("seg_state", L1))
+    # seg_state's like fwd_o's; its own fixed cost is part of the split path's (``launch``, below)
+    i_s = times_us[("seg_state", L1)] - c1 * seg_state
+    cta_s = overhead("cta_seg_state", (times_us[("seg_state_many", 0)] - r2 * short * seg_state - i_s) / (r2 - 1),
+                     ("seg_state_many", 0))  # fmt: skip
     vals = dict(steps, launch=0.0, cta_fwd_o=cta_o * alone / fwd_o, cta_fused=cta_f,
                 cta_seg_state=cta_s * alone_ss / seg_state,
                 kernel=kernel)  # fmt: skip
