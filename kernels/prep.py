@@ -13,8 +13,8 @@ nv are launch arguments, ``plan.prep_slices`` picks them), for each:
 The fused kernel's aux algorithm (``fwd_fused``) per (chunk, v-head): warps 0..3 first take the
 cumsum by warp shuffles and write the per-token gate table of one v-head each (g_cs, β, the row
 factors β e^{g − m} and scale e^{g − m}, the column factors e^{m − g}, the factored-gating flag).
-Then two loops over the v-heads: P for each (Q Kᵀ on wgmma, re-issued per v-head from the shared
-q / k, gated in registers by that v-head's factors where its flag allows it, else per element;
+Then two loops over the v-heads: P for each (Q Kᵀ on wgmma once for the CTA, kept in registers,
+gated by that v-head's factors where its flag allows it, else per element;
 stmatrix, TMA store), after which q is dead; then L and A_β for each: K Kᵀ gated alike into L
 (fp16), D = blockdiag((I + L_bb)⁻¹) over the 16x16 diagonal blocks by substitution (64 threads),
 N = D L without its diagonal blocks (N⁴ = 0), then in registers R₁ = I − N, R₂ = I − R₁ N,
@@ -85,6 +85,7 @@ def prep_program(h_qk: int, h_v: int):
             db_sh = T.alloc_shared((C, C), "float16")
             a_acc = T.alloc_fragment((C, C), "float32")
             p_acc = T.alloc_fragment((C, C), "float32")
+            s_acc = T.alloc_fragment((C, C), "float32")  # Q Kᵀ, once for the CTA's v-heads
             r16 = T.alloc_fragment((C, C), "float16")  # Rₖ, the A operand of the inverse's rounds
             gi = T.alloc_fragment((C,), "float32")
             bi = T.alloc_fragment((C,), "float32")
@@ -144,27 +145,27 @@ def prep_program(h_qk: int, h_v: int):
                         gt_sh[vr, 5, 2 * lane + r] = T.if_then_else(mono != 0, T.float32(1), T.float32(0))
             T.fence_proxy_async()
             T.sync_threads()
-            # P for every v-head of the group first: q dies after this loop
+            # P for every v-head of the group first, each gated from one Q Kᵀ: q dies after this loop
+            T.gemm(q_sh, k_sh, s_acc, transpose_B=True, clear_accum=True)
             for v in T.serial(nv):
                 # the previous v-head's TMA store has read p_sh (its issuer waited)
                 T.sync_threads()
                 fac = gt_sh[v, 5, 0]
                 # P = scale · Γ ⊙ Q Kᵀ (causal), gated as the fused kernel's aux does
-                T.gemm(q_sh, k_sh, p_acc, transpose_B=True, clear_accum=True)
                 if fac != T.float32(0):
                     for i in T.Parallel(C):
                         gi[i] = gt_sh[v, 3, i]
                     for j in T.Parallel(C):
                         cj[j] = gt_sh[v, 4, j]
                     for i, j in T.Parallel(C, C):
-                        p_acc[i, j] = T.if_then_else(i >= j, gi[i] * cj[j] * p_acc[i, j], T.float32(0))
+                        p_acc[i, j] = T.if_then_else(i >= j, gi[i] * cj[j] * s_acc[i, j], T.float32(0))
                 else:
                     for i in T.Parallel(C):
                         gi[i] = gt_sh[v, 0, i]
                     for i, j in T.Parallel(C, C):
                         p_acc[i, j] = T.if_then_else(
                             i >= j,
-                            scale * T.exp(T.min(gi[i] - gt_sh[v, 0, j], T.float32(0))) * p_acc[i, j],
+                            scale * T.exp(T.min(gi[i] - gt_sh[v, 0, j], T.float32(0))) * s_acc[i, j],
                             T.float32(0),
                         )
                 T.copy(p_acc, p_sh)
