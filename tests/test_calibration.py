@@ -291,7 +291,7 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
     record = {}
     fwd, checks = calibrate.measure_fwd("cpu", reps=1, echo=lambda *a: None, record=record)
     assert fwd.unit == "us" and len(checks) == len(calibrate.CHECKS)
-    assert len(record["fwd"]) == len(calibrate.experiments(4))  # every timing the fit took
+    assert len(record["fwd"]) == len(calibrate.experiments(4)) + len(calibrate.probes(4))  # every timing taken
     for row, (_, _, lens) in zip(checks, calibrate.CHECKS):  # every candidate's time, the pick's among them
         assert set(row["times"]) == {calibrate._cand(c) for c in plan.fwd_candidates(lens, 4)}
         assert row["times"][calibrate._cand(tuple(row["pick"]))] == row["pick_us"]

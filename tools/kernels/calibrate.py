@@ -90,6 +90,22 @@ def experiments(sms: int) -> list[dict]:
     return out
 
 
+def probes(sms: int) -> list[dict]:
+    """Timings recorded beside :func:`experiments` (``--timings``) but not fitted: what the model
+    does not price yet, for its next form to be fitted offline. fwd_o at heads 1/4 (G v-heads share
+    Q and K through L2; the fitted steps are at 1/1, where each CTA reads its own): ``sms // 4``
+    sequences (two CTAs per SM) and ``sms // 8`` (about one); seg_state launched as the forward
+    launches it, its last segments' CTAs included (they exit at once)."""
+    out = []
+    for L in LENGTHS:
+        out.append(dict(stage="fwd_o_g4", x=L, heads=(1, 4), seqlens=(L,) * max(1, sms // 4), split=0, block_v=64))
+        out.append(dict(stage="fwd_o_alone_g4", x=L, heads=(1, 4), seqlens=(L,) * max(1, sms // 8), split=0,
+                        block_v=64))  # fmt: skip
+        out.append(dict(stage="seg_state_launched", x=L, heads=(1, 1), seqlens=(2 * L,) * max(1, sms // 4), split=L,
+                        block_v=64))  # fmt: skip
+    return out
+
+
 def _seg_state_grids(sms: int) -> tuple:
     """The segments of seg_state's one-per-SM and few-CTA experiments (4 CTAs each); on fewer
     than 8 SMs one segment is both. (On an odd SM count the two-per-SM grid leaves one SM a single
@@ -282,6 +298,8 @@ def _time_experiment(e: dict, device, reps: int) -> float:
         fn = lambda: run_fwd_fused(  # noqa: E731
             x["q"], x["k"], x["v"], x["g"], x["beta"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
         )  # fmt: skip
+    elif st == "seg_state_launched":  # every segment slot, as the forward launches it
+        fn = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"])  # noqa: E731
     elif st.startswith("seg_state"):
         # the non-last segments only: the kernel launches 4 CTAs for a last segment too (they exit at
         # once), and those would sit between the working ones in the order the SMs take CTAs
@@ -383,14 +401,14 @@ def _time_all(exps, time_one, device, reps: int, echo) -> dict:
 
 
 def measure_fwd(device=None, reps: int = 10, echo=print, compare=None, record=None) -> tuple[FwdCosts, list[dict]]:
-    """Time :func:`experiments` on ``device`` (the current CUDA device), fit the forward's costs
-    (:func:`fit_fwd`) and check them (:func:`check_table`). ``record`` (a dict): gets the timings
-    the fit took, ``record['fwd'][stage@x]`` in µs, before the fit (a refused fit keeps them)."""
+    """Time :func:`experiments` and :func:`probes` on ``device`` (the current CUDA device), fit the
+    forward's costs (:func:`fit_fwd`) and check them (:func:`check_table`). ``record`` (a dict): gets
+    the timings, ``record['fwd'][stage@x]`` in µs, before the fit (a refused fit keeps them)."""
     import torch
 
     device = torch.device("cuda") if device is None else torch.device(device)
     sms = plan.sm_count(device)
-    times = _time_all(experiments(sms), _time_experiment, device, reps, echo)
+    times = _time_all(experiments(sms) + probes(sms), _time_experiment, device, reps, echo)
     if record is not None:
         record["fwd"] = {f"{st}@{x}": t for (st, x), t in times.items()}
     fwd = fit_fwd(times, sms)
