@@ -94,7 +94,7 @@ def _model_times(c: calibration.FwdCosts, sms: int) -> dict:
 def test_the_fit_recovers_the_costs_that_made_the_timings(sms):
     got = calibrate.fit_fwd(_model_times(TRUTH, sms), sms)
     # on fewer than 8 SMs seg_state's two grids are one (a segment is 4 CTAs): one step for both
-    inseparable = ("seg_state_alone", "seg_state_few", "cta_seg_state", "launch") if sms < 8 else ()
+    inseparable = ("seg_state_alone", "seg_state_few", "cta_seg_state") if sms < 8 else ()
     for f in dataclasses.fields(TRUTH):
         if f.name != "unit" and f.name not in inseparable:
             assert getattr(got, f.name) == pytest.approx(getattr(TRUTH, f.name), rel=1e-9), f.name
@@ -245,9 +245,11 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
     import torch
     from qlabench_kernels import backward, fixup, forward, fwd_fused, fwd_o, prep, seg_state
 
-    calls, batch = [], {}
+    calls, batch, seg_rows = [], {}, {}
     t = torch.zeros(2, 2)
-    inter = dict(ctab=t, p_all=t, gcs=t, a_beta=t, stab=torch.zeros(3, 8, dtype=torch.int32), o=t, final_state=t, e_end=t, m_tr=t,
+    stab = torch.zeros(3, 8, dtype=torch.int32)
+    stab[1, 5] = 1  # a last segment: the fitted seg_state experiments leave it out, the launched probe keeps it
+    inter = dict(ctab=t, p_all=t, gcs=t, a_beta=t, stab=stab, o=t, final_state=t, e_end=t, m_tr=t,
                  cu_segs=torch.zeros(3, dtype=torch.int32), h_start=t, f_start=t, d_end=t, dh0=t, pt_all=t,
                  w_all=t, dh_all=t, dvnew=t, split_tokens=0, block_v=64)  # fmt: skip
 
@@ -258,6 +260,8 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
             inspect.signature(real).bind(*a, **k)
             calls.append(name)
             batch["split"] = int(k.get("split_tokens") or 0)
+            if name == "run_seg_state":
+                seg_rows[batch["stage"]] = a[4].shape[0]  # the segment table it was launched with
             return out
 
         monkeypatch.setattr(mod, name, fake)
@@ -285,13 +289,21 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
         walk = batch["split"] if calls[-1] == "run_seg_state" else max(lens)  # seg_state walks one segment
         return 5.0 + split + 0.01 * walk + spread * sum(lens) * h_v + 0.5 * len(lens) * h_v  # per CTA
 
+    real_time = calibrate._time_experiment
+
+    def time_experiment(e, device, reps):
+        batch["stage"] = e["stage"]
+        return real_time(e, device, reps)
+
     monkeypatch.setattr(calibrate, "_inputs", inputs)
     monkeypatch.setattr(calibrate, "_graph_us", timer)
+    monkeypatch.setattr(calibrate, "_time_experiment", time_experiment)
     monkeypatch.setattr(plan, "sm_count", lambda device: 4)
     record = {}
     fwd, checks = calibrate.measure_fwd("cpu", reps=1, echo=lambda *a: None, record=record)
     assert fwd.unit == "us" and len(checks) == len(calibrate.CHECKS)
     assert len(record["fwd"]) == len(calibrate.experiments(4)) + len(calibrate.probes(4))  # every timing taken
+    assert seg_rows.pop("seg_state_launched") == 3 and set(seg_rows.values()) == {2}, seg_rows
     for row, (_, _, lens) in zip(checks, calibrate.CHECKS):  # every candidate's time, the pick's among them
         assert set(row["times"]) == {calibrate._cand(c) for c in plan.fwd_candidates(lens, 4)}
         assert row["times"][calibrate._cand(tuple(row["pick"]))] == row["pick_us"]

@@ -14,7 +14,7 @@
 # Everything into one $OUT/ab.tgz (the device returns few files).
 #   VARIANTS="A B" TRACE="base A" bash scripts/airgapped/h200_fused_ab.sh 2>&1 | tee $OUT/ab.log
 set -uo pipefail
-: "${VARIANTS:?VARIANTS='name ...' (each VARIANT_DIR/pkg_name/qlabench_kernels)}"
+[ "${SMALL:-1}" = 1 ] && : "${VARIANTS:?VARIANTS='name ...' (each VARIANT_DIR/pkg_name/qlabench_kernels)}"
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/abo; rm -rf $OUT; mkdir -p "$OUT" "$FINAL"; T0=$(date +%s)
 log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
 source .devsite/setup.sh || exit 1

@@ -173,15 +173,15 @@ def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
     i_f = times_us[("fused", L1)] - c1 * fused
     cta_f = overhead("cta_fused", (times_us[("fused_many", 0)] - ROUNDS * short * fused - i_f) / (ROUNDS - 1),
                      ("fused_many", 0))  # fmt: skip
-    r2 = ROUNDS // 2  # fwd_o's rounds of two CTAs per SM; its overheads in the shared step's time
-    i_o = times_us[("fwd_o", L1)] - c1 * fwd_o
-    cta_o = overhead("cta_fwd_o", (times_us[("fwd_o_many", 0)] - r2 * short * fwd_o - i_o) / (r2 - 1),
-                     ("fwd_o_many", 0))  # fmt: skip
+    def paired(stage, step):  # (one round's intercept, a CTA's overhead in the shared step's time)
+        r2 = ROUNDS // 2  # rounds of two CTAs per SM
+        i = times_us[(stage, L1)] - c1 * step
+        many = (f"{stage}_many", 0)
+        return i, overhead(f"cta_{stage}", (times_us[many] - r2 * short * step - i) / (r2 - 1), many)
+
+    i_o, cta_o = paired("fwd_o", fwd_o)
     kernel = overhead("kernel", ((i_f - cta_f) + (i_o - cta_o)) / 2, ("fwd_o", L1))
-    # seg_state's like fwd_o's; its own fixed cost is part of the split path's (``launch``, below)
-    i_s = times_us[("seg_state", L1)] - c1 * seg_state
-    cta_s = overhead("cta_seg_state", (times_us[("seg_state_many", 0)] - r2 * short * seg_state - i_s) / (r2 - 1),
-                     ("seg_state_many", 0))  # fmt: skip
+    _, cta_s = paired("seg_state", seg_state)  # its own fixed cost is the split path's (``launch``, below)
     vals = dict(steps, launch=0.0, cta_fwd_o=cta_o * alone / fwd_o, cta_fused=cta_f,
                 cta_seg_state=cta_s * alone_ss / seg_state,
                 kernel=kernel)  # fmt: skip
@@ -395,7 +395,7 @@ def _time_all(exps, time_one, device, reps: int, echo) -> dict:
     times = {}
     for e in exps:
         times[_key(e)] = time_one(e, device, reps)
-        echo(f"  {e['stage']:14s} heads {e['heads'][0]}/{e['heads'][1]} {len(e['seqlens'])}x{e['seqlens'][0]:<6d} "
+        echo(f"  {e['stage']:18s} heads {e['heads'][0]}/{e['heads'][1]} {len(e['seqlens'])}x{e['seqlens'][0]:<6d} "
              f"split {e['split']:5d}: {times[_key(e)]:9.1f} us")  # fmt: skip
     return times
 
@@ -455,7 +455,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--checks", type=pathlib.Path, default=None, help="write the planner check rows here (JSON)")
     ap.add_argument("--timings", type=pathlib.Path, default=None,
-                    help="write the timings the fits took here (JSON, µs), a refused fit's too")
+                    help="write the timings the fits took and the probes' here (JSON, µs), a refused fit's too")
     ap.add_argument("--fwd-only", action="store_true", help="measure the forward's costs only (keep the backward's)")
     args = ap.parse_args(argv)
     if args.reps < 1:
