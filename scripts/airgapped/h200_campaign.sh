@@ -30,9 +30,10 @@
 #                on this GPU and the planners' picks under them on synthetic batches (into $J/checks: cost_table.json,
 #                to commit as kernels/cost_tables/<gpu>.json, calibration_checks.json, calibration_timings.json); needs the
 #                cache of `qlabench precompile calibration`;
-#   tables       configs/h200_fwd_heldout.yaml, h200_bwd.yaml and h200_fwd.yaml (in this order), the in-repo kernels only, planned
+#   tables       configs/h200_fwd_heldout.yaml, h200_fwd.yaml and h200_bwd.yaml (in this order: the forward's decision needs the first two), the in-repo kernels only, planned
 #                by the committed table (`tilelang`) and by the one calibrate measured (`tl-measured`, its
-#                `cost_table` parameter) side by side, into runs/<config>_tables (at most 600 s): only the points whose
+#                `cost_table` parameter) side by side, into runs/<config>_tables (at most TABLES_S s, set at setup,
+#                default 1000; ~4 s a row): only the points whose
 #                plans differ (tools/kernels/table_points.py; the counts into $J/checks/table_points.txt);
 #   fwd_prev     tilelang vs tilelang@prev on the forward sweep (configs/h200_fwd_kernels_prev.yaml; at most
 #                420 s, after `tables`);
@@ -123,6 +124,7 @@ export QLABENCH_GIT_SHA=${SHA:-unknown}
 export JOB_STEPS="${JOB_STEPS:-bwd_prev suite_first campaign suite_warm}"
 export CHECK_BWD_CASES="${CHECK_BWD_CASES:-}"
 export CORRECTNESS_ONLY="${CORRECTNESS_ONLY:-}"
+export TABLES_S="${TABLES_S:-1000}"
 EOF
   source "$ENVF"
   (cd /tmp/repo && python3 -m pip install -q --no-deps --no-build-isolation -e . > "$J/install.log" 2>&1) \
@@ -190,12 +192,12 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     --checks "$J/checks/calibration_checks.json"
   if wants tables && [ -f "$J/checks/cost_table.json" ]; then  # the points whose plans differ under the two tables
     rm -rf "$J/tables"
-    for n in h200_fwd_heldout h200_bwd h200_fwd; do
+    for n in h200_fwd_heldout h200_fwd h200_bwd; do
       python3 -m qlabench_tools.kernels.table_points configs/$n.yaml --table "$J/checks/cost_table.json" \
         --out-dir "$J/tables" | tee -a "$J/checks/table_points.txt"
     done
   fi
-  step tables 120 600 bash -c 'for n in h200_fwd_heldout h200_bwd h200_fwd; do
+  step tables 120 "${TABLES_S:-1000}" bash -c 'for n in h200_fwd_heldout h200_fwd h200_bwd; do
     for f in /tmp/job/tables/${n}_tables_[0-9]*.yaml; do [ -f "$f" ] || continue; qlabench run "$f" --resume || exit 1; done
   done'
   step fwd_prev 120 420 qlabench run configs/h200_fwd_kernels_prev.yaml --resume
