@@ -53,8 +53,9 @@ def _label_table(row, overrides: dict, committed):
 
 def rows_of(df, price, overrides: dict, sms: int) -> list[dict]:
     """One record per ok forward row of the in-repo kernels: its plan, the model's price, the latency."""
-    from qlabench.backends.tilelang import table_plans
     from qlabench_kernels import calibration, plan
+
+    from qlabench.backends.tilelang import table_plans
 
     def committed(gpu):
         path = calibration.table_path(gpu)
