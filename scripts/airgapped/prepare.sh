@@ -13,7 +13,7 @@
 #                                 also .run/prevkernels/qlabench_kernels (the `tilelang@prev` label)
 #   ab       (only when named, with AB="NAME=REF ...") the kernel variants of an A/B
 #            (scripts/airgapped/h200_fused_ab.sh): .run/var/pkg_NAME/qlabench_kernels = kernels/ of
-#            git REF, each compiled with the tree's for AB_HEADS (the kernels AB_KERNELS names, default
+#            git REF and qlabench_tools = its tools/ (the checks that call the variant's kernels), each compiled with the tree's for AB_HEADS (the kernels AB_KERNELS names, default
 #            fwd_fused prep tables; tools/kernels/res_usage.py, which prints their registers and stack and
 #            needs cuobjdump) into .tlcache/fused.tar.xz
 # $SHARED: the shared folder beside the repository (default ../shared). Caches travel packed without
@@ -66,10 +66,11 @@ for part in $PARTS; do
       ab_compile || rc=1
       for v in $AB; do
         name=${v%%=*} ref=${v#*=}
-        rm -rf ".run/var/pkg_$name" && mkdir -p ".run/var/pkg_$name/qlabench_kernels" \
+        rm -rf ".run/var/pkg_$name" && mkdir -p ".run/var/pkg_$name/qlabench_kernels" ".run/var/pkg_$name/qlabench_tools" \
           && git archive "$ref" kernels | tar -x -C ".run/var/pkg_$name/qlabench_kernels" --strip-components=1 \
+          && git archive "$ref" tools | tar -x -C ".run/var/pkg_$name/qlabench_tools" --strip-components=1 \
           && ab_compile "$PWD/.run/var/pkg_$name" \
-          && log "ab: pkg_$name = kernels/ of $(git rev-parse --short=12 "$ref")" || rc=1
+          && log "ab: pkg_$name = kernels/ and tools/ of $(git rev-parse --short=12 "$ref")" || rc=1
       done
       pack fused || rc=1 ;;
     *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab)" >&2; exit 2 ;;
