@@ -10,7 +10,7 @@
 # full check_fused timing for TIMEFULL; for each name in PREP (base or a variant) prep alone
 # (tools/kernels/check_fwd.py --stage prep on PREP_CASES: its outputs against the mirror, every slicing
 # timed) and the whole forward on FWD_CASES (check_fwd --quick: against the fp32 recurrence, stages,
-# timings). SMALL=0 skips the fused kernel's small checks (a variant of prep alone).
+# timings), for each name in FWD the whole forward only (a name base2, base3 ... is the tree again: drift). SMALL=0 skips the fused kernel's small checks (a variant of prep alone).
 # Everything into one $OUT/ab.tgz (the device returns few files).
 #   VARIANTS="A B" TRACE="base A" bash scripts/airgapped/h200_fused_ab.sh 2>&1 | tee $OUT/ab.log
 set -uo pipefail
@@ -52,11 +52,13 @@ for v in ${TIMEFULL:-}; do  # the timing of check_fused with every column (fwd_o
     python3 -m qlabench_tools.kernels.check_fused --cases small > "$OUT/timefull_$v/log" 2>&1
   log "timefull $v: exit $?"; grep -E "shape=|Error" "$OUT/timefull_$v/log" | cut -c1-300
 done
-for v in ${PREP:-}; do  # prep alone, then the whole forward (fwd_o path among the planner's picks)
-  pkg=""; [ "$v" != base ] && pkg=$PWD/${VARIANT_DIR:-.run/var}/pkg_$v; mkdir -p "$OUT/prep_$v" "$OUT/fwd_$v"
-  PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/prep_$v timeout --kill-after=10 ${CHECK_S:-150} python3 -m qlabench_tools.kernels.check_fwd \
-    --stage prep --cases "${PREP_CASES:-mixed_2_8,16_64_1x32768,16_64_4x8192,16_32_8x4096,8_24_1x32768,2_8_1x32768}" > "$OUT/prep_$v/log" 2>&1
-  log "prep $v: exit $?"; grep -E "^PREP|Error" "$OUT/prep_$v/log" | cut -c1-200
+for v in ${PREP:-} ${FWD:-}; do  # prep alone (PREP names), then the whole forward (fwd_o path among the planner's picks)
+  pkg=""; [[ "$v" != base* ]] && pkg=$PWD/${VARIANT_DIR:-.run/var}/pkg_$v; mkdir -p "$OUT/prep_$v" "$OUT/fwd_$v"
+  if [[ " ${PREP:-} " == *" $v "* ]]; then
+    PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/prep_$v timeout --kill-after=10 ${CHECK_S:-150} python3 -m qlabench_tools.kernels.check_fwd \
+      --stage prep --cases "${PREP_CASES:-mixed_2_8,16_64_1x32768,16_64_4x8192,16_32_8x4096,8_24_1x32768,2_8_1x32768}" > "$OUT/prep_$v/log" 2>&1
+    log "prep $v: exit $?"; grep -E "^PREP|Error" "$OUT/prep_$v/log" | cut -c1-200
+  fi
   PYTHONPATH=${pkg:+$pkg:}$PYTHONPATH OUT=$OUT/fwd_$v timeout --kill-after=10 ${CHECK_S:-150} python3 -m qlabench_tools.kernels.check_fwd \
     --quick --cases "${FWD_CASES:-mixed_2_8,mixed_1_3_split512,16_64_1x32768,16_64_4x8192,8_24_1x32768}" > "$OUT/fwd_$v/log" 2>&1
   log "fwd $v: exit $?"; sed -n '/=== summary/,$p' "$OUT/fwd_$v/log" | cut -c1-200
