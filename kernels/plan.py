@@ -135,11 +135,8 @@ def _paired_makespan(groups, num_sms: int, c, stage: str = "fwd_o") -> float:
     return max(loads[last - i] + (loads[i] - loads[last - i]) * ratio for i in range(num_sms))
 
 
-def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> float:
-    """The forward less prep: the final kernel's CTAs longest-first on the SMs and its fixed cost;
-    when split, seg_state's non-last segments, the serial fix-up and the split path's fixed cost
-    (``launch``: seg_state's and the fix-up's kernels, the segment tables)."""
-    cpb = HEAD_DIM // block_v
+def fwd_grids(lens, h_v: int, seg: int, block_v: int) -> tuple:
+    """{chunks: CTAs} of the final kernel (128 / block_v per segment) and seg_state; the fix-up's serial steps."""
     fwd, seg_state, serial = {}, {}, 0
     for ln in lens:
         if ln <= 0:
@@ -147,10 +144,17 @@ def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> floa
         ns = max(1, math.ceil(ln / seg)) if seg else 1
         for i in range(ns):
             ch = math.ceil((min(seg, ln - i * seg) if seg else ln) / CHUNK)
-            fwd[ch] = fwd.get(ch, 0) + h_v * cpb
+            fwd[ch] = fwd.get(ch, 0) + h_v * (HEAD_DIM // block_v)
             if i < ns - 1:
                 seg_state[ch] = seg_state.get(ch, 0) + h_v * 4
         serial = max(serial, ns - 1)
+    return fwd, seg_state, serial
+
+
+def _final_cost(lens, h_v: int, seg: int, num_sms: int, block_v: int, c) -> float:
+    """The forward less prep: the final kernel's CTAs longest-first on the SMs and its fixed cost; when split,
+    seg_state's, the serial fix-up and the split path's fixed cost (``launch``: their kernels, the tables)."""
+    fwd, seg_state, serial = fwd_grids(lens, h_v, seg, block_v)
     if block_v == HEAD_DIM:
         step = _few_step(sum(fwd.values()), num_sms, c.fused, c.fused_few)
         cost = _lpt_makespan([(ch * step + c.cta_fused, k) for ch, k in fwd.items()], num_sms)

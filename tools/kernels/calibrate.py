@@ -168,20 +168,17 @@ def fit_fwd(times_us: dict, sms: int) -> FwdCosts:
             )
         return max(0.0, raw)
 
-    # one round: kernel + cta + c1 steps; ROUNDS rounds of two-chunk CTAs: kernel + ROUNDS (2 steps + cta)
-    short = SHORT // 64
-    i_f = times_us[("fused", L1)] - c1 * fused
-    cta_f = overhead("cta_fused", (times_us[("fused_many", 0)] - ROUNDS * short * fused - i_f) / (ROUNDS - 1),
-                     ("fused_many", 0))  # fmt: skip
-    def paired(stage, step):  # (one round's intercept, a CTA's overhead in the shared step's time)
-        r2 = ROUNDS // 2  # rounds of two CTAs per SM
+    def per_cta(stage, step, rounds):  # (one round's intercept, a CTA's overhead)
+        # one round: kernel + cta + c1 steps; ``rounds`` rounds of two-chunk CTAs: kernel + rounds (2 steps + cta)
         i = times_us[(stage, L1)] - c1 * step
         many = (f"{stage}_many", 0)
-        return i, overhead(f"cta_{stage}", (times_us[many] - r2 * short * step - i) / (r2 - 1), many)
+        return i, overhead(f"cta_{stage}", (times_us[many] - rounds * (SHORT // 64) * step - i) / (rounds - 1), many)
 
-    i_o, cta_o = paired("fwd_o", fwd_o)
+    i_f, cta_f = per_cta("fused", fused, ROUNDS)
+    # fwd_o's and seg_state's rounds are of two CTAs per SM: their overheads in the shared step's time
+    i_o, cta_o = per_cta("fwd_o", fwd_o, ROUNDS // 2)
     kernel = overhead("kernel", ((i_f - cta_f) + (i_o - cta_o)) / 2, ("fwd_o", L1))
-    _, cta_s = paired("seg_state", seg_state)  # its own fixed cost is the split path's (``launch``, below)
+    _, cta_s = per_cta("seg_state", seg_state, ROUNDS // 2)  # its own fixed cost is the split path's (``launch``)
     vals = dict(steps, launch=0.0, cta_fwd_o=cta_o * alone / fwd_o, cta_fused=cta_f,
                 cta_seg_state=cta_s * alone_ss / seg_state,
                 kernel=kernel)  # fmt: skip

@@ -34,10 +34,11 @@ def _rounds(ctas: int, sms: int) -> str:
 
 
 def grids(lens, h_v: int, seg: int, block_v: int) -> tuple[int, int]:
-    """(final kernel CTAs, seg_state CTAs) of a plan (kernels/forward.py's grids, working CTAs only)."""
-    nseg = sum(max(1, math.ceil(ln / seg)) if seg else 1 for ln in lens if ln > 0)
-    final = nseg * h_v * (128 // block_v)
-    return final, (nseg - sum(1 for ln in lens if ln > 0)) * h_v * 4 if seg else 0
+    """(final kernel CTAs, seg_state CTAs) of a plan (:func:`qlabench_kernels.plan.fwd_grids`)."""
+    from qlabench_kernels.plan import fwd_grids
+
+    fwd, seg_state, _ = fwd_grids(lens, h_v, seg, block_v)
+    return sum(fwd.values()), sum(seg_state.values())
 
 
 def _label_table(row, overrides: dict, committed):
