@@ -132,12 +132,18 @@ def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
 
 def test_fwd_o_keeps_its_state_in_registers(sources):
     """fwd_o's state warpgroup takes the A operand of its Q, K, A_β, P and state-update GEMMs from
-    registers (five wgmma_rs), only the V term from shared memory; o leaves from the accumulator
-    (no staging, no stmatrix); two CTAs per SM at 128 registers."""
+    registers (five wgmma_rs), only the V term from shared memory (no stmatrix); o is staged in the
+    stage's P buffer between two syncs of its 128 threads and leaves it by 16-byte row stores, then
+    a proxy fence before the arrive that frees the stage for TMA; two CTAs per SM at 128 registers."""
     src, m = sources["fwd_o"], _mod("fwd_o")
     assert f"__launch_bounds__(256, {m.MIN_BLOCKS})" in src and m.NREG_LAUNCH * 256 * m.MIN_BLOCKS == 65536
     assert src.count("wgmma_rs<") == 5 and src.count("wgmma_ss<") == 1
     assert "stmatrix" not in src
+    state = src[src.index(f"warpgroup_reg_alloc<{m.NREG[0]}>") : src.index(f"warpgroup_reg_dealloc<{m.NREG[1]}>")]
+    syncs = [i for i in range(len(state)) if state.startswith(", 128);", i)]
+    order = [syncs[0], state.index("((bfloat16_t*)pp_sh)[", syncs[0]), syncs[1], state.index("*(uint4*)(o + "),
+             state.rindex("fence_proxy_async"), state.rindex("empty[")]  # fmt: skip
+    assert len(syncs) == 2 and order == sorted(order)  # sync, o into pp_sh, sync, row stores, fence, arrive
 
 
 def test_seg_state_keeps_its_state_in_registers(sources):
