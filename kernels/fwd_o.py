@@ -18,8 +18,7 @@ Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to
 warpgroups hold):
 
     WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the five GEMMs and the V term; o
-            (bf16) into the stage's P buffer once its last GEMM has read P, its valid rows from
-            there to HBM by 16-byte row stores
+            staged in the stage's P buffer after the last GEMM, its valid rows by 16-byte stores
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block, A_β and P into stage
             c % NST, and of Q into its one buffer once the state is done with the previous Q;
             warp 5: the chunk's gcs rows and the per-token tables e^g, mask · e^{g_l − g},
@@ -164,15 +163,12 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         s_acc[i, j] = s_acc[i, j] * egl
                     T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
                     T.gemm(vd_bf, pp_sh[js, :, :], o_acc, transpose_B=True, policy=FR)
-                    # o (bf16) through the stage's P buffer, which the last GEMM was its last reader
-                    # of, then its valid rows to HBM by 16-byte row stores
-                    for i, j in T.Parallel(BV, C):
+                    for i, j in T.Parallel(BV, C):  # o through the P buffer (BV = C), read for the last time above
                         pp_sh[js, j, i] = T.cast(o_acc[i, j], "bfloat16")
-                    for j, i in T.Parallel(C, BV):
+                    for j, i in T.Parallel(C, BV):  # its valid rows by 16-byte stores
                         if j < ln:
                             o[0, t0 + j, hv, v0 + i] = pp_sh[js, j, i]
-                    # the stage's next TMA load (async proxy) overwrites what these generic accesses touched
-                    T.fence_proxy_async()
+                    T.fence_proxy_async()  # the stage's next TMA load (async proxy) overwrites what these touched
                     T.barrier_arrive(empty[js])
                 if has_ht:
                     if is_last == 1:

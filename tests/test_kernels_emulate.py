@@ -105,6 +105,14 @@ def test_fwd_o_ws_barrier_protocol():
         with pytest.raises(AssertionError):
             wsp.check(seeds=100, mutate=wsp.drop_ops(role, lambda op, b=bar: op[0] == "wait" and op[1] == b))
 
+    def arrive_before_o(progs):  # the stage freed before o is staged in its P buffer and read back
+        ops = progs["state"]
+        for i in [i for i, op in enumerate(ops) if op[:2] == ("arrive", "empty")]:
+            ops[i - 2 : i + 1] = [ops[i], *ops[i - 2 : i]]
+
+    with pytest.raises(AssertionError):
+        wsp.check(seeds=100, mutate=arrive_before_o)
+
 
 def test_bwd_wy_barrier_protocol():
     """bwd_wy's protocol (modelled in tools/kernels/wy_protocol.py) never deadlocks, never passes a

@@ -43,7 +43,8 @@ def programs(nchunks):
         state += [("wait", "full", j, n % 2, n + 1), ("wait", "q_full", 0, c % 2, c + 1),
                   ("read", "q", 0, c), ("arrive", "q_empty", 0),
                   ("read", "k", j, c), ("read", "g", j, c), ("read", "a", j, c), ("read", "v", j, c),
-                  ("read", "p", j, c), ("arrive", "empty", j)]  # fmt: skip
+                  ("read", "p", j, c), ("write", "p", j, ("o", c)), ("read", "p", j, ("o", c)),  # o staged in P's buffer
+                  ("arrive", "empty", j)]  # fmt: skip
         # warp 4: the stage's TMA loads, then Q's once the state is done with the previous Q
         prod += [("wait", "empty", j, 1 - n % 2, n), ("tma", "full", j, ("k", "v", "a", "p"), c), ("arrive", "full", j),
                  ("wait", "q_empty", 0, 1 - c % 2, c), ("tma", "q_full", 0, ("q",), c), ("arrive", "q_full", 0)]  # fmt: skip
