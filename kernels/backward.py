@@ -141,7 +141,7 @@ def chunk_gdn_bwd(
         if split_tokens:
             m_ready = torch.cuda.Event() if side is not None else None
             with on_side:  # segment maps and start states, then h per chunk
-                run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, target=target)
+                run_seg_state(k, v, gcs, a_beta, stab, cu_segs, e_end, m_tr, target=target)
                 if m_ready is not None:
                     m_ready.record(side)
                 run_fixup(m_tr, e_end, cu_segs, h0, h_start, target=target)

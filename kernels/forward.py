@@ -147,7 +147,7 @@ def chunk_gdn_fwd_lowlevel(
         ns = stab.shape[0]
         e_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
         m_tr = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-        run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, target=target)
+        run_seg_state(k, v, gcs, a_beta, stab, cu_segs, e_end, m_tr, target=target)
         h_init = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
         run_fixup(m_tr, e_end, cu_segs, h0, h_init, target=target)
         out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_init)

@@ -6,11 +6,12 @@ S ↦ e^{g_last} S − Kᵀ diag(e^{g_last − g}) A_β diag(e^g) K S. Both come
 recurrence over an augmented state [S | M] of width 256 started from [0 | I], with the
 value input [V | 0] (the recurrence is linear in (S₀, V)). This is exact: no warm-up cut-off.
 
-One CTA of 256 threads per (64-column block of the augmented state, segment, v-head); it runs
-only for segments that are not the last of their sequence (the last segment's transition is
-never needed). The block's transposed state Sᵀ [64 columns, 128 K] is fp32 in the registers of
-one warpgroup and every GEMM but the V term takes its A operand from registers (the accumulator
-cast to bf16; wgmma M = 64), per chunk
+One CTA of 256 threads per (64-column block of the augmented state, segment, v-head) for the
+segments that are not the last of their sequence (whose transition is never needed): the grid
+walks those alone, non-last segment w at slot w + n for n the last sequence with cu_segs[n] − n ≤
+w (a binary search), a segment's v-heads adjacent, so the CTAs that work are the first the SMs
+take. The block's transposed state Sᵀ [64 columns, 128 K] is fp32 in the registers of one
+warpgroup and every GEMM but the V term takes A from registers (bf16; wgmma M = 64), per chunk
 
     Xᵀ  = Sᵀ Kᵀ
     Vdᵀ = (−e^g ⊙ Xᵀ) A_βᵀ + Vᵀ A_βᵀ     (the V term only in the V half, A = Vᵀ read transposed)
@@ -28,7 +29,7 @@ mbarriers: full[js] (64: warps 4 and 5 + TMA tx bytes; the state waits parity (c
 empty[js] (128: the state, done with stage js; the producers wait the other parity, which passes
 at once on a fresh barrier).
 
-Inputs:  k [1,T,Hqk,128] bf16, v [1,T,Hv,128] bf16, gcs, a_beta (prep kernel), stab int32 [NS, 8].
+Inputs:  k [1,T,Hqk,128] bf16, v [1,T,Hv,128] bf16, gcs, a_beta (prep), stab [NS, 8], cu_segs [N+1] int32.
 Outputs: e_end [NS, Hv, 128, 128] fp32 (E), m_tr [NS, Hv, 128, 128] bf16 (M, row = output k index).
 """
 
@@ -156,6 +157,7 @@ def seg_state_program(h_qk: int, h_v: int):
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
+    N1 = T.dynamic("N1")
     RS, RP = NREG
     gate_tables = gate_tables_macro(NST)
     kva_loads = kva_loads_macro(NST, BV)
@@ -168,15 +170,28 @@ def seg_state_program(h_qk: int, h_v: int):
         gcs: T.Tensor((h_v, NCS * C), "float32"),
         a_beta: T.Tensor((h_v, NCS * C, C), "bfloat16"),
         stab: T.Tensor((NS, 8), "int32"),
+        cu_segs: T.Tensor((N1,), "int32"),
         e_end: T.Tensor((NS, h_v, D, D), "float32"),
         m_tr: T.Tensor((NS, h_v, D, D), "bfloat16"),
     ):
-        with T.Kernel(W2 // BV, NS * h_v, threads=256) as (bv, sh):
+        with T.Kernel(W2 // BV, T.max(NS - N1 + 1, 1) * h_v, threads=256) as (bv, wh):
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
-            s = sh // h_v
-            hv = sh % h_v
+            w = wh // h_v
+            hv = wh % h_v
             hk = hv // G
             c0 = bv * BV  # first column in the augmented [V | M] space
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            lo = 0
+            hi = N1 - 1
+            for _it in T.serial(31):
+                if hi - lo > 1:
+                    if cu_segs[(lo + hi) // 2] - (lo + hi) // 2 <= w:
+                        lo = (lo + hi) // 2
+                    else:
+                        hi = (lo + hi) // 2
+            live = w < cu_segs[N1 - 1] - (N1 - 1)
+            s = T.if_then_else(live, w + lo, 0)
 
             k_sh = T.alloc_shared((NST, C, D), "bfloat16")
             v_sh = T.alloc_shared((NST, C, BV), "bfloat16")
@@ -199,7 +214,8 @@ def seg_state_program(h_qk: int, h_v: int):
             seq = stab[s, 2]
             cslot = stab[s, 3]
             is_last = stab[s, 5]
-            nchunks = T.if_then_else(seq >= 0 and is_last == 0, T.ceildiv(eos - bos, C), 0)
+            works = live and seq >= 0 and is_last == 0
+            nchunks = T.if_then_else(works, T.ceildiv(eos - bos, C), 0)
 
             tx = T.get_thread_binding()
             if tx < 128:
@@ -214,7 +230,7 @@ def seg_state_program(h_qk: int, h_v: int):
                     T.copy(s_acc, s_bf)
                     chain_step(s_acc, s_bf, x_acc, w_bf, vp_bf, k_sh, v_sh, a_sh, gt_sh, js, c0 < D, False)
                     T.barrier_arrive(empty[js])
-                if seq >= 0 and is_last == 0:
+                if works:
                     if c0 < D:
                         for i, j in T.Parallel(BV, D):
                             e_end[s, hv, j, c0 + i] = s_acc[i, j]
@@ -236,9 +252,9 @@ def get_seg_state_kernel(h_qk: int, h_v: int, target_k=None):
     return compile_program(seg_state_program(h_qk, h_v), target=parse_target(target_k), pass_configs=FAST_MATH)
 
 
-def run_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, target=None):
-    """Launch pass 1; fills e_end [NS,Hv,128,128] fp32 and m_tr [NS,Hv,128,128] bf16 in place
-    (rows of segments that are the last of their sequence are left untouched)."""
+def run_seg_state(k, v, gcs, a_beta, stab, cu_segs, e_end, m_tr, target=None):
+    """Launch pass 1 (``cu_segs`` int32 [N+1] from the tables); fills e_end [NS,Hv,128,128] fp32 and
+    m_tr [NS,Hv,128,128] bf16 in place (the rows of last segments are left untouched)."""
     kern = get_seg_state_kernel(k.shape[2], v.shape[2], target_key(target))
-    kern(k, v, gcs, a_beta, stab, e_end, m_tr)
+    kern(k, v, gcs, a_beta, stab, cu_segs, e_end, m_tr)
     return e_end, m_tr

@@ -248,7 +248,7 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
     calls, batch, seg_rows = [], {}, {}
     t = torch.zeros(2, 2)
     stab = torch.zeros(3, 8, dtype=torch.int32)
-    stab[1, 5] = 1  # a last segment: the fitted seg_state experiments leave it out, the launched probe keeps it
+    stab[1, 5] = 1  # a last segment: seg_state gets the whole table (its grid skips the last segments itself)
     inter = dict(ctab=t, p_all=t, gcs=t, a_beta=t, stab=stab, o=t, final_state=t, e_end=t, m_tr=t,
                  cu_segs=torch.zeros(3, dtype=torch.int32), h_start=t, f_start=t, d_end=t, dh0=t, pt_all=t,
                  w_all=t, dh_all=t, dvnew=t, split_tokens=0, block_v=64)  # fmt: skip
@@ -303,7 +303,7 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
     fwd, checks = calibrate.measure_fwd("cpu", reps=1, echo=lambda *a: None, record=record)
     assert fwd.unit == "us" and len(checks) == len(calibrate.CHECKS)
     assert len(record["fwd"]) == len(calibrate.experiments(4)) + len(calibrate.probes(4))  # every timing taken
-    assert seg_rows.pop("seg_state_launched") == 3 and set(seg_rows.values()) == {2}, seg_rows
+    assert len(seg_rows) == 4 and set(seg_rows.values()) == {3}, seg_rows
     for row, (_, _, lens) in zip(checks, calibrate.CHECKS):  # every candidate's time, the pick's among them
         assert set(row["times"]) == {calibrate._cand(c) for c in plan.fwd_candidates(lens, 4)}
         assert row["times"][calibrate._cand(tuple(row["pick"]))] == row["pick_us"]

@@ -94,8 +94,8 @@ def _patch_kernels(monkeypatch):
         dvnew.copy_(dvn)
         return dh_all, dvnew, dh0
 
-    def fake_seg_state(k, v, gcs, a_beta, stab, e_end, m_tr, **kw):
-        e, m = emu.emu_seg_state(k, v, gcs, a_beta, stab)
+    def fake_seg_state(k, v, gcs, a_beta, stab, cu_segs, e_end, m_tr, **kw):
+        e, m = emu.emu_seg_state(k, v, gcs, a_beta, stab, cu_segs)
         e_end.copy_(e)
         m_tr.copy_(m.to(m_tr.dtype))
         return e_end, m_tr

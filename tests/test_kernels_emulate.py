@@ -50,6 +50,22 @@ def test_tl_tables_algorithm_equals_torch_tables(lens, seg):
     assert torch.equal(cu_segs.int(), cs2)
 
 
+@pytest.mark.parametrize("lens", LAYOUTS, ids=lambda x: f"N{len(x)}")
+@pytest.mark.parametrize("seg", [64, 128, 1024])
+def test_seg_state_grid_walks_every_non_last_segment_once_in_slot_order(lens, seg):
+    """seg_state's grid rows (the kernel's binary search over cu_segs, mirrored) are the non-last
+    segments' slots in order, then nothing: the CTAs that work come first in launch order."""
+    common = importlib.import_module("qlabench_kernels._common")
+    cu = _cu(lens)
+    T, N = int(cu[-1]), len(lens)
+    _, cu_chunks = common.chunk_table(cu, T, N)
+    stab, cu_segs = common.segment_table(cu, cu_chunks, T, N, seg, split=True)
+    slots = emulate.seg_state_slots(cu_segs, stab.shape[0])
+    working = [s for s, row in enumerate(stab.tolist()) if row[2] >= 0 and row[5] == 0]
+    assert slots[: len(working)] == working and set(slots[len(working) :]) <= {None}
+    assert len(slots) == max(stab.shape[0] - N, 1)
+
+
 @pytest.mark.parametrize("strong", [False, True], ids=["mild", "strong-decay"])
 def test_prep_mirror_matches_exact_solve(strong):
     """prep (its mirror: the fused kernel's aux per chunk slot) on a varlen batch with partial

@@ -59,8 +59,9 @@ def experiments(sms: int) -> list[dict]:
       ``ROUNDS * sms`` short sequences, ``ROUNDS`` rounds;
     - prep:   ``sms`` sequences at G = 1 and G = 4 (per-v-head and per-q/k-head parts);
     - seg_state: sequences of 2L cut at L, a non-last segment 4 CTAs: ``sms // 2`` segments (two
-      CTAs per SM), ``sms // 4`` (one), ``sms // 32`` (at most 1/8 of one), launched for the
-      non-last segments only; ``ROUNDS * sms / 4`` short segments ``ROUNDS / 2`` rounds of two per SM;
+      CTAs per SM), ``sms // 4`` (one), ``sms // 32`` (at most 1/8 of one) — the kernel's grid
+      walks the non-last segments only —; ``ROUNDS * sms / 4`` short segments ``ROUNDS / 2`` rounds of
+      two per SM;
     - fixup:  one sequence of n 256-token segments (n - 1 serial steps);
     - split / unsplit: the whole forward on one 4096-token sequence cut at 1024 and not cut
       (the split path's fixed cost, less what the model prices of it).
@@ -94,14 +95,11 @@ def probes(sms: int) -> list[dict]:
     """Timings recorded beside :func:`experiments` (``--timings``) but not fitted: what the model
     does not price yet, for its next form to be fitted offline. fwd_o at heads 1/4 (G v-heads share
     Q and K through L2; the fitted steps are at 1/1, where each CTA reads its own): ``sms // 4``
-    sequences (two CTAs per SM) and ``sms // 8`` (about one); seg_state launched as the forward
-    launches it, its last segments' CTAs included (they exit at once)."""
+    sequences (two CTAs per SM) and ``sms // 8`` (about one)."""
     out = []
     for L in LENGTHS:
         out.append(dict(stage="fwd_o_g4", x=L, heads=(1, 4), seqlens=(L,) * max(1, sms // 4), split=0, block_v=64))
         out.append(dict(stage="fwd_o_alone_g4", x=L, heads=(1, 4), seqlens=(L,) * max(1, sms // 8), split=0,
-                        block_v=64))  # fmt: skip
-        out.append(dict(stage="seg_state_launched", x=L, heads=(1, 1), seqlens=(2 * L,) * max(1, sms // 4), split=L,
                         block_v=64))  # fmt: skip
     return out
 
@@ -295,14 +293,10 @@ def _time_experiment(e: dict, device, reps: int) -> float:
         fn = lambda: run_fwd_fused(  # noqa: E731
             x["q"], x["k"], x["v"], x["g"], x["beta"], r["stab"], x["h0"], scale, r["o"], r["final_state"]
         )  # fmt: skip
-    elif st == "seg_state_launched":  # every segment slot, as the forward launches it
-        fn = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"])  # noqa: E731
     elif st.startswith("seg_state"):
-        # the non-last segments only: the kernel launches 4 CTAs for a last segment too (they exit at
-        # once), and those would sit between the working ones in the order the SMs take CTAs
-        keep = (r["stab"][:, 2] >= 0) & (r["stab"][:, 5] == 0)
-        st_, n = r["stab"][keep].contiguous(), int(keep.sum())
-        fn = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], st_, r["e_end"][:n], r["m_tr"][:n])  # noqa: E731
+        fn = lambda: run_seg_state(  # noqa: E731
+            x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["cu_segs"].int(), r["e_end"], r["m_tr"]
+        )  # fmt: skip
     elif st == "fixup":
         fn = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])  # noqa: E731
     else:

@@ -153,9 +153,9 @@ def stage_times_ms(x, r, g, reps=10):
     if g["split_tokens"]:
         e_end = torch.empty_like(g["h_start"])
         m_tr = torch.empty_like(g["h_start"], dtype=torch.bfloat16)
-        run_seg_state(x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], e_end, m_tr)
+        run_seg_state(x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], g["cu_segs"], e_end, m_tr)
         chains = {
-            "seg_state": lambda: run_seg_state(x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], e_end, m_tr),
+            "seg_state": lambda: run_seg_state(x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], g["cu_segs"], e_end, m_tr),
             "fixup": lambda: run_fixup(m_tr, e_end, g["cu_segs"], x["h0"], torch.empty_like(e_end)),
             "bwd_h": lambda: run_bwd_h(x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], g["h_start"], g["h_all"], g["vnew"]),
             "dhu_seg": lambda: run_bwd_dhu(

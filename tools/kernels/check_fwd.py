@@ -137,7 +137,7 @@ def stage_times_ms(pkg, x, split_tokens, reps=10):
     stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp))}
     stages["prep"] = lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], r["ctab"], scale, p_all=r["p_all"])
     if sp:
-        stages["seg_state"] = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["e_end"], r["m_tr"])
+        stages["seg_state"] = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["cu_segs"].int(), r["e_end"], r["m_tr"])
         stages["fixup"] = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])
         init = r["h_start"]
     else:
@@ -265,7 +265,7 @@ def check_case(pkg, emu, name, seqlens, h_qk, h_v, split_tokens, results, stages
         del gcs_e, a_e
         init = x["h0"]
         if r["split_tokens"]:
-            e_e, m_e = emu.emu_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"])
+            e_e, m_e = emu.emu_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["cu_segs"])
             used = torch.isfinite(e_e).flatten(1).all(1)
             if bool(used.any()):
                 rec["stage_seg_e"] = emu.rel_l2(r["e_end"][used], e_e[used])

@@ -283,17 +283,39 @@ def emu_fwd_fused(q, k, v, g, beta, stab, h_init, scale, N, want_ht=True, factor
     return o, ht
 
 
-def emu_seg_state(k, v, gcs, a_beta, stab):
-    """Mirror of seg_state.py. Returns e_end [NS,Hv,K,V] fp32 and m_tr [NS,Hv,K,K] fp32 (bf16 values);
-    rows of unused / last segments are NaN."""
+def seg_state_slots(cu_segs, ns: int) -> list:
+    """seg_state's grid rows in launch order: the segment slot each walks — non-last segment w of
+    all found by the kernel's binary search over ``cu_segs`` —, None past the last of them."""
+    cu = [int(x) for x in cu_segs]
+    n = len(cu) - 1
+    out = []
+    for w in range(max(ns - n, 1)):
+        if w >= cu[n] - n:
+            out.append(None)
+            continue
+        lo, hi = 0, n
+        for _ in range(31):
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if cu[mid] - mid <= w else (lo, mid)
+        out.append(w + lo)
+    return out
+
+
+def emu_seg_state(k, v, gcs, a_beta, stab, cu_segs):
+    """Mirror of seg_state.py, over its grid (:func:`seg_state_slots`). Returns e_end [NS,Hv,K,V]
+    fp32 and m_tr [NS,Hv,K,K] fp32 (bf16 values); rows of unused / last segments are NaN."""
     h_qk, h_v = k.shape[2], v.shape[2]
     G = h_v // h_qk
     ns = stab.shape[0]
     e_end = torch.full((ns, h_v, D, D), float("nan"), device=k.device)
     m_tr = torch.full((ns, h_v, D, D), float("nan"), device=k.device)
     eye = torch.eye(D, device=k.device)
-    for s, row in enumerate(stab.tolist()):
-        bos, eos, seq, cslot, _, is_last = row[:6]
+    rows = stab.tolist()
+    for s in seg_state_slots(cu_segs, ns):
+        if s is None:
+            continue
+        bos, eos, seq, cslot, _, is_last = rows[s][:6]
         if seq < 0 or is_last == 1:
             continue
         S = torch.cat([torch.zeros(h_v, D, D, device=k.device), eye.expand(h_v, D, D)], dim=2)
@@ -336,7 +358,7 @@ def emu_pipeline(q, k, v, g, beta, scale=None, h0=None, cu=None, split_tokens=0)
     out = dict(ctab=ctab, gcs=gcs, a_beta=a_beta)
     if split_tokens:
         stab, cu_segs = segment_table(cu, cu_chunks, T, N, split_tokens, split=True)
-        e_end, m_tr = emu_seg_state(k, v, gcs, a_beta, stab)
+        e_end, m_tr = emu_seg_state(k, v, gcs, a_beta, stab, cu_segs)
         h_start = emu_fixup(m_tr, e_end, cu_segs, h0)
         o, ht = emu_fwd_o(q, k, v, gcs, a_beta, stab, h_start, scale, N)
         out.update(stab=stab, cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_start)
