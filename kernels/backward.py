@@ -101,16 +101,10 @@ def chunk_gdn_bwd(
     cu_segs = cu_segs.to(torch.int32)
     if ctab is None or tuple(ctab.shape) != (ncs, 4):
         ctab = ctab_new
-    if (
-        gcs is None
-        or a_beta is None
-        or tuple(gcs.shape) != (h_v, ncs * CHUNK)
-        or tuple(a_beta.shape) != (h_v, ncs * CHUNK, CHUNK)
-    ):
+    prep_shapes = ((h_v, ncs * CHUNK), (h_v, ncs * CHUNK, CHUNK))
+    if gcs is None or a_beta is None or (tuple(gcs.shape), tuple(a_beta.shape)) != prep_shapes:
         gcs, a_beta, _ = run_prep(q, k, g, beta, ctab, scale, target=target)
-    dh0 = None
-    if h0 is not None:
-        dh0 = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
+    dh0 = None if h0 is None else torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
     # every buffer the two chains share is allocated here, on the calling stream, before they fork:
     # whatever the calling stream does to a new buffer (a NaN fill under PoisonAllocations, say) is then
     # ordered before the state side's writes (e_end, m_tr, h_start, h_all, vnew)

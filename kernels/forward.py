@@ -30,10 +30,6 @@ __all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel"]
 MAX_CHUNK_SLOTS = 65535
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens):
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q must be [1, T, Hqk, 128] (varlen packing, B = 1), got {tuple(q.shape)}")
@@ -98,8 +94,7 @@ def chunk_gdn_fwd_lowlevel(
     """
     T, N, h_qk, h_v = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     dev = q.device
-    if scale is None:
-        scale = HEAD_DIM**-0.5
+    scale = HEAD_DIM**-0.5 if scale is None else scale
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.float().contiguous()
     beta = beta.float().contiguous()
@@ -122,7 +117,7 @@ def chunk_gdn_fwd_lowlevel(
         )
     if split_tokens and split_tokens % CHUNK != 0:
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")
-    seg_tokens = split_tokens if split_tokens else _round_up(max(T, 1), CHUNK)
+    seg_tokens = split_tokens if split_tokens else (max(T, 1) + CHUNK - 1) // CHUNK * CHUNK
 
     ctab, cu_chunks, stab, cu_segs = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target=target)
     fused = block_v == HEAD_DIM
@@ -132,11 +127,9 @@ def chunk_gdn_fwd_lowlevel(
 
     if o is None:
         o = torch.empty(1, T, h_v, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    ht = None
-    if output_final_state:
-        ht = final_state
-        if ht is None:
-            ht = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
+    ht = final_state if output_final_state else None
+    if output_final_state and ht is None:
+        ht = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
     out = dict(
         gcs=gcs, a_beta=a_beta, p_all=p_all, ctab=ctab, cu_chunks=cu_chunks, stab=stab,
         split_tokens=int(split_tokens or 0), block_v=block_v,

@@ -204,21 +204,14 @@ def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132, costs=None) -> 
     pass 1 on every segment but the first of its sequence), plus seg_state and the two fix-ups when
     split."""
     c = _bwd(costs)
-    if not seg:
-        items = [(math.ceil(ln / CHUNK), h_v) for ln in lens if ln > 0]
-        return _lpt_makespan(items, num_sms) * (c.dhu + c.bwd_h)
-    every, not_first, not_last, serial = {}, {}, {}, 0
-    for ln in lens:
-        ns = max(1, math.ceil(ln / seg))
-        for i in range(ns):
-            ch = math.ceil(min(seg, ln - i * seg) / CHUNK)
-            every[ch] = every.get(ch, 0) + h_v
-            if i > 0:
-                not_first[ch] = not_first.get(ch, 0) + h_v
-            if i < ns - 1:
-                not_last[ch] = not_last.get(ch, 0) + h_v * 4
-        serial = max(serial, ns - 1)
+    every, not_last, serial = fwd_grids(lens, h_v, seg, HEAD_DIM)  # one CTA per segment and v-head
     chains = _lpt_makespan(list(every.items()), num_sms)
+    if not seg:
+        return chains * (c.dhu + c.bwd_h)
+    not_first = dict(every)  # pass 1 of bwd_dhu: every segment but each sequence's first
+    for ln in lens:
+        if ln > 0:
+            not_first[math.ceil(min(seg, ln) / CHUNK)] -= h_v
     return (
         (chains + _lpt_makespan(list(not_first.items()), num_sms)) * c.dhu
         + chains * c.bwd_h
