@@ -11,12 +11,15 @@ from qlabench_tools.kernels import model_errors
 
 RUN = pathlib.Path(__file__).resolve().parents[1] / "results/h100_planner/job_5d7a2ad"
 TABLE = RUN / "calibration/cost_table.json"
+#: the committed table the run's `tilelang` label planned with (the fitted H200 table of that day)
+FITTED = RUN.parents[1] / "h200_planner/fitted_cost_table.json"
+LABELS = {"tl-measured": str(TABLE), "tilelang": str(FITTED)}
 
 
 def test_each_row_is_priced_under_the_plan_its_label_made():
     df = pd.read_parquet(RUN / "fwd_heldout_tables")
     measured = calibration.from_file(TABLE)
-    recs = model_errors.rows_of(df, measured, {"tl-measured": str(TABLE)}, 132)
+    recs = model_errors.rows_of(df, measured, LABELS, 132)
     assert len(recs) == len(df) == 40
     by_label = {(r["point"], r["label"]): r for r in recs}
     for (point, label), r in by_label.items():
@@ -33,7 +36,7 @@ def test_each_row_is_priced_under_the_plan_its_label_made():
 
 def test_the_report_groups_by_regime_and_scales_a_relative_table():
     df = pd.read_parquet(RUN / "fwd_heldout_tables")
-    recs = model_errors.rows_of(df, calibration.default_table(), {"tl-measured": str(TABLE)}, 132)
+    recs = model_errors.rows_of(df, calibration.from_file(FITTED), LABELS, 132)
     lines = model_errors.report(recs, relative=True)
     assert math.exp(sum(math.log(r["err"]) for r in recs) / len(recs)) == pytest.approx(1.0)
     assert any(line.startswith("points whose two plans differ: 20;") for line in lines)
