@@ -5,9 +5,10 @@ import pytest
 import qlabench_kernels
 
 #: whole-forward times (ms, CUDA-graph medians, check_fwd) of split candidates the H200 timed:
-#: {(T, N, h_v, h_qk): {segment tokens (0 = unsplit): ms}}. Heads 8/24, 8/32, 16/64: the mean of two
-#: runs of the kernels of b8938fd (results/h200_planner/ostage_osh_ab); 2/8, 16/16, 4/16: one run of
-#: earlier kernels (results/h200_kernels_prev/fwd_o_rs)
+#: {(T, N, h_v, h_qk): {segment tokens (0 = unsplit): ms}}. Heads 8/24, 8/32, 16/64: the mean of the
+#: two base runs of the kernels of b8938fd (results/h200_planner/ostage_osh_ab, the explicit splits'
+#: rows); 2/8, 16/16, 4/16: one run of earlier kernels (results/h200_kernels_prev/fwd_o_rs/_notes/
+#: checks/check_fwd.txt, in git before acd93b7)
 H200_SPLITS = {
     (32768, 1, 8, 2): {4096: 0.275, 2048: 0.286, 1024: 0.331, 0: 0.845},
     (2048, 1, 8, 2): {256: 0.048, 512: 0.046, 1024: 0.061},
@@ -16,20 +17,31 @@ H200_SPLITS = {
     (32768, 1, 16, 16): {4096: 0.557, 8192: 0.559},
     (32768, 1, 16, 4): {4096: 0.501, 8192: 0.504},
     (32768, 1, 24, 8): {2048: 0.716, 4096: 0.747, 8192: 0.786},
-    (32768, 1, 32, 8): {0: 1.032, 8192: 0.857, 16384: 0.863},
-    (32768, 1, 64, 16): {0: 1.203, 8192: 1.628, 16384: 1.471},
+    (32768, 1, 32, 8): {0: 1.032, 8192: 0.856, 16384: 0.863},
+    (32768, 1, 64, 16): {0: 1.203, 8192: 1.628, 16384: 1.508},
+}
+#: the largest run-to-run change of one row between the two base runs of that A/B (base2 / base)
+DRIFT = 1.036
+#: shapes where the committed table's pick is further than DRIFT from the fastest timed candidate
+KNOWN_MISSES = {
+    (32768, 1, 24, 8): "8/24 1x32768: 4096 (0.747 ms) picked over 2048 (0.716), 4.3%",
+    (2048, 1, 8, 2): "2/8 1x2048: 256 (0.048 ms) picked over 512 (0.046), 4% (timed on earlier kernels)",
 }
 
 
-@pytest.mark.parametrize("shape", sorted(H200_SPLITS))
-def test_plan_split_near_the_fastest_timed(shape):
-    """The split planner, from host values only, picks a segment length the H200 timed within 5% of
-    the fastest it timed for that shape."""
+@pytest.mark.parametrize(
+    "shape",
+    [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[s])) if s in KNOWN_MISSES else s
+     for s in sorted(H200_SPLITS)],
+)  # fmt: skip
+def test_plan_split_picks_the_fastest_timed(shape):
+    """The split planner, from host values only, picks the fastest segment length the H200 timed, or
+    one within the run-to-run drift of it."""
     T, N, h_v, h_qk = shape
     times = H200_SPLITS[shape]
     pick = qlabench_kernels.plan_split(T, N, h_v, h_qk=h_qk)
     assert pick in times, f"{shape}: picked {pick}, not timed"
-    assert times[pick] <= 1.05 * min(times.values()), f"{shape}: {pick} at {times[pick]} ms, best {min(times.values())}"
+    assert times[pick] <= DRIFT * min(times.values()), f"{shape}: {pick} at {times[pick]} ms, best {min(times.values())}"
 
 
 def test_plan_split_from_shapes_only():
@@ -105,7 +117,7 @@ def test_plan_fwd_picks_the_faster_final_kernel():
     assert pkg.plan_fwd(4 * 8192, 4, 64, h_qk=16)[0] == 128  # fused 1.059 ms, fwd_o 1.200
     assert pkg.plan_fwd(8 * 1024, 8, 64, h_qk=16)[0] == 128  # 0.300 vs 0.332
     assert pkg.plan_fwd(4 * 8192, 4, 32, h_qk=32)[0] == 128  # 32/32: 0.559 vs 0.719
-    assert pkg.plan_fwd(32768, 1, 64, h_qk=16) == (64, 0)  # fwd_o unsplit 1.203 ms, split at 16384 1.471 (H200_SPLITS)
+    assert pkg.plan_fwd(32768, 1, 64, h_qk=16) == (64, 0)  # fwd_o unsplit 1.203 ms, split at 16384 1.508 (H200_SPLITS)
     assert pkg.plan_fwd(8 * 1024, 8, 8, h_qk=2) == (64, 0)  # 2/8 8x1024: fwd_o 0.059 ms
     assert pkg.plan_fwd(32768, 1, 8, h_qk=2) == (64, 4096)  # 0.275 ms (2048: 0.286)
     # the unsplit fused path runs no prep; every other path pays it

@@ -54,3 +54,24 @@ def test_a_table_it_cannot_read_exits_2(capsys):
     assert model_errors.main([str(RUN / "fwd_heldout_tables"), "--price", str(TABLE)]) == 2  # a device path
     assert "cost_table.json" in capsys.readouterr().err
     assert model_errors.main([str(RUN / "nowhere"), "--price", str(TABLE)]) == 2
+
+
+def test_an_unlabelled_row_plans_with_the_table_of_its_commit():
+    """Without --label, a row's plan is the one its commit's committed table made (the table at
+    the row's git_sha), and rows of a commit this repository lacks are refused with the way out."""
+    import subprocess
+
+    df = pd.read_parquet(RUN / "fwd_heldout_tables")
+    sha = str(df.git_sha.iloc[0])
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{sha}^{{commit}}"]).returncode:
+        pytest.skip(f"commit {sha} is not in this clone")
+    measured = calibration.from_file(TABLE)
+    assert model_errors.rows_of(df, measured, {"tl-measured": str(TABLE)}, 132) == model_errors.rows_of(
+        df, measured, LABELS, 132)  # fmt: skip
+
+
+def test_rows_of_an_unknown_commit_ask_for_their_table():
+    df = pd.read_parquet(RUN / "fwd_heldout_tables").assign(git_sha="0123456789ab")
+    with pytest.raises(ValueError, match="--label"):
+        model_errors.rows_of(df, calibration.from_file(TABLE), {"tl-measured": str(TABLE)}, 132)

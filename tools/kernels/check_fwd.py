@@ -118,30 +118,42 @@ def graph_time_ms(fn, reps=20, inner=None, target_s=0.01, max_inner=20):
     return times[len(times) // 2]
 
 
-def stage_times_ms(pkg, x, split_tokens, reps=10):
-    """Per-stage CUDA-graph medians (:func:`graph_time_ms`), each launcher re-run on saved inputs."""
+def stage_times_ms(pkg, x, split_tokens, block_v, reps=10):
+    """Per-stage CUDA-graph medians (:func:`graph_time_ms`) of the plan (``split_tokens``,
+    ``block_v``) the whole forward ran, each launcher re-run on saved inputs (the unsplit fused
+    kernel runs no prep)."""
     from qlabench_kernels.fixup import run_fixup
+    from qlabench_kernels.fwd_fused import run_fwd_fused
     from qlabench_kernels.fwd_o import run_fwd_o
     from qlabench_kernels.prep import run_prep
     from qlabench_kernels.seg_state import run_seg_state
     from qlabench_kernels.tables import run_tables
 
     r = pkg.chunk_gdn_fwd_lowlevel(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens, save_prep=True
-    )
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, x["cu"], split_tokens, block_v=block_v,
+        save_prep=True,
+    )  # fmt: skip
     scale = 128**-0.5
     cu = x["cu"].long()
     T, N = x["q"].shape[1], cu.numel() - 1
     sp = r["split_tokens"]
     seg = sp if sp else (max(T, 1) + 63) // 64 * 64
+    fused = r["block_v"] == 128
     stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp))}
-    stages["prep"] = lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], r["ctab"], scale, p_all=r["p_all"])
+    if sp or not fused:
+        stages["prep"] = lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], r["ctab"], scale, p_all=r["p_all"])
     if sp:
         stages["seg_state"] = lambda: run_seg_state(x["k"], x["v"], r["gcs"], r["a_beta"], r["stab"], r["cu_segs"].int(), r["e_end"], r["m_tr"])
         stages["fixup"] = lambda: run_fixup(r["m_tr"], r["e_end"], r["cu_segs"].int(), x["h0"], r["h_start"])
         init = r["h_start"]
     else:
         init = x["h0"]
+    if fused:
+        g, beta = x["g"].float().contiguous(), x["beta"].float().contiguous()
+        stages["fused"] = lambda: run_fwd_fused(
+            x["q"], x["k"], x["v"], g, beta, r["stab"], init, scale, r["o"], r["final_state"]
+        )  # fmt: skip
+        return {name: graph_time_ms(fn, reps=reps) for name, fn in stages.items()}
     # a package whose fwd_o has one V block takes no block_v
     bv = {"block_v": r["block_v"]} if "block_v" in inspect.signature(run_fwd_o).parameters else {}
     stages["fwd_o"] = lambda: run_fwd_o(
@@ -298,15 +310,16 @@ def time_case(pkg, name, x, splits, results):
                 )
 
             ms = graph_time_ms(fn)
-            st = stage_times_ms(pkg, x, sp)
-            used = fn()["split_tokens"]
+            plan = fn()
+            used, bv = plan["split_tokens"], plan["block_v"]
+            st = stage_times_ms(pkg, x, used, bv)
             nk = kernel_launches(fn)
             log(
-                f"TIME {name:28s} split={str(sp):5s}(used {used:5d}) graph median {ms:8.3f} ms "
+                f"TIME {name:28s} split={str(sp):5s}(used {used:5d}, block_v {bv:3d}) graph median {ms:8.3f} ms "
                 f"launches {nk:3d} | " + " ".join(f"{k}={v:.3f}" for k, v in st.items())
             )
             results.append(
-                dict(case=name, split_tokens=sp, used_split=used, latency_ms=ms, launches=nk, stage_ms=st)
+                dict(case=name, split_tokens=sp, used_split=used, block_v=bv, latency_ms=ms, launches=nk, stage_ms=st)
             )  # fmt: skip
         except Exception:  # noqa: BLE001
             log(f"TIME {name} split={sp} FAILED:\n" + "".join(traceback.format_exc().splitlines(True)[-8:]))

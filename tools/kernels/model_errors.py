@@ -6,21 +6,24 @@ For every ok forward row of the in-repo kernels in DIR (a results directory: a c
 ``tables`` of ``scripts/airgapped/h200_campaign.sh``), the plan its label made
 (:func:`qlabench.backends.tilelang.table_plans` under the label's table: parameter ``cost_table``,
 or ``--label LABEL=TABLE`` where that file is not here, e.g. a device path; without either the GPU
-model's committed table, or the default GPU's where it has none, as the backend plans) is priced by
+model's table, or the default GPU's where it has none, as committed at the row's ``git_sha`` (read
+from this repository's git history), as the backend planned then) is priced by
 the model under ``--price`` (:func:`qlabench_kernels.plan.split_cost`) and set against the row's
 latency. Printed: every row; the geomean error per regime (the final kernel, its CTAs and
 seg_state's per SM, in rounds of the SMs); and, over the points where two labels' plans differ,
 how often the model under ``--price`` orders the two as they measured. A table in relative units
 prices up to a scale, so its errors are divided by their geomean. Exit 2 on a directory or table
-that cannot be read.
+that cannot be read, or on rows of a commit this repository does not hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
+import subprocess
 import sys
 from collections import defaultdict
 
@@ -41,6 +44,22 @@ def grids(lens, h_v: int, seg: int, block_v: int) -> tuple[int, int]:
     return sum(fwd.values()), sum(seg_state.values())
 
 
+def _table_at(sha: str, path: pathlib.Path):
+    """The cost table at ``path`` as committed at ``sha`` (what a run of that commit planned with),
+    or None where the commit has no such file; ValueError where this repository does not hold the
+    commit (name the label's table with ``--label``)."""
+    from qlabench_kernels import calibration
+
+    root = path.parents[2]
+    rel = path.relative_to(root).as_posix()
+    have = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{sha}^{{commit}}"], capture_output=True)
+    if have.returncode:
+        raise ValueError(f"rows of commit {sha!r}: this repository does not hold it, so the table they planned "
+                         f"with is unknown; name it with --label LABEL=TABLE")  # fmt: skip
+    show = subprocess.run(["git", "-C", str(root), "show", f"{sha}:{rel}"], capture_output=True, text=True)
+    return calibration.from_json(json.loads(show.stdout), f"{sha}:{rel}") if show.returncode == 0 else None
+
+
 def _label_table(row, overrides: dict, committed):
     from qlabench_kernels import calibration
 
@@ -49,7 +68,7 @@ def _label_table(row, overrides: dict, committed):
         return calibration.from_file(overrides[row["backend"]])
     if params.get("cost_table"):
         return calibration.from_file(params["cost_table"])
-    return committed(row["gpu_name"])
+    return committed(row["gpu_name"], row["git_sha"])
 
 
 def rows_of(df, price, overrides: dict, sms: int) -> list[dict]:
@@ -58,9 +77,12 @@ def rows_of(df, price, overrides: dict, sms: int) -> list[dict]:
 
     from qlabench.backends.tilelang import table_plans
 
-    def committed(gpu):
-        path = calibration.table_path(gpu)
-        return calibration.from_file(path) if path.is_file() else calibration.default_table()
+    @functools.cache
+    def committed(gpu, sha):  # the GPU model's table at the rows' commit, else the default GPU's, as the backend plans
+        for path in (calibration.table_path(gpu), calibration.table_path(calibration.default_table().gpu)):
+            if (table := _table_at(sha, path)) is not None:
+                return table
+        raise ValueError(f"rows of commit {sha!r}: it has no cost table; name the table with --label LABEL=TABLE")
 
     out = []
     ours = df[(df["backend_name"] == "tilelang") & (df["status"] == "ok") & (df["direction"] == "fwd")]
