@@ -153,12 +153,13 @@ def stage_times_ms(pkg, x, split_tokens, block_v, reps=10):
         stages["fused"] = lambda: run_fwd_fused(
             x["q"], x["k"], x["v"], g, beta, r["stab"], init, scale, r["o"], r["final_state"]
         )  # fmt: skip
-        return {name: graph_time_ms(fn, reps=reps) for name, fn in stages.items()}
-    # a package whose fwd_o has one V block takes no block_v
-    bv = {"block_v": r["block_v"]} if "block_v" in inspect.signature(run_fwd_o).parameters else {}
-    stages["fwd_o"] = lambda: run_fwd_o(
-        x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], init, scale, r["o"], r["final_state"], **bv
-    )  # fmt: skip
+    else:
+        # a package whose fwd_o has one V block takes no block_v
+        bv = {"block_v": r["block_v"]} if "block_v" in inspect.signature(run_fwd_o).parameters else {}
+        stages["fwd_o"] = lambda: run_fwd_o(
+            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], init, scale, r["o"], r["final_state"],
+            **bv,
+        )  # fmt: skip
     return {name: graph_time_ms(fn, reps=reps) for name, fn in stages.items()}
 
 

@@ -60,14 +60,12 @@ def _table_at(sha: str, path: pathlib.Path):
     return calibration.from_json(json.loads(show.stdout), f"{sha}:{rel}") if show.returncode == 0 else None
 
 
-def _label_table(row, overrides: dict, committed):
-    from qlabench_kernels import calibration
-
+def _label_table(row, overrides: dict, table_file, committed):
     params = json.loads(row["backend_params"] or "{}")
     if row["backend"] in overrides:
-        return calibration.from_file(overrides[row["backend"]])
+        return table_file(overrides[row["backend"]])
     if params.get("cost_table"):
-        return calibration.from_file(params["cost_table"])
+        return table_file(params["cost_table"])
     return committed(row["gpu_name"], row["git_sha"])
 
 
@@ -76,6 +74,8 @@ def rows_of(df, price, overrides: dict, sms: int) -> list[dict]:
     from qlabench_kernels import calibration, plan
 
     from qlabench.backends.tilelang import table_plans
+
+    table_file = functools.cache(calibration.from_file)  # each table read once, not per row
 
     @functools.cache
     def committed(gpu, sha):  # the GPU model's table at the rows' commit, else the default GPU's, as the backend plans
@@ -88,7 +88,7 @@ def rows_of(df, price, overrides: dict, sms: int) -> list[dict]:
     ours = df[(df["backend_name"] == "tilelang") & (df["status"] == "ok") & (df["direction"] == "fwd")]
     for _, r in ours.iterrows():
         lens, h_qk, h_v = tuple(int(x) for x in r["seqlens"]), int(r["h_qk"]), int(r["h_v"])
-        bv, seg = table_plans(lens, h_qk, h_v, sms, "fwd", _label_table(r, overrides, committed))["fwd"]
+        bv, seg = table_plans(lens, h_qk, h_v, sms, "fwd", _label_table(r, overrides, table_file, committed))["fwd"]
         final, seg_ctas = grids(lens, h_v, seg, bv)
         out.append(dict(point=(r["model"], r["layout"]), heads=f"{h_qk}/{h_v}", layout=r["layout"],
                         label=r["backend"], block_v=bv, seg=seg, ms=float(r["latency_ms"]),
