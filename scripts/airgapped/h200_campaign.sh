@@ -59,6 +59,10 @@
 #                (no cap but the deadline: a campaign step after it gets what is left);
 #   campaign     the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4,
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
+#   campaign_nofla the forward sweep without FLA (never the fastest library there: the best-library
+#                ratio in one run at two thirds of the time; FLA's ratio then pairs another run's
+#                rows) into runs/h200_fwd_nofla, once /tmp/fisite is ready (the step `campaign`'s
+#                FlashInfer waits);
 #   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
 #   correctness_tests   the correctness check's GPU tests (the fp32 reference against the fp64 recurrence, poisoning);
 #   correctness_accept  scripts/airgapped/correctness_acceptance.py on FLA: every broken variant must be `incorrect`
@@ -221,12 +225,16 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step fwd_recipes 120 360 qlabench run configs/h200_fwd_recipes.yaml --resume
   step suite_first 200 420 $(suite suite_first)
   step bwd 300 0 qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume
-  if wants campaign; then
+  if wants campaign || wants campaign_nofla; then
     while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
     tail -1 "$J/fi_jit.log" 2>/dev/null
     log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
     step campaign 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd
     [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_resume 90 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd --resume
+    step campaign_nofla 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd_nofla \
+      --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang
+    [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_nofla_resume 90 0 qlabench run configs/h200_fwd.yaml \
+      --out runs/h200_fwd_nofla --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --resume
   fi
   step correctness_tests 60 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
     --junitxml="$J/correctness_tests.xml" tests/test_reference.py tests/test_poison_gpu.py
