@@ -61,8 +61,7 @@
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
 #   campaign_nofla the forward sweep without FLA (never the fastest library there: the best-library
 #                ratio in one run at two thirds of the time; FLA's ratio then pairs another run's
-#                rows) into runs/h200_fwd_nofla, once /tmp/fisite is ready (the step `campaign`'s
-#                FlashInfer waits);
+#                rows) into runs/h200_fwd_nofla, once /tmp/fisite is ready, after fwd_heldout;
 #   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
 #   correctness_tests   the correctness check's GPU tests (the fp32 reference against the fp64 recurrence, poisoning);
 #   correctness_accept  scripts/airgapped/correctness_acceptance.py on FLA: every broken variant must be `incorrect`
@@ -225,23 +224,19 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step fwd_recipes 120 360 qlabench run configs/h200_fwd_recipes.yaml --resume
   step suite_first 200 420 $(suite suite_first)
   step bwd 300 0 qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume
-  if wants campaign || wants campaign_nofla; then
+  if wants campaign; then
     while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
     tail -1 "$J/fi_jit.log" 2>/dev/null
     log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
     step campaign 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd
     [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_resume 90 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd --resume
-    step campaign_nofla 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd_nofla \
-      --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang
-    [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_nofla_resume 90 0 qlabench run configs/h200_fwd.yaml \
-      --out runs/h200_fwd_nofla --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --resume
   fi
   step correctness_tests 60 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
     --junitxml="$J/correctness_tests.xml" tests/test_reference.py tests/test_poison_gpu.py
   step correctness_accept 120 420 python3 scripts/airgapped/correctness_acceptance.py --fwd configs/h200_fwd_quick.yaml \
     --bwd configs/h200_bwd_quick.yaml --out runs/correctness_acceptance ${CORRECTNESS_ONLY:+--only "$CORRECTNESS_ONLY"}
   step last_tokens 60 240 python3 -m qlabench_tools.correctness.last_tokens --out "$J/checks"
-  if wants fwd_quick || wants serving || wants fwd_heldout; then
+  if wants fwd_quick || wants serving || wants fwd_heldout || wants campaign_nofla; then
     while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
     log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
   fi
@@ -250,6 +245,10 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step serving_resume 90 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
   step fwd_heldout 300 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step fwd_heldout_resume 90 0 qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume
+  step campaign_nofla 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd_nofla \
+    --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang
+  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_nofla_resume 90 0 qlabench run configs/h200_fwd.yaml \
+    --out runs/h200_fwd_nofla --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --resume
   step bwd_heldout 300 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
   step suite_warm 240 480 $(suite suite_warm)
