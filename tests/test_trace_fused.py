@@ -62,3 +62,18 @@ def test_summary_medians_per_phase_and_unwritten_stamps():
     assert tf.unwritten_stamps(tr, names, nch) == []
     tr[1, 3, 2] = 0  # aux's first stamp missing on one chunk of one walk
     assert tf.unwritten_stamps(tr, names, nch) == ["a_x"]
+
+
+def test_walks_fill_and_span_per_walk_length():
+    torch = pytest.importorskip("torch")
+    from qlabench_tools.kernels import trace_fused as tf
+
+    names = ["p_wait_empty", "s_xo", "s_store"]
+    tr = torch.zeros(4, 4, tf.NSLOT, dtype=torch.int64)
+    for cta, (t0, n) in enumerate([(100, 4), (500, 2), (900, 4)]):
+        for c in range(n):  # the producer at t0 + 10c, the state's GEMMs from t0 + 50 + 100c, each 80 long
+            tr[cta, c, 0], tr[cta, c, 1], tr[cta, c, 2] = t0 + 10 * c, t0 + 50 + 100 * c, t0 + 130 + 100 * c
+    w = tf.walks(tr, names, torch.tensor([4, 2, 4, 0]))
+    assert w == {2: dict(ctas=1, fill=50.0, span=230.0, per_chunk=115.0),
+                 4: dict(ctas=2, fill=50.0, span=430.0, per_chunk=107.5)}  # fmt: skip
+    assert tf.SHAPES["16/64 serving"][0] == tf.SERVING and len(tf.SERVING) == 64 and sum(tf.SERVING) == 15486

@@ -9,7 +9,8 @@ its cache entries stay valid. Per shape: the traced kernel's outputs against the
 (the stamps must not change them), both timed by CUDA-graph replay (what the stamps cost), then per
 role the median cycles of each phase (from its stamp to the role's next one) over the chunks of
 every CTA but each walk's first two and its last, and each role's chunk period (its first stamp to
-the next chunk's). Exit 1 when the traced kernel's outputs differ from the untraced one's or a stamp
+the next chunk's); per walk length, the fill (the producer's first stamp to the state's first GEMM)
+and the span (to the state's last stamp). Exit 1 when the traced kernel's outputs differ from the untraced one's or a stamp
 was never written (a mark whose role prefix is not the role whose branch holds it). ``--compile-only`` builds the traced kernels for the shapes' head configs (no GPU; into
 $TILELANG_CACHE_DIR). Writes trace_fused.json / .txt to $OUT when set.
 """
@@ -25,11 +26,17 @@ import tempfile
 
 from qlabench_tools.kernels.check_fwd import LINES, _import_pkg, log
 
+# 64 sequences of 1 to 512 tokens: the first layout of configs/h200_serving.yaml
+SERVING = [int(x) for x in """227 295 332 297 185 435 445 89 106 72 84 465 169 220 137 247 156 1 430 512 429 60 322 39
+    429 375 193 93 438 509 507 382 255 155 75 48 127 148 121 229 50 307 316 61 97 351 121 62 186 211 51 371 407 64
+    352 308 65 100 250 75 477 501 405 460""".split()]  # fmt: skip
 SHAPES = {  # name: (seqlens, h_qk, h_v)
     "16/64 4x8192": ([8192] * 4, 16, 64),
     "16/64 8x1024": ([1024] * 8, 16, 64),
     "2/8 1x32768": ([32768], 2, 8),
     "32/32 4x8192": ([8192] * 4, 32, 32),
+    "2/8 serving": (SERVING, 2, 8),
+    "16/64 serving": (SERVING, 16, 64),
 }
 ROLE_TX = {"s": 0, "a": 256, "p": 384}
 NSLOT = 32
@@ -100,6 +107,23 @@ def summarize(tr, names, nchunks_per_cta, skip=2):
     return res
 
 
+def walks(tr, names, nchunks_per_cta):
+    """Per walk length (chunks): CTAs, median cycles from the producer's first stamp to the state's
+    first GEMM (fill) and to the state's last stamp (span), and the median span per chunk."""
+
+    p0, s0, s1 = names.index("p_wait_empty"), names.index("s_xo"), names.index("s_store")
+    out = {}
+    for n in sorted(set(nchunks_per_cta.tolist()) - {0}):
+        sel = nchunks_per_cta == n
+        if n > tr.shape[1]:
+            continue
+        t = tr[sel].double()
+        fill, span = t[:, 0, s0] - t[:, 0, p0], t[:, n - 1, s1] - t[:, 0, p0]
+        out[int(n)] = dict(ctas=int(sel.sum()), fill=float(fill.median()), span=float(span.median()),
+                           per_chunk=float(span.median()) / n)  # fmt: skip
+    return out
+
+
 def unwritten_stamps(tr, names, nchunks_per_cta):
     """The stamps left 0 on some chunk of a walk (its last chunk aside): a mark no thread reaches."""
     valid = _valid(nchunks_per_cta, tr.shape[1], 0)
@@ -149,8 +173,9 @@ def run_shape(pkg, mod, names, name, seqlens, h_qk, h_v, results):
     nch = nch.repeat_interleave(h_v).to(torch.int64)  # CTA sh = segment * h_v + v-head
     unwritten = unwritten_stamps(tr, names, nch)
     summ = summarize(tr, names, nch)
+    wk = walks(tr, names, nch)
     row = dict(shape=name, plain_ms=plain_ms, traced_ms=traced_ms, o_vs_plain=rel(o_t.float(), o_ref.float()),
-               ht_vs_plain=rel(ht_t, ht_ref), unwritten_stamps=unwritten, roles=summ)  # fmt: skip
+               ht_vs_plain=rel(ht_t, ht_ref), unwritten_stamps=unwritten, roles=summ, walks=wk)  # fmt: skip
     row["ok"] = row["o_vs_plain"] == 0 and row["ht_vs_plain"] == 0 and not unwritten
     results["shapes"].append(row)
     log(
@@ -159,6 +184,8 @@ def run_shape(pkg, mod, names, name, seqlens, h_qk, h_v, results):
     )
     for role, r in summ.items():
         log(f"  {role}: period {r['period']:.0f} cycles; " + ", ".join(f"{k} {v:.0f}" for k, v in r["phases"].items()))
+    for n, w in wk.items():
+        log(f"  walk {n:3d} chunks: {w['ctas']:5d} CTAs, fill {w['fill']:.0f}, span {w['span']:.0f} ({w['per_chunk']:.0f} per chunk)")
 
 
 def main(argv=None):
