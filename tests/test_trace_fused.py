@@ -76,4 +76,4 @@ def test_walks_fill_and_span_per_walk_length():
     w = tf.walks(tr, names, torch.tensor([4, 2, 4, 0]))
     assert w == {2: dict(ctas=1, fill=50.0, span=230.0, per_chunk=115.0),
                  4: dict(ctas=2, fill=50.0, span=430.0, per_chunk=107.5)}  # fmt: skip
-    assert tf.SHAPES["16/64 serving"][0] == tf.SERVING and len(tf.SERVING) == 64 and sum(tf.SERVING) == 15486
+    assert len(tf.SHAPES["16/64 serving"][0]) == 64 and sum(tf.SHAPES["16/64 serving"][0]) == 15486

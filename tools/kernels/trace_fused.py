@@ -24,19 +24,16 @@ import re
 import sys
 import tempfile
 
+from qlabench_tools.kernels.check_fused import SERVING_64
 from qlabench_tools.kernels.check_fwd import LINES, _import_pkg, log
 
-# 64 sequences of 1 to 512 tokens: the first layout of configs/h200_serving.yaml
-SERVING = [int(x) for x in """227 295 332 297 185 435 445 89 106 72 84 465 169 220 137 247 156 1 430 512 429 60 322 39
-    429 375 193 93 438 509 507 382 255 155 75 48 127 148 121 229 50 307 316 61 97 351 121 62 186 211 51 371 407 64
-    352 308 65 100 250 75 477 501 405 460""".split()]  # fmt: skip
 SHAPES = {  # name: (seqlens, h_qk, h_v)
     "16/64 4x8192": ([8192] * 4, 16, 64),
     "16/64 8x1024": ([1024] * 8, 16, 64),
     "2/8 1x32768": ([32768], 2, 8),
     "32/32 4x8192": ([8192] * 4, 32, 32),
-    "2/8 serving": (SERVING, 2, 8),
-    "16/64 serving": (SERVING, 16, 64),
+    "2/8 serving": (SERVING_64, 2, 8),
+    "16/64 serving": (SERVING_64, 16, 64),
 }
 ROLE_TX = {"s": 0, "a": 256, "p": 384}
 NSLOT = 32
