@@ -323,13 +323,13 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                                     acc1 - T.cast(lo_sh[(lsub // B) * B + i, (lsub // B) * B + j], "float32") * x16[j]
                                 )
                             x16[i] = acc1
-                        for i in T.unroll(B):  # @trace a_sstore
-                            d_sh[(lsub // B) * B + i, lsub] = T.cast(-x16[i], "float16")
-                            db_sh[(lsub // B) * B + i, lsub] = T.cast(x16[i] * gt_sh[js, 1, lsub], "float16")
+                        for i in T.vectorized(B):  # @trace a_sstore
+                            d_sh[lsub, (lsub // B) * B + i] = T.cast(-x16[i], "float16")
+                            db_sh[lsub, (lsub // B) * B + i] = T.cast(x16[i] * gt_sh[js, 1, lsub], "float16")
                     T.fence_proxy_async()  # @trace a_sfence
                     # −N = −D L_off: −D L with its diagonal blocks dropped (there D L_bb = I − D); D is
                     # stored negated, so that no pass below negates an accumulator
-                    T.gemm(d_sh, lo_sh, a_acc, clear_accum=True)  # @trace a_n
+                    T.gemm(d_sh, lo_sh, a_acc, transpose_A=True, clear_accum=True)  # @trace a_n
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
                     T.copy(a_acc, n_sh)  # @trace a_nstore
@@ -347,7 +347,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.gemm(r16, n_sh, a_acc, clear_accum=True)  # @trace a_r3
                     for i, j in T.Parallel(C, C):
                         r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
-                    T.gemm(r16, db_sh, a_acc, clear_accum=True)  # @trace a_ab
+                    T.gemm(r16, db_sh, a_acc, transpose_B=True, clear_accum=True)  # @trace a_ab
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = T.if_then_else(i >= j, a_acc[i, j], T.float32(0))
                     if jt == 0:  # @trace a_store

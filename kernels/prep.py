@@ -206,13 +206,13 @@ def prep_program(h_qk: int, h_v: int):
                         for j in T.unroll(i):
                             acc1 = acc1 - T.cast(lo_sh[(tx // B) * B + i, (tx // B) * B + j], "float32") * x16[j]
                         x16[i] = acc1
-                    for i in T.unroll(B):
-                        dn_sh[(tx // B) * B + i, tx] = T.cast(-x16[i], "float16")
-                        db_sh[(tx // B) * B + i, tx] = T.cast(x16[i] * gt_sh[v, 1, tx], "float16")
+                    for i in T.vectorized(B):
+                        dn_sh[tx, (tx // B) * B + i] = T.cast(-x16[i], "float16")
+                        db_sh[tx, (tx // B) * B + i] = T.cast(x16[i] * gt_sh[v, 1, tx], "float16")
                 T.fence_proxy_async()
                 # −N = −D L_off: −D L with its diagonal blocks dropped (there D L_bb = I − D); D is
                 # stored negated, so that no pass below negates an accumulator; −N then over −D
-                T.gemm(dn_sh, lo_sh, a_acc, clear_accum=True)
+                T.gemm(dn_sh, lo_sh, a_acc, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
                 T.copy(a_acc, dn_sh)
@@ -228,7 +228,7 @@ def prep_program(h_qk: int, h_v: int):
                 T.gemm(r16, dn_sh, a_acc, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
-                T.gemm(r16, db_sh, a_acc, clear_accum=True)
+                T.gemm(r16, db_sh, a_acc, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     a_acc[i, j] = T.if_then_else(i >= j, a_acc[i, j], T.float32(0))
                 T.copy(a_acc, ab_sh)
