@@ -36,10 +36,8 @@ consumer threads and the store warp), full_h / empty_h and full_dh / empty_dh (p
 full_qk / empty_qk (parity (t // G) % 2; empty_qk: the store warp, once dq / dk are out),
 dw_ready[j], dqk_ready (the consumers, once staged). full_* count 32 (the producer warp) + tx bytes.
 
-Measured on the H200 (16/32 1×32768, kernel alone): a one-CTA-per-item group form 1.34 ms; this kernel
-with SIMT stores from registers 1.06 ms, with the store warp 0.82–0.88. (dqk_ready, the per-item dq / dk
-hand-off, cannot be lapped: the consumers need the next item's q, k, which wait on empty_qk, which the
-store warp arrives after its dq / dk stores.)
+dqk_ready, the per-item dq / dk hand-off, cannot be lapped: the consumers need the next item's q, k,
+which wait on empty_qk, which the store warp arrives after its dq / dk stores.
 """
 
 import functools

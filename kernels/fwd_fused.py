@@ -13,32 +13,18 @@ last valid value)
     Oᵀ   = scale · e^g ⊙ (Sᵀ Qᵀ) + Vdᵀ Pᵀ
     Sᵀ  ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
-The inverse on tensor cores, in fp16: L is stored once in fp16; D = blockdiag((I + L_bb)⁻¹) over
-its 16x16 diagonal blocks (substitution in fp32, 64 threads); N = D L with the diagonal blocks
-dropped (there D L_bb = I − D), strictly block-lower so N⁴ = 0 and (I + L)⁻¹ = (I + N)⁻¹ D =
-(I − N + N² − N³) D. From N's accumulator, R₁ = I − N, R₂ = I − R₁ N, R₃ = I − R₂ N in registers
-(each Rₖ cast to fp16 as the next wgmma's A operand, −N the B operand from shared memory), then
-A_β = R₃ Dβ (Dβ = D diag β): four 64x64x64 wgmmas, −N the only intermediate stored. D is stored
-negated, so the first wgmma gives −N and each round's accumulator is Rₖ(−N): Rₖ₊₁ = I + acc is a
-select of 1 on the diagonal (where acc is exactly 0) or acc, with no negation and no loop-invariant
-constants (hoisted out of the chunk loop, those spill: aux holds 104 registers). fp16 (not bf16)
-operands keep A_β's error (~5e-4 relative on correlated keys) below its own bf16 rounding. Every
-aux step gates or masks in registers; L and −N go to shared memory by stmatrix, P and A_β too (each
-ring slot is a buffer of its own: ``T.copy`` emits stmatrix only into a buffer's offset 0, so slot
-c % 2 is picked by a branch, not an index).
+The inverse on tensor cores, in fp16 (docs/kernels.md): D = blockdiag((I + L_bb)⁻¹) over the 16x16
+diagonal blocks by substitution in fp32 (64 threads, a column each, stored as a row of (−D)ᵀ and of
+(Dβ)ᵀ by vector stores); −N = −D L off the diagonal blocks (strictly block-lower, N⁴ = 0), then
+R₁ = I − N, Rₖ₊₁ = I + Rₖ(−N) in registers (fp16 A operands; the diagonal a select of 1) and
+A_β = R₃ Dβ = (I + L)⁻¹ diag β: four 64x64x64 wgmmas reading (−D)ᵀ and (Dβ)ᵀ transposed. fp16 (not
+bf16) keeps A_β's error below its own bf16 rounding. L, −N, P and A_β go to shared memory by
+stmatrix (each ring slot a buffer of its own: ``T.copy`` emits stmatrix only at a buffer's offset 0).
 
-Gating by factors. With m = (g_0 + g_l) / 2, Γ_ij = e^{g_i − m} · e^{m − g_j}: the producer writes
-per chunk the row factors β e^{g − m} (for L) and scale · e^{g − m} (for P) and the column factors
-e^{m − g}, and a flag set when no gate of the chunk is positive (the cumsum does not increase) and
-its range g_0 − g_l is below ``FACTOR_RANGE`` (140 nats): every factor then lies within e^{±70},
-finite and normal in fp32. A kept element's product (≤ β_i) underflows to 0 at worst, and a row
-factor β_i e^{g_i − m} is flushed (fast math) only for β_i < 2^-126 e^{70} ≈ 2.9e-8, when every
-element of its row of L (|β_i Γ_ij k_iᵀk_j| ≤ β_i, keys L2-normalised) is one that L's fp16 store
-rounds to 0 anyway. Under the flag (read
-once per chunk, the same for the whole warpgroup) aux gates each element by two multiplies,
-(row_i · col_j) · acc, the column factors loaded as float2 vectors and used for both L and P; the
-masked elements, whose products may overflow, are removed by a select. Otherwise (strong decay,
-out-of-contract gates) it gates per element by e^{min(g_i − g_j, 0)}.
+Gating by factors (docs/kernels.md has the bounds). With m = (g_0 + g_l) / 2, Γ_ij = e^{g_i − m} ·
+e^{m − g_j}: under the producer's flag (no positive gate, range below ``FACTOR_RANGE``) aux gates an
+element by (row_i · col_j) · acc and drops the masked ones by a select; otherwise per element by
+e^{min(g_i − g_j, 0)}.
 
 Roles:
 
@@ -72,10 +58,8 @@ No barrier gets two phases ahead of its waiter: aux's arrive on t_ready[jt] for 
 behind its wait on t_free[jt] for chunk c; the producers' arrive on full[js] for c + 3 behind their
 wait on empty[js] for c, which needs every consumer past chunk c.
 
-Rows past the sequence end: β and g are zeroed there (the cumsum repeats g_l), so L's rows, and
-A_β's rows and columns, are zero past the end; Vd is zero there, e^{g_l − g} is masked, and o rows
-past the end are not stored. TMA loads of q/k/v may read the next sequence's rows (zero-filled
-past T), which only meet those zeros.
+Rows past the sequence end: β and g are zeroed (L and A_β zero there, Vd too), e^{g_l − g} masked, o
+not stored; TMA loads of q/k/v past the end (the next sequence's rows) only meet those zeros.
 
 Lines marked ``# @trace NAME`` are where ``tools/kernels/trace_fused.py`` stamps the SM clock, per
 role, chunk and CTA, in a copy of this program (the program here carries only the comments).

@@ -88,9 +88,7 @@ PREP_ROUND = 0.6
 def prep_slices(h_qk: int, h_v: int, ncs: int, num_sms: int = 132) -> int:
     """Over how many CTAs prep spreads each q/k head's G v-heads: the fewest (a divisor of G) that
     launch at least ``PREP_ROUND`` of one round of CTAs on the SMs. Each CTA walks G / slices
-    v-heads one after the other, sharing the chunk's q / k loads; that pays while the SMs stay
-    busy (H200, prep alone: 2/8 1x8192 0.0170 ms at 2 slices, 516 CTAs, against 0.0191 at 4;
-    2/8 1x32768 0.0605 at 1 against 0.0637 at 2; 16/64 1x32768 0.419 at 1 against 0.455 at 2)."""
+    v-heads one after the other, sharing the chunk's q / k loads; that pays while the SMs stay busy."""
     G = h_v // h_qk
     for d in range(1, G + 1):
         if G % d == 0 and h_qk * d * ncs >= PREP_ROUND * PREP_CTAS_PER_SM * num_sms:

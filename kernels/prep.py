@@ -16,13 +16,10 @@ factors β e^{g − m} and scale e^{g − m}, the column factors e^{m − g}, th
 Then two loops over the v-heads: P for each (Q Kᵀ on wgmma once for the CTA, kept in registers,
 gated by that v-head's factors where its flag allows it, else per element;
 stmatrix, TMA store), after which q is dead; then L and A_β for each: K Kᵀ gated alike into L
-(fp16), D = blockdiag((I + L_bb)⁻¹) over the 16x16 diagonal blocks by substitution (64 threads),
-N = D L without its diagonal blocks (N⁴ = 0), then in registers R₁ = I − N, R₂ = I − R₁ N,
-R₃ = I − R₂ N = (I + N)⁻¹ and A_β = R₃ Dβ (Dβ = D diag β; four 64x64x64 fp16 wgmmas, the last
-three with A from registers; D and N are stored negated, as in the fused kernel's aux, so each
-Rₖ₊₁ is a select of 1 or the accumulator), A_β by stmatrix and TMA store. Rows past the
-sequence end get q = k = 0 and β = 0, so their rows and columns of A_β and P are 0. Fast math.
-ptxas is held to ``MIN_BLOCKS`` CTAs per SM (``__launch_bounds__``: 128 registers, no stack).
+(fp16) and the fused kernel's fp16 inverse (its docstring: the 16x16 blocks' substitution into
+(−D)ᵀ and (Dβ)ᵀ, −N, three rounds in registers, A_β = R₃ Dβ), A_β by stmatrix and TMA store. Rows
+past the sequence end get q = k = 0 and β = 0 (their rows and columns of A_β and P are 0). Fast
+math; ptxas held to ``MIN_BLOCKS`` CTAs per SM (``__launch_bounds__``: 128 registers, no stack).
 
 Layouts (chunk-slot space, see ``_common.chunk_table``; slot c covers rows c*64 .. c*64+63):
     q, k  [1, T, Hqk, 128] bf16    g, beta [1, T, Hv] fp32     ctab [NCS, 4] int32
