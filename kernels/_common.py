@@ -96,6 +96,8 @@ def check_heads(h_qk: int, h_v: int) -> int:
 #: Columns of a segment table row (int32 [NS, 8]).
 SEG_BOS, SEG_EOS, SEG_SEQ, SEG_CSLOT, SEG_INIT_ROW, SEG_IS_LAST = 0, 1, 2, 3, 4, 5
 SEG_COLS = 8
+#: Keys of the longest-first order: a segment's chunk count, the last key for that many or more.
+LPT_KEYS = 32
 
 
 def default_cu_seqlens(T: int, device) -> torch.Tensor:
@@ -181,3 +183,10 @@ def segment_table(cu: torch.Tensor, cu_chunks: torch.Tensor, T: int, N: int, seg
         dim=1,
     )
     return stab.to(torch.int32).contiguous(), cu_segs
+
+
+def lpt_order(stab: torch.Tensor) -> torch.Tensor:
+    """stab's rows by descending min(chunks, LPT_KEYS − 1), ties in slot order: the final kernels'
+    CTAs start in this order, longest walks first (the block scheduler takes CTAs in index order)."""
+    key = torch.clamp((stab[:, SEG_EOS] - stab[:, SEG_BOS] + CHUNK - 1) // CHUNK, max=LPT_KEYS - 1)
+    return stab[torch.argsort(-key, stable=True)]

@@ -119,8 +119,10 @@ def chunk_gdn_fwd_lowlevel(
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")
     seg_tokens = split_tokens if split_tokens else (max(T, 1) + CHUNK - 1) // CHUNK * CHUNK
 
-    ctab, cu_chunks, stab, cu_segs = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target=target)
     fused = block_v == HEAD_DIM
+    # the final kernel's CTAs longest walk first when they take more than one round of the SMs
+    lpt = (T // seg_tokens + N) * h_v * (HEAD_DIM // block_v) > sm_count(dev)
+    ctab, cu_chunks, stab, cu_segs, stab_lpt = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target, lpt)
     gcs = a_beta = p_all = None
     if split_tokens or not fused or save_prep:
         gcs, a_beta, p_all = run_prep(q, k, g, beta, ctab, scale, target=target)
@@ -145,10 +147,10 @@ def chunk_gdn_fwd_lowlevel(
         run_fixup(m_tr, e_end, cu_segs, h0, h_init, target=target)
         out.update(cu_segs=cu_segs, e_end=e_end, m_tr=m_tr, h_start=h_init)
     if fused:
-        run_fwd_fused(q, k, v, g, beta, stab, h_init, scale, o, ht, target=target)
+        run_fwd_fused(q, k, v, g, beta, stab_lpt, h_init, scale, o, ht, target=target)
     else:
-        run_fwd_o(q, k, v, gcs, a_beta, p_all, stab, h_init, scale, o, ht, target=target)
-    out.update(o=o, final_state=ht)
+        run_fwd_o(q, k, v, gcs, a_beta, p_all, stab_lpt, h_init, scale, o, ht, target=target)
+    out.update(o=o, final_state=ht, stab_lpt=stab_lpt)
     return out
 
 

@@ -50,6 +50,20 @@ def test_tl_tables_algorithm_equals_torch_tables(lens, seg):
     assert torch.equal(cu_segs.int(), cs2)
 
 
+@pytest.mark.parametrize("lens", [*LAYOUTS, [(i * 37) % 2300 for i in range(700)]], ids=lambda x: f"N{len(x)}")
+@pytest.mark.parametrize("seg", [None, 64, 1024])
+def test_tl_longest_first_order_equals_torch_order(lens, seg):
+    """tables.py's longest-first rows (warp match groups, counts across warps) are lpt_order's."""
+    common = importlib.import_module("qlabench_kernels._common")
+    cu = _cu(lens)
+    T, N = int(cu[-1]), len(lens)
+    seg_t = seg if seg else max(64, (max(T, 1) + 63) // 64 * 64)
+    _, cu_chunks = common.chunk_table(cu, T, N)
+    stab, _ = common.segment_table(cu, cu_chunks, T, N, seg_t, split=seg is not None)
+    assert torch.equal(emulate.emu_lpt_tl(stab), common.lpt_order(stab))
+    assert torch.equal(emulate.emu_lpt_tl(stab, nt=64), common.lpt_order(stab))
+
+
 @pytest.mark.parametrize("lens", LAYOUTS, ids=lambda x: f"N{len(x)}")
 @pytest.mark.parametrize("seg", [64, 128, 1024])
 def test_seg_state_grid_walks_every_non_last_segment_once_in_slot_order(lens, seg):

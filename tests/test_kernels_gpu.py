@@ -115,6 +115,29 @@ def test_chunk_gdn_fwd_matches_recurrence(h_qk, h_v, with_h0, with_ht, split_tok
         assert r["final_state"] is None
 
 
+@pytest.mark.parametrize("split_tokens,block_v", [(0, 64), (0, 128), (256, 128)])
+def test_final_kernels_longest_first_past_one_round(split_tokens, block_v):
+    """More final CTAs than SMs: the final kernel takes stab's rows longest first (stab_lpt), and
+    every o row and final state is still its own sequence's."""
+    pkg = qlabench_kernels
+    lens = [(i * 97) % 700 + 1 for i in range(48)] + [0, 1500]
+    x = make_inputs(lens, 1, 4, seed=3)
+    T, N = x["q"].shape[1], len(lens)
+    o = torch.full((1, T, 4, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ht = torch.full((N, 4, D, D), float("nan"), device="cuda", dtype=torch.float32)
+    r = pkg.chunk_gdn_fwd_lowlevel(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], cu_seqlens=x["cu"],
+        split_tokens=split_tokens, block_v=block_v, o=o, final_state=ht,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert r["stab_lpt"] is not r["stab"]  # 50 x 4 CTAs or more, over the SMs of any H100 / H200
+    assert not torch.isnan(o).any() and not torch.isnan(ht).any()
+    if "lpt" not in _CACHE:
+        _CACHE["lpt"] = reference(x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["h0"], x["cu"])
+    ref_o, ref_h = _CACHE["lpt"]
+    assert rel_l2(o, ref_o) < TOL and rel_l2(ht, ref_h) < TOL
+
+
 def test_public_call_and_planned_split():
     """chunk_gdn_fwd on one 8192-token sequence of 2/8 heads: the planner splits it."""
     pkg = qlabench_kernels
@@ -200,7 +223,8 @@ def test_prep_matches_emulation_and_p(slices):
 
 @pytest.mark.parametrize(
     "lens",
-    [[32768], [1, 63, 64, 65, 1000, 4097], [0, 5, 0, 0, 700, 64, 2000, 0], [8] * 1024, [0] * 3 + [130] * 600 + [0]],
+    [[32768], [1, 63, 64, 65, 1000, 4097], [0, 5, 0, 0, 700, 64, 2000, 0], [8] * 1024, [0] * 3 + [130] * 600 + [0],
+     [(i * 37) % 2300 for i in range(700)]],
     ids=lambda x: f"N{len(x)}",
 )
 @pytest.mark.parametrize("seg", [None, 1024])
@@ -214,9 +238,12 @@ def test_tables_kernel_equals_torch_tables(lens, seg):
     seg_t = seg if split else max(64, (max(T, 1) + 63) // 64 * 64)
     ctab, cu_chunks = common.chunk_table(cu, T, N)
     stab, cu_segs = common.segment_table(cu, cu_chunks, T, N, seg_t, split=split)
-    c2, cc2, s2, cs2 = tables.run_tables(cu, T, N, seg_t, split)
+    c2, cc2, s2, cs2, l2 = tables.run_tables(cu, T, N, seg_t, split, lpt=True)
     torch.cuda.synchronize()
     assert torch.equal(ctab, c2)
     assert torch.equal(stab, s2)
+    assert torch.equal(common.lpt_order(stab), l2)  # the rows longest first, ties in slot order
+    unordered = tables.run_tables(cu, T, N, seg_t, split)
+    assert unordered[4] is unordered[2]
     assert torch.equal(cu_chunks.int(), cc2)
     assert torch.equal(cu_segs.int(), cs2)

@@ -15,13 +15,14 @@ D = 128
 def fwd(monkeypatch):
     mod = importlib.import_module("qlabench_kernels.forward")
     common = importlib.import_module("qlabench_kernels._common")
-    calls, plans = [], []
+    calls, plans, lpts, final_stab = [], [], [], []
 
-    def tables(cu, T, N, seg, split, target=None):
+    def tables(cu, T, N, seg, split, target=None, lpt=False):
         calls.append("tables")
+        lpts.append(lpt)
         ctab, cu_chunks = common.chunk_table(cu, T, N)
         stab, cu_segs = common.segment_table(cu, cu_chunks, T, N, seg, split)
-        return ctab, cu_chunks.int(), stab, cu_segs.int()
+        return ctab, cu_chunks.int(), stab, cu_segs.int(), common.lpt_order(stab) if lpt else stab
 
     def prep(q, k, g, beta, ctab, scale, target=None):
         calls.append("prep")
@@ -33,6 +34,8 @@ def fwd(monkeypatch):
             calls.append(name)
             if name == "fwd_fused":  # (q, k, v, g, beta, stab, h_init, ...)
                 calls.append(("h_init", None if args[6] is None else tuple(args[6].shape)))
+            if name in ("fwd_fused", "fwd_o"):
+                final_stab.append(args[5] if name == "fwd_fused" else args[6])
 
         return run
 
@@ -49,14 +52,15 @@ def fwd(monkeypatch):
     monkeypatch.setattr(mod, "plan_fwd", plan)
     monkeypatch.setattr(mod, "sm_count", lambda dev: 132)
 
-    def call(**kw):
-        calls.clear()
-        plans.clear()
-        T, hqk, hv = 1000, 1, 2
+    def call(T=1000, **kw):
+        for x in (calls, plans, lpts, final_stab):
+            x.clear()
+        hqk, hv = 1, 2
         q = torch.zeros(1, T, hqk, D, dtype=torch.bfloat16)
         g, beta = torch.zeros(1, T, hv), torch.zeros(1, T, hv)
         v = torch.zeros(1, T, hv, D, dtype=torch.bfloat16)
         r = mod.chunk_gdn_fwd_lowlevel(q, q, v, g, beta, **kw)
+        r.update(lpt_calls=list(lpts), final_stab=list(final_stab))
         return r, list(calls), list(plans)
 
     return call
@@ -105,3 +109,27 @@ def test_block_v_is_checked(fwd):
     for bad in (96, 32):  # fwd_o has one V block (64)
         with pytest.raises(ValueError, match=f"block_v={bad}"):
             fwd(block_v=bad)
+
+
+def test_final_kernel_takes_the_longest_first_table_past_one_round(fwd):
+    common = importlib.import_module("qlabench_kernels._common")
+    r, _, _ = fwd()  # 1 sequence x 2 v-heads: one round of CTAs, slot order
+    assert r["lpt_calls"] == [False] and r["final_stab"][0] is r["stab"]
+    lens = [(i * 37) % 300 + 1 for i in range(100)]  # 100 sequences x 2 v-heads > 132 SMs
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()])
+    for bv in (128, 64):
+        r, _, _ = fwd(T=sum(lens), cu_seqlens=cu, block_v=bv, split_tokens=0)
+        assert r["lpt_calls"] == [True] and torch.equal(r["final_stab"][0], common.lpt_order(r["stab"]))
+        chunks = (r["final_stab"][0][:, 1] - r["final_stab"][0][:, 0] + 63) // 64
+        assert bool((chunks[:-1] >= chunks[1:]).all()) and chunks[0] == 5
+
+
+def test_lpt_order_is_stable_by_capped_chunk_count():
+    common = importlib.import_module("qlabench_kernels._common")
+    lens = [64, 5000, 0, 130, 64 * 40, 1, 129]
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()])
+    ctab, cu_chunks = common.chunk_table(cu, sum(lens), len(lens))
+    stab, _ = common.segment_table(cu, cu_chunks, sum(lens), len(lens), 8192, False)
+    seqs = common.lpt_order(stab)[:, 2].tolist()
+    # 5000 and 2560 tokens both cap at 31 chunks (slot order), then 3, 3, 1, 1 chunk(s), the empty one, unused slots
+    assert seqs == [1, 4, 3, 6, 0, 5, 2] + [-1] * (len(seqs) - 7)

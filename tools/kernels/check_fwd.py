@@ -139,7 +139,9 @@ def stage_times_ms(pkg, x, split_tokens, block_v, reps=10):
     sp = r["split_tokens"]
     seg = sp if sp else (max(T, 1) + 63) // 64 * 64
     fused = r["block_v"] == 128
-    stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp))}
+    # the final kernel's table: stab's rows longest first where the forward ordered them
+    lpt, fstab = "stab_lpt" in r and r["stab_lpt"] is not r["stab"], r.get("stab_lpt", r["stab"])
+    stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp), None, lpt) if lpt else run_tables(cu, T, N, seg, bool(sp))}
     if sp or not fused:
         stages["prep"] = lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], r["ctab"], scale, p_all=r["p_all"])
     if sp:
@@ -151,13 +153,13 @@ def stage_times_ms(pkg, x, split_tokens, block_v, reps=10):
     if fused:
         g, beta = x["g"].float().contiguous(), x["beta"].float().contiguous()
         stages["fused"] = lambda: run_fwd_fused(
-            x["q"], x["k"], x["v"], g, beta, r["stab"], init, scale, r["o"], r["final_state"]
+            x["q"], x["k"], x["v"], g, beta, fstab, init, scale, r["o"], r["final_state"]
         )  # fmt: skip
     else:
         # a package whose fwd_o has one V block takes no block_v
         bv = {"block_v": r["block_v"]} if "block_v" in inspect.signature(run_fwd_o).parameters else {}
         stages["fwd_o"] = lambda: run_fwd_o(
-            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], r["stab"], init, scale, r["o"], r["final_state"],
+            x["q"], x["k"], x["v"], r["gcs"], r["a_beta"], r["p_all"], fstab, init, scale, r["o"], r["final_state"],
             **bv,
         )  # fmt: skip
     return {name: graph_time_ms(fn, reps=reps) for name, fn in stages.items()}

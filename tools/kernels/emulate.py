@@ -458,6 +458,38 @@ def emu_tables_tl(cu, T, N, seg_tokens, split, nt=512):
     return torch.tensor(ctab, **i32), torch.tensor(cu_chunks, **i32), torch.tensor(stab, **i32), torch.tensor(cu_segs, **i32)
 
 
+def emu_lpt_tl(stab, nt=512):
+    """Mirror of tables.py's longest-first order: a histogram of the keys, their starts in
+    descending order, then per block of ``nt`` slots each slot's rank from its warp's match group
+    and the earlier warps' counts of its key. Returns stab_lpt."""
+    from qlabench_kernels._common import LPT_KEYS
+
+    ns = stab.shape[0]
+    keys = [min((int(e) - int(b) + C - 1) // C, LPT_KEYS - 1) for b, e in stab[:, :2].tolist()]
+    hist, start = [keys.count(k) for k in range(LPT_KEYS)], [0] * LPT_KEYS
+    for k in reversed(range(LPT_KEYS)):
+        start[k] = sum(hist[k + 1 :])
+    out = torch.empty_like(stab)
+    for blk in range((ns + nt - 1) // nt):
+        idx = [blk * nt + t for t in range(nt)]
+        key = [keys[i] if i < ns else LPT_KEYS for i in idx]
+        wcnt = [[0] * LPT_KEYS for _ in range(nt // 32)]
+        lane_rank = []
+        for t in range(nt):  # __match_any_sync: the lanes of t's warp with t's key
+            w = t // 32
+            group = [u for u in range(32 * w, 32 * w + 32) if key[u] == key[t]]
+            lane_rank.append(group.index(t))
+            if idx[t] < ns and group[0] == t:
+                wcnt[w][key[t]] = len(group)
+        for k in range(LPT_KEYS):  # the warps' starts of each key, in warp order
+            for w in range(nt // 32):
+                wcnt[w][k], start[k] = start[k], start[k] + wcnt[w][k]
+        for t, i in enumerate(idx):
+            if i < ns:
+                out[wcnt[t // 32][key[t]] + lane_rank[t]] = stab[i]
+    return out
+
+
 def solve_blocked_diag(L):
     """The 16x16 diagonal blocks (I + L_bb)⁻¹ (zero elsewhere), by substitution as the aux's 64 threads."""
     B = 16
