@@ -6,6 +6,7 @@ priced per step by the GPU model's cost table (:mod:`.calibration`, docs/kernels
 """
 
 import functools
+import heapq
 import math
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from ._common import CHUNK, HEAD_DIM
 from .calibration import default_table
 
-__all__ = ["sm_count", "split_cost", "prep_cost", "prep_slices", "plan_fwd", "plan_split", "bwd_split_cost",
+__all__ = ["sm_count", "split_cost", "prep_cost", "prep_slices", "plan_fwd", "plan_split", "plan_lpt", "bwd_split_cost",
            "plan_bwd_split", "fwd_candidates", "bwd_candidates"]  # fmt: skip
 
 _SM_COUNT = {}
@@ -46,8 +47,6 @@ _SPLIT_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 def _lpt_loads(groups, slots: int) -> list:
     """Per-slot loads, largest first, of longest-processing-time-first list scheduling of
     ``groups`` = [(duration, count)] on ``slots`` identical slots (what a grid of CTAs does on the SMs)."""
-    import heapq
-
     heap, top = [0.0] * slots, 0.0  # a min-heap of the loads, and their maximum
     for dur, cnt in sorted(groups, reverse=True):
         # cnt jobs of equal length, one by one onto the least-loaded slot; while the loads lie
@@ -194,6 +193,36 @@ def _plan_lens(lens: tuple, h_v: int, num_sms: int, blocks: tuple, h_qk, c) -> t
         if best_cost is None or cost < best_cost - 0.01 * best_final:
             best, best_cost, best_final = (bv, seg), cost, final
     return best
+
+
+#: what the longest-first order of the final kernel's CTAs must gain by the model: on grids where it
+#: gains little, the order itself measured 4–5% slower (H100, serving layouts of 8/24 and 16/32)
+LPT_MARGIN = 0.10
+
+
+@functools.lru_cache(maxsize=4096)
+def _lpt_pays(lens: tuple, h_v: int, seg: int, block_v: int, num_sms: int, c) -> bool:
+    fwd = fwd_grids(lens, h_v, seg, block_v)[0]
+    paired = block_v != HEAD_DIM and sum(fwd.values()) > num_sms
+    slots = num_sms * (PAIRED_CTAS_PER_SM if paired else 1)
+    step, cta = (c.fwd_o, c.cta_fwd_o) if paired else (c.fused, c.cta_fused) if block_v == HEAD_DIM else (c.fwd_o_alone, c.cta_fwd_o)
+    if sum(fwd.values()) <= slots:
+        return False
+    heap = [0.0] * slots  # the block scheduler's launch order: segment slots in order, each one's CTAs together
+    for ln in lens:
+        for i in range(max(1, math.ceil(ln / seg)) if seg and ln > 0 else 1):
+            dur = math.ceil((min(seg, ln - i * seg) if seg else ln) / CHUNK) * step + cta
+            for _ in range(h_v * (HEAD_DIM // block_v) if ln > 0 else 0):
+                heapq.heapreplace(heap, heap[0] + dur)
+    return max(heap) > (1 + LPT_MARGIN) * _lpt_makespan([(ch * step + cta, k) for ch, k in fwd.items()], slots)
+
+
+def plan_lpt(T: int, N: int, h_v: int, seg: int, block_v: int, num_sms: int = 132, seqlens=None, costs=None) -> bool:
+    """Whether the final kernel takes its CTAs longest first (``tables``' stab_lpt): when the cost
+    model's schedule of them in launch order is ``LPT_MARGIN`` longer than longest first. Without
+    ``seqlens`` the sequences count as equal, and the order is kept."""
+    lens = _lens_of(T, N, seqlens)
+    return bool(lens) and _lpt_pays(lens, h_v, seg, block_v, num_sms, _fwd(costs))
 
 
 def bwd_split_cost(lens, h_v: int, seg: int, num_sms: int = 132, costs=None) -> float:

@@ -9,7 +9,7 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "kernels"
 #: the whole installed qlabench_kernels package, in lines (docstrings and comments included)
-MAX_LINES = 4000
+MAX_LINES = 4100
 
 
 def _imports(path):

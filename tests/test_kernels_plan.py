@@ -168,3 +168,16 @@ def test_prep_cost_counts_the_shared_work_per_qk_head():
     assert prep_cost(lens, 64) == g1
     assert abs((g4 - c.kernel) / (g1 - c.kernel) - (c.prep + c.prep_qk / 4) / (c.prep + c.prep_qk)) < 1e-9
     assert g4 < g1
+
+
+def test_plan_lpt_orders_only_grids_whose_launch_order_leaves_a_long_tail():
+    plan = qlabench_kernels.plan
+    # 64 sequences of 1-512 tokens, the longest last: on few v-heads (two to four rounds of CTAs)
+    # the last round's long walks set the end in launch order; on many the rounds average it out
+    lens = sorted((i * 97) % 512 + 1 for i in range(64))
+    assert plan.plan_lpt(sum(lens), 64, 4, 0, 128, 132, lens)
+    assert plan.plan_lpt(sum(lens), 64, 4, 0, 64, 132, lens)
+    assert not plan.plan_lpt(sum(lens), 64, 64, 0, 128, 132, lens)
+    assert not plan.plan_lpt(sum(lens), 64, 4, 0, 128, 132, None)  # lengths unknown: counted equal
+    assert not plan.plan_lpt(300 * 64, 64, 4, 0, 128, 132, [300] * 64)  # equal walks
+    assert not plan.plan_lpt(sum(lens[:30]), 30, 4, 0, 128, 132, lens[:30])  # one round

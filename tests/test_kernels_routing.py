@@ -11,18 +11,25 @@ from qlabench_kernels import calibration
 D = 128
 
 
+def _cu(lens):
+    return torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()])
+
+
 @pytest.fixture
 def fwd(monkeypatch):
     mod = importlib.import_module("qlabench_kernels.forward")
     common = importlib.import_module("qlabench_kernels._common")
     calls, plans, lpts, final_stab = [], [], [], []
 
-    def tables(cu, T, N, seg, split, target=None, lpt=False):
+    def tables(cu, T, N, seg, split, target=None):
         calls.append("tables")
-        lpts.append(lpt)
         ctab, cu_chunks = common.chunk_table(cu, T, N)
         stab, cu_segs = common.segment_table(cu, cu_chunks, T, N, seg, split)
-        return ctab, cu_chunks.int(), stab, cu_segs.int(), common.lpt_order(stab) if lpt else stab
+        return ctab, cu_chunks.int(), stab, cu_segs.int()
+
+    def lpt(stab, target=None):
+        lpts.append(True)
+        return common.lpt_order(stab)
 
     def prep(q, k, g, beta, ctab, scale, target=None):
         calls.append("prep")
@@ -46,6 +53,7 @@ def fwd(monkeypatch):
         return (blocks[0], 0)
 
     monkeypatch.setattr(mod, "run_tables", tables)
+    monkeypatch.setattr(mod, "run_lpt", lpt)
     monkeypatch.setattr(mod, "run_prep", prep)
     for name in ("seg_state", "fixup", "fwd_fused", "fwd_o"):
         monkeypatch.setattr(mod, f"run_{name}", record(name))
@@ -114,11 +122,13 @@ def test_block_v_is_checked(fwd):
 def test_final_kernel_takes_the_longest_first_table_past_one_round(fwd):
     common = importlib.import_module("qlabench_kernels._common")
     r, _, _ = fwd()  # 1 sequence x 2 v-heads: one round of CTAs, slot order
-    assert r["lpt_calls"] == [False] and r["final_stab"][0] is r["stab"]
-    lens = [(i * 37) % 300 + 1 for i in range(100)]  # 100 sequences x 2 v-heads > 132 SMs
-    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()])
+    assert r["lpt_calls"] == [] and r["final_stab"][0] is r["stab"]
+    r, _, _ = fwd(T=sum(lens := [300] * 100), cu_seqlens=_cu(lens), seqlens=lens)  # equal walks: slot order
+    assert r["lpt_calls"] == []
+    lens = [(i * 37) % 300 + 1 for i in range(100)]  # 200 CTAs of 1-5 chunks on 132 SMs: the order pays
+    cu = _cu(lens)
     for bv in (128, 64):
-        r, _, _ = fwd(T=sum(lens), cu_seqlens=cu, block_v=bv, split_tokens=0)
+        r, _, _ = fwd(T=sum(lens), cu_seqlens=cu, seqlens=lens, block_v=bv, split_tokens=0)
         assert r["lpt_calls"] == [True] and torch.equal(r["final_stab"][0], common.lpt_order(r["stab"]))
         chunks = (r["final_stab"][0][:, 1] - r["final_stab"][0][:, 0] + 63) // 64
         assert bool((chunks[:-1] >= chunks[1:]).all()) and chunks[0] == 5

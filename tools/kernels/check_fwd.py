@@ -140,8 +140,12 @@ def stage_times_ms(pkg, x, split_tokens, block_v, reps=10):
     seg = sp if sp else (max(T, 1) + 63) // 64 * 64
     fused = r["block_v"] == 128
     # the final kernel's table: stab's rows longest first where the forward ordered them
-    lpt, fstab = "stab_lpt" in r and r["stab_lpt"] is not r["stab"], r.get("stab_lpt", r["stab"])
-    stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp), None, lpt) if lpt else run_tables(cu, T, N, seg, bool(sp))}
+    fstab = r.get("stab_lpt", r["stab"])
+    stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp))}
+    if fstab is not r["stab"]:
+        from qlabench_kernels.tables import run_lpt
+
+        stages["lpt"] = lambda: run_lpt(r["stab"])
     if sp or not fused:
         stages["prep"] = lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], r["ctab"], scale, p_all=r["p_all"])
     if sp:
