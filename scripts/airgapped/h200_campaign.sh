@@ -74,7 +74,9 @@
 #                if cut);
 #   fwd_heldout  configs/h200_fwd_heldout.yaml (held-out head configs, every backend), once
 #                /tmp/fisite is ready, into runs/h200_fwd_heldout (resumed once if cut; HELDOUT_SHARD,
-#                set at setup, e.g. 0/2: that shard of its points only, the rest by a later --resume);
+#                set at setup, e.g. 0/2: that shard of its points only, the rest by a later --resume;
+#                HELDOUT_BACKENDS, set at setup, e.g. flashinfer,flashinfer@0.7.4,flashqla,tilelang:
+#                those labels only, as `--backends`);
 #   bwd_heldout  configs/h200_bwd_heldout.yaml (held-out backward head configs: fla, flashqla,
 #                tilelang) into runs/h200_bwd_heldout (resumed once if cut);
 # then the comparisons of the runs it made.
@@ -131,6 +133,7 @@ export CHECK_BWD_CASES="${CHECK_BWD_CASES:-}"
 export CORRECTNESS_ONLY="${CORRECTNESS_ONLY:-}"
 export TABLES_S="${TABLES_S:-1000}"
 export HELDOUT_SHARD="${HELDOUT_SHARD:-}"
+export HELDOUT_BACKENDS="${HELDOUT_BACKENDS:-}"
 EOF
   source "$ENVF"
   (cd /tmp/repo && python3 -m pip install -q --no-deps --no-build-isolation -e . > "$J/install.log" 2>&1) \
@@ -246,7 +249,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step fwd_quick 120 420 qlabench run configs/h200_fwd_quick.yaml --out runs/h200_fwd_quick --resume
   step serving 300 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step serving_resume 90 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
-  heldout="qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD}"
+  heldout="qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD} ${HELDOUT_BACKENDS:+--backends $HELDOUT_BACKENDS}"
   step fwd_heldout "$([ -n "$HELDOUT_SHARD" ] && echo 120 || echo 300)" 0 $heldout
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step fwd_heldout_resume 90 0 $heldout
   # shard 0 of 2 first (half the points, balanced by work over every head config and layout), then the rest
