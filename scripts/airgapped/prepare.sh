@@ -9,6 +9,9 @@
 #   ours     .tlcache/all.tar.xz  the in-repo kernels of every configs/h200_*.yaml, the GPU tests and
 #                                 the calibration (`qlabench precompile`, JOBS worker processes)
 #   fqla     .tlcache/fqla.tar.xz FlashQLA's kernels for those configs (precompile_flashqla.py)
+#   (only when named) ours_fwd  .tlcache/all.tar.xz of the forward sweep's and the held-out forward
+#            config's kernels alone: what fits a setup call's 64 MiB beside .devsite and FlashQLA's
+#   (only when named) fqla_heldout  .tlcache/fqla_heldout.tar.xz: FlashQLA's for the held-out forward config
 #   repo     .run/repo.tar.gz     the commit to run (HEAD, results/ left out); with PREV=<git ref>
 #                                 also .run/prevkernels/qlabench_kernels (the `tilelang@prev` label)
 #   ab       (only when named, with AB="NAME=REF ...") the kernel variants of an A/B
@@ -43,6 +46,14 @@ for part in $PARTS; do
       have .tlcache/all.tar.xz "$part" || {
         # shellcheck disable=SC2086
         TILELANG_CACHE_DIR=$PWD/.tlcache/all qlabench precompile all $CONFIGS --jobs "$JOBS" && pack all; } || rc=1 ;;
+    ours_fwd)
+      have .tlcache/all.tar.xz "$part" || {
+        rm -rf .tlcache/all && TILELANG_CACHE_DIR=$PWD/.tlcache/all qlabench precompile configs/h200_fwd.yaml \
+          configs/h200_fwd_heldout.yaml --jobs "$JOBS" && pack all; } || rc=1 ;;
+    fqla_heldout)
+      have .tlcache/fqla_heldout.tar.xz "$part" || {
+        TILELANG_CACHE_DIR=$PWD/.tlcache/fqla_heldout python3 scripts/airgapped/precompile_flashqla.py \
+          --config configs/h200_fwd_heldout.yaml && pack fqla_heldout; } || rc=1 ;;
     fqla)
       have .tlcache/fqla.tar.xz "$part" || {
         args=(); for c in $CONFIGS; do args+=(--config "$c"); done
@@ -73,7 +84,7 @@ for part in $PARTS; do
           && log "ab: pkg_$name = kernels/ and tools/ of $(git rev-parse --short=12 "$ref")" || rc=1
       done
       pack fused || rc=1 ;;
-    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab ours_fwd fqla_heldout)" >&2; exit 2 ;;
   esac
 done
 mib() { du -smc "$@" 2>/dev/null | tail -1 | cut -f1; }
