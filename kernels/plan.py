@@ -206,7 +206,8 @@ def _lpt_pays(lens: tuple, h_v: int, seg: int, block_v: int, num_sms: int, c) ->
     paired = block_v != HEAD_DIM and sum(fwd.values()) > num_sms
     slots = num_sms * (PAIRED_CTAS_PER_SM if paired else 1)
     step, cta = (c.fwd_o, c.cta_fwd_o) if paired else (c.fused, c.cta_fused) if block_v == HEAD_DIM else (c.fwd_o_alone, c.cta_fwd_o)
-    if sum(fwd.values()) <= slots:
+    top, total = (max(fwd) * step + cta, sum((ch * step + cta) * k for ch, k in fwd.items()))
+    if sum(fwd.values()) <= slots or top <= LPT_MARGIN * total / slots:  # list scheduling ends by total / slots + top
         return False
     heap = [0.0] * slots  # the block scheduler's launch order: segment slots in order, each one's CTAs together
     for ln in lens:
