@@ -203,11 +203,15 @@ LPT_MARGIN = 0.10
 @functools.lru_cache(maxsize=4096)
 def _lpt_pays(lens: tuple, h_v: int, seg: int, block_v: int, num_sms: int, c) -> bool:
     fwd = fwd_grids(lens, h_v, seg, block_v)[0]
-    paired = block_v != HEAD_DIM and sum(fwd.values()) > num_sms
-    slots = num_sms * (PAIRED_CTAS_PER_SM if paired else 1)
-    step, cta = (c.fwd_o, c.cta_fwd_o) if paired else (c.fused, c.cta_fused) if block_v == HEAD_DIM else (c.fwd_o_alone, c.cta_fwd_o)
-    top, total = (max(fwd) * step + cta, sum((ch * step + cta) * k for ch, k in fwd.items()))
-    if sum(fwd.values()) <= slots or top <= LPT_MARGIN * total / slots:  # list scheduling ends by total / slots + top
+    if block_v == HEAD_DIM:
+        slots, step, cta = num_sms, c.fused, c.cta_fused
+    elif sum(fwd.values()) > num_sms:  # fwd_o's CTAs two to an SM
+        slots, step, cta = num_sms * PAIRED_CTAS_PER_SM, c.fwd_o, c.cta_fwd_o
+    else:
+        slots, step, cta = num_sms, c.fwd_o_alone, c.cta_fwd_o
+    total = sum((ch * step + cta) * k for ch, k in fwd.items())
+    # list scheduling in any order ends by total / slots + its longest CTA
+    if sum(fwd.values()) <= slots or max(fwd) * step + cta <= LPT_MARGIN * total / slots:
         return False
     heap = [0.0] * slots  # the block scheduler's launch order: segment slots in order, each one's CTAs together
     for ln in lens:

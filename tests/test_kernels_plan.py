@@ -181,3 +181,4 @@ def test_plan_lpt_orders_only_grids_whose_launch_order_leaves_a_long_tail():
     assert not plan.plan_lpt(sum(lens), 64, 4, 0, 128, 132, None)  # lengths unknown: counted equal
     assert not plan.plan_lpt(300 * 64, 64, 4, 0, 128, 132, [300] * 64)  # equal walks
     assert not plan.plan_lpt(sum(lens[:30]), 30, 4, 0, 128, 132, lens[:30])  # one round
+    assert not plan.plan_lpt(0, 200, 4, 0, 128, 132, [0] * 200)  # empty sequences only
