@@ -10,7 +10,7 @@
 #                                 the calibration (`qlabench precompile`, JOBS worker processes)
 #   fqla     .tlcache/fqla.tar.xz FlashQLA's kernels for those configs (precompile_flashqla.py)
 #   (only when named) ours_fwd  .tlcache/all.tar.xz of the forward sweep's and the held-out forward
-#            config's kernels alone: what fits a setup call's 64 MiB beside .devsite and FlashQLA's
+#            config's kernels alone: what fits the 64 MiB of STEP=setup's carry beside .devsite and FlashQLA's
 #   (only when named) fqla_heldout  .tlcache/fqla_heldout.tar.xz: FlashQLA's for the held-out forward config
 #   repo     .run/repo.tar.gz     the commit to run (HEAD, results/ left out); with PREV=<git ref>
 #                                 also .run/prevkernels/qlabench_kernels (the `tilelang@prev` label)
