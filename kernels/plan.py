@@ -132,19 +132,23 @@ def _paired_makespan(groups, num_sms: int, c, stage: str = "fwd_o") -> float:
     return max(loads[last - i] + (loads[i] - loads[last - i]) * ratio for i in range(num_sms))
 
 
+def _seg_chunks(ln: int, seg: int) -> list:
+    """The chunk counts of a ``ln``-token sequence's segments in slot order (none for an empty one)."""
+    if ln <= 0:
+        return []
+    return [math.ceil((min(seg, ln - i * seg) if seg else ln) / CHUNK) for i in range(math.ceil(ln / seg) if seg else 1)]
+
+
 def fwd_grids(lens, h_v: int, seg: int, block_v: int) -> tuple:
     """{chunks: CTAs} of the final kernel (128 / block_v per segment) and seg_state; the fix-up's serial steps."""
     fwd, seg_state, serial = {}, {}, 0
     for ln in lens:
-        if ln <= 0:
-            continue
-        ns = max(1, math.ceil(ln / seg)) if seg else 1
-        for i in range(ns):
-            ch = math.ceil((min(seg, ln - i * seg) if seg else ln) / CHUNK)
+        chunks = _seg_chunks(ln, seg)
+        for i, ch in enumerate(chunks):
             fwd[ch] = fwd.get(ch, 0) + h_v * (HEAD_DIM // block_v)
-            if i < ns - 1:
+            if i < len(chunks) - 1:
                 seg_state[ch] = seg_state.get(ch, 0) + h_v * 4
-        serial = max(serial, ns - 1)
+        serial = max(serial, len(chunks) - 1)
     return fwd, seg_state, serial
 
 
@@ -214,11 +218,9 @@ def _lpt_pays(lens: tuple, h_v: int, seg: int, block_v: int, num_sms: int, c) ->
     if sum(fwd.values()) <= slots or max(fwd) * step + cta <= LPT_MARGIN * total / slots:
         return False
     heap = [0.0] * slots  # the block scheduler's launch order: segment slots in order, each one's CTAs together
-    for ln in lens:
-        for i in range(max(1, math.ceil(ln / seg)) if seg and ln > 0 else 1):
-            dur = math.ceil((min(seg, ln - i * seg) if seg else ln) / CHUNK) * step + cta
-            for _ in range(h_v * (HEAD_DIM // block_v) if ln > 0 else 0):
-                heapq.heapreplace(heap, heap[0] + dur)
+    for ch in (ch for ln in lens for ch in _seg_chunks(ln, seg)):
+        for _ in range(h_v * (HEAD_DIM // block_v)):
+            heapq.heapreplace(heap, heap[0] + ch * step + cta)
     return max(heap) > (1 + LPT_MARGIN) * _lpt_makespan([(ch * step + cta, k) for ch, k in fwd.items()], slots)
 
 

@@ -177,6 +177,9 @@ def lpt_program(nt: int = NT):
     NS = T.dynamic("NS")
     K = LPT_KEYS
 
+    def key_of(stab, sl):  # min(chunks, K − 1) of segment slot sl
+        return T.min(T.ceildiv(stab[sl, 1] - stab[sl, 0], CHUNK), K - 1)
+
     @T.prim_func
     def gdn_lpt(stab: T.Tensor((NS, SEG_COLS), "int32"), stab_lpt: T.Tensor((NS, SEG_COLS), "int32")):
         with T.Kernel(1, threads=nt) as _bx:
@@ -191,7 +194,7 @@ def lpt_program(nt: int = NT):
             T.sync_threads()
             for it in T.serial(T.ceildiv(NS, nt)):
                 if it * nt + tx < NS:
-                    T.atomic_add(hist[T.min(T.ceildiv(stab[it * nt + tx, 1] - stab[it * nt + tx, 0], CHUNK), K - 1)], 1)
+                    T.atomic_add(hist[key_of(stab, it * nt + tx)], 1)
             T.sync_threads()
             if tx == 0:  # descending keys
                 run = 0
@@ -203,7 +206,7 @@ def lpt_program(nt: int = NT):
                 sl = it * nt + tx
                 key = K  # past NS: a key of its own, never written
                 if sl < NS:
-                    key = T.min(T.ceildiv(stab[sl, 1] - stab[sl, 0], CHUNK), K - 1)
+                    key = key_of(stab, sl)
                 wcnt[tx] = 0
                 T.sync_threads()
                 m = T.call_extern("uint32", "__match_any_sync", T.uint32(0xFFFFFFFF), key)

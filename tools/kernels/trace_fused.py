@@ -107,7 +107,6 @@ def summarize(tr, names, nchunks_per_cta, skip=2):
 def walks(tr, names, nchunks_per_cta):
     """Per walk length (chunks): CTAs, median cycles from the producer's first stamp to the state's
     first GEMM (fill) and to the state's last stamp (span), and the median span per chunk."""
-
     p0, s0, s1 = names.index("p_wait_empty"), names.index("s_xo"), names.index("s_store")
     out = {}
     for n in sorted(set(nchunks_per_cta.tolist()) - {0}):
