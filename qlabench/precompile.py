@@ -33,7 +33,7 @@ from pathlib import Path
 
 #: the named sets a target may be instead of a sweep YAML
 NAMED = ("tests", "fwd_sweep", "bwd_sweep", "sweep", "calibration", "all")
-TEST_HEADS = [(2, 2), (2, 4), (1, 3), (2, 8), (4, 12)]
+TEST_HEADS = [(2, 2), (2, 4), (1, 3), (2, 8), (4, 12), (1, 4)]
 FWD_SWEEP_HEADS = [(2, 8), (16, 64), (4, 16), (8, 32), (16, 32), (8, 24), (16, 48), (16, 16), (32, 32)]
 BWD_SWEEP_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 

@@ -21,6 +21,7 @@ import time
 import traceback
 
 import torch
+from qlabench_tools.kernels.check_fused import SERVING_64
 from qlabench_tools.kernels.check_fwd import graph_time_ms
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -245,6 +246,11 @@ TIMES = [
     ("4_8_8way32768", EIGHT, 4, 8),
     ("2_4_1x8192", (8192,), 2, 4),
     ("2_4_1x32768", (32768,), 2, 4),
+    ("8_16_4x8192", (8192,) * 4, 8, 16),
+    ("16_32_8x1024", (1024,) * 8, 16, 32),
+    # head configs and layouts off the backward sweep (configs/h200_bwd_heldout.yaml's kind)
+    ("16_64_8way32768", EIGHT, 16, 64),
+    ("4_12_serving", SERVING_64, 4, 12),
 ]
 
 
