@@ -57,7 +57,7 @@ def bwd_dqkwg_program(h_qk: int, h_v: int):
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NP = T.dynamic("NP")
-    RC, RP = NREG[0], NREG[2]  # both consumer warpgroups at the chain's budget
+    RC, RP = NREG
     store_rows = rows_store_macro(C, D)
 
     @T.prim_func

@@ -6,23 +6,20 @@ Per (chunk, v-head) tile (A = I − A_β M rebuilt, M = StrictLower(Γ ⊙ K K�
     dL = −X A_βᵀ → dβ, dM = β dL → dk += (dM⊙Γ) K + (dM⊙Γ)ᵀ K, dg;  dk += e^g ⊙ (A_βᵀ dw)
     dg: the partial from bwd_dqkwg plus these terms, then the reverse in-chunk cumsum (raw g)
 
-A CTA of 384 threads stays on its SM (so that loads overlap compute) and walks a list of work items;
-the tile's dependent chain and the work beside it run in two warpgroups at once:
+A CTA of 384 threads stays on its SM (so that loads overlap compute) and walks a list of work items:
 
-    WG0 (tx   0..127)  the chain: K Kᵀ once per item; dA_β, M, A, X, dL and their element passes;
-                       zr, zc and diag(X) to shared memory by stage; Σ over the item's G v-heads of
-                       dM⊙Γ (fp32 registers), handed to WG1 in shared memory once per item.
-    WG1 (tx 128..255)  beside it: dv = A_βᵀ dv_new (staged in dv_new's buffer once WG0's du Vᵀ has
-                       read it); e^g ⊙ (A_βᵀ dw) into dk (fp32 registers over the group) and its dg
-                       row sums; dβ and dg per row once WG0's zr / zc / diag are there, the reverse
-                       in-chunk cumsum by warp shuffles; once per item the dk terms (Σ dM⊙Γ) K +
-                       (Σ dM⊙Γ)ᵀ K and the partial, staged in the partial's buffer.
-    WG2 (tx 256..383)  warp 8, the producer: TMA loads of the next tile (k, v, dw, dv_new, A_β,
-                       g, dg_part, and the dk partial on the group's last v-head) and β
-                       (strided: SIMT loads) into stage t % 2, one tile ahead.
-                       warp 9, the store warp: dv and dk from the staged tiles to global memory:
-                       one TMA store when the chunk is full, else per-row stores of its valid rows
-                       (the next rows are another sequence's)
+    WG0 + WG1 (tx   0..255)  consumers: every GEMM and element pass of one (chunk, v-head) tile,
+                             the GEMMs split over the two warpgroups. Once per item (chunk, qk head):
+                             K Kᵀ; the dk terms (dM⊙Γ) K + (dM⊙Γ)ᵀ K with dM⊙Γ summed over the G
+                             v-heads in fp32 registers; dk (fp32 registers over the group) + the
+                             partial, stored once. The reverse in-chunk cumsum of dg: warp shuffles.
+    WG2       (tx 256..383)  warp 8, the producer: TMA loads of the next tile (k, v, dw, dv_new, A_β,
+                             g, dg_part, and the dk partial on the group's last v-head) and β
+                             (strided: SIMT loads) into stage t % 2, one tile ahead.
+                             warp 9, the store warp: dv (staged by the consumers in dv_new's buffer,
+                             which they no longer read) and dk (staged in the partial's buffer) to
+                             global memory: one TMA store when the chunk is full, else per-row stores
+                             of its valid rows (the next rows are another sequence's)
 
 Items are (chunk slot, qk head) pairs, CTA b taking items b, b + P, b + 2P, … (P = the grid, at
 most one CTA per SM); tile t of a CTA is v-head t % G of its item t // G.
@@ -32,14 +29,18 @@ sequence's rows, or zeros past T). dw and dv_new rows there are zero (bwd_dqkwg 
 them so), A_β is zero outside the valid block, and M is masked to the valid rows here, so those
 rows reach no stored output (dv, dk, dg, dβ are stored on valid rows only).
 
-mbarriers (t = tile, j = t % 2, parity (t // 2) % 2; item i = t // G): full[j] (the producer warp:
-32 + tx bytes), du_read[j] (WG0 has read dv_new), z_ready[j] (WG0's zr, zc, diag of stage j),
-dv_ready[j] (WG1: dv staged), dk_ready[i % 2] (WG1, parity (i // 2) % 2: the item's dk staged),
-dkk_ready / dkk_free (parity i % 2 / (i − 1) % 2: WG0's Σ dM⊙Γ written / read by WG1), empty[j]
-(288: both warpgroups and the store warp). A stage-j buffer is written again at tile t + 2 only,
-after full[j], so after every role's empty[j] of tile t: no hand-off is lapped. (One dk_ready
-barrier, parity i % 2, could be lapped for G = 1.) ``tools/kernels/wy_protocol.py`` models the
-four roles over random interleavings.
+mbarriers (t = tile, j = t % 2, parity (t // 2) % 2; item i = t // G): full[j] (count 32 + tx bytes:
+the producer warp), dv_ready[j] (count 256: the consumers, once the tile's dv is staged),
+dk_ready[i % 2] (count 256, parity (i // 2) % 2: once per item, when its dk is staged), empty[j]
+(count 288: every consumer thread after its last read of stage j, and the store warp once its
+stores have read the staged tiles).
+
+No hand-off can be lapped: the consumers arrive dv_ready[j] again at tile t + 2 and dk_ready[i % 2]
+again at item i + 2 (tile ≥ t + 2 for every G ≥ 1), and a tile t + 2 needs full[j], so the
+producer's load of it, so empty[j] of tile t, which the store warp arrives only after its waits for
+tile t. (One dk_ready barrier, waited with parity i % 2, could be lapped for G = 1, where every tile
+is an item: the consumers could complete items i and i + 1 before the store warp's wait for i.)
+``tools/kernels/wy_protocol.py`` models both over random interleavings.
 """
 
 import functools
@@ -49,12 +50,12 @@ import torch
 from ._common import CHUNK, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 from .plan import sm_count
 
-#: setmaxnreg budgets of the chain (WG0), the side warpgroup (WG1) and the producer warpgroup (WG2)
-NREG = (232, 232, 40)
+#: setmaxnreg budgets of the consumer warpgroups (WG0, WG1) and the producer warpgroup (WG2)
+NREG = (232, 40)
 THREADS = 384
 #: what each thread starts with (65536 / 384, rounded down to 8): .inc above it, .dec below
 NREG_LAUNCH = 65536 // THREADS // 8 * 8
-assert sum(NREG) <= (THREADS // 128) * NREG_LAUNCH  # .inc is served by what .dec released
+assert 2 * NREG[0] + NREG[1] <= (THREADS // 128) * NREG_LAUNCH  # .inc is served by what .dec released
 
 
 def rows_store_macro(C: int, D: int):
@@ -85,7 +86,7 @@ def bwd_wy_program(h_qk: int, h_v: int):
     Tn = T.dynamic("T")
     NCS = T.dynamic("NCS")
     NP = T.dynamic("NP")
-    RC, RS, RP = NREG
+    RC, RP = NREG
 
     store_rows = rows_store_macro(C, D)
 
@@ -124,10 +125,10 @@ def bwd_wy_program(h_qk: int, h_v: int):
             dab_sh = T.alloc_shared((C, C), "bfloat16")
             x_sh = T.alloc_shared((C, C), "bfloat16")
             dkk_sh = T.alloc_shared((C, C), "bfloat16")
-            diag_sh = T.alloc_shared((2, C), "float32")  # WG0 → WG1, by stage
-            zr_sh = T.alloc_shared((2, C), "float32")
-            zc_sh = T.alloc_shared((2, C), "float32")
+            diag_sh = T.alloc_shared((C,), "float32")
             r1_sh = T.alloc_shared((C,), "float32")
+            zr_sh = T.alloc_shared((C,), "float32")
+            zc_sh = T.alloc_shared((C,), "float32")
             tot_sh = T.alloc_shared((1,), "float32")
 
             f64 = T.alloc_fragment((C, C), "float32")
@@ -145,26 +146,26 @@ def bwd_wy_program(h_qk: int, h_v: int):
 
             full = T.alloc_barrier([32, 32])
             empty = T.alloc_barrier([288, 288])  # the consumers and the store warp
-            dv_ready = T.alloc_barrier([128, 128])
-            dk_ready = T.alloc_barrier([128, 128])  # item i = t // G: dk_ready[i % 2], parity (i // 2) % 2
-            du_read = T.alloc_barrier([128, 128])  # WG0 has read du (stage j)
-            z_ready = T.alloc_barrier([128, 128])  # WG0's zr, zc, diag of stage j
-            dkk_ready = T.alloc_barrier([128])  # WG0's Σ dM⊙Γ of item i, parity i % 2
-            dkk_free = T.alloc_barrier([128])  # WG1 has read it
+            dv_ready = T.alloc_barrier([256, 256])
+            dk_ready = T.alloc_barrier([256, 256])  # item i = t // G: dk_ready[i % 2], parity (i // 2) % 2
 
             ntiles = T.ceildiv(NCS * h_qk - b, NP) * G
             tx = T.get_thread_binding()
 
-            if tx < 128:
-                # ---------------- WG0: the chain dA_β, A, X, dL ----------------
+            if tx < 256:
+                # ---------------- WG0 + WG1: consumers ----------------
                 T.set_max_nreg(RC, int(RC > NREG_LAUNCH))
                 for t in T.serial(ntiles):
                     j = t % 2
-                    ph = (t // 2) % 2
+                    item = b + (t // G) * NP
+                    hk = item % h_qk
                     gi = t % G
-                    T.barrier_wait(full[j], ph)
+                    hv = hk * G + gi
+                    T.barrier_wait(full[j], (t // 2) % 2)
+                    bos = info_sh[j, 0]
                     ln = info_sh[j, 1]
                     if gi == 0:
+                        T.clear(dk_acc)
                         T.clear(dkk_acc)
                         T.gemm(k_sh[j, :, :], k_sh[j, :, :], kk, transpose_B=True, clear_accum=True)
 
@@ -173,9 +174,15 @@ def bwd_wy_program(h_qk: int, h_v: int):
                     for i, jj in T.Parallel(C, C):
                         f64[i, jj] = f64[i, jj] * T.if_then_else(jj < ln, T.exp(g_sh[j, jj]), T.float32(0))
                     T.gemm(du_sh[j, :, :], v_sh[j, :, :], f64, transpose_B=True)
-                    T.barrier_arrive(du_read[j])  # WG1 may stage dv in du's buffer
                     for i, jj in T.Parallel(C, C):
                         dab_sh[i, jj] = T.cast(T.if_then_else(i >= jj, f64[i, jj], T.float32(0)), "bfloat16")
+
+                    # dv = A_βᵀ du
+                    T.gemm(a_sh[j, :, :], du_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
+                    for i, jj in T.Parallel(C, D):  # staged in du's buffer (read for the last time above)
+                        du_sh[j, i, jj] = T.cast(acc1[i, jj], "bfloat16")
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dv_ready[j])
 
                     # M = StrictLower(Γ ⊙ K Kᵀ) on valid rows;  A = I − A_β M
                     for i, jj in T.Parallel(C, C):
@@ -196,7 +203,7 @@ def bwd_wy_program(h_qk: int, h_v: int):
                     for i, jj in T.Parallel(C, C):
                         x_sh[i, jj] = T.cast(f64[i, jj], "bfloat16")
                         if i == jj:
-                            diag_sh[j, i] = f64[i, jj]
+                            diag_sh[i] = f64[i, jj]
 
                     # dL = −X A_βᵀ (strictly lower); z = dL ⊙ M; dM ⊙ Γ = β_i dL_ij Γ_ij
                     T.gemm(x_sh, a_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
@@ -209,43 +216,8 @@ def bwd_wy_program(h_qk: int, h_v: int):
                     for i, jj in T.Parallel(C, C):
                         zf[i, jj] = zf[i, jj] * b_sh[j, i]
                     T.reduce_sum(zf, zc, dim=0)
-                    T.copy(zr, zr_sh[j, :])
-                    T.copy(zc, zc_sh[j, :])
-                    T.barrier_arrive(z_ready[j])
-
-                    if gi == G - 1:
-                        # Σ over the group of dM ⊙ Γ, for WG1's dk terms (item i = t // G)
-                        if t >= G:
-                            T.barrier_wait(dkk_free[0], (t // G - 1) % 2)
-                        for i, jj in T.Parallel(C, C):
-                            dkk_sh[i, jj] = T.cast(dkk_acc[i, jj], "bfloat16")
-                        T.fence_proxy_async()
-                        T.barrier_arrive(dkk_ready[0])
-                    T.barrier_arrive(empty[j])
-            elif tx < 256:
-                # ---------------- WG1: dv, dk, dβ, dg ----------------
-                T.set_max_nreg(RS, int(RS > NREG_LAUNCH))
-                for t in T.serial(ntiles):
-                    j = t % 2
-                    ph = (t // 2) % 2
-                    item = b + (t // G) * NP
-                    hk = item % h_qk
-                    gi = t % G
-                    hv = hk * G + gi
-                    rr = tx - 128
-                    T.barrier_wait(full[j], ph)
-                    bos = info_sh[j, 0]
-                    ln = info_sh[j, 1]
-                    if gi == 0:
-                        T.clear(dk_acc)
-
-                    # dv = A_βᵀ du, staged in du's buffer once WG0's du Vᵀ has read it
-                    T.gemm(a_sh[j, :, :], du_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
-                    T.barrier_wait(du_read[j], ph)
-                    for i, jj in T.Parallel(C, D):
-                        du_sh[j, i, jj] = T.cast(acc1[i, jj], "bfloat16")
-                    T.fence_proxy_async()
-                    T.barrier_arrive(dv_ready[j])
+                    T.copy(zr, zr_sh)
+                    T.copy(zc, zc_sh)
 
                     # dk += e^g ⊙ (A_βᵀ dw);  dg += rowsum(e^g (A_βᵀ dw) ⊙ K)
                     T.gemm(a_sh[j, :, :], dw_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
@@ -257,29 +229,28 @@ def bwd_wy_program(h_qk: int, h_v: int):
                     T.copy(red, r1_sh)
 
                     # per row: dβ, dg on the cumsum, then the reverse cumsum (warp shuffles) → dg of the raw g
-                    T.barrier_wait(z_ready[j], ph)
-                    if rr < C:
+                    if tx < C:
                         sacc = T.if_then_else(
-                            rr < ln, r1_sh[rr] + b_sh[j, rr] * zr_sh[j, rr] - zc_sh[j, rr] + dgp_sh[j, rr], T.float32(0)
+                            tx < ln, r1_sh[tx] + b_sh[j, tx] * zr_sh[tx] - zc_sh[tx] + dgp_sh[j, tx], T.float32(0)
                         )
-                        if rr < ln:
-                            dbeta[0, bos + rr, hv] = diag_sh[j, rr] + zr_sh[j, rr]
+                        if tx < ln:
+                            dbeta[0, bos + tx, hv] = diag_sh[tx] + zr_sh[tx]
                         for s in (1, 2, 4, 8, 16):  # every lane shuffles (full mask), the top ones add 0
                             shf = T.shfl_down(sacc, s)
-                            sacc = sacc + T.if_then_else(rr % 32 + s < 32, shf, T.float32(0))
-                        if rr == 32:
+                            sacc = sacc + T.if_then_else(tx % 32 + s < 32, shf, T.float32(0))
+                        if tx == 32:
                             tot_sh[0] = sacc
-                    if rr < 32:
+                    if tx < 32:
                         sacc = sacc + tot_sh[0]
-                    if rr < ln:
-                        dg[0, bos + rr, hv] = sacc
+                    if tx < ln:
+                        dg[0, bos + tx, hv] = sacc
 
                     if gi == G - 1:
                         # dk += (Σ dM⊙Γ) K + (Σ dM⊙Γ)ᵀ K over the group, then the partial; store once
-                        T.barrier_wait(dkk_ready[0], (t // G) % 2)
+                        for i, jj in T.Parallel(C, C):
+                            dkk_sh[i, jj] = T.cast(dkk_acc[i, jj], "bfloat16")
                         T.gemm(dkk_sh, k_sh[j, :, :], dk_acc)
                         T.gemm(dkk_sh, k_sh[j, :, :], dk_acc, transpose_A=True)
-                        T.barrier_arrive(dkk_free[0])
                         for i, jj in T.Parallel(C, D):
                             acc1[i, jj] = T.cast(dkp_sh[j, i, jj], "float32") + dk_acc[i, jj]
                         for i, jj in T.Parallel(C, D):  # staged in the partial's buffer
