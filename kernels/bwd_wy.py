@@ -9,17 +9,18 @@ Per (chunk, v-head) tile (A = I − A_β M rebuilt, M = StrictLower(Γ ⊙ K K�
 A CTA of 384 threads stays on its SM (so that loads overlap compute) and walks a list of work items:
 
     WG0 + WG1 (tx   0..255)  consumers: every GEMM and element pass of one (chunk, v-head) tile,
-                             the GEMMs split over the two warpgroups. Once per item (chunk, qk head):
-                             K Kᵀ; the dk terms (dM⊙Γ) K + (dM⊙Γ)ᵀ K with dM⊙Γ summed over the G
-                             v-heads in fp32 registers; dk (fp32 registers over the group) + the
-                             partial, stored once. The reverse in-chunk cumsum of dg: warp shuffles.
+                             the GEMMs split over the two warpgroups and issued asynchronously in
+                             three groups so that the independent ones overlap the chain: {dw Kᵀ,
+                             A_β M, A_βᵀ dv_new} then dv_new Vᵀ; {X = Aᵀ dA_β, A_βᵀ dw} then
+                             dL = X A_βᵀ, each wait on the oldest. Γ once per tile. Once per item
+                             (chunk, qk head): K Kᵀ; (Σ_G dM⊙Γ) K + (Σ_G dM⊙Γ)ᵀ K; dk (fp32 over
+                             the group) + the partial, stored once; dg's reverse cumsum by shuffles.
     WG2       (tx 256..383)  warp 8, the producer: TMA loads of the next tile (k, v, dw, dv_new, A_β,
                              g, dg_part, and the dk partial on the group's last v-head) and β
                              (strided: SIMT loads) into stage t % 2, one tile ahead.
-                             warp 9, the store warp: dv (staged by the consumers in dv_new's buffer,
-                             which they no longer read) and dk (staged in the partial's buffer) to
-                             global memory: one TMA store when the chunk is full, else per-row stores
-                             of its valid rows (the next rows are another sequence's)
+                             warp 9, the store warp: dv (staged in dv_new's buffer once both
+                             warpgroups' reads of it completed) and dk (in the partial's buffer):
+                             a TMA store when the chunk is full, else per-row stores of valid rows
 
 Items are (chunk slot, qk head) pairs, CTA b taking items b, b + P, b + 2P, … (P = the grid, at
 most one CTA per SM); tile t of a CTA is v-head t % G of its item t // G.
@@ -29,17 +30,13 @@ sequence's rows, or zeros past T). dw and dv_new rows there are zero (bwd_dqkwg 
 them so), A_β is zero outside the valid block, and M is masked to the valid rows here, so those
 rows reach no stored output (dv, dk, dg, dβ are stored on valid rows only).
 
-mbarriers (t = tile, j = t % 2, parity (t // 2) % 2; item i = t // G): full[j] (count 32 + tx bytes:
-the producer warp), dv_ready[j] (count 256: the consumers, once the tile's dv is staged),
-dk_ready[i % 2] (count 256, parity (i // 2) % 2: once per item, when its dk is staged), empty[j]
-(count 288: every consumer thread after its last read of stage j, and the store warp once its
-stores have read the staged tiles).
-
-No hand-off can be lapped: the consumers arrive dv_ready[j] again at tile t + 2 and dk_ready[i % 2]
-again at item i + 2 (tile ≥ t + 2 for every G ≥ 1), and a tile t + 2 needs full[j], so the
-producer's load of it, so empty[j] of tile t, which the store warp arrives only after its waits for
-tile t. (One dk_ready barrier, waited with parity i % 2, could be lapped for G = 1, where every tile
-is an item: the consumers could complete items i and i + 1 before the store warp's wait for i.)
+mbarriers (t = tile, j = t % 2, parity (t // 2) % 2; item i = t // G): full[j] (the producer warp,
+32 + tx bytes), dv_ready[j] (the 256 consumers: dv staged), dk_ready[i % 2] (256, parity (i // 2) %
+2: the item's dk staged), empty[j] (288: the consumers after their last read of stage j and the
+store warp after its stores).
+No hand-off can be lapped: dv_ready[j] is arrived again at tile t + 2 and dk_ready[i % 2] at item
+i + 2 (tile ≥ t + 2), which needs full[j], so empty[j] of tile t, which the store warp arrives only
+after its waits for tile t. (One dk_ready barrier, parity i % 2, could be lapped for G = 1.)
 ``tools/kernels/wy_protocol.py`` models both over random interleavings.
 """
 
@@ -59,10 +56,9 @@ assert 2 * NREG[0] + NREG[1] <= (THREADS // 128) * NREG_LAUNCH  # .inc is served
 
 
 def rows_store_macro(C: int, D: int):
-    """store_rows(src_sh [2, C, D] bf16, j, dst [1, T, H, D], bos, ln, head): stage j's staged tile's valid rows to
-    token rows bos.. of one head, by one warp: a TMA store when the chunk is full (it waits until the
-    tile is read), else per-row SIMT stores (only rows < ln: the next rows belong to another
-    sequence, written by another CTA)."""
+    """store_rows(src_sh [2, C, D] bf16, j, dst [1, T, H, D], bos, ln, head), by one warp: stage j's
+    valid rows to token rows bos.. of one head (a TMA store when the chunk is full, else per-row
+    stores of rows < ln: the next rows are another sequence's)."""
     import tilelang.language as T
 
     @T.macro
@@ -133,6 +129,8 @@ def bwd_wy_program(h_qk: int, h_v: int):
 
             f64 = T.alloc_fragment((C, C), "float32")
             mf = T.alloc_fragment((C, C), "float32")
+            gam = T.alloc_fragment((C, C), "float32")  # Γ on the strict lower valid rows
+            fa = T.alloc_fragment((C, C), "float32")
             zf = T.alloc_fragment((C, C), "float32")
             kk = T.alloc_fragment((C, C), "float32")  # K Kᵀ, once per item
             dkk_acc = T.alloc_fragment((C, C), "float32")  # Σ over the group of dM ⊙ Γ
@@ -169,64 +167,72 @@ def bwd_wy_program(h_qk: int, h_v: int):
                         T.clear(dkk_acc)
                         T.gemm(k_sh[j, :, :], k_sh[j, :, :], kk, transpose_B=True, clear_accum=True)
 
+                    # Γ, M = StrictLower(Γ ⊙ K Kᵀ) on valid rows
+                    for i, jj in T.Parallel(C, C):
+                        gam[i, jj] = T.if_then_else(i > jj and i < ln, T.exp(g_sh[j, i] - g_sh[j, jj]), T.float32(0))
+                        mf[i, jj] = gam[i, jj] * kk[i, jj]
+                        m_sh[i, jj] = T.cast(mf[i, jj], "bfloat16")
+                    # issued together: dw Kᵀ, A_β M, A_βᵀ du (dv)
+                    T.wgmma_gemm(dw_sh[j, :, :], k_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(a_sh[j, :, :], m_sh, fa, clear_accum=True)
+                    T.wgmma_gemm(a_sh[j, :, :], du_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
+                    T.wait_wgmma(2)
+                    T.warpgroup_fence_operand(f64, num_regs=C * C // 256)
                     # dA_β = dw X_wᵀ + du Vᵀ (lower incl. diagonal); X_w = e^g ⊙ K on valid rows
-                    T.gemm(dw_sh[j, :, :], k_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
                     for i, jj in T.Parallel(C, C):
                         f64[i, jj] = f64[i, jj] * T.if_then_else(jj < ln, T.exp(g_sh[j, jj]), T.float32(0))
-                    T.gemm(du_sh[j, :, :], v_sh[j, :, :], f64, transpose_B=True)
+                    T.wgmma_gemm(du_sh[j, :, :], v_sh[j, :, :], f64, transpose_B=True)
+                    T.wait_wgmma(2)
+                    T.warpgroup_fence_operand(fa, num_regs=C * C // 256)  # A = I − A_β M
+                    for i, jj in T.Parallel(C, C):
+                        aa_sh[i, jj] = T.cast(
+                            T.if_then_else(i >= jj, T.if_then_else(i == jj, T.float32(1), T.float32(0)) - fa[i, jj],
+                                           T.float32(0)),
+                            "bfloat16",
+                        )  # fmt: skip
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc1, num_regs=C * D // 256)
+                    T.warpgroup_fence_operand(f64, num_regs=C * C // 256)
                     for i, jj in T.Parallel(C, C):
                         dab_sh[i, jj] = T.cast(T.if_then_else(i >= jj, f64[i, jj], T.float32(0)), "bfloat16")
-
-                    # dv = A_βᵀ du
-                    T.gemm(a_sh[j, :, :], du_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
-                    for i, jj in T.Parallel(C, D):  # staged in du's buffer (read for the last time above)
+                    T.sync_threads(3, 256)  # both warpgroups' du Vᵀ and A_βᵀ du are complete
+                    for i, jj in T.Parallel(C, D):  # dv staged in du's buffer (read for the last time above)
                         du_sh[j, i, jj] = T.cast(acc1[i, jj], "bfloat16")
                     T.fence_proxy_async()
                     T.barrier_arrive(dv_ready[j])
 
-                    # M = StrictLower(Γ ⊙ K Kᵀ) on valid rows;  A = I − A_β M
-                    for i, jj in T.Parallel(C, C):
-                        mf[i, jj] = T.if_then_else(
-                            i > jj and i < ln, T.exp(g_sh[j, i] - g_sh[j, jj]) * kk[i, jj], T.float32(0)
-                        )
-                        m_sh[i, jj] = T.cast(mf[i, jj], "bfloat16")
-                    T.gemm(a_sh[j, :, :], m_sh, f64, clear_accum=True)
-                    for i, jj in T.Parallel(C, C):
-                        aa_sh[i, jj] = T.cast(
-                            T.if_then_else(i >= jj, T.if_then_else(i == jj, T.float32(1), T.float32(0)) - f64[i, jj],
-                                           T.float32(0)),
-                            "bfloat16",
-                        )  # fmt: skip
-
-                    # X = Aᵀ dA_β: dβ_j += X_jj
-                    T.gemm(aa_sh, dab_sh, f64, transpose_A=True, clear_accum=True)
+                    # issued together: X = Aᵀ dA_β, A_βᵀ dw
+                    T.wgmma_gemm(aa_sh, dab_sh, f64, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(a_sh[j, :, :], dw_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(f64, num_regs=C * C // 256)  # X: dβ_j += X_jj
                     for i, jj in T.Parallel(C, C):
                         x_sh[i, jj] = T.cast(f64[i, jj], "bfloat16")
                         if i == jj:
                             diag_sh[i] = f64[i, jj]
-
-                    # dL = −X A_βᵀ (strictly lower); z = dL ⊙ M; dM ⊙ Γ = β_i dL_ij Γ_ij
-                    T.gemm(x_sh, a_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
-                    for i, jj in T.Parallel(C, C):
-                        zf[i, jj] = -f64[i, jj] * mf[i, jj]
-                        dkk_acc[i, jj] = dkk_acc[i, jj] + T.if_then_else(
-                            i > jj and i < ln, -f64[i, jj] * b_sh[j, i] * T.exp(g_sh[j, i] - g_sh[j, jj]), T.float32(0)
-                        )
-                    T.reduce_sum(zf, zr, dim=1)
-                    for i, jj in T.Parallel(C, C):
-                        zf[i, jj] = zf[i, jj] * b_sh[j, i]
-                    T.reduce_sum(zf, zc, dim=0)
-                    T.copy(zr, zr_sh)
-                    T.copy(zc, zc_sh)
-
-                    # dk += e^g ⊙ (A_βᵀ dw);  dg += rowsum(e^g (A_βᵀ dw) ⊙ K)
-                    T.gemm(a_sh[j, :, :], dw_sh[j, :, :], acc1, transpose_A=True, clear_accum=True)
+                    # dL = −X A_βᵀ (strictly lower), issued behind A_βᵀ dw; then dk += e^g ⊙ (A_βᵀ dw),
+                    # dg += rowsum(e^g (A_βᵀ dw) ⊙ K)
+                    T.wgmma_gemm(x_sh, a_sh[j, :, :], f64, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(acc1, num_regs=C * D // 256)
                     for i, jj in T.Parallel(C, D):
                         acc1[i, jj] = acc1[i, jj] * T.exp(g_sh[j, i])
                         dk_acc[i, jj] = dk_acc[i, jj] + acc1[i, jj]
                         acc1[i, jj] = acc1[i, jj] * T.cast(k_sh[j, i, jj], "float32")
                     T.reduce_sum(acc1, red, dim=1)
                     T.copy(red, r1_sh)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(f64, num_regs=C * C // 256)
+                    # z = dL ⊙ M; dM ⊙ Γ = β_i dL_ij Γ_ij
+                    for i, jj in T.Parallel(C, C):
+                        zf[i, jj] = -f64[i, jj] * mf[i, jj]
+                        dkk_acc[i, jj] = dkk_acc[i, jj] - f64[i, jj] * b_sh[j, i] * gam[i, jj]
+                    T.reduce_sum(zf, zr, dim=1)
+                    for i, jj in T.Parallel(C, C):
+                        zf[i, jj] = zf[i, jj] * b_sh[j, i]
+                    T.reduce_sum(zf, zc, dim=0)
+                    T.copy(zr, zr_sh)
+                    T.copy(zc, zc_sh)
 
                     # per row: dβ, dg on the cumsum, then the reverse cumsum (warp shuffles) → dg of the raw g
                     if tx < C:
@@ -319,9 +325,8 @@ _GRIDS = {}
 
 
 def persistent_grid(ncs: int, h_qk: int, dev, num_sms=None):
-    """The grid argument of the persistent kernels: a dummy int32 tensor (never read) whose length
-    P = min(#SMs, chunk slots x qk heads) is the launch's grid (a dynamic dimension); one per
-    (P, device), kept."""
+    """The persistent kernels' grid argument: a kept int32 tensor (never read) whose length
+    P = min(#SMs, chunk slots x qk heads) is the launch's grid (a dynamic dimension)."""
     if num_sms is None:
         num_sms = sm_count(dev)
     n = max(1, min(int(num_sms), ncs * h_qk))

@@ -5,6 +5,7 @@ Needs nvcc and tilelang (skipped otherwise). One head config (2/8), one build pe
 """
 
 import importlib
+import re
 
 import pytest
 from kernel_helpers import why_cannot_compile as _why_cannot_compile
@@ -199,6 +200,18 @@ def test_wy_dk_hand_off_is_a_barrier_pair(sources):
     src = sources["bwd_wy"]
     assert "uint64_t dk_ready_mem[2];" in src
     assert "dk_ready[0].arrive()" not in src  # arrived by item parity (for 2/8: (t // 4) % 2)
+
+
+def test_wy_issues_independent_gemms_asynchronously(sources):
+    """bwd_wy issues its tile's GEMMs in asynchronous groups (waits on the oldest, not after each),
+    fences each accumulator after its wait with the registers one thread holds (a fence over the
+    whole fragment's element count would touch registers past the thread's array), and syncs both
+    consumer warpgroups before dv overwrites dv_new's buffer."""
+    src = sources["bwd_wy"]
+    waits = re.findall(r"tl::wait_wgmma<(\d)>\(\);", src)
+    assert sorted(waits) == ["0", "0", "1", "1", "2", "2"], waits
+    counts = [int(n) for n in re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)]
+    assert counts and max(counts) <= 64, sorted(set(counts))
 
 
 def test_lpt_ranks_by_warp_match_groups(sources):
