@@ -78,7 +78,8 @@
 #                HELDOUT_BACKENDS, set at setup, e.g. flashinfer,flashinfer@0.7.4,flashqla,tilelang:
 #                those labels only, as `--backends`);
 #   bwd_heldout  configs/h200_bwd_heldout.yaml (held-out backward head configs: fla, flashqla,
-#                tilelang) into runs/h200_bwd_heldout (resumed once if cut);
+#                tilelang) into runs/h200_bwd_heldout (resumed once if cut; HELDOUT_SHARD as above;
+#                BWD_HELDOUT_BACKENDS, set at setup, e.g. flashqla,tilelang: those labels only);
 # then the comparisons of the runs it made.
 # JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
 # JOB_STEPS (set at setup; default "bwd_prev suite_first campaign suite_warm") names the steps to run,
@@ -133,6 +134,7 @@ export CHECK_BWD_CASES="${CHECK_BWD_CASES:-}"
 export CORRECTNESS_ONLY="${CORRECTNESS_ONLY:-}"
 export TABLES_S="${TABLES_S:-1000}"
 export HELDOUT_SHARD="${HELDOUT_SHARD:-}"
+export BWD_HELDOUT_BACKENDS="${BWD_HELDOUT_BACKENDS:-}"
 export HELDOUT_BACKENDS="${HELDOUT_BACKENDS:-}"
 EOF
   source "$ENVF"
@@ -257,8 +259,9 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --shard 0/2
   step campaign_nofla_resume 90 0 qlabench run configs/h200_fwd.yaml \
     --out runs/h200_fwd_nofla --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --resume
-  step bwd_heldout 300 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
-  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume
+  heldout_b="qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD} ${BWD_HELDOUT_BACKENDS:+--backends $BWD_HELDOUT_BACKENDS}"
+  step bwd_heldout "$([ -n "$HELDOUT_SHARD" ] && echo 120 || echo 300)" 0 $heldout_b
+  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 $heldout_b
   step suite_warm 240 480 $(suite suite_warm)
   for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang" \
       "runs/h200_fwd_kernels_prev tilelang@prev tilelang" \
