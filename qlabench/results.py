@@ -238,14 +238,17 @@ def new_run_id() -> str:
 
 
 def git_sha(cwd: str | None = None) -> str:
-    """The checkout's commit (``-dirty`` with uncommitted changes to tracked files); outside a git
-    checkout (a ``git archive`` tree) ``$QLABENCH_GIT_SHA``; else ``unknown``."""
+    """``$QLABENCH_GIT_SHA`` when set (the caller names the commit it shipped: a tree copied onto
+    another checkout, or a ``git archive`` tree); else the checkout's commit (``-dirty`` with
+    uncommitted changes to tracked files); else ``unknown``."""
+    if os.environ.get("QLABENCH_GIT_SHA"):
+        return os.environ["QLABENCH_GIT_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=cwd or os.getcwd(),
                              capture_output=True, text=True, timeout=5)
         sha = out.stdout.strip()
         if out.returncode or not sha:
-            return os.environ.get("QLABENCH_GIT_SHA") or "unknown"
+            return "unknown"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=cwd or os.getcwd(), capture_output=True, text=True, timeout=5)
         return sha + ("-dirty" if dirty.stdout.strip() else "")

@@ -132,6 +132,18 @@ def test_git_sha_outside_a_checkout_comes_from_the_environment(tmp_path, monkeyp
     assert git_sha(str(tmp_path)) == "unknown"
 
 
+def test_git_sha_named_by_the_environment_wins_inside_a_checkout(monkeypatch):
+    """A tree copied onto another checkout (a device's copy of the working tree) has a .git whose
+    HEAD is not the code that runs: the commit the caller names is the one rows record."""
+    from qlabench.results import git_sha
+
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.delenv("QLABENCH_GIT_SHA", raising=False)
+    inferred = git_sha(root)
+    monkeypatch.setenv("QLABENCH_GIT_SHA", "0123456789ab")
+    assert git_sha(root) == "0123456789ab" != inferred
+
+
 def test_a_cost_table_param_must_load_and_plans_with_that_table(tmp_path, monkeypatch):
     """``cost_table``: a file that does not load is a config error naming it (exit 2); one that loads
     makes prepare pass the planners' choices under that table, not the committed one's."""
