@@ -110,7 +110,8 @@ def test_with_too_few_cores_the_rows_wait_for_every_check(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     from qlabench import results
     df = results.load(tmp_path / "r")
-    assert list(df["status"]) == ["ok"] * 4 and not df["reason"].str.len().any()
+    # no row ahead of a check (a re-timing note on a loaded host may still be there)
+    assert list(df["status"]) == ["ok"] * 4 and not df["reason"].str.contains("were starting").any()
     tl = json.loads(next((tmp_path / "r" / "_runs").glob("*.json")).read_text())["timeline_s"]
     assert tl["backends_checked"] <= tl["first_row"]
     # one worker imports both libraries
