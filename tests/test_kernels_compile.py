@@ -212,6 +212,12 @@ def test_wy_issues_independent_gemms_asynchronously(sources):
     assert sorted(waits) == ["0", "0", "1", "1", "2", "2"], waits
     counts = [int(n) for n in re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)]
     assert counts and max(counts) <= 64, sorted(set(counts))
+    # the explicit consumer sync (barrier 3, 256 threads) must be the id TileLang gives the consumers'
+    # own syncs: one named barrier id, one thread count
+    ids = {}
+    for bid, n in re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src):
+        ids.setdefault(bid, set()).add(n)
+    assert ids.get("3") == {"256"} and all(len(v) == 1 for v in ids.values()), ids
 
 
 def test_lpt_ranks_by_warp_match_groups(sources):
