@@ -2,15 +2,14 @@
 GEMM on wgmma):
 
     bwd_h     (64-column V block, segment, v-head)  recompute h per chunk (bf16) and v_new   [side stream]
-    bwd_pw    (chunk slot, qk head)       Pᵀ and W' per v-head of the GVA group
-    bwd_dhu   (segment, v-head)           reverse: dh per chunk, dv_new, dh0
+    bwd_dhu   (segment, v-head)           reverse: Pᵀ, W' and dh per chunk, dv_new, dh0
     bwd_dqkwg persistent                  dq, dk (P and state parts), dw, dg (partial)
     bwd_wy    persistent                  through w, u, A: dk, dv, dβ, dg (+ in-chunk reverse cumsum)
 
 Long sequences split into segments (:func:`plan.plan_bwd_split`) add seg_state + fixup before
 bwd_h (segment start states) and a first bwd_dhu pass + the reverse fix-up before the second
 (segment-end gradients). The state side (seg_state, fixup, bwd_h) runs on a second CUDA stream,
-concurrent with bwd_pw and bwd_dhu, which do not depend on it. dq and dk come out summed over each
+concurrent with bwd_dhu, which does not depend on it. dq and dk come out summed over each
 GVA group. The forward's prep outputs (g cumsum and A·diag(β), chunk-slot layout) are reused; A
 itself is rebuilt inside bwd_wy as A = I − A_β M. Per-chunk states are recomputed, never saved.
 """
@@ -23,7 +22,6 @@ from ._common import CHUNK, HEAD_DIM, check_seqlens, chunk_table, default_cu_seq
 from .bwd_dhu import run_bwd_dhu
 from .bwd_dqkwg import run_bwd_dqkwg
 from .bwd_h import run_bwd_h
-from .bwd_pw import run_bwd_pw
 from .bwd_wy import run_bwd_wy
 from .calibration import for_device
 from .fixup import run_fixup, run_rfixup
@@ -130,8 +128,6 @@ def chunk_gdn_bwd(
         side.wait_stream(main)
     split_out = {}
     try:  # the join also runs when a launch raises, before any buffer here can be freed
-        # Pᵀ / W' on the main stream, after the fork: the state side does not wait for them
-        pt_all, w_all = run_bwd_pw(q, k, gcs, a_beta, ctab, scale, target=target)
         if split_tokens:
             m_ready = torch.cuda.Event() if side is not None else None
             with on_side:  # segment maps and start states, then h per chunk
@@ -141,13 +137,13 @@ def chunk_gdn_bwd(
                 run_fixup(m_tr, e_end, cu_segs, h0, h_start, target=target)
                 run_bwd_h(k, v, gcs, a_beta, stab, h_start, h_all, vnew, target=target)
             # pass 1 needs no segment map; the reverse fix-up does
-            run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, f_start, pt_all, w_all, dh_all, dvnew,
+            run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, f_start, dh_all, dvnew,
                         target=target, split="seg")  # fmt: skip
             if m_ready is not None:
                 main.wait_event(m_ready)
             run_rfixup(m_tr, f_start, cu_segs, dht, d_end, target=target)
             dh_all, dvnew, dh0 = run_bwd_dhu(
-                q, k, gcs, a_beta, do, d_end, stab, scale, dh0, pt_all, w_all, dh_all, dvnew, target=target,
+                q, k, gcs, a_beta, do, d_end, stab, scale, dh0, dh_all, dvnew, target=target,
                 split="carry",
             )  # fmt: skip
             split_out = dict(cu_segs=cu_segs, h_start=h_start, f_start=f_start, d_end=d_end)
@@ -155,7 +151,7 @@ def chunk_gdn_bwd(
             with on_side:
                 run_bwd_h(k, v, gcs, a_beta, stab, h0, h_all, vnew, target=target)
             dh_all, dvnew, dh0 = run_bwd_dhu(
-                q, k, gcs, a_beta, do, dht, stab, scale, dh0, pt_all, w_all, dh_all, dvnew, target=target
+                q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all, dvnew, target=target
             )
     finally:
         if side is not None:
@@ -169,6 +165,6 @@ def chunk_gdn_bwd(
     return dict(
         dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dh0=dh0,
         ctab=ctab, stab=stab, gcs=gcs, a_beta=a_beta, h_all=h_all, vnew=vnew, dh_all=dh_all, dvnew=dvnew,
-        pt_all=pt_all, w_all=w_all, dq_v=dq_v, dk_part=dk_part, dw=dw, dg_part=dg_part, dk_v=dk_v,
+        dq_v=dq_v, dk_part=dk_part, dw=dw, dg_part=dg_part, dk_v=dk_v,
         split_tokens=split_tokens, **split_out,
     )  # fmt: skip

@@ -9,14 +9,17 @@ With Pᵀ = scale Γᵀ ⊙ K Qᵀ (i ≥ j, i < ln), el = mask·e^{g_l − g}, 
     dH ← e^{g_l} dH + Qᵀ bf16(scale eg ⊙ dO) + Kᵀ bf16(−eg ⊙ Y)
     dv_new = Pᵀ dO + el ⊙ (K dH)
 
-(``tools/kernels/emulate_bwd.emu_bwd_dhu(uw=True)`` mirrors it.) Pᵀ and W' are the same for every
-V column, so bwd_pw.py computes them once per (chunk, v-head) before this kernel.
+(``tools/kernels/emulate_bwd.emu_bwd_dhu(uw=True)`` mirrors it.) Pᵀ and W' do not depend on dH: each
+step builds them first, from the stage's Q, K, A_β and gate tables, into shared buffers the chain's
+GEMMs read (no pass writes them to HBM and reads them back).
 
 One CTA of 384 threads per (segment, v-head), full V = 128, one CTA per SM. The transposed
 gradient dHᵀ [128 V, 128 K] is fp32 in the registers of two warpgroups (64 V rows each; every GEMM
 is split by rows between them) and every GEMM but Pᵀ dO takes its A operand from registers (an
 accumulator cast to bf16, or dO read transposed from shared memory, scaled and cast). Per chunk:
 
+    K Qᵀ → Pᵀ = scale e^{g_i − g_j} (K Qᵀ)[j, i] (j ≤ i < ln)       (bf16, into pt_sh)
+    W'ᵀ      = bf16(el ⊙ K)ᵀ A_β                                 (bf16, into w_sh, transposed)
     (Pᵀ dO)ᵀ = dOᵀ P                               (both read transposed from shared memory)
     Yᵀ       = bf16(Pᵀ dO)ᵀ A_β + bf16(dHᵀ) W'ᵀ
     dv_newᵀ  = (Pᵀ dO)ᵀ + el ⊙ (bf16(dHᵀ) Kᵀ)       (not in pass 1 of a split)
@@ -29,9 +32,10 @@ Roles (the launch gives each thread ``NREG_LAUNCH`` registers; the state's .inc 
 producer's .dec releases):
 
     WG0-1 (tx   0..255, setmaxnreg ``NREG[0]`` .inc)  dHᵀ, the six GEMMs, dh and dv_new stores
-    WG2   (tx 256..383, ``NREG[1]`` .dec)  warp 8: TMA loads of Q, K, dO, A_β, Pᵀ and W' of step
-            r (chunk nchunks − 1 − r) into stage r % NST; warp 9: the chunk's gcs rows and the
-            per-token tables e^g, mask · e^{g_l − g}, e^{g_l} into the stage
+    WG0-1 also build Pᵀ and W' (K Qᵀ split by columns, W'ᵀ by rows between them)
+    WG2   (tx 256..383, ``NREG[1]`` .dec)  warp 8: TMA loads of Q, K, dO and A_β of step r (chunk
+            nchunks − 1 − r) into stage r % NST; warp 9: the chunk's gcs rows and the per-token
+            tables e^g, mask · e^{g_l − g}, e^{g_l} and g into the stage
             (``seg_state.gate_tables_macro``); warps 10-11 exit
 
 mbarriers: full[js] (64: warps 8 and 9 + TMA tx bytes; the state waits parity (r // NST) % 2),
@@ -45,7 +49,7 @@ state)) and writes F (the gradient at its start) into dh0 [NS,...] by segment, n
 ``fixup.run_rfixup``) and stores dh, dv_new and dh0 by sequence.
 
 Inputs:  q, k [1,T,Hqk,128] bf16, gcs, a_beta (prep), do [1,T,Hv,128] bf16, dht fp32 (read when
-         ``has_dht``), stab int32 [NS,8], scale, pt and w [Hv, NCS*64, ...] bf16 (bwd_pw).
+         ``has_dht``), stab int32 [NS,8], scale.
 Outputs: dh_all [Hv, NCS, 128, 128] bf16, dvnew [Hv, NCS*64, 128] bf16, dh0 fp32 (``has_dh0``).
 """
 
@@ -132,7 +136,8 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
     N0 = T.dynamic("N0")
     RS, RP = NREG
     FR = T.GemmWarpPolicy.FullRow
-    gate_tables = gate_tables_macro(NST, reverse=True)
+    FC = T.GemmWarpPolicy.FullCol
+    gate_tables = gate_tables_macro(NST, reverse=True, raw=True)
 
     @T.prim_func
     def gdn_bwd_dhu(
@@ -147,8 +152,6 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
         dh_all: T.Tensor((h_v, NCS, D, D), "bfloat16"),
         dvnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
         dh0: T.Tensor((N0, h_v, D, D), "float32"),
-        pt: T.Tensor((h_v, NCS * C, C), "bfloat16"),
-        w: T.Tensor((h_v, NCS * C, D), "bfloat16"),
     ):
         with T.Kernel(NS * h_v, threads=384) as sh:
             s = sh // h_v
@@ -159,10 +162,10 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
             k_sh = T.alloc_shared((NST, C, D), "bfloat16")
             do_sh = T.alloc_shared((NST, C, D), "bfloat16")
             a_sh = T.alloc_shared((NST, C, C), "bfloat16")
-            pt_sh = T.alloc_shared((NST, C, C), "bfloat16")
-            w_sh = T.alloc_shared((NST, C, D), "bfloat16")
-            # gt_sh[js, 0..2, i]: e^g, mask · e^{g_l − g}, e^{g_l} (in every column)
-            gt_sh = T.alloc_shared((NST, 3, C), "float32", scope="shared")
+            pt_sh = T.alloc_shared((C, C), "bfloat16")  # Pᵀ of the step
+            w_sh = T.alloc_shared((C, D), "bfloat16")  # W' of the step
+            # gt_sh[js, 0..3, i]: e^g, mask · e^{g_l − g}, e^{g_l} (in every column), g
+            gt_sh = T.alloc_shared((NST, 4, C), "float32", scope="shared")
             # dh [K, V] and dv_new [C, V] of the chunk on their way out: written from the registers
             # (transposed), read back in rows for 16-byte global stores
             dhs_sh = T.alloc_shared((D, D), "bfloat16")
@@ -170,6 +173,7 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
             T.annotate_layout({dhs_sh: make_swizzled_layout(dhs_sh), dvs_sh: make_swizzled_layout(dvs_sh)})
 
             dh_acc = T.alloc_fragment((D, D), "float32")  # dHᵀ [V, K]
+            kq_acc = T.alloc_fragment((C, C), "float32")  # K Qᵀ
             dh_bf = T.alloc_fragment((D, D), "bfloat16")
             pdo_acc = T.alloc_fragment((D, C), "float32")  # (Pᵀ dO)ᵀ
             y_acc = T.alloc_fragment((D, C), "float32")  # Yᵀ, then (K dH)ᵀ
@@ -213,11 +217,25 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
                         for j, i in T.Parallel(D, D):
                             dh_all[hv, cslot + ci, j, i] = dhs_sh[j, i]
                     T.barrier_wait(full[js], pj)
-                    T.gemm(do_sh[js, :, :], pt_sh[js, :, :], pdo_acc, transpose_A=True, transpose_B=True,
-                           clear_accum=True, policy=FR)  # fmt: skip
+                    T.gemm(k_sh[js, :, :], q_sh[js, :, :], kq_acc, transpose_B=True, clear_accum=True, policy=FC)
+                    for j, i in T.Parallel(C, C):
+                        pt_sh[j, i] = T.cast(
+                            T.if_then_else(
+                                i >= j and i < ln, scale * T.exp(gt_sh[js, 3, i] - gt_sh[js, 3, j]) * kq_acc[j, i],
+                                T.float32(0),
+                            ),
+                            "bfloat16",
+                        )
+                    for kk, i in T.Parallel(D, C):  # bf16(el ⊙ K)ᵀ (el is 0 past ln)
+                        x_bf[kk, i] = T.cast(gt_sh[js, 1, i] * T.cast(k_sh[js, i, kk], "float32"), "bfloat16")
+                    T.gemm(x_bf, a_sh[js, :, :], y_acc, clear_accum=True, policy=FR)
+                    for kk, i in T.Parallel(D, C):
+                        w_sh[i, kk] = T.cast(y_acc[kk, i], "bfloat16")
+                    T.gemm(do_sh[js, :, :], pt_sh, pdo_acc, transpose_A=True, transpose_B=True, clear_accum=True,
+                           policy=FR)  # fmt: skip
                     T.copy(pdo_acc, x_bf)
                     T.gemm(x_bf, a_sh[js, :, :], y_acc, clear_accum=True, policy=FR)
-                    T.gemm(dh_bf, w_sh[js, :, :], y_acc, transpose_B=True, policy=FR)
+                    T.gemm(dh_bf, w_sh, y_acc, transpose_B=True, policy=FR)
                     for i, j in T.Parallel(D, C):
                         x_bf[i, j] = T.cast(T.if_then_else(j < ln, -gt_sh[js, 0, j], T.float32(0)) * y_acc[i, j], "bfloat16")
                     if split != "seg":
@@ -257,8 +275,6 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
                         T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
                         T.tma_copy(do[0, t0 : t0 + C, hv, 0:D], do_sh[js, :, :], barrier=full[js])
                         T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh[js, :, :], barrier=full[js])
-                        T.tma_copy(pt[hv, r0 : r0 + C, 0:C], pt_sh[js, :, :], barrier=full[js])
-                        T.tma_copy(w[hv, r0 : r0 + C, 0:D], w_sh[js, :, :], barrier=full[js])
                         T.barrier_arrive(full[js])
                 elif tx < 320:
                     gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 288)
@@ -273,10 +289,10 @@ def get_bwd_dhu_kernel(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, target
     )
 
 
-def run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, pt, w, dh_all=None, dvnew=None, target=None, split=""):
+def run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, target=None, split=""):
     """Launch the reverse chain. dht: [N,Hv,128,128] fp32 or None ([NS,...] by segment with
-    split="carry"); dh0: preallocated fp32 to fill ([N,...], or F [NS,...] with split="seg") or None;
-    pt, w: bwd_pw's outputs. Returns dh_all, dvnew, dh0."""
+    split="carry"); dh0: preallocated fp32 to fill ([N,...], or F [NS,...] with split="seg") or None.
+    Returns dh_all, dvnew, dh0."""
     h_qk, h_v = q.shape[2], do.shape[2]
     ncs = gcs.shape[1] // CHUNK
     dev = q.device
@@ -293,6 +309,5 @@ def run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, pt, w, dh_all=None
     dummy = None
     if not (has_dht and has_dh0):
         dummy = torch.empty(1, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
-    kern(q, k, gcs, a_beta, do, dht if has_dht else dummy, stab, float(scale), dh_all, dvnew, dh0 if has_dh0 else dummy,
-         pt, w)  # fmt: skip
+    kern(q, k, gcs, a_beta, do, dht if has_dht else dummy, stab, float(scale), dh_all, dvnew, dh0 if has_dh0 else dummy)
     return dh_all, dvnew, dh0

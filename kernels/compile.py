@@ -26,7 +26,6 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
     from .bwd_dhu import get_bwd_dhu_kernel
     from .bwd_dqkwg import get_bwd_dqkwg_kernel
     from .bwd_h import get_bwd_h_kernel
-    from .bwd_pw import get_bwd_pw_kernel
     from .bwd_wy import get_bwd_wy_kernel
     from .fixup import get_fixup_kernel, get_rfixup_kernel
     from .fwd_fused import get_fwd_fused_kernel
@@ -56,7 +55,6 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
             out.append((f"bwd_dhu[carry,dh0={h0}]", get_bwd_dhu_kernel, (h_qk, h_v, True, bool(h0)), {"split": "carry"}))
             out.append((f"rfixup[dht={dht}]", get_rfixup_kernel, (h_v, bool(dht), 32), {}))
     if bwd_flags:
-        out.append(("bwd_pw", get_bwd_pw_kernel, (h_qk, h_v), {}))
         out.append(("bwd_dqkwg", get_bwd_dqkwg_kernel, (h_qk, h_v), {}))
         out.append(("bwd_wy", get_bwd_wy_kernel, (h_qk, h_v), {}))
     return out

@@ -48,12 +48,12 @@ assert NREG[0] + NREG[1] == 2 * NREG_LAUNCH
 NST = 2
 
 
-def gate_tables_macro(nst: int, reverse: bool = False):
+def gate_tables_macro(nst: int, reverse: bool = False, raw: bool = False):
     """The producer warp that writes a chunk's per-token tables into stage r % ``nst`` of
-    gt_sh [nst, 3, 64] (seg_state, fwd_o, bwd_h; bwd_dhu with ``reverse``: step r is chunk
-    nchunks − 1 − r): for each step, once the stage is free, its chunk's gcs rows (lane l holds
-    rows 2l, 2l + 1) → e^g, mask · e^{g_l − g} and e^{g_l} (in every column), then its arrive on
-    full. ``gv`` (2 floats) is the warp's local."""
+    gt_sh [nst, 3 (4 with ``raw``), 64] (seg_state, fwd_o, bwd_h; bwd_dhu with ``reverse``: step r
+    is chunk nchunks − 1 − r): for each step, once the stage is free, its chunk's gcs rows (lane l
+    holds rows 2l, 2l + 1) → e^g, mask · e^{g_l − g}, e^{g_l} (in every column) and, with ``raw``,
+    g itself, then its arrive on full. ``gv`` (2 floats) is the warp's local."""
     import tilelang.language as T
 
     C = CHUNK
@@ -71,6 +71,8 @@ def gate_tables_macro(nst: int, reverse: bool = False):
             gt_sh[js, 0, 2 * lane + r] = T.exp(gv[r])
             gt_sh[js, 1, 2 * lane + r] = T.if_then_else(2 * lane + r < ln, T.exp(gl - gv[r]), T.float32(0))
             gt_sh[js, 2, 2 * lane + r] = T.exp(gl)
+            if raw:
+                gt_sh[js, 3, 2 * lane + r] = gv[r]
         T.barrier_arrive(full[js])
 
     if reverse:

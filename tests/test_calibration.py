@@ -250,8 +250,8 @@ def test_the_micro_benchmark_calls_each_kernel_as_its_signature_says(monkeypatch
     stab = torch.zeros(3, 8, dtype=torch.int32)
     stab[1, 5] = 1  # a last segment: seg_state gets the whole table (its grid skips the last segments itself)
     inter = dict(ctab=t, p_all=t, gcs=t, a_beta=t, stab=stab, o=t, final_state=t, e_end=t, m_tr=t,
-                 cu_segs=torch.zeros(3, dtype=torch.int32), h_start=t, f_start=t, d_end=t, dh0=t, pt_all=t,
-                 w_all=t, dh_all=t, dvnew=t, split_tokens=0, block_v=64)  # fmt: skip
+                 cu_segs=torch.zeros(3, dtype=torch.int32), h_start=t, f_start=t, d_end=t, dh0=t,
+                 dh_all=t, dvnew=t, split_tokens=0, block_v=64)  # fmt: skip
 
     def stub(mod, name, out):
         real = getattr(mod, name)

@@ -82,8 +82,7 @@ def _patch_kernels(monkeypatch):
         vnew.copy_(vn)
         return h_all, vnew
 
-    def fake_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, pt, w, dh_all=None, dvnew=None, target=None, split=""):
-        assert pt is not None and w is not None  # bwd_pw's outputs
+    def fake_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all=None, dvnew=None, target=None, split=""):
         N = int(stab[:, 2].max()) + 1
         dha, dvn, d0 = eb.emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, gcs.shape[1] // 64, N, split=split)
         if dh0 is not None:
@@ -119,11 +118,8 @@ def _patch_kernels(monkeypatch):
         dk_v.copy_(dk)
         return dk_v, dv.to(bf), dg, db
 
-    def fake_pw(q, k, gcs, a_beta, ctab, scale, target=None):
-        return tuple(x.to(bf) for x in eb.emu_bwd_pw(q, k, gcs, a_beta, ctab, scale))
-
     for name, fn in [("run_bwd_h", fake_h), ("run_bwd_dhu", fake_dhu), ("run_bwd_dqkwg", fake_dqkwg),
-                     ("run_bwd_wy", fake_wy), ("run_bwd_pw", fake_pw), ("run_seg_state", fake_seg_state),
+                     ("run_bwd_wy", fake_wy), ("run_seg_state", fake_seg_state),
                      ("run_fixup", fake_fixup), ("run_rfixup", fake_rfixup)]:  # fmt: skip
         monkeypatch.setattr(bw, name, fn)
 
@@ -316,24 +312,11 @@ def _on_two_streams(monkeypatch, sim):
     for name in ("run_bwd_h", "run_seg_state", "run_fixup", "run_rfixup"):  # dqkwg, wy: after the join
         fn = getattr(bw, name)
         monkeypatch.setattr(bw, name, lambda *a, _fn=fn, **kw: sim.launch(lambda: _fn(*a, **kw)))
-    fake_dhu, fake_pw = bw.run_bwd_dhu, bw.run_bwd_pw
+    fake_dhu = bw.run_bwd_dhu
 
     def lazy_dhu(*a, **kw):  # the driver passes dh0, dh_all, dvnew positionally
         sim.launch(lambda: fake_dhu(*a, **kw))
-        return a[11], a[12], a[8]
-
-    def lazy_pw(q, k, gcs, a_beta, ctab, scale, target=None):
-        h_v, rows = gcs.shape[0], ctab.shape[0] * 64
-        pt = torch.empty(h_v, rows, 64, dtype=torch.bfloat16)
-        w = torch.empty(h_v, rows, D, dtype=torch.bfloat16)
-
-        def body():
-            a, b = fake_pw(q, k, gcs, a_beta, ctab, scale)
-            pt.copy_(a)
-            w.copy_(b)
-
-        sim.launch(body)
-        return pt, w
+        return a[9], a[10], a[8]
 
     @contextlib.contextmanager
     def on(stream):
@@ -344,7 +327,6 @@ def _on_two_streams(monkeypatch, sim):
             sim.current = prev
 
     monkeypatch.setattr(bw, "run_bwd_dhu", lazy_dhu)
-    monkeypatch.setattr(bw, "run_bwd_pw", lazy_pw)
     monkeypatch.setattr(bw, "_side_stream", lambda dev: sim.side)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: sim.current)
     monkeypatch.setattr(torch.cuda, "stream", on)

@@ -146,8 +146,6 @@ def test_stages_match_emulation():
     errs = eb.stage_errors(r, x["q"], x["k"], x["v"], x["beta"], x["do"], x["dht"], x["h0"], D**-0.5)
     bad = {n: e for n, e in errs.items() if not e < 3e-2}
     assert not bad, f"stages off their emulation: {bad} (all: {errs})"
-    ept, ew = eb.emu_bwd_pw(x["q"], x["k"], r["gcs"], r["a_beta"], r["ctab"], D**-0.5)
-    assert rel_l2(r["pt_all"].float(), ept) < 1e-2 and rel_l2(r["w_all"].float(), ew) < 1e-2
 
 
 @pytest.mark.parametrize("split,streams", [(512, True), (1024, False)])

@@ -32,7 +32,6 @@ def sources():
         "fixup": ("fixup", "get_fixup_kernel", (8, True, 32), {}),
         "rfixup": ("fixup", "get_rfixup_kernel", (8, True, 32), {}),
         "bwd_h": ("bwd_h", "get_bwd_h_kernel", (2, 8, True), {}),
-        "bwd_pw": ("bwd_pw", "get_bwd_pw_kernel", (2, 8), {}),
         "bwd_dhu": ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), {}),
         "bwd_dhu_seg": ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), {"split": "seg"}),
         "bwd_dhu_carry": ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), {"split": "carry"}),
@@ -177,13 +176,15 @@ def test_register_budgets_fit_the_file():
 
 
 def test_bwd_dhu_keeps_its_gradient_in_registers(sources):
-    """bwd_dhu's two state warpgroups take the A operand of every GEMM but (Pᵀ dO)ᵀ from registers
-    (Y₀, W' dH, K dH, the dO and Y terms of the update; pass 1 has no K dH); dh and dv_new leave
+    """bwd_dhu's two state warpgroups take the A operand of every GEMM but K Qᵀ and (Pᵀ dO)ᵀ from
+    registers (W'ᵀ, Y₀, W' dH, K dH, the dO and Y terms of the update; pass 1 has no K dH); Pᵀ and W'
+    stay in shared memory (no global pt / w); dh and dv_new leave
     through a staging tile in shared memory as 16-byte stores, except in pass 1 (F only: no dh,
     dv_new writes); the persistent kernels' outputs leave through TMA stores."""
-    for name, rs in (("bwd_dhu", 5), ("bwd_dhu_carry", 5), ("bwd_dhu_seg", 4)):
+    for name, rs in (("bwd_dhu", 6), ("bwd_dhu_carry", 6), ("bwd_dhu_seg", 5)):
         src = sources[name]
-        assert src.count("wgmma_rs<") == rs and src.count("wgmma_ss<") == 1, name
+        assert src.count("wgmma_rs<") == rs and src.count("wgmma_ss<") == 2, name
+        assert "pt_sh" in src and "w_sh" in src and " pt[" not in src and "(pt + " not in src, name
         assert "stmatrix" not in src and "tma_store" not in src, name
     for name in ("bwd_dhu", "bwd_dhu_carry"):
         for buf in ("dh_all", "dvnew"):
@@ -233,7 +234,7 @@ def test_compile_list_covers_every_program():
     assert names == {
         "get_tables_kernel", "get_lpt_kernel", "get_prep_kernel", "get_fwd_o_kernel", "get_fwd_fused_kernel", "get_seg_state_kernel",
         "get_fixup_kernel",
-        "get_rfixup_kernel", "get_bwd_h_kernel", "get_bwd_pw_kernel", "get_bwd_dhu_kernel", "get_bwd_dqkwg_kernel",
+        "get_rfixup_kernel", "get_bwd_h_kernel", "get_bwd_dhu_kernel", "get_bwd_dqkwg_kernel",
         "get_bwd_wy_kernel",
     }  # fmt: skip
     fwd = comp.default_kernels(2, 8, fwd_flags=((1, 1),), bwd_flags=())

@@ -143,13 +143,11 @@ def stage_times_ms(x, r, g, reps=10):
     from qlabench_kernels.bwd_dhu import run_bwd_dhu
     from qlabench_kernels.bwd_dqkwg import run_bwd_dqkwg
     from qlabench_kernels.bwd_h import run_bwd_h
-    from qlabench_kernels.bwd_pw import run_bwd_pw
     from qlabench_kernels.bwd_wy import run_bwd_wy
     from qlabench_kernels.fixup import run_fixup, run_rfixup
     from qlabench_kernels.seg_state import run_seg_state
 
     sc = 128**-0.5
-    pt, w = g["pt_all"], g["w_all"]
     dk_tmp = g["dk_v"].clone()
     if g["split_tokens"]:
         e_end = torch.empty_like(g["h_start"])
@@ -161,24 +159,23 @@ def stage_times_ms(x, r, g, reps=10):
             "bwd_h": lambda: run_bwd_h(x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], g["h_start"], g["h_all"], g["vnew"]),
             "dhu_seg": lambda: run_bwd_dhu(
                 x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], x["dht"], g["stab"], sc, torch.empty_like(e_end),
-                pt, w, g["dh_all"], g["dvnew"], split="seg",
+                g["dh_all"], g["dvnew"], split="seg",
             ),
             "rfixup": lambda: run_rfixup(m_tr, g["f_start"], g["cu_segs"], x["dht"], torch.empty_like(e_end)),
             "dhu_carry": lambda: run_bwd_dhu(
                 x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], g["d_end"], g["stab"], sc, g["dh0"],
-                pt, w, g["dh_all"], g["dvnew"], split="carry",
+                g["dh_all"], g["dvnew"], split="carry",
             ),
         }  # fmt: skip
     else:
         chains = {
             "bwd_h": lambda: run_bwd_h(x["k"], x["v"], g["gcs"], g["a_beta"], g["stab"], x["h0"], g["h_all"], g["vnew"]),
             "bwd_dhu": lambda: run_bwd_dhu(
-                x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], x["dht"], g["stab"], sc, g["dh0"], pt, w,
-                g["dh_all"], g["dvnew"],
+                x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], x["dht"], g["stab"], sc, g["dh0"], g["dh_all"],
+                g["dvnew"],
             ),
         }  # fmt: skip
     stages = {
-        "bwd_pw": lambda: run_bwd_pw(x["q"], x["k"], g["gcs"], g["a_beta"], g["ctab"], sc),
         **chains,
         "bwd_dqkwg": lambda: run_bwd_dqkwg(
             x["q"], x["k"], x["do"], g["gcs"], g["ctab"], g["h_all"], g["dh_all"], g["vnew"], g["dvnew"], sc

@@ -111,7 +111,7 @@ def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split="", uw=Fa
     or 0; returns F [NS, Hv, K, V] as the third value (NaN rows elsewhere), dh_all / dvnew NaN.
     split="carry": every segment from dht[s] (row = segment); dh0 from first segments only.
 
-    uw=True: the algebra of bwd_dhu.py with bwd_pw.py (the dH-independent parts first):
+    uw=True: the algebra of bwd_dhu.py (the dH-independent parts first, Pᵀ and W' included):
     Y = A_βᵀ dv_new = Y₀ + W' dH with Y₀ = A_βᵀ bf16(Pᵀ dO) and W' = bf16(A_βᵀ bf16(e^{g_l − g} ⊙ K)),
     both computable before dH arrives, so the chain per chunk is W' dH and Kᵀ(e^g ⊙ Y); dv_new (an
     output only) is formed as before."""
@@ -174,35 +174,6 @@ def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split="", uw=Fa
         elif is_first:
             dh0[seq] = dH
     return dh_all, dvnew, dh0
-
-
-def emu_bwd_pw(q, k, gcs, a_beta, ctab, scale):
-    """Mirror of bwd_pw.py: pt [Hv, NCS*64, 64] and w [Hv, NCS*64, K] (bf16 values), per chunk slot
-    Pᵀ = scale Γᵀ ⊙ K Qᵀ (j ≤ i < ln) and W' = A_βᵀ bf16(e^{g_l − g} ⊙ K); unused slots 0."""
-    T, h_qk, h_v = q.shape[1], q.shape[2], gcs.shape[0]
-    G = h_v // h_qk
-    dev = q.device
-    ncs = ctab.shape[0]
-    pt = torch.zeros(h_v, ncs * C, C, device=dev)
-    w = torch.zeros(h_v, ncs * C, D, device=dev)
-    ar = torch.arange(C, device=dev)
-    upper = ar[:, None] <= ar[None, :]  # [j, i]: i >= j
-    for c, (bos, eos) in enumerate(ctab[:, :2].tolist()):
-        ln = eos - bos
-        if ln <= 0:
-            continue
-        r0 = c * C
-        m = (ar < ln)[None, :, None].float()
-        qc = _seq_chunk(q, bos, T, G) * m
-        kc = _seq_chunk(k, bos, T, G) * m
-        gch = gcs[:, r0 : r0 + C].float()
-        ab = a_beta[:, r0 : r0 + C].float()
-        kq = kc @ qc.transpose(-1, -2)
-        keep = upper & (ar < ln)[None, :]
-        pt[:, r0 : r0 + C] = _r(torch.where(keep, scale * torch.exp(gch[:, None, :] - gch[:, :, None]) * kq, 0.0))
-        el = m * torch.exp(gch[:, ln - 1][:, None, None] - gch[..., None])
-        w[:, r0 : r0 + C] = _r(ab.transpose(-1, -2) @ _r(el * kc))
-    return pt, w
 
 
 def emu_rfixup(m_tr, f_start, cu_segs, dht):
