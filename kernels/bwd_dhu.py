@@ -210,14 +210,19 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
                     ci = nchunks - 1 - cr
                     ln = T.min(eos - (bos + ci * C), C)
                     r0 = (cslot + ci) * C
-                    T.copy(dh_acc, dh_bf)
+                    T.barrier_wait(full[js], pj)
+                    for kk, i in T.Parallel(D, C):  # bf16(el ⊙ K)ᵀ (el is 0 past ln)
+                        x_bf[kk, i] = T.cast(gt_sh[js, 1, i] * T.cast(k_sh[js, i, kk], "float32"), "bfloat16")
+                    T.wgmma_gemm(k_sh[js, :, :], q_sh[js, :, :], kq_acc, transpose_B=True, clear_accum=True, policy=FC)
+                    T.wgmma_gemm(x_bf, a_sh[js, :, :], y_acc, clear_accum=True, policy=FR)
+                    T.copy(dh_acc, dh_bf)  # dh goes out while K Qᵀ and W'ᵀ run
                     if split != "seg":
                         for i, j in T.Parallel(D, D):
                             dhs_sh[j, i] = dh_bf[i, j]
                         for j, i in T.Parallel(D, D):
                             dh_all[hv, cslot + ci, j, i] = dhs_sh[j, i]
-                    T.barrier_wait(full[js], pj)
-                    T.gemm(k_sh[js, :, :], q_sh[js, :, :], kq_acc, transpose_B=True, clear_accum=True, policy=FC)
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(kq_acc, num_regs=C * C // 256)
                     for j, i in T.Parallel(C, C):
                         pt_sh[j, i] = T.cast(
                             T.if_then_else(
@@ -226,9 +231,8 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
                             ),
                             "bfloat16",
                         )
-                    for kk, i in T.Parallel(D, C):  # bf16(el ⊙ K)ᵀ (el is 0 past ln)
-                        x_bf[kk, i] = T.cast(gt_sh[js, 1, i] * T.cast(k_sh[js, i, kk], "float32"), "bfloat16")
-                    T.gemm(x_bf, a_sh[js, :, :], y_acc, clear_accum=True, policy=FR)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(y_acc, num_regs=D * C // 256)
                     for kk, i in T.Parallel(D, C):
                         w_sh[i, kk] = T.cast(y_acc[kk, i], "bfloat16")
                     T.gemm(do_sh[js, :, :], pt_sh, pdo_acc, transpose_A=True, transpose_B=True, clear_accum=True,
