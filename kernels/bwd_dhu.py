@@ -20,6 +20,7 @@ accumulator cast to bf16, or dO read transposed from shared memory, scaled and c
 
     K Qᵀ → Pᵀ = scale e^{g_i − g_j} (K Qᵀ)[j, i] (j ≤ i < ln)       (bf16, into pt_sh)
     W'ᵀ      = bf16(el ⊙ K)ᵀ A_β                                 (bf16, into w_sh, transposed)
+               (both issued asynchronously; dh of the step goes out while they run)
     (Pᵀ dO)ᵀ = dOᵀ P                               (both read transposed from shared memory)
     Yᵀ       = bf16(Pᵀ dO)ᵀ A_β + bf16(dHᵀ) W'ᵀ
     dv_newᵀ  = (Pᵀ dO)ᵀ + el ⊙ (bf16(dHᵀ) Kᵀ)       (not in pass 1 of a split)

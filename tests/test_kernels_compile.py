@@ -195,6 +195,18 @@ def test_bwd_dhu_keeps_its_gradient_in_registers(sources):
     assert "tma_store" in sources["bwd_dqkwg"] and "tma_store" in sources["bwd_wy"]
 
 
+def test_bwd_dhu_issues_its_p_and_w_gemms_asynchronously(sources):
+    """Each step issues K Qᵀ and W'ᵀ together, waits on K Qᵀ first (to gate Pᵀ) and W'ᵀ last, and
+    fences each accumulator with one thread's registers (64×64 and 128×64 fp32 over 256 threads)."""
+    for name in ("bwd_dhu", "bwd_dhu_seg", "bwd_dhu_carry"):
+        src = sources[name]
+        assert src.count("tl::wait_wgmma<1>();") == 1 and src.count("tl::wait_wgmma<0>();") == 1, name
+        w1, w0 = src.index("tl::wait_wgmma<1>();"), src.index("tl::wait_wgmma<0>();")
+        assert w1 < w0
+        assert src[w1:w0].count("warpgroup_fence_operand(reinterpret_cast<float*>(kq_acc + 0), 16)") == 1, name
+        assert "warpgroup_fence_operand(reinterpret_cast<float*>(y_acc + 0), 32)" in src[w0 : w0 + 200], name
+
+
 def test_wy_dk_hand_off_is_a_barrier_pair(sources):
     """bwd_wy's per-item dk hand-off: two mbarriers (item parity), so that the consumers cannot lap
     the store warp's wait when every tile is an item (G = 1)."""
