@@ -177,8 +177,8 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
             kq_acc = T.alloc_fragment((C, C), "float32")  # K Qᵀ
             dh_bf = T.alloc_fragment((D, D), "bfloat16")
             pdo_acc = T.alloc_fragment((D, C), "float32")  # (Pᵀ dO)ᵀ
-            y_acc = T.alloc_fragment((D, C), "float32")  # Yᵀ, then (K dH)ᵀ
-            x_bf = T.alloc_fragment((D, C), "bfloat16")  # bf16(Pᵀ dO)ᵀ, then bf16(−eg ⊙ Y)ᵀ
+            y_acc = T.alloc_fragment((D, C), "float32")  # W'ᵀ, then Yᵀ, then (K dH)ᵀ
+            x_bf = T.alloc_fragment((D, C), "bfloat16")  # bf16(el ⊙ K)ᵀ, then bf16(Pᵀ dO)ᵀ, then bf16(−eg ⊙ Y)ᵀ
             qdo_bf = T.alloc_fragment((D, C), "bfloat16")  # bf16(scale eg ⊙ dO)ᵀ
             egl = T.alloc_var("float32")
             gv = T.alloc_local((2,), "float32")
