@@ -8,7 +8,8 @@ Two forms that must agree:
 
 - :func:`gdn_recurrent` — token by token (fp32/fp64). Exact but slow; tiny cases and cross-checks.
 - :func:`gdn_chunked` — chunk 64 (WY / UT form, as in the chunked kernels), vectorised over
-  heads, differentiable: gradients of the reference come from autograd through this form.
+  heads and, for what does not depend on the state, over a sequence's chunks (the loop over chunks
+  carries the state only), differentiable: gradients of the reference come from autograd through this form.
 
 Shapes (B = 1, varlen via ``cu_seqlens``): q, k [1, T, H_qk, K]; v [1, T, H_v, V];
 g, beta [1, T, H_v]; h0 [N, H_v, K, V]. GVA: v-head j reads q/k head j // (H_v / H_qk).
@@ -65,38 +66,69 @@ def _kept(t):
     return t
 
 
+#: full chunks whose state-independent terms :func:`_chunked_seq` computes at once
+TERMS_CHUNKS = 32
+
+
 def _chunked_seq(q, k, v, g, beta, S, scale, chunk, store=_kept):
     """One sequence: q,k [L,H,K] (expanded), v [L,H,V], g,beta [L,H], S [H,K,V]. ``store`` is
     applied to every intermediate a chunked kernel keeps between its GEMMs (the WY factors and
     their operands, the state, v_new, the attention tile, the output): the identity here; a
-    rounding to bf16 emulates a bf16 kernel (tests/bf16_kernel.py)."""
-    L = q.shape[0]
+    rounding to bf16 emulates a bf16 kernel (tests/bf16_kernel.py).
+
+    What does not depend on the state (the WY factors w, u, the gated attention tile, the decays)
+    is computed for ``TERMS_CHUNKS`` full chunks at a time (what the whole sequence at once would
+    add to the peak memory stays bounded) and for the partial last one (padded with zero tokens,
+    k = v = beta = g = 0, which add nothing to it); the loop over chunks carries the state only."""
+    L, H = q.shape[0], q.shape[1]
+    full = L // chunk * chunk
+    step = TERMS_CHUNKS * chunk
     outs = []
-    for s in range(0, L, chunk):
-        e = min(s + chunk, L)
-        c = e - s
-        qc, kc, vc = (x[s:e].transpose(0, 1) for x in (q, k, v))    # [H,c,*]
-        gc = g[s:e].transpose(0, 1).cumsum(-1)                       # [H,c] inclusive cumsum
-        bc = beta[s:e].transpose(0, 1)                               # [H,c]
-        diff = gc[:, :, None] - gc[:, None, :]                       # g_i - g_j
-        tril_incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        gamma = torch.where(tril_incl, diff, torch.full_like(diff, float("-inf"))).exp()
-        kk = kc @ kc.transpose(-1, -2)
-        strict = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
-        Lm = torch.where(strict, bc[:, :, None] * gamma * kk, torch.zeros_like(kk))
-        eye = torch.eye(c, dtype=q.dtype, device=q.device).expand_as(Lm)
-        A = store(torch.linalg.solve_triangular(eye + Lm, eye, upper=False, unitriangular=True))
-        w = store(A @ store((bc * gc.exp())[..., None] * kc))
-        u = store(A @ store(bc[..., None] * vc))
-        Sk = store(S)
-        v_new = store(u - w @ Sk)
-        o = scale * ((gc.exp()[..., None] * qc) @ Sk
-                     + store((qc @ kc.transpose(-1, -2)) * gamma) @ v_new)
-        outs.append(store(o).transpose(0, 1))
-        g_last = gc[:, -1]
-        S = g_last.exp()[:, None, None] * S + kc.transpose(-1, -2) @ store(
-            (g_last[:, None] - gc).exp()[..., None] * v_new)
-    return torch.cat(outs, 0), S
+    for s, e in [(s, min(s + step, full)) for s in range(0, full, step)] + [(full, L)]:
+        if e == s:
+            continue
+        steps = _chunk_terms(*(x[s:e] for x in (q, k, v, g, beta)), chunk, store)
+        for u_c, w_c, qg_c, attn_c, gl_c, dec_c, kt_c in steps:
+            Sk = store(S)
+            v_new = store(u_c - w_c @ Sk)
+            outs.append(store(scale * (qg_c @ Sk + attn_c @ v_new)))
+            S = gl_c.exp()[:, None, None] * S + kt_c @ store(dec_c * v_new)
+    o = torch.stack(outs, 0).transpose(1, 2).reshape(len(outs) * chunk, H, -1)  # [chunks*C,H,V]
+    return o[:L], S
+
+
+def _chunk_terms(q, k, v, g, beta, chunk, store):
+    """The state-independent terms of each chunk of q,k [L,H,K], v [L,H,V], g,beta [L,H] (one
+    partial chunk, padded, or full chunks): per chunk (u, w [H,C,*], e^g ⊙ q [H,C,K], the gated
+    attention tile [H,C,C], g_last [H], e^{g_last − g} [H,C,1], kᵀ [H,K,C]), unbound along the
+    chunks (indexing them one by one would have autograd build a full-size gradient per chunk)."""
+    L = q.shape[0]
+    nc = -(-L // chunk)
+    pad = nc * chunk - L
+
+    def tiles(x):  # [L, H, *] -> [nc, H, chunk, *]
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
+        return x.reshape(nc, chunk, *x.shape[1:]).transpose(1, 2)
+
+    qc, kc, vc = tiles(q), tiles(k), tiles(v)                            # [nc,H,C,*]
+    gc = tiles(g[..., None])[..., 0].cumsum(-1)                          # [nc,H,C] inclusive cumsum
+    bc = tiles(beta[..., None])[..., 0]                                  # [nc,H,C]
+    diff = gc[..., :, None] - gc[..., None, :]                           # g_i - g_j
+    tril_incl = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    gamma = torch.where(tril_incl, diff, torch.full_like(diff, float("-inf"))).exp()
+    kk = kc @ kc.transpose(-1, -2)
+    strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
+    Lm = torch.where(strict, bc[..., None] * gamma * kk, torch.zeros_like(kk))
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device).expand_as(Lm)
+    A = store(torch.linalg.solve_triangular(eye + Lm, eye, upper=False, unitriangular=True))
+    w = store(A @ store((bc * gc.exp())[..., None] * kc))
+    u = store(A @ store(bc[..., None] * vc))
+    qg = gc.exp()[..., None] * qc
+    attn = store((qc @ kc.transpose(-1, -2)) * gamma)
+    g_last = gc[..., -1]                                                 # [nc,H]
+    decay = (g_last[..., None] - gc).exp()[..., None]                    # [nc,H,C,1]
+    kt = kc.transpose(-1, -2)
+    return zip(*(x.unbind(0) for x in (u, w, qg, attn, g_last, decay, kt)))
 
 
 def gdn_chunked(q, k, v, g, beta, scale=None, h0=None, cu_seqlens=None,
