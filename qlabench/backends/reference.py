@@ -8,8 +8,9 @@ Two forms that must agree:
 
 - :func:`gdn_recurrent` — token by token (fp32/fp64). Exact but slow; tiny cases and cross-checks.
 - :func:`gdn_chunked` — chunk 64 (WY / UT form, as in the chunked kernels), vectorised over
-  heads and, for what does not depend on the state, over a sequence's chunks (the loop over chunks
-  carries the state only), differentiable: gradients of the reference come from autograd through this form.
+  heads and, for what does not depend on the state, over a sequence's chunks (the loop over
+  chunks carries the state only), differentiable: gradients of the reference come from autograd
+  through this form.
 
 Shapes (B = 1, varlen via ``cu_seqlens``): q, k [1, T, H_qk, K]; v [1, T, H_v, V];
 g, beta [1, T, H_v]; h0 [N, H_v, K, V]. GVA: v-head j reads q/k head j // (H_v / H_qk).
@@ -77,8 +78,8 @@ def _chunked_seq(q, k, v, g, beta, S, scale, chunk, store=_kept):
     rounding to bf16 emulates a bf16 kernel (tests/bf16_kernel.py).
 
     What does not depend on the state (the WY factors w, u, the gated attention tile, the decays)
-    is computed for ``TERMS_CHUNKS`` full chunks at a time (what the whole sequence at once would
-    add to the peak memory stays bounded) and for the partial last one (padded with zero tokens,
+    is computed for ``TERMS_CHUNKS`` full chunks at a time (the temporaries of a whole long
+    sequence never coexist) and for the partial last one (padded with zero tokens,
     k = v = beta = g = 0, which add nothing to it); the loop over chunks carries the state only."""
     L, H = q.shape[0], q.shape[1]
     full = L // chunk * chunk
