@@ -193,3 +193,28 @@ def test_a_cost_table_param_must_load_and_plans_with_that_table(tmp_path, monkey
     d["fwd"]["costs"]["fused"] = 99.0
     (tmp_path / "t.json").write_text(json.dumps(d))
     assert b.version() != v
+
+
+def test_tilelang_version_follows_the_kernels_code_not_their_comments(tmp_path, monkeypatch):
+    """The resume key of ours: a comment, a docstring or a line break in a kernel source keeps
+    it; a changed constant makes a new one."""
+    import shutil
+
+    import qlabench_kernels
+
+    from qlabench.backends.tilelang import TileLangBackend
+
+    pkg = tmp_path / "kernels"
+    shutil.copytree(Path(qlabench_kernels.__file__).parent, pkg)
+    monkeypatch.setattr(qlabench_kernels, "__file__", str(pkg / "__init__.py"))
+    before = TileLangBackend().version()
+    assert before == TileLangBackend().version() and before.startswith("src-")
+    src = pkg / "bwd_dhu.py"
+    text = src.read_text()
+    edited = text.replace('"""Backward kernel 3:', '"""Backward kernel three:', 1).replace(
+        "#: input ring depth", "#: depth of the input ring\n# (two stages)", 1)
+    assert edited != text
+    src.write_text(edited)
+    assert TileLangBackend().version() == before
+    src.write_text(text.replace("NST = 2", "NST = 3", 1))
+    assert TileLangBackend().version() != before

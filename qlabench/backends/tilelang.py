@@ -70,6 +70,24 @@ def _cost_table_file():
     return path if path is not None and path.is_file() else cal.table_path(cal.DEFAULT_GPU)
 
 
+def _code_of(src: str) -> str:
+    """``src``'s syntax tree without docstrings (module, class and function ones), dumped; the
+    source itself where it does not parse."""
+    import ast
+
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return src
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 class TileLangBackend(Backend):
     name = "tilelang"
     directions = ("fwd", "bwd", "fwdbwd")
@@ -79,9 +97,10 @@ class TileLangBackend(Backend):
     Params = TileLangParams
 
     def version(self) -> str:
-        """A hash of the kernel sources and of the cost table that plans this machine's runs (the
-        ``cost_table`` parameter's, else its GPU model's, the default one off CUDA): editing either
-        makes a new resume key."""
+        """A hash of the kernel sources' code (their syntax trees, without docstrings: comments,
+        docstrings and layout are not the kernels) and of the cost table that plans this machine's
+        runs (the ``cost_table`` parameter's, else its GPU model's, the default one off CUDA):
+        changing either makes a new resume key."""
         import hashlib
         from pathlib import Path
         try:
@@ -90,10 +109,12 @@ class TileLangBackend(Backend):
             return "unknown"
         h = hashlib.sha1()
         root = Path(qk.__file__).parent
-        table = Path(self.params.cost_table) if self.params.cost_table else _cost_table_file()
-        for f in [*sorted(root.glob("*.py")), table]:
+        for f in sorted(root.glob("*.py")):
             h.update(f.name.encode())
-            h.update(f.read_bytes())
+            h.update(_code_of(f.read_text()).encode())
+        table = Path(self.params.cost_table) if self.params.cost_table else _cost_table_file()
+        h.update(table.name.encode())
+        h.update(table.read_bytes())
         return f"src-{h.hexdigest()[:10]}"
 
     def available(self):
