@@ -137,7 +137,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     "backend": ("", "the backend entry's label (`flashinfer@0.7.4`; a plain entry's label is its "
                 "name): the identity in keys, compare, report, figures"),
     "backend_version": ("", "version of the library imported where the entry ran (`unavailable` "
-                        "when it did not import)"),
+                        "when it did not import); for the in-repo kernels (`tilelang`) `src-` and a "
+                        "hash of their code (syntax trees without docstrings: comments do not count) "
+                        "and of the cost table that planned them"),
     "backend_name": ("", "registry name of the library (`reference`, `fla`, `flashinfer`, "
                      "`flashqla`, `tilelang`); where it is null or absent the views use `backend`"),
     "backend_params": ("", "the entry's backend parameters (YAML `params:`) that differ from the "
