@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 import traceback
 
@@ -331,6 +332,13 @@ def row_for(task: Task, backend: str) -> dict:
                     c.get("names", {}).get(backend), c.get("params_json", {}).get(backend, "{}"))
 
 
+def _log_seconds(what: str, t0: float) -> None:
+    """``--- <what>: <s> s`` on stderr (the worker's log), the device's queued work included."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"--- {what}: {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+
+
 def measure_task(sweep: Sweep, task: Task, emit) -> None:
     """Measure every backend of ``task``; ``emit(kind, payload)`` gets ("start", backend) before
     each backend and ("row", row) after it. Runs in the worker (or in-process)."""
@@ -357,17 +365,22 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
             parts: list = []  # the fields measured so far: what a backend that raised keeps
             try:
                 if x is None:
+                    t_ref = time.perf_counter()
                     x = make(p, dev, with_grads=direction != "fwd")
                     ref = reference_outputs(x, direction, sweep.reference.impl,
                                             sweep.reference.dtype)
+                    _log_seconds("the point's inputs and reference", t_ref)
                 out_bytes = (x.v.numel() * 2 + (x.h0.numel() * 4 if x.h0 is not None else 0)) \
                     * (1 if direction == "fwd" else 3)
 
                 def fresh():
+                    t_ref = time.perf_counter()
                     seed = random.SystemRandom().randrange(1, 2 ** 31)
                     x2 = fresh_inputs(p, direction, dev, seed)
-                    return x2, reference_outputs(x2, direction, sweep.reference.impl,
-                                                 sweep.reference.dtype), seed
+                    ref2 = reference_outputs(x2, direction, sweep.reference.impl,
+                                             sweep.reference.dtype)
+                    _log_seconds("fresh inputs and their reference", t_ref)
+                    return x2, ref2, seed
                 def own():
                     return make(p, dev, with_grads=direction != "fwd")
                 try:
