@@ -78,17 +78,14 @@ def _chunked_seq(q, k, v, g, beta, S, scale, chunk, store=_kept):
     rounding to bf16 emulates a bf16 kernel (tests/bf16_kernel.py).
 
     What does not depend on the state (the WY factors w, u, the gated attention tile, the decays)
-    is computed for ``TERMS_CHUNKS`` full chunks at a time (the temporaries of a whole long
-    sequence never coexist) and for the partial last one (padded with zero tokens,
-    k = v = beta = g = 0, which add nothing to it); the loop over chunks carries the state only."""
+    is computed for ``TERMS_CHUNKS`` chunks at a time (the temporaries of a whole long sequence
+    never coexist), a partial last chunk padded with zero tokens (k = v = beta = g = 0, which add
+    nothing to it); the loop over chunks carries the state only."""
     L, H = q.shape[0], q.shape[1]
-    full = L // chunk * chunk
     step = TERMS_CHUNKS * chunk
     outs = []
-    for s, e in [(s, min(s + step, full)) for s in range(0, full, step)] + [(full, L)]:
-        if e == s:
-            continue
-        steps = _chunk_terms(*(x[s:e] for x in (q, k, v, g, beta)), chunk, store)
+    for s in range(0, L, step):
+        steps = _chunk_terms(*(x[s : s + step] for x in (q, k, v, g, beta)), chunk, store)
         for u_c, w_c, qg_c, attn_c, gl_c, dec_c, kt_c in steps:
             Sk = store(S)
             v_new = store(u_c - w_c @ Sk)
@@ -99,8 +96,8 @@ def _chunked_seq(q, k, v, g, beta, S, scale, chunk, store=_kept):
 
 
 def _chunk_terms(q, k, v, g, beta, chunk, store):
-    """The state-independent terms of each chunk of q,k [L,H,K], v [L,H,V], g,beta [L,H] (one
-    partial chunk, padded, or full chunks): per chunk (u, w [H,C,*], e^g ⊙ q [H,C,K], the gated
+    """The state-independent terms of each chunk of q,k [L,H,K], v [L,H,V], g,beta [L,H] (the
+    last one padded when partial): per chunk (u, w [H,C,*], e^g ⊙ q [H,C,K], the gated
     attention tile [H,C,C], g_last [H], e^{g_last − g} [H,C,1], kᵀ [H,K,C]), unbound along the
     chunks (indexing them one by one would have autograd build a full-size gradient per chunk)."""
     L = q.shape[0]
