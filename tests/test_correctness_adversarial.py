@@ -167,9 +167,10 @@ def test_an_answer_precomputed_for_the_timed_inputs_is_incorrect(tmp_path, monke
 def test_lazy_until_its_inputs_change_is_timed_at_its_honest_cost(tmp_path, monkeypatch):
     """Lazy through the timed samples, honest from the check's first fresh set on: that set does
     not fit, the point's own inputs are timed again before the next one, and the row keeps the
-    new samples — its latency is an honest call's, not the lazy one's."""
-    honest = _rows(tmp_path / "a", monkeypatch, ReferenceBackend, seqlens=[[1024]])[0]
-    row = _rows(tmp_path / "b", monkeypatch, CB.WatchThenHonest, seqlens=[[1024]])[0]
+    new samples — its latency is an honest call's, not the lazy one's. (One sequence long enough
+    that an honest call is far above the copy's cost on a loaded host.)"""
+    honest = _rows(tmp_path / "a", monkeypatch, ReferenceBackend, seqlens=[[2048]])[0]
+    row = _rows(tmp_path / "b", monkeypatch, CB.WatchThenHonest, seqlens=[[2048]])[0]
     assert row["status"] == "ok" and "re-timed on the point's own inputs" in row["reason"], row["reason"]
     assert row["latency_ms"] > 0.3 * honest["latency_ms"], (row["latency_ms"], honest["latency_ms"])
 
