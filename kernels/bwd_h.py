@@ -8,16 +8,17 @@ cumsum, g_l its last valid value; A_β from prep):
 
     h    = bf16(Sᵀ)ᵀ                       (stored as h_all[chunk slot], [K, V])
     Xᵀ   = Sᵀ Kᵀ
-    Vdᵀ  = (−e^g ⊙ Xᵀ) A_βᵀ + Vᵀ A_βᵀ     (the V term with A = Vᵀ read transposed)
+    Vdᵀ  = (−e^g ⊙ Xᵀ) A_βᵀ + Vᵀ A_βᵀ     (the V term with A = Vᵀ read transposed, issued with Xᵀ)
     v_new = bf16(Vd)                        (stored as vnew rows of the chunk slot)
     Sᵀ ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
 Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to what two
 warpgroups hold):
 
-    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the four GEMMs, h and v_new
-            written transposed from the registers into staging tiles in shared memory (swizzled),
-            then read back in rows and stored to HBM 16 bytes per thread
+    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the four GEMMs (issued
+            asynchronously: h goes out while Sᵀ Kᵀ and Vᵀ A_βᵀ run, v_new while the state update
+            runs), h and v_new written transposed from the registers into staging tiles in shared
+            memory (swizzled), then read back in rows and stored to HBM 16 bytes per thread
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block and A_β into stage
             c % NST; warp 5: the chunk's gcs rows and the per-token tables e^g,
             mask · e^{g_l − g}, e^{g_l} into the stage (``seg_state.gate_tables_macro``); warps
@@ -70,7 +71,7 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
     RS, RP = NREG
     gate_tables = gate_tables_macro(NST)
     kva_loads = kva_loads_macro(NST, BV)
-    chain_step = chain_step_macro(BV)
+    chain_issue, chain_update = chain_step_macro(BV)
 
     @T.prim_func
     def gdn_bwd_h(
@@ -103,7 +104,8 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
 
             s_acc = T.alloc_fragment((BV, D), "float32")  # Sᵀ [V, K]
             s_bf = T.alloc_fragment((BV, D), "bfloat16")
-            x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
+            x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ
+            vd_acc = T.alloc_fragment((BV, C), "float32")  # Vdᵀ
             w_bf = T.alloc_fragment((BV, C), "bfloat16")
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
             gv = T.alloc_local((2,), "float32")
@@ -130,18 +132,21 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
                     js = ci % NST
                     pj = (ci // NST) % 2
                     r0 = (cslot + ci) * C
+                    T.barrier_wait(full[js], pj)
                     T.copy(s_acc, s_bf)
-                    for i, j in T.Parallel(BV, D):
-                        hs_sh[j, i] = s_bf[i, j]
+                    chain_issue(s_bf, x_acc, vd_acc, k_sh, v_sh, a_sh, js, True)
+                    for i, j in T.Parallel(BV, D):  # h goes out while Sᵀ Kᵀ and Vᵀ A_βᵀ run
+                        hs_sh[j, i] = T.cast(s_acc[i, j], "bfloat16")
                     for j, i in T.Parallel(D, BV):
                         h_all[hv, cslot + ci, j, v0 + i] = hs_sh[j, i]
-                    T.barrier_wait(full[js], pj)
-                    chain_step(s_acc, s_bf, x_acc, w_bf, vp_bf, k_sh, v_sh, a_sh, gt_sh, js, True, True)
-                    T.barrier_arrive(empty[js])
-                    for i, j in T.Parallel(BV, C):
+                    chain_update(s_acc, x_acc, vd_acc, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, True, True)
+                    for i, j in T.Parallel(BV, C):  # v_new goes out while the state update runs
                         vs_sh[j, i] = w_bf[i, j]
                     for j, i in T.Parallel(C, BV):
                         vnew[hv, r0 + j, v0 + i] = vs_sh[j, i]
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(s_acc, num_regs=BV * D // 128)
+                    T.barrier_arrive(empty[js])
             else:
                 T.set_max_nreg(RP, 0)
                 if tx < 160:  # warp 4: TMA loads (one elected lane issues them)

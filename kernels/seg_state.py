@@ -121,32 +121,48 @@ def kva_loads_macro(nst: int, bv: int):
 
 def chain_step_macro(bv: int):
     """One chunk of the state recurrence on the ``bv`` columns of Sᵀ in one warpgroup's registers
-    (seg_state, bwd_h), stage ``js`` loaded: Xᵀ = bf16(Sᵀ) Kᵀ; Vdᵀ = bf16(−e^g ⊙ Xᵀ) A_βᵀ (+ Vᵀ A_βᵀ
-    when ``with_v``); Sᵀ ← e^{g_l} Sᵀ + bf16(mask · e^{g_l − g} ⊙ Vd)ᵀ K. ``s_bf`` must hold
-    bf16(Sᵀ); with ``keep_vd`` (a Python bool) bf16(Vdᵀ) is left in ``w_bf``."""
+    (seg_state, bwd_h), stage ``js`` loaded, as two macros whose GEMMs are issued asynchronously:
+    ``chain_issue`` issues Xᵀ = bf16(Sᵀ) Kᵀ (``s_bf`` must hold bf16(Sᵀ)) and, when ``with_v``,
+    Vᵀ A_βᵀ into ``vd_acc``; ``chain_update`` waits for them, then Vdᵀ = bf16(−e^g ⊙ Xᵀ) A_βᵀ (+ the
+    V term) and issues Sᵀ ← e^{g_l} Sᵀ + bf16(mask · e^{g_l − g} ⊙ Vd)ᵀ K, which the caller waits
+    for (``T.wait_wgmma(0)`` and a fence of ``s_acc``) before it reads Sᵀ or frees the stage. With
+    ``keep_vd`` (a Python bool) bf16(Vdᵀ) is left in ``w_bf``. Between the two the caller may work
+    on what the GEMMs do not write (a store of h from ``s_acc``)."""
     import tilelang.language as T
 
     C = CHUNK
     FR = T.GemmWarpPolicy.FullRow
 
     @T.macro
-    def chain_step(s_acc, s_bf, x_acc, w_bf, vp_bf, k_sh, v_sh, a_sh, gt_sh, js, with_v, keep_vd):
-        T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+    def chain_issue(s_bf, x_acc, vd_acc, k_sh, v_sh, a_sh, js, with_v):
+        T.wgmma_gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+        if with_v:
+            T.wgmma_gemm(v_sh[js, :, :], a_sh[js, :, :], vd_acc, transpose_A=True, transpose_B=True, clear_accum=True,
+                         policy=FR)  # fmt: skip
+
+    @T.macro
+    def chain_update(s_acc, x_acc, vd_acc, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, with_v, keep_vd):
+        if with_v:
+            T.wait_wgmma(1)
+        else:
+            T.wait_wgmma(0)
+            T.clear(vd_acc)
+        T.warpgroup_fence_operand(x_acc, num_regs=bv * C // 128)
         for i, j in T.Parallel(bv, C):
             w_bf[i, j] = T.cast(-gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
-        T.gemm(w_bf, a_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-        if with_v:
-            T.gemm(v_sh[js, :, :], a_sh[js, :, :], x_acc, transpose_A=True, transpose_B=True, policy=FR)
+        T.wgmma_gemm(w_bf, a_sh[js, :, :], vd_acc, transpose_B=True, policy=FR)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(vd_acc, num_regs=bv * C // 128)
         for i, j in T.Parallel(bv, C):
             if keep_vd:
-                w_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
-            vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * x_acc[i, j], "bfloat16")
+                w_bf[i, j] = T.cast(vd_acc[i, j], "bfloat16")
+            vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * vd_acc[i, j], "bfloat16")
         egl = gt_sh[js, 2, 0]
         for i, j in T.Parallel(bv, HEAD_DIM):
             s_acc[i, j] = s_acc[i, j] * egl
-        T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+        T.wgmma_gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
 
-    return chain_step
+    return chain_issue, chain_update
 
 
 def seg_state_program(h_qk: int, h_v: int):
@@ -163,7 +179,7 @@ def seg_state_program(h_qk: int, h_v: int):
     RS, RP = NREG
     gate_tables = gate_tables_macro(NST)
     kva_loads = kva_loads_macro(NST, BV)
-    chain_step = chain_step_macro(BV)
+    chain_issue, chain_update = chain_step_macro(BV)
 
     @T.prim_func
     def gdn_seg_state(
@@ -203,7 +219,8 @@ def seg_state_program(h_qk: int, h_v: int):
 
             s_acc = T.alloc_fragment((BV, D), "float32")  # Sᵀ [columns, K]
             s_bf = T.alloc_fragment((BV, D), "bfloat16")
-            x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
+            x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ
+            vd_acc = T.alloc_fragment((BV, C), "float32")  # Vdᵀ
             w_bf = T.alloc_fragment((BV, C), "bfloat16")
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
             gv = T.alloc_local((2,), "float32")
@@ -230,7 +247,10 @@ def seg_state_program(h_qk: int, h_v: int):
                     pj = (ci // NST) % 2
                     T.barrier_wait(full[js], pj)
                     T.copy(s_acc, s_bf)
-                    chain_step(s_acc, s_bf, x_acc, w_bf, vp_bf, k_sh, v_sh, a_sh, gt_sh, js, c0 < D, False)
+                    chain_issue(s_bf, x_acc, vd_acc, k_sh, v_sh, a_sh, js, c0 < D)
+                    chain_update(s_acc, x_acc, vd_acc, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, c0 < D, False)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(s_acc, num_regs=BV * D // 128)
                     T.barrier_arrive(empty[js])
                 if works:
                     if c0 < D:
