@@ -27,21 +27,25 @@ accumulator cast to bf16, or dO read transposed from shared memory, scaled and c
     dHᵀ     ← e^{g_l} dHᵀ + bf16(scale eg ⊙ dO)ᵀ Q + bf16(−eg ⊙ Y)ᵀ K
 
 and dh and dv_new go to HBM through staging tiles in shared memory (written transposed from the
-registers, swizzled; read back in rows and stored 16 bytes per thread).
+registers, swizzled), each stored by warp 10's TMA: the state writes no global memory in its walk,
+so the proxy fences before its GEMMs (a ``MEMBAR`` each) wait for no global store.
 
 Roles (the launch gives each thread ``NREG_LAUNCH`` registers; the state's .inc is what the
 producer's .dec releases):
 
-    WG0-1 (tx   0..255, setmaxnreg ``NREG[0]`` .inc)  dHᵀ, the six GEMMs, dh and dv_new stores
+    WG0-1 (tx   0..255, setmaxnreg ``NREG[0]`` .inc)  dHᵀ, the six GEMMs, dh and dv_new staged
     WG0-1 also build Pᵀ and W' (K Qᵀ split by columns, W'ᵀ by rows between them)
     WG2   (tx 256..383, ``NREG[1]`` .dec)  warp 8: TMA loads of Q, K, dO and A_β of step r (chunk
             nchunks − 1 − r) into stage r % NST; warp 9: the chunk's gcs rows and the per-token
             tables e^g, mask · e^{g_l − g}, e^{g_l} and g into the stage
-            (``seg_state.gate_tables_macro``); warps 10-11 exit
+            (``seg_state.gate_tables_macro``); warp 10: dh and dv_new of each step from their
+            staging tiles to HBM by TMA stores (not in pass 1 of a split); warp 11 exits
 
 mbarriers: full[js] (64: warps 8 and 9 + TMA tx bytes; the state waits parity (r // NST) % 2),
 empty[js] (256: the state, done with stage js; the producers wait the other parity, which passes
-at once on a fresh barrier).
+at once on a fresh barrier); dh_staged / dv_staged (256: the state, its tile written and fenced;
+warp 10 waits parity r % 2) and dh_free / dv_free (32: warp 10, once its TMA store has read the
+tile; the state waits the other parity before writing it again).
 
 Split modes: "" walks whole sequences (dht by sequence, dh0 by sequence); "seg" (pass 1 over a split
 stab) walks every segment but the first of its sequence from dH_end = 0 (the last one from d(final
@@ -185,6 +189,11 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
 
             full = T.alloc_barrier([64] * NST)
             empty = T.alloc_barrier([256] * NST)
+            # dh's and dv_new's staging tiles: staged by the state (256), stored (warp 10's TMA) and free again (32)
+            dh_staged = T.alloc_barrier([256])
+            dh_free = T.alloc_barrier([32])
+            dv_staged = T.alloc_barrier([256])
+            dv_free = T.alloc_barrier([32])
 
             bos = stab[s, 0]
             eos = stab[s, 1]
@@ -218,10 +227,11 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
                     T.wgmma_gemm(x_bf, a_sh[js, :, :], y_acc, clear_accum=True, policy=FR)
                     T.copy(dh_acc, dh_bf)  # dh goes out while K Qᵀ and W'ᵀ run
                     if split != "seg":
+                        T.barrier_wait(dh_free[0], 1 - cr % 2)
                         for i, j in T.Parallel(D, D):
                             dhs_sh[j, i] = dh_bf[i, j]
-                        for j, i in T.Parallel(D, D):
-                            dh_all[hv, cslot + ci, j, i] = dhs_sh[j, i]
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dh_staged[0])
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(kq_acc, num_regs=C * C // 256)
                     for j, i in T.Parallel(C, C):
@@ -245,10 +255,11 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
                         x_bf[i, j] = T.cast(T.if_then_else(j < ln, -gt_sh[js, 0, j], T.float32(0)) * y_acc[i, j], "bfloat16")
                     if split != "seg":
                         T.gemm(dh_bf, k_sh[js, :, :], y_acc, transpose_B=True, clear_accum=True, policy=FR)
+                        T.barrier_wait(dv_free[0], 1 - cr % 2)
                         for i, j in T.Parallel(D, C):
                             dvs_sh[j, i] = T.cast(pdo_acc[i, j] + gt_sh[js, 1, j] * y_acc[i, j], "bfloat16")
-                        for j, i in T.Parallel(C, D):
-                            dvnew[hv, r0 + j, i] = dvs_sh[j, i]
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dv_staged[0])
                     for i, j in T.Parallel(D, C):
                         qdo_bf[i, j] = T.cast(
                             T.if_then_else(j < ln, scale * gt_sh[js, 0, j], T.float32(0))
@@ -283,6 +294,17 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
                         T.barrier_arrive(full[js])
                 elif tx < 320:
                     gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 288)
+                elif tx < 352:
+                    if split != "seg":
+                        # warp 10: dh and dv_new of each step from their staging tiles, by TMA
+                        for cr in T.serial(nchunks):
+                            ci = nchunks - 1 - cr
+                            T.barrier_wait(dh_staged[0], cr % 2)
+                            T.copy(dhs_sh, dh_all[hv, cslot + ci, 0:D, 0:D])
+                            T.barrier_arrive(dh_free[0])
+                            T.barrier_wait(dv_staged[0], cr % 2)
+                            T.copy(dvs_sh, dvnew[hv, (cslot + ci) * C : (cslot + ci) * C + C, 0:D])
+                            T.barrier_arrive(dv_free[0])
 
     return gdn_bwd_dhu
 

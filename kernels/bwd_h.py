@@ -16,17 +16,19 @@ Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to
 warpgroups hold):
 
     WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the four GEMMs (issued
-            asynchronously: h goes out while Sᵀ Kᵀ and Vᵀ A_βᵀ run, v_new while the state update
+            asynchronously: h is staged while Sᵀ Kᵀ and Vᵀ A_βᵀ run, v_new while the state update
             runs), h and v_new written transposed from the registers into staging tiles in shared
-            memory (swizzled), then read back in rows and stored to HBM 16 bytes per thread
+            memory (swizzled)
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block and A_β into stage
             c % NST; warp 5: the chunk's gcs rows and the per-token tables e^g,
-            mask · e^{g_l − g}, e^{g_l} into the stage (``seg_state.gate_tables_macro``); warps
-            6-7 exit
+            mask · e^{g_l − g}, e^{g_l} into the stage (``seg_state.gate_tables_macro``); warp 6:
+            h and v_new of each chunk from their staging tiles to HBM by TMA stores; warp 7 exits
 
 mbarriers: full[js] (64: warps 4 and 5 + TMA tx bytes; the state waits parity (c // NST) % 2),
 empty[js] (128: the state, done with stage js; the producers wait the other parity, which passes
-at once on a fresh barrier).
+at once on a fresh barrier); h_staged / v_staged (128: the state, its tile written and fenced;
+warp 6 waits parity c % 2) and h_free / v_free (32: warp 6, once its TMA store has read the
+tile; the state waits the other parity before writing it again).
 
 Rows past a sequence's end: k and v are loaded unmasked (TMA zero-fills past T; rows of the next
 sequence are finite) and meet only zero columns of A_β (prep), so Vd rows there are 0; the rows
@@ -97,7 +99,7 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
             # gt_sh[js, 0..2, i]: e^g, mask · e^{g_l − g}, e^{g_l} (in every column)
             gt_sh = T.alloc_shared((NST, 3, C), "float32", scope="shared")
             # h [K, V block] and v_new [C, V block] of the chunk on their way out: written from the
-            # registers (transposed), read back in rows for 16-byte global stores
+            # registers (transposed), stored by warp 6's TMA
             hs_sh = T.alloc_shared((D, BV), "bfloat16")
             vs_sh = T.alloc_shared((C, BV), "bfloat16")
             T.annotate_layout({hs_sh: make_swizzled_layout(hs_sh), vs_sh: make_swizzled_layout(vs_sh)})
@@ -112,6 +114,11 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
 
             full = T.alloc_barrier([64] * NST)
             empty = T.alloc_barrier([128] * NST)
+            # h's and v_new's staging tiles: staged by the state (128), stored (warp 6's TMA) and free again (32)
+            h_staged = T.alloc_barrier([128])
+            h_free = T.alloc_barrier([32])
+            v_staged = T.alloc_barrier([128])
+            v_free = T.alloc_barrier([32])
 
             bos = stab[s, 0]
             eos = stab[s, 1]
@@ -131,19 +138,20 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
                 for ci in T.serial(nchunks):
                     js = ci % NST
                     pj = (ci // NST) % 2
-                    r0 = (cslot + ci) * C
                     T.barrier_wait(full[js], pj)
                     T.copy(s_acc, s_bf)
                     chain_issue(s_bf, x_acc, vd_acc, k_sh, v_sh, a_sh, js, True)
-                    for i, j in T.Parallel(BV, D):  # h goes out while Sᵀ Kᵀ and Vᵀ A_βᵀ run
+                    T.barrier_wait(h_free[0], 1 - ci % 2)
+                    for i, j in T.Parallel(BV, D):  # h staged while Sᵀ Kᵀ and Vᵀ A_βᵀ run
                         hs_sh[j, i] = T.cast(s_acc[i, j], "bfloat16")
-                    for j, i in T.Parallel(D, BV):
-                        h_all[hv, cslot + ci, j, v0 + i] = hs_sh[j, i]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(h_staged[0])
                     chain_update(s_acc, x_acc, vd_acc, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, True, True)
-                    for i, j in T.Parallel(BV, C):  # v_new goes out while the state update runs
+                    T.barrier_wait(v_free[0], 1 - ci % 2)
+                    for i, j in T.Parallel(BV, C):  # v_new staged while the state update runs
                         vs_sh[j, i] = w_bf[i, j]
-                    for j, i in T.Parallel(C, BV):
-                        vnew[hv, r0 + j, v0 + i] = vs_sh[j, i]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(v_staged[0])
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(s_acc, num_regs=BV * D // 128)
                     T.barrier_arrive(empty[js])
@@ -153,6 +161,14 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
                     kva_loads(k, v, a_beta, k_sh, v_sh, a_sh, empty, full, hk, hv, v0, bos, cslot, nchunks, True)
                 elif tx < 192:
                     gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
+                elif tx < 224:  # warp 6: h and v_new of each chunk from their staging tiles, by TMA
+                    for ci in T.serial(nchunks):
+                        T.barrier_wait(h_staged[0], ci % 2)
+                        T.copy(hs_sh, h_all[hv, cslot + ci, 0:D, v0 : v0 + BV])
+                        T.barrier_arrive(h_free[0])
+                        T.barrier_wait(v_staged[0], ci % 2)
+                        T.copy(vs_sh, vnew[hv, (cslot + ci) * C : (cslot + ci) * C + C, v0 : v0 + BV])
+                        T.barrier_arrive(v_free[0])
 
     return gdn_bwd_h
 
