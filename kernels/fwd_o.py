@@ -18,16 +18,20 @@ Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to
 warpgroups hold):
 
     WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the five GEMMs and the V term; o
-            staged in the stage's P buffer after the last GEMM, its valid rows by 16-byte stores
+            staged in the stage's P buffer after the last GEMM (it writes no global memory in its
+            walk, so the proxy fences before its GEMMs wait for no store)
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block, A_β and P into stage
             c % NST, and of Q into its one buffer once the state is done with the previous Q;
             warp 5: the chunk's gcs rows and the per-token tables e^g, mask · e^{g_l − g},
-            e^{g_l} into the stage; warps 6-7 exit
+            e^{g_l} into the stage; warp 6: o from the stage's P buffer to HBM (a TMA store
+            when the chunk is full, else its valid rows), then frees the stage; warp 7 exits
 
 mbarriers (c = chunk; "free" waits use the other parity, which passes at once on a fresh barrier):
 
     full[js]  count 64  warps 4 and 5 (+ TMA tx bytes)   the state waits (c // NST) % 2
-    empty[js] count 128 the state, done with stage js    the producers wait 1 − (c // NST) % 2
+    empty[js] count 160 the state, done with stage js,   the producers wait 1 − (c // NST) % 2
+                        and warp 6, once o is out of it
+    o_staged[js] count 128 the state, o staged (fenced)   warp 6 waits (c // NST) % 2
     q_full    count 32  warp 4 (+ tx bytes)               the state waits c % 2
     q_empty   count 128 the state after its Q GEMM        warp 4 waits 1 − c % 2
 
@@ -119,7 +123,8 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             gv = T.alloc_local((2,), "float32")
 
             full = T.alloc_barrier([64] * NST)
-            empty = T.alloc_barrier([128] * NST)
+            empty = T.alloc_barrier([160] * NST)  # the state and warp 6 (o stored from the stage's P buffer)
+            o_staged = T.alloc_barrier([128] * NST)
             q_full = T.alloc_barrier([32])
             q_empty = T.alloc_barrier([128])
 
@@ -142,8 +147,6 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                 for ci in T.serial(nchunks):
                     js = ci % NST
                     pj = (ci // NST) % 2
-                    t0 = bos + ci * C
-                    ln = T.min(eos - t0, C)
                     T.barrier_wait(full[js], pj)
                     T.barrier_wait(q_full[0], ci % 2)
                     T.copy(s_acc, s_bf)
@@ -165,10 +168,8 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.gemm(vd_bf, pp_sh[js, :, :], o_acc, transpose_B=True, policy=FR)
                     for i, j in T.Parallel(BV, C):  # o through the P buffer (BV = C), read for the last time above
                         pp_sh[js, j, i] = T.cast(o_acc[i, j], "bfloat16")
-                    for j, i in T.Parallel(C, BV):  # its valid rows by 16-byte stores
-                        if j < ln:
-                            o[0, t0 + j, hv, v0 + i] = pp_sh[js, j, i]
-                    T.fence_proxy_async()  # the stage's next TMA load (async proxy) overwrites what these touched
+                    T.fence_proxy_async()  # warp 6's TMA store (async proxy) reads it
+                    T.barrier_arrive(o_staged[js])
                     T.barrier_arrive(empty[js])
                 if has_ht:
                     if is_last == 1:
@@ -194,6 +195,22 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         T.barrier_arrive(q_full[0])
                 elif tx < 192:
                     gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
+                elif tx < 224:
+                    # warp 6: o of each chunk from the stage's P buffer (a TMA store when the chunk is
+                    # full, else its valid rows: the next rows are another sequence's), then frees the stage
+                    for ci in T.serial(nchunks):
+                        js = ci % NST
+                        t0 = bos + ci * C
+                        ln = T.min(eos - t0, C)
+                        T.barrier_wait(o_staged[js], (ci // NST) % 2)
+                        if ln == C:
+                            T.copy(pp_sh[js, :, :], o[0, t0 : t0 + C, hv, v0 : v0 + BV])
+                        else:
+                            for j, i in T.Parallel(C, BV):
+                                if j < ln:
+                                    o[0, t0 + j, hv, v0 + i] = pp_sh[js, j, i]
+                            T.fence_proxy_async()  # the stage's next TMA load overwrites what these read
+                        T.barrier_arrive(empty[js])
 
     return gdn_fwd_o
 
