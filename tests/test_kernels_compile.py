@@ -160,14 +160,14 @@ def test_seg_state_keeps_its_state_in_registers(sources):
 def test_bwd_h_keeps_its_state_in_registers(sources):
     """bwd_h's state warpgroup runs seg_state's chain (Sᵀ Kᵀ, the gated −e^g ⊙ X times A_βᵀ, the state
     update with A from registers; the V term by descriptor); h and v_new leave through a staging
-    tile in shared memory as 16-byte stores (no 2-byte scattered stores to HBM); two CTAs per SM at
-    128 registers, the producer's .dec paying for the state's .inc."""
+    tile in shared memory by TMA stores (warp 6): the state stores nothing to HBM itself; two CTAs
+    per SM at 128 registers, the producer's .dec paying for the state's .inc."""
     src, m = sources["bwd_h"], _mod("bwd_h")
     assert f"__launch_bounds__(256, {m.MIN_BLOCKS})" in src and m.NREG_LAUNCH * 256 * m.MIN_BLOCKS == 65536
     assert src.count("wgmma_rs<") == 3 and src.count("wgmma_ss<") == 1
     assert "stmatrix" not in src
     for buf in ("h_all", "vnew"):
-        assert f"*(uint4*)({buf} + " in src and f"{buf}[" not in src, buf
+        assert f"tma_store({buf}_desc" in src and f"{buf}[" not in src and f"({buf} + " not in src, buf
 
 
 def test_register_budgets_fit_the_file():
@@ -179,17 +179,20 @@ def test_bwd_dhu_keeps_its_gradient_in_registers(sources):
     """bwd_dhu's two state warpgroups take the A operand of every GEMM but K Qᵀ and (Pᵀ dO)ᵀ from
     registers (W'ᵀ, Y₀, W' dH, K dH, the dO and Y terms of the update; pass 1 has no K dH); Pᵀ and W'
     stay in shared memory (no global pt / w); dh and dv_new leave
-    through a staging tile in shared memory as 16-byte stores, except in pass 1 (F only: no dh,
-    dv_new writes); the persistent kernels' outputs leave through TMA stores."""
+    through a staging tile in shared memory by TMA stores (warp 10; the state stores nothing to HBM
+    in its walk), except in pass 1 (F only: no dh, dv_new writes); the persistent kernels' outputs
+    leave through TMA stores."""
     for name, rs in (("bwd_dhu", 6), ("bwd_dhu_carry", 6), ("bwd_dhu_seg", 5)):
         src = sources[name]
         assert src.count("wgmma_rs<") == rs and src.count("wgmma_ss<") == 2, name
         assert "pt_sh" in src and "w_sh" in src and " pt[" not in src and "(pt + " not in src, name
-        assert "stmatrix" not in src and "tma_store" not in src, name
+        assert "stmatrix" not in src, name
     for name in ("bwd_dhu", "bwd_dhu_carry"):
         for buf in ("dh_all", "dvnew"):
-            assert f"*(uint4*)({buf} + " in sources[name] and f"{buf}[" not in sources[name], (name, buf)
+            src = sources[name]
+            assert f"tma_store({buf}_desc" in src and f"{buf}[" not in src and f"({buf} + " not in src, (name, buf)
     seg = sources["bwd_dhu_seg"]
+    assert "tma_store" not in seg
     for buf in ("dh_all", "dvnew"):
         assert f"{buf}[" not in seg and f"({buf} + " not in seg, buf
     assert "tma_store" in sources["bwd_dqkwg"] and "tma_store" in sources["bwd_wy"]
