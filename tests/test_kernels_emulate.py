@@ -131,14 +131,16 @@ def test_fwd_o_ws_barrier_protocol():
     random skewed interleavings; dropping a needed wait is caught."""
     wsp = ws_protocol
     assert wsp.check(seeds=100)
-    for role, bar in [("state", "full"), ("state", "q_full"), ("prod", "empty"), ("prod", "q_empty"), ("tab", "empty")]:
+    waits = [("state", "full"), ("state", "q_full"), ("prod", "empty"), ("prod", "q_empty"), ("tab", "empty"),
+             ("st", "o_staged")]  # fmt: skip
+    for role, bar in waits:
         with pytest.raises(AssertionError):
             wsp.check(seeds=100, mutate=wsp.drop_ops(role, lambda op, b=bar: op[0] == "wait" and op[1] == b))
 
-    def arrive_before_o(progs):  # the stage freed before o is staged in its P buffer and read back
-        ops = progs["state"]
+    def arrive_before_o(progs):  # the store warp frees the stage before it has read o out of it
+        ops = progs["st"]
         for i in [i for i, op in enumerate(ops) if op[:2] == ("arrive", "empty")]:
-            ops[i - 2 : i + 1] = [ops[i], *ops[i - 2 : i]]
+            ops[i - 1 : i + 1] = [ops[i], ops[i - 1]]
 
     with pytest.raises(AssertionError):
         wsp.check(seeds=100, mutate=arrive_before_o)
@@ -169,26 +171,24 @@ def test_fwd_fused_barrier_protocol():
     src = open(fused.__file__).read()
     assert fused.NST == fp.NST and all(f"{b} = T.alloc_barrier([{n}" in src for b, n in fp.COUNTS.items())
     assert fp.check(seeds=100)
-    assert len(fp.waits()) == 11
+    assert len(fp.waits()) == 12
     for role, bar in fp.waits():
         if role in ("wg0", "wg1") and bar == "full":
             assert fp.check(seeds=30, mutate=fp.drop_wait(role, bar))
         else:
             with pytest.raises(AssertionError):
                 fp.check(seeds=100, mutate=fp.drop_wait(role, bar))
-    # either of the two o syncs alone (the first: o overwrites the Q the other warpgroup still reads;
-    # the second: the row stores read the other half before it is written), and the arrive on empty
-    # before the read-back (the next Q load lands on the staged o)
+    # the o sync of even or odd chunks alone (o overwrites the Q the other warpgroup still reads),
+    # and warp 14's arrive on empty before its read of o (the next Q load lands on the staged o)
     for parity in (0, 1):
         with pytest.raises(AssertionError):
             fp.check(seeds=100, mutate=fp.drop_wait("wg0", "o_sync", parity))
 
     def empty_first(progs):
-        for wg in ("wg0", "wg1"):
-            ops = progs[wg]
-            for i in [i for i, op in enumerate(ops) if op[:2] == ("arrive", "empty")]:
-                j = max(k for k in range(i) if ops[k][:2] == ("arrive", "o_sync"))
-                ops.insert(j, ops.pop(i))
+        ops = progs["w14"]
+        for i in [i for i, op in enumerate(ops) if op[:2] == ("arrive", "empty")]:
+            j = max(k for k in range(i) if ops[k][:2] == ("wait", "o_staged"))
+            ops.insert(j + 1, ops.pop(i))
 
     with pytest.raises(AssertionError):
         fp.check(seeds=100, mutate=empty_first)

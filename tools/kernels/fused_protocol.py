@@ -1,13 +1,13 @@
 """CPU model of fwd_fused.py's mbarrier protocol (no GPU): random interleavings of its roles.
 
 Actors, with the threads each one arrives with: the state warpgroups wg0 and wg1 (128 each), aux
-(WG2, 128), and the producer warps of WG3: warp 12 split into its elected lane w12e (1: expect_tx
-and the TMA loads of Q, K, V) and its other lanes w12 (31), and warp 13 (32: the gate tables gt).
+(WG2, 128), and the warps of WG3: warp 12 split into its elected lane w12e (1: expect_tx and the
+TMA loads of Q, K, V) and its other lanes w12 (31), warp 13 (32: the gate tables gt) and warp 14
+(32: o's store from q's slot, once both halves are staged).
 Each actor runs the kernel's sequence of waits / arrives / buffer reads and writes; the barriers
 have the kernel's counts, in threads (``COUNTS``), and ``ws_protocol.Bar``'s PTX parity semantics;
-the state warpgroups' two named-barrier syncs around o's staging in q_sh (inserted by TileLang:
-before the writes, which overwrite the Q both warpgroups' O GEMMs read, and before the row stores
-read both halves back) are a barrier of 256 threads with a phase each (``NAMED``).
+the state warpgroups' named-barrier sync before o's staging in q_sh (inserted by TileLang: the
+writes overwrite the Q both warpgroups' O GEMMs read) is a barrier of 256 threads (``NAMED``).
 Each TMA load (three per chunk) lands at a random later time; role speeds are skewed up to 250x.
 
 Checked on every interleaving: no deadlock; every parity wait passes exactly at its intended phase
@@ -21,10 +21,10 @@ import random
 
 from qlabench_tools.kernels.ws_protocol import Bar, run_programs
 
-COUNTS = {"full": 64, "empty": 384, "t_ready": 128, "t_free": 256}
+COUNTS = {"full": 64, "empty": 416, "t_ready": 128, "t_free": 256, "o_staged": 256}
 NAMED = {"o_sync": 256}
 NST = 3  # input stages; the aux -> state ring has 2
-THREADS = {"wg0": 128, "wg1": 128, "aux": 128, "w12e": 1, "w12": 31, "w13": 32}
+THREADS = {"wg0": 128, "wg1": 128, "aux": 128, "w12e": 1, "w12": 31, "w13": 32, "w14": 32}
 
 
 def programs(nchunks):
@@ -38,12 +38,13 @@ def programs(nchunks):
         # state: X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vd = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vd P, the mask / e^{g_l} gates, S += Vd' K
         state = [full, ("wait", "t_ready", jt, pt, c // 2 + 1)]
         state += [("read", b, slot.get(b, js), c) for b in ("k", "q", "v", "gt", "ta", "gt", "pp", "gt", "k")]
-        state += [("arrive", "t_free", jt), ("arrive", "o_sync", 0), ("wait", "o_sync", 0, 0, 2 * c + 1)]
+        state += [("arrive", "t_free", jt), ("arrive", "o_sync", 0), ("wait", "o_sync", 0, c % 2, c + 1)]
         for h, wg in enumerate(("wg0", "wg1")):
-            # its half of o into q's slot js (q no longer holds chunk c's Q), then both halves read back
-            o = [("write", "q", js, ("o", c)), ("write", f"o{h}", js, ("o", c)), ("arrive", "o_sync", 0),
-                 ("wait", "o_sync", 0, 1, 2 * c + 2), ("read", "o0", js, ("o", c)), ("read", "o1", js, ("o", c))]
+            # its half of o into q's slot js (q no longer holds chunk c's Q), staged for warp 14
+            o = [("write", "q", js, ("o", c)), ("write", f"o{h}", js, ("o", c)), ("arrive", "o_staged", js)]
             p[wg] += state + o + [("arrive", "empty", js)]
+        p["w14"] += [("wait", "o_staged", js, pj, c // NST + 1), ("read", "o0", js, ("o", c)),
+                     ("read", "o1", js, ("o", c)), ("arrive", "empty", js)]
         p["aux"] += [full, ("read", "k", js, c), ("read", "gt", js, c), ("wait", "t_free", jt, 1 - pt, c // 2),
                      ("read", "q", js, c), ("read", "k", js, c), ("read", "gt", js, c), ("write", "pp", jt, c),
                      ("read", "gt", js, c), ("write", "ta", jt, c), ("arrive", "t_ready", jt), ("arrive", "empty", js)]  # fmt: skip
@@ -57,7 +58,7 @@ def programs(nchunks):
 def simulate(nchunks, seed, mutate=None):
     rng = random.Random(seed)
     speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in (*THREADS, "tma")}
-    bars = {name: [Bar(n) for _ in range(NST if name in ("full", "empty") else 2)] for name, n in COUNTS.items()}
+    bars = {name: [Bar(n) for _ in range(NST if name in ("full", "empty", "o_staged") else 2)] for name, n in COUNTS.items()}
     bars.update({name: [Bar(n)] for name, n in NAMED.items()})
     progs = programs(nchunks)
     if mutate is not None:

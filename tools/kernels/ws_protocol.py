@@ -1,8 +1,9 @@
 """CPU model of fwd_o.py's mbarrier protocol (no GPU): random interleavings of its three roles.
 
-The state warpgroup and the producer warps 4 (TMA) and 5 (tables) are one actor each, executing
-the same sequence of waits / arrives / buffer reads and writes as the kernel (an actor's arrive =
-its threads' arrivals, so barrier counts are in actors: full 2, the others 1). mbarriers follow PTX semantics: a phase completes when its
+The state warpgroup, the producer warps 4 (TMA) and 5 (tables) and the store warp 6 (o out of the
+stage's P buffer) are one actor each, executing the same sequence of waits / arrives / buffer reads
+and writes as the kernel (an actor's arrive = its threads' arrivals, so barrier counts are in
+actors: full 2, empty 2, the others 1). mbarriers follow PTX semantics: a phase completes when its
 pending count reaches 0 and its transaction bytes have landed; ``wait(P)`` passes iff the current
 (incomplete) phase's parity differs from P. TMA writes land at a random later time.
 Each run draws a random speed per role (50x skews), so one role lagging far behind is exercised.
@@ -36,28 +37,31 @@ class Bar:
 def programs(nchunks):
     """Per role: list of ops. ("wait", bar, idx, parity, intended_done) / ("arrive", bar, idx) /
     ("read", buf, slot, chunk) / ("write", buf, slot, chunk) / ("tma", bar, idx, bufs, chunk)."""
-    state, prod, tab = [], [], []
+    state, prod, tab, st = [], [], [], []
     for c in range(nchunks):
         j, n = c % 2, c // 2
         # WG0: the state, the Q GEMM first (then Q's one buffer is free), the rest of the chunk
         state += [("wait", "full", j, n % 2, n + 1), ("wait", "q_full", 0, c % 2, c + 1),
                   ("read", "q", 0, c), ("arrive", "q_empty", 0),
                   ("read", "k", j, c), ("read", "g", j, c), ("read", "a", j, c), ("read", "v", j, c),
-                  ("read", "p", j, c), ("write", "p", j, ("o", c)), ("read", "p", j, ("o", c)),  # o staged in P's buffer
-                  ("arrive", "empty", j)]  # fmt: skip
+                  ("read", "p", j, c), ("write", "p", j, ("o", c)),  # o staged in P's buffer
+                  ("arrive", "o_staged", j), ("arrive", "empty", j)]  # fmt: skip
+        # warp 6: o out of the stage's P buffer, then its share of freeing the stage
+        st += [("wait", "o_staged", j, n % 2, n + 1), ("read", "p", j, ("o", c)), ("arrive", "empty", j)]
         # warp 4: the stage's TMA loads, then Q's once the state is done with the previous Q
         prod += [("wait", "empty", j, 1 - n % 2, n), ("tma", "full", j, ("k", "v", "a", "p"), c), ("arrive", "full", j),
                  ("wait", "q_empty", 0, 1 - c % 2, c), ("tma", "q_full", 0, ("q",), c), ("arrive", "q_full", 0)]  # fmt: skip
         # warp 5: the per-token tables into the stage
         tab += [("wait", "empty", j, 1 - n % 2, n), ("write", "g", j, c), ("arrive", "full", j)]
-    return {"state": state, "prod": prod, "tab": tab}
+    return {"state": state, "prod": prod, "tab": tab, "st": st}
 
 
 def simulate(nchunks, seed, mutate=None):
     """One random interleaving; ``mutate(progs)`` may edit the programs (to test that bugs are caught)."""
     rng = random.Random(seed)
-    speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in ("state", "prod", "tab", "tma")}  # skewed roles
-    bars = {"full": [Bar(2), Bar(2)], "empty": [Bar(1), Bar(1)], "q_full": [Bar(1)], "q_empty": [Bar(1)]}
+    speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in ("state", "prod", "tab", "st", "tma")}  # skewed roles
+    bars = {"full": [Bar(2), Bar(2)], "empty": [Bar(2), Bar(2)], "o_staged": [Bar(1), Bar(1)], "q_full": [Bar(1)],
+            "q_empty": [Bar(1)]}  # fmt: skip
     bufs = {}  # (buf, slot) -> chunk whose data it holds
     progs = programs(nchunks)
     if mutate is not None:
