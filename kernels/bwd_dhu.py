@@ -43,9 +43,8 @@ producer's .dec releases):
 
 mbarriers: full[js] (64: warps 8 and 9 + TMA tx bytes; the state waits parity (r // NST) % 2),
 empty[js] (256: the state, done with stage js; the producers wait the other parity, which passes
-at once on a fresh barrier); dh_staged / dv_staged (256: the state, its tile written and fenced;
-warp 10 waits parity r % 2) and dh_free / dv_free (32: warp 10, once its TMA store has read the
-tile; the state waits the other parity before writing it again).
+at once on a fresh barrier); dh_staged / dv_staged (256: the state, tile written and fenced; warp 10
+waits r % 2), dh_free / dv_free (32: warp 10, its TMA store has read the tile; the state waits 1 − r % 2).
 
 Split modes: "" walks whole sequences (dht by sequence, dh0 by sequence); "seg" (pass 1 over a split
 stab) walks every segment but the first of its sequence from dH_end = 0 (the last one from d(final

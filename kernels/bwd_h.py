@@ -26,9 +26,8 @@ warpgroups hold):
 
 mbarriers: full[js] (64: warps 4 and 5 + TMA tx bytes; the state waits parity (c // NST) % 2),
 empty[js] (128: the state, done with stage js; the producers wait the other parity, which passes
-at once on a fresh barrier); h_staged / v_staged (128: the state, its tile written and fenced;
-warp 6 waits parity c % 2) and h_free / v_free (32: warp 6, once its TMA store has read the
-tile; the state waits the other parity before writing it again).
+at once on a fresh barrier); h_staged / v_staged (128: the state, tile written and fenced; warp 6
+waits c % 2), h_free / v_free (32: warp 6, its TMA store has read the tile; the state waits 1 − c % 2).
 
 Rows past a sequence's end: k and v are loaded unmasked (TMA zero-fills past T; rows of the next
 sequence are finite) and meet only zero columns of A_β (prep), so Vd rows there are 0; the rows

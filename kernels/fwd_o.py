@@ -18,19 +18,16 @@ Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to
 warpgroups hold):
 
     WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the five GEMMs and the V term; o
-            staged in the stage's P buffer after the last GEMM (it writes no global memory in its
-            walk, so the proxy fences before its GEMMs wait for no store)
+            staged in the stage's P buffer after the last GEMM (no global store of its own)
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block, A_β and P into stage
             c % NST, and of Q into its one buffer once the state is done with the previous Q;
             warp 5: the chunk's gcs rows and the per-token tables e^g, mask · e^{g_l − g},
-            e^{g_l} into the stage; warp 6: o from the stage's P buffer to HBM (a TMA store
-            when the chunk is full, else its valid rows), then frees the stage; warp 7 exits
+            e^{g_l} into the stage; warp 6: o out of the P buffer (TMA, or its rows); warp 7 exits
 
 mbarriers (c = chunk; "free" waits use the other parity, which passes at once on a fresh barrier):
 
     full[js]  count 64  warps 4 and 5 (+ TMA tx bytes)   the state waits (c // NST) % 2
-    empty[js] count 160 the state, done with stage js,   the producers wait 1 − (c // NST) % 2
-                        and warp 6, once o is out of it
+    empty[js] count 160 the state, warp 6 (o out)         the producers wait 1 − (c // NST) % 2
     o_staged[js] count 128 the state, o staged (fenced)   warp 6 waits (c // NST) % 2
     q_full    count 32  warp 4 (+ tx bytes)               the state waits c % 2
     q_empty   count 128 the state after its Q GEMM        warp 4 waits 1 − c % 2
@@ -68,6 +65,24 @@ NST = 2
 BLOCK_V = 64
 
 
+def o_store_macro(C: int, W: int):
+    """store_o(src_sh, js, o, t0, ln, hv, c0) by a store warp: stage js's o to rows t0.., columns c0..
+    of v-head hv (TMA when the chunk is full, else its valid rows), fenced for the next TMA load."""
+    import tilelang.language as T
+
+    @T.macro
+    def store_o(src_sh, js, o, t0, ln, hv, c0):
+        if ln == C:
+            T.copy(src_sh[js, :, :], o[0, t0 : t0 + C, hv, c0 : c0 + W])
+        else:
+            for j, i in T.Parallel(C, W):
+                if j < ln:
+                    o[0, t0 + j, hv, c0 + i] = src_sh[js, j, i]
+            T.fence_proxy_async()
+
+    return store_o
+
+
 def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     """The prim_func ``gdn_fwd_o`` for one head config and state flags."""
     import tilelang.language as T
@@ -82,6 +97,7 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     RS, RP = NREG
     FR = T.GemmWarpPolicy.FullRow
     gate_tables = gate_tables_macro(NST)
+    store_o = o_store_macro(C, BV)
 
     @T.prim_func
     def gdn_fwd_o(
@@ -195,21 +211,11 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         T.barrier_arrive(q_full[0])
                 elif tx < 192:
                     gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
-                elif tx < 224:
-                    # warp 6: o of each chunk from the stage's P buffer (a TMA store when the chunk is
-                    # full, else its valid rows: the next rows are another sequence's), then frees the stage
+                elif tx < 224:  # warp 6: o of each chunk out of the stage's P buffer, then frees the stage
                     for ci in T.serial(nchunks):
                         js = ci % NST
-                        t0 = bos + ci * C
-                        ln = T.min(eos - t0, C)
                         T.barrier_wait(o_staged[js], (ci // NST) % 2)
-                        if ln == C:
-                            T.copy(pp_sh[js, :, :], o[0, t0 : t0 + C, hv, v0 : v0 + BV])
-                        else:
-                            for j, i in T.Parallel(C, BV):
-                                if j < ln:
-                                    o[0, t0 + j, hv, v0 + i] = pp_sh[js, j, i]
-                            T.fence_proxy_async()  # the stage's next TMA load overwrites what these read
+                        store_o(pp_sh, js, o, bos + ci * C, T.min(eos - bos - ci * C, C), hv, v0)
                         T.barrier_arrive(empty[js])
 
     return gdn_fwd_o

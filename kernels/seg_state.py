@@ -120,14 +120,12 @@ def kva_loads_macro(nst: int, bv: int):
 
 
 def chain_step_macro(bv: int):
-    """One chunk of the state recurrence on the ``bv`` columns of Sᵀ in one warpgroup's registers
-    (seg_state, bwd_h), stage ``js`` loaded, as two macros whose GEMMs are issued asynchronously:
-    ``chain_issue`` issues Xᵀ = bf16(Sᵀ) Kᵀ (``s_bf`` must hold bf16(Sᵀ)) and, when ``with_v``,
-    Vᵀ A_βᵀ into ``vd_acc``; ``chain_update`` waits for them, then Vdᵀ = bf16(−e^g ⊙ Xᵀ) A_βᵀ (+ the
-    V term) and issues Sᵀ ← e^{g_l} Sᵀ + bf16(mask · e^{g_l − g} ⊙ Vd)ᵀ K, which the caller waits
-    for (``T.wait_wgmma(0)`` and a fence of ``s_acc``) before it reads Sᵀ or frees the stage. With
-    ``keep_vd`` (a Python bool) bf16(Vdᵀ) is left in ``w_bf``. Between the two the caller may work
-    on what the GEMMs do not write (a store of h from ``s_acc``)."""
+    """One chunk of the recurrence on ``bv`` columns of Sᵀ in one warpgroup's registers (seg_state,
+    bwd_h), as two macros issuing asynchronously: ``chain_issue`` Xᵀ = bf16(Sᵀ) Kᵀ (``s_bf`` =
+    bf16(Sᵀ)) and, ``with_v``, Vᵀ A_βᵀ into ``vd_acc``; ``chain_update`` waits for them, forms
+    Vdᵀ = bf16(−e^g ⊙ Xᵀ) A_βᵀ (+ the V term) and issues Sᵀ ← e^{g_l} Sᵀ + bf16(mask e^{g_l − g} ⊙
+    Vd)ᵀ K, which the caller waits for (wait_wgmma(0), a fence of ``s_acc``) before reading Sᵀ or
+    freeing the stage; ``keep_vd`` leaves bf16(Vdᵀ) in ``w_bf``."""
     import tilelang.language as T
 
     C = CHUNK
