@@ -171,7 +171,7 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
             # gt_sh[js, 0..3, i]: e^g, mask · e^{g_l − g}, e^{g_l} (in every column), g
             gt_sh = T.alloc_shared((NST, 4, C), "float32", scope="shared")
             # dh [K, V] and dv_new [C, V] of the chunk on their way out: written from the registers
-            # (transposed), read back in rows for 16-byte global stores
+            # (transposed), stored by warp 10's TMA
             dhs_sh = T.alloc_shared((D, D), "bfloat16")
             dvs_sh = T.alloc_shared((C, D), "bfloat16")
             T.annotate_layout({dhs_sh: make_swizzled_layout(dhs_sh), dvs_sh: make_swizzled_layout(dvs_sh)})
