@@ -32,14 +32,15 @@ Roles:
             per warpgroup); every GEMM but the V term takes its A operand from registers (the
             accumulator cast to bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vdᵀ Pᵀ,
             Sᵀ += Vd'ᵀ K; o (bf16) into q_sh[c % 3] (Q is dead once both warpgroups' O GEMMs
-            are done), a proxy fence, the arrives on o_staged and empty (no global store)
+            are done); a sequence's partial last chunk's rows stored from there; a proxy fence,
+            the arrives on o_staged and empty
     WG2   (tx 256..383, setmaxnreg 104)  aux, up to two chunks ahead: K Kᵀ and L, Q Kᵀ and P, the
             inverse → P and A_β (bf16) into the two-stage ring t (pp0/pp1_sh, ta0/ta1_sh)
     WG3   (tx 384..511, setmaxnreg  24)  producer: warp 12's elected lane TMA-loads Q, K, V of chunk c
             into stage c % 3; warp 13 loads g and β (zero past the sequence end), takes the
             chunk-local cumsum with warp shuffles and writes g, β, e^g, mask · e^{g_l − g}, the
             gating factors and the factored-gating flag (a warp vote) into the same stage;
-            warp 14 stores o from q_sh[c % 3] (TMA, or its valid rows); warp 15 exits
+            warp 14 TMA-stores a full chunk's o from q_sh[c % 3]; warp 15 exits
 
 mbarriers (c = chunk, js = c % 3, pj = (c // 3) % 2, jt = c % 2, pt = (c // 2) % 2; a "free" wait
 uses the other parity, which passes at once on a fresh barrier):
@@ -50,7 +51,8 @@ uses the other parity, which passes at once on a fresh barrier):
     t_ready[jt] count 128 aux after writing ta/pp[jt] (+fence) state waits pt
     t_free[jt]  count 256 state after its last GEMM of chunk c aux waits 1 − pt
 
-and a sync of the state's 256 threads before o's staging (its writes overwrite the other's Q).
+and syncs of the state's 256 threads around o's staging (its writes overwrite the other's Q; a
+partial chunk's row stores read both halves).
 
 No barrier gets two phases ahead of its waiter: aux's arrive on t_ready[jt] for chunk c + 2 sits
 behind its wait on t_free[jt] for chunk c; the producers' arrive on full[js] for c + 3 behind their
@@ -72,7 +74,6 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
-from .fwd_o import o_store_macro
 
 #: setmaxnreg budgets (registers / thread) of the state warpgroups (WG0 and WG1), aux (WG2) and
 #: producer (WG3): they sum to 512 per thread slot, what the launch's 512 x 128 registers hold.
@@ -102,7 +103,6 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     N = T.dynamic("N")
     RS, RA, RP = NREG
     FR = T.GemmWarpPolicy.FullRow
-    store_o = o_store_macro(C, D)
 
     @T.prim_func
     def gdn_fwd_fused(
@@ -226,7 +226,11 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.barrier_arrive(t_free[jt])  # @trace s_store
                     for i, j in T.Parallel(D, C):
                         q_sh[js, j, i] = T.cast(o_acc[i, j], "bfloat16")
-                    T.fence_proxy_async()  # warp 14's TMA store (async proxy) reads it
+                    if ln < C:  # a partial (last) chunk's rows from here, full ones by warp 14
+                        for j, i in T.Parallel(C, D):
+                            if j < ln:
+                                o[0, t0 + j, hv, i] = q_sh[js, j, i]
+                    T.fence_proxy_async()  # warp 14's TMA store and the stage's next load (async proxy)
                     T.barrier_arrive(o_staged[js])
                     T.barrier_arrive(empty[js])
                 if has_ht:
@@ -397,7 +401,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     for ci in T.serial(nchunks):
                         js = ci % NST
                         T.barrier_wait(o_staged[js], (ci // NST) % 2)
-                        store_o(q_sh, js, o, bos + ci * C, T.min(eos - bos - ci * C, C), hv, 0)
+                        if eos - bos - ci * C >= C:
+                            T.copy(q_sh[js, :, :], o[0, bos + ci * C : bos + ci * C + C, hv, 0:D])
                         T.barrier_arrive(empty[js])
 
     return gdn_fwd_fused

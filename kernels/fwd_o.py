@@ -18,11 +18,12 @@ Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to
 warpgroups hold):
 
     WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the five GEMMs and the V term; o
-            staged in the stage's P buffer after the last GEMM (no global store of its own)
+            staged in the stage's P buffer after the last GEMM (a partial last chunk's rows stored
+            from there)
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block, A_β and P into stage
             c % NST, and of Q into its one buffer once the state is done with the previous Q;
             warp 5: the chunk's gcs rows and the per-token tables e^g, mask · e^{g_l − g},
-            e^{g_l} into the stage; warp 6: o out of the P buffer (TMA, or its rows); warp 7 exits
+            e^{g_l} into the stage; warp 6: a full chunk's o out of the P buffer by TMA; warp 7 exits
 
 mbarriers (c = chunk; "free" waits use the other parity, which passes at once on a fresh barrier):
 
@@ -65,24 +66,6 @@ NST = 2
 BLOCK_V = 64
 
 
-def o_store_macro(C: int, W: int):
-    """store_o(src_sh, js, o, t0, ln, hv, c0) by a store warp: stage js's o to rows t0.., columns c0..
-    of v-head hv (TMA when the chunk is full, else its valid rows), fenced for the next TMA load."""
-    import tilelang.language as T
-
-    @T.macro
-    def store_o(src_sh, js, o, t0, ln, hv, c0):
-        if ln == C:
-            T.copy(src_sh[js, :, :], o[0, t0 : t0 + C, hv, c0 : c0 + W])
-        else:
-            for j, i in T.Parallel(C, W):
-                if j < ln:
-                    o[0, t0 + j, hv, c0 + i] = src_sh[js, j, i]
-            T.fence_proxy_async()
-
-    return store_o
-
-
 def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     """The prim_func ``gdn_fwd_o`` for one head config and state flags."""
     import tilelang.language as T
@@ -97,7 +80,6 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     RS, RP = NREG
     FR = T.GemmWarpPolicy.FullRow
     gate_tables = gate_tables_macro(NST)
-    store_o = o_store_macro(C, BV)
 
     @T.prim_func
     def gdn_fwd_o(
@@ -184,7 +166,12 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.gemm(vd_bf, pp_sh[js, :, :], o_acc, transpose_B=True, policy=FR)
                     for i, j in T.Parallel(BV, C):  # o through the P buffer (BV = C), read for the last time above
                         pp_sh[js, j, i] = T.cast(o_acc[i, j], "bfloat16")
-                    T.fence_proxy_async()  # warp 6's TMA store (async proxy) reads it
+                    ln = T.min(eos - bos - ci * C, C)
+                    if ln < C:  # a partial (last) chunk's rows from here, full ones by warp 6
+                        for j, i in T.Parallel(C, BV):
+                            if j < ln:
+                                o[0, bos + ci * C + j, hv, v0 + i] = pp_sh[js, j, i]
+                    T.fence_proxy_async()  # warp 6's TMA store and the stage's next load (async proxy)
                     T.barrier_arrive(o_staged[js])
                     T.barrier_arrive(empty[js])
                 if has_ht:
@@ -215,7 +202,8 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     for ci in T.serial(nchunks):
                         js = ci % NST
                         T.barrier_wait(o_staged[js], (ci // NST) % 2)
-                        store_o(pp_sh, js, o, bos + ci * C, T.min(eos - bos - ci * C, C), hv, v0)
+                        if eos - bos - ci * C >= C:
+                            T.copy(pp_sh[js, :, :], o[0, bos + ci * C : bos + ci * C + C, hv, v0 : v0 + BV])
                         T.barrier_arrive(empty[js])
 
     return gdn_fwd_o

@@ -119,35 +119,34 @@ def test_prep_solves_on_tensor_cores_as_the_fused_aux(sources):
 def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     """The state warpgroups take W's V term as a wgmma with A = Vᵀ by descriptor (one per ring
     slot's branch), no element loads of V; o is staged in q_sh after a sync of their 256 threads
-    (the other warpgroup's O GEMM reads that Q; at most two syncs per chunk), then a proxy fence and
-    the arrives on o_staged and empty: the state stores nothing to HBM; warp 14 stores o (a TMA
-    store, or its valid rows)."""
+    (the other warpgroup's O GEMM reads that Q; at most two syncs per chunk), a partial chunk's rows
+    stored from there, then a proxy fence and the arrives on o_staged and empty; warp 14 stores
+    full chunks by TMA."""
     src = sources["fwd_fused"]
     nreg = _mod("fwd_fused").NREG
     state = src[src.index(f"warpgroup_reg_alloc<{nreg[0]}>") : src.index(f"warpgroup_reg_dealloc<{nreg[1]}>")]
     assert state.count("v_sh)[") == state.count("(bfloat16_t*)v_sh)[0]") == 2
     syncs = [i for i in range(len(state)) if state.startswith(", 256);", i)]
     o_write = state.rindex("((bfloat16_t*)q_sh)[")
-    order = [max(i for i in syncs if i < o_write), o_write, state.rindex("fence_proxy_async"),
-             state.rindex("o_staged["), state.rindex("empty[")]  # fmt: skip
-    assert len(syncs) <= 2 and order == sorted(order)  # sync, o into q_sh, fence, arrives
-    assert "(o + " not in state and "tma_store(o_desc" in src
+    order = [max(i for i in syncs if i < o_write), o_write, state.index("*(uint4*)(o + "),
+             state.rindex("fence_proxy_async"), state.rindex("o_staged["), state.rindex("empty[")]  # fmt: skip
+    assert len(syncs) <= 2 and order == sorted(order)  # sync, o into q_sh, partial rows, fence, arrives
+    assert "tma_store(o_desc" in src
 
 
 def test_fwd_o_keeps_its_state_in_registers(sources):
     """fwd_o's state warpgroup takes the A operand of its Q, K, A_β, P and state-update GEMMs from
     registers (five wgmma_rs), only the V term from shared memory (no stmatrix); o is staged in the
-    stage's P buffer, then a proxy fence and the arrives on o_staged and empty: the state stores
-    nothing to HBM; warp 6 stores o (a TMA store, or its valid rows); two CTAs per SM at 128
-    registers."""
+    stage's P buffer, a partial chunk's rows stored from there, then a proxy fence and the arrives
+    on o_staged and empty; warp 6 stores full chunks by TMA; two CTAs per SM at 128 registers."""
     src, m = sources["fwd_o"], _mod("fwd_o")
     assert f"__launch_bounds__(256, {m.MIN_BLOCKS})" in src and m.NREG_LAUNCH * 256 * m.MIN_BLOCKS == 65536
     assert src.count("wgmma_rs<") == 5 and src.count("wgmma_ss<") == 1
     assert "stmatrix" not in src
     state = src[src.index(f"warpgroup_reg_alloc<{m.NREG[0]}>") : src.index(f"warpgroup_reg_dealloc<{m.NREG[1]}>")]
-    order = [state.index("((bfloat16_t*)pp_sh)["), state.rindex("fence_proxy_async"), state.rindex("o_staged["),
-             state.rindex("empty[")]  # fmt: skip
-    assert order == sorted(order) and "(o + " not in state and "tma_store(o_desc" in src
+    order = [state.index("((bfloat16_t*)pp_sh)["), state.index("*(uint4*)(o + "), state.rindex("fence_proxy_async"),
+             state.rindex("o_staged["), state.rindex("empty[")]  # fmt: skip
+    assert order == sorted(order) and "tma_store(o_desc" in src
 
 
 def test_seg_state_keeps_its_state_in_registers(sources):

@@ -3,7 +3,8 @@
 Actors, with the threads each one arrives with: the state warpgroups wg0 and wg1 (128 each), aux
 (WG2, 128), and the warps of WG3: warp 12 split into its elected lane w12e (1: expect_tx and the
 TMA loads of Q, K, V) and its other lanes w12 (31), warp 13 (32: the gate tables gt) and warp 14
-(32: o's store from q's slot, once both halves are staged).
+(32: a full chunk's o TMA-stored from q's slot once both halves are staged; modelled on every
+chunk, a partial last chunk's rows being stored by the state warpgroups themselves).
 Each actor runs the kernel's sequence of waits / arrives / buffer reads and writes; the barriers
 have the kernel's counts, in threads (``COUNTS``), and ``ws_protocol.Bar``'s PTX parity semantics;
 the state warpgroups' named-barrier sync before o's staging in q_sh (inserted by TileLang: the
