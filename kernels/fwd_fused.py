@@ -397,7 +397,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                             gt_sh[js, 6, 2 * lane + r] = T.exp(gmid - gv[r])
                             gt_sh[js, 7, 2 * lane + r] = T.if_then_else(mono != 0, T.float32(1), T.float32(0))
                         T.barrier_arrive(full[js])
-                elif tx < 480:  # warp 14: o of each chunk out of q_sh, then frees the stage
+                elif tx < 480:  # warp 14: a full chunk's o out of q_sh by TMA, then frees the stage
                     for ci in T.serial(nchunks):
                         js = ci % NST
                         T.barrier_wait(o_staged[js], (ci // NST) % 2)

@@ -198,7 +198,7 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         T.barrier_arrive(q_full[0])
                 elif tx < 192:
                     gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
-                elif tx < 224:  # warp 6: o of each chunk out of the stage's P buffer, then frees the stage
+                elif tx < 224:  # warp 6: a full chunk's o out of the P buffer by TMA, then frees the stage
                     for ci in T.serial(nchunks):
                         js = ci % NST
                         T.barrier_wait(o_staged[js], (ci // NST) % 2)
