@@ -1,11 +1,12 @@
 """CPU model of fwd_o.py's mbarrier protocol (no GPU): random interleavings of its three roles.
 
-The state warpgroup, the producer warps 4 (TMA) and 5 (tables) and the store warp 6 (a full chunk's o out
-of the stage's P buffer; modelled on every chunk) are one actor each, executing the same sequence of waits / arrives / buffer reads
-and writes as the kernel (an actor's arrive = its threads' arrivals, so barrier counts are in
-actors: full 2, empty 2, the others 1). mbarriers follow PTX semantics: a phase completes when its
-pending count reaches 0 and its transaction bytes have landed; ``wait(P)`` passes iff the current
-(incomplete) phase's parity differs from P. TMA writes land at a random later time.
+The state warpgroup, the producer warps 4 (TMA) and 5 (tables) and the store warp 6 (a full
+chunk's o out of the stage's P buffer; modelled on every chunk) are one actor each, executing the
+same sequence of waits / arrives / buffer reads and writes as the kernel (an actor's arrive = its
+threads' arrivals, so barrier counts are in actors: full 2, empty 2, the others 1). mbarriers
+follow PTX semantics: a phase completes when its pending count reaches 0 and its transaction bytes
+have landed; ``wait(P)`` passes iff the current (incomplete) phase's parity differs from P. TMA
+writes land at a random later time.
 Each run draws a random speed per role (50x skews), so one role lagging far behind is exercised.
 
 Checked on every interleaving: no deadlock; every parity wait passes exactly at the intended
