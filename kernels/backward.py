@@ -92,7 +92,7 @@ def chunk_gdn_bwd(
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of {CHUNK} (or 0 / None)")
     seg_tokens = split_tokens if split_tokens else (max(T, 1) + CHUNK - 1) // CHUNK * CHUNK
     if dev.type == "cuda":  # chunk and segment tables in one launch
-        ctab_new, cu_chunks, stab, cu_segs = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target=target)
+        ctab_new, cu_chunks, stab, cu_segs, _ = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target=target)
     else:  # the same tables by torch ops (the CPU tests run this driver with emulated kernels)
         ctab_new, cu_chunks = chunk_table(cu, T, N)
         stab, cu_segs = segment_table(cu, cu_chunks, T, N, seg_tokens, split=bool(split_tokens))

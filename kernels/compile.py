@@ -32,10 +32,9 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
     from .fwd_o import get_fwd_o_kernel
     from .prep import get_prep_kernel
     from .seg_state import get_seg_state_kernel
-    from .tables import NT, get_lpt_kernel, get_tables_kernel
+    from .tables import NT, get_tables_kernel
 
-    out = [("tables", get_tables_kernel, (NT,), {}), ("lpt", get_lpt_kernel, (NT,), {}),
-           ("prep", get_prep_kernel, (h_qk, h_v), {})]
+    out = [("tables", get_tables_kernel, (NT,), {}), ("prep", get_prep_kernel, (h_qk, h_v), {})]
     h0s = sorted({h0 for h0, _ in (*fwd_flags, *bwd_flags)}, reverse=True)
     for hi, hh in fwd_flags:  # plan_fwd picks the fused kernel or fwd_o's V block per shape
         out.append((f"fwd_fused[init={hi},ht={hh}]", get_fwd_fused_kernel, (h_qk, h_v, bool(hi), bool(hh)), {}))

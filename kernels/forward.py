@@ -22,7 +22,7 @@ from .fwd_o import run_fwd_o
 from .plan import plan_fwd, plan_lpt, plan_split, sm_count
 from .prep import run_prep
 from .seg_state import run_seg_state
-from .tables import run_lpt, run_tables
+from .tables import run_tables
 
 __all__ = ["chunk_gdn_fwd", "chunk_gdn_fwd_lowlevel"]
 
@@ -120,10 +120,9 @@ def chunk_gdn_fwd_lowlevel(
     seg_tokens = split_tokens if split_tokens else (max(T, 1) + CHUNK - 1) // CHUNK * CHUNK
 
     fused = block_v == HEAD_DIM
-    ctab, cu_chunks, stab, cu_segs = run_tables(cu, T, N, seg_tokens, bool(split_tokens), target=target)
     # the final kernel's CTAs longest first where launch order would leave a long tail
     lpt = plan_lpt(T, N, h_v, split_tokens or 0, block_v, sm_count(dev), seqlens, for_device(dev).fwd)
-    stab_lpt = run_lpt(stab, target=target) if lpt else stab
+    ctab, cu_chunks, stab, cu_segs, stab_lpt = run_tables(cu, T, N, seg_tokens, bool(split_tokens), lpt, target=target)
     gcs = a_beta = p_all = None
     if split_tokens or not fused or save_prep:
         gcs, a_beta, p_all = run_prep(q, k, g, beta, ctab, scale, target=target)

@@ -13,13 +13,15 @@ One CTA of ``NT`` threads walks the sequences in blocks of NT:
 Output rows equal the torch builders exactly (see ``_common``), incl. empty sequences (0 chunks,
 one empty segment) and the unsplit case (seg = T rounded up to 64, init_row = sequence).
 
-``lpt`` (one CTA of NT threads, launched only where ``plan.plan_lpt`` orders the final kernel's CTAs):
-stab_lpt = stab's rows longest first (``_common.lpt_order``): a histogram of the keys min(chunks, 31),
-then per block of NT slots each slot's rank among its key's slots from its warp's match group and the
-earlier warps' counts, so ties keep slot order.
+Then, when ``lpt`` (where ``plan.plan_lpt`` orders the final kernel's CTAs), in the same launch once
+stab is written: stab_lpt = stab's rows longest first (``_common.lpt_order``): a histogram of the keys
+min(chunks, 31), then per block of NT slots each slot's rank among its key's slots from its warp's
+match group and the earlier warps' counts, so ties keep slot order.
 
-Inputs:  cu int64 [N+1] (device), seg int32 (segment length in tokens, a multiple of 64), split int32 (0/1)
-Outputs: ctab int32 [NCS, 4], stab int32 [NS, 8], cu_chunks int32 [N+1], cu_segs int32 [N+1]
+Inputs:  cu int64 [N+1] (device), seg int32 (segment length in tokens, a multiple of 64), split int32
+         (0/1), lpt int32 (0/1)
+Outputs: ctab int32 [NCS, 4], stab int32 [NS, 8], stab_lpt int32 [NS, 8] (written when ``lpt``),
+         cu_chunks int32 [N+1], cu_segs int32 [N+1]
 """
 
 import functools
@@ -40,14 +42,20 @@ def tables_program(nt: int = NT):
     NCS = T.dynamic("NCS")
     NS = T.dynamic("NS")
     C = CHUNK
+    K = LPT_KEYS
+
+    def key_of(stab, sl):  # min(chunks, K − 1) of segment slot sl
+        return T.min(T.ceildiv(stab[sl, 1] - stab[sl, 0], C), K - 1)
 
     @T.prim_func
     def gdn_tables(
         cu: T.Tensor((N1,), "int64"),
         seg: T.int32,
         split: T.int32,
+        lpt: T.int32,
         ctab: T.Tensor((NCS, 4), "int32"),
         stab: T.Tensor((NS, SEG_COLS), "int32"),
+        stab_lpt: T.Tensor((NS, SEG_COLS), "int32"),
         cu_chunks: T.Tensor((N1,), "int32"),
         cu_segs: T.Tensor((N1,), "int32"),
     ):
@@ -69,6 +77,9 @@ def tables_program(nt: int = NT):
             lo = T.alloc_var("int32")
             end_c = T.alloc_var("int32")
             end_s = T.alloc_var("int32")
+            hist = T.alloc_shared((K,), "int32")  # lpt: per key, the rank of its next slot
+            wcnt = T.alloc_shared((nt,), "int32")  # lpt: [warp, key]: the warp's slots of the key, then their first rank
+            key = T.alloc_var("int32")
 
             n_seq = N1 - 1
             carry_c = 0
@@ -168,78 +179,47 @@ def tables_program(nt: int = NT):
                     for j in T.serial(SEG_COLS - 3):
                         stab[sl, 3 + j] = 0
 
-    return gdn_tables
-
-
-def lpt_program(nt: int = NT):
-    import tilelang.language as T
-
-    NS = T.dynamic("NS")
-    K = LPT_KEYS
-
-    def key_of(stab, sl):  # min(chunks, K − 1) of segment slot sl
-        return T.min(T.ceildiv(stab[sl, 1] - stab[sl, 0], CHUNK), K - 1)
-
-    @T.prim_func
-    def gdn_lpt(stab: T.Tensor((NS, SEG_COLS), "int32"), stab_lpt: T.Tensor((NS, SEG_COLS), "int32")):
-        with T.Kernel(1, threads=nt) as _bx:
-            tx = T.get_thread_binding()
-            hist = T.alloc_shared((K,), "int32")  # per key: the rank of its next slot
-            wcnt = T.alloc_shared((nt,), "int32")  # [warp, key]: the warp's slots of the key, then their first rank
-            run = T.alloc_var("int32")
-            cnt = T.alloc_var("int32")
-            key = T.alloc_var("int32")
-            if tx < K:
-                hist[tx] = 0
-            T.sync_threads()
-            for it in T.serial(T.ceildiv(NS, nt)):
-                if it * nt + tx < NS:
-                    T.atomic_add(hist[key_of(stab, it * nt + tx)], 1)
-            T.sync_threads()
-            if tx == 0:  # descending keys
-                run = 0
-                for b in T.serial(K):
-                    cnt = hist[K - 1 - b]
-                    hist[K - 1 - b] = run
-                    run = run + cnt
-            for it in T.serial(T.ceildiv(NS, nt)):
-                sl = it * nt + tx
-                key = K  # past NS: a key of its own, never written
-                if sl < NS:
-                    key = key_of(stab, sl)
-                wcnt[tx] = 0
-                T.sync_threads()
-                m = T.call_extern("uint32", "__match_any_sync", T.uint32(0xFFFFFFFF), key)
-                lane = T.call_extern("int32", "__popc", m & (T.shift_left(T.uint32(1), T.cast(tx % 32, "uint32")) - T.uint32(1)))
-                if sl < NS and lane == 0:
-                    wcnt[(tx // 32) * K + key] = T.call_extern("int32", "__popc", m)
+            if lpt != 0:  # stab's rows longest first, once every row of stab is written
                 T.sync_threads()
                 if tx < K:
-                    run = hist[tx]
-                    for w in T.serial(nt // 32):
-                        cnt = wcnt[w * K + tx]
-                        wcnt[w * K + tx] = run
-                        run = run + cnt
-                    hist[tx] = run
+                    hist[tx] = 0
                 T.sync_threads()
-                if sl < NS:
-                    for j in T.serial(SEG_COLS):
-                        stab_lpt[wcnt[(tx // 32) * K + key] + lane, j] = stab[sl, j]
+                for it in T.serial(T.ceildiv(NS, nt)):
+                    if it * nt + tx < NS:
+                        T.atomic_add(hist[key_of(stab, it * nt + tx)], 1)
                 T.sync_threads()
+                if tx == 0:  # descending keys
+                    a_c = 0
+                    for b in T.serial(K):
+                        a_s = hist[K - 1 - b]
+                        hist[K - 1 - b] = a_c
+                        a_c = a_c + a_s
+                for it in T.serial(T.ceildiv(NS, nt)):
+                    sl = it * nt + tx
+                    key = K  # past NS: a key of its own, never written
+                    if sl < NS:
+                        key = key_of(stab, sl)
+                    wcnt[tx] = 0
+                    T.sync_threads()
+                    m = T.call_extern("uint32", "__match_any_sync", T.uint32(0xFFFFFFFF), key)
+                    lane = T.call_extern("int32", "__popc", m & (T.shift_left(T.uint32(1), T.cast(tx % 32, "uint32")) - T.uint32(1)))
+                    if sl < NS and lane == 0:
+                        wcnt[(tx // 32) * K + key] = T.call_extern("int32", "__popc", m)
+                    T.sync_threads()
+                    if tx < K:
+                        a_c = hist[tx]
+                        for w in T.serial(nt // 32):
+                            a_s = wcnt[w * K + tx]
+                            wcnt[w * K + tx] = a_c
+                            a_c = a_c + a_s
+                        hist[tx] = a_c
+                    T.sync_threads()
+                    if sl < NS:
+                        for j in T.serial(SEG_COLS):
+                            stab_lpt[wcnt[(tx // 32) * K + key] + lane, j] = stab[sl, j]
+                    T.sync_threads()
 
-    return gdn_lpt
-
-
-@functools.cache
-def get_lpt_kernel(nt: int = NT, target_k=None):
-    return compile_program(lpt_program(nt), target=parse_target(target_k))
-
-
-def run_lpt(stab, target=None):
-    """One launch: stab's rows longest first (``_common.lpt_order``), into a new table."""
-    stab_lpt = torch.empty_like(stab)
-    get_lpt_kernel(NT, target_key(target))(stab, stab_lpt)
-    return stab_lpt
+    return gdn_tables
 
 
 @functools.cache
@@ -247,10 +227,11 @@ def get_tables_kernel(nt: int = NT, target_k=None):
     return compile_program(tables_program(nt), target=parse_target(target_k))
 
 
-def run_tables(cu64, T: int, N: int, seg_tokens: int, split: bool, target=None):
-    """One launch: (ctab [T//64+N, 4], cu_chunks int32 [N+1], stab [T//seg+N, 8], cu_segs int32 [N+1]).
+def run_tables(cu64, T: int, N: int, seg_tokens: int, split: bool, lpt: bool = False, target=None):
+    """One launch: (ctab [T//64+N, 4], cu_chunks int32 [N+1], stab [T//seg+N, 8], cu_segs int32 [N+1],
+    stab_lpt: stab's rows longest first when ``lpt``, else stab itself).
 
-    cu64: int64 [N+1] on the device. Same rows as ``chunk_table`` / ``segment_table``.
+    cu64: int64 [N+1] on the device. Same rows as ``chunk_table`` / ``segment_table`` / ``lpt_order``.
     """
     assert seg_tokens % CHUNK == 0 and seg_tokens > 0
     dev = cu64.device
@@ -258,8 +239,9 @@ def run_tables(cu64, T: int, N: int, seg_tokens: int, split: bool, target=None):
     ns = T // seg_tokens + N
     ctab = torch.empty(ncs, 4, device=dev, dtype=torch.int32)
     stab = torch.empty(ns, SEG_COLS, device=dev, dtype=torch.int32)
+    stab_lpt = torch.empty_like(stab) if lpt else stab
     cu_chunks = torch.empty(N + 1, device=dev, dtype=torch.int32)
     cu_segs = torch.empty(N + 1, device=dev, dtype=torch.int32)
     kern = get_tables_kernel(NT, target_key(target))
-    kern(cu64, int(seg_tokens), int(bool(split)), ctab, stab, cu_chunks, cu_segs)
-    return ctab, cu_chunks, stab, cu_segs
+    kern(cu64, int(seg_tokens), int(bool(split)), int(bool(lpt)), ctab, stab, stab_lpt, cu_chunks, cu_segs)
+    return ctab, cu_chunks, stab, cu_segs, stab_lpt

@@ -24,7 +24,6 @@ def sources():
     """{name: generated CUDA} of one build of every program (2/8, both state flags on)."""
     builds = {
         "tables": ("tables", "get_tables_kernel", (512,), {}),
-        "lpt": ("tables", "get_lpt_kernel", (512,), {}),
         "prep": ("prep", "get_prep_kernel", (2, 8), {}),
         "fwd_o": ("fwd_o", "get_fwd_o_kernel", (2, 8, True, True), {}),
         "fwd_fused": ("fwd_fused", "get_fwd_fused_kernel", (2, 8, True, True), {}),
@@ -47,7 +46,7 @@ def sources():
 def test_every_kernel_compiles_and_all_but_tables_use_wgmma(sources):
     for name, src in sources.items():
         assert "__global__" in src, name
-        if name not in ("tables", "lpt"):
+        if name != "tables":
             assert "wgmma" in src, f"{name}: generated source has no wgmma"
 
 
@@ -239,9 +238,11 @@ def test_wy_issues_independent_gemms_asynchronously(sources):
 
 
 def test_lpt_ranks_by_warp_match_groups(sources):
-    """The longest-first order's kernel: a slot's rank is its key's start, its warp's earlier count
-    and its place among its warp's lanes of the same key (``__match_any_sync``), stored row by row."""
-    src = sources["lpt"]
+    """The tables kernel's longest-first order (behind its ``lpt`` flag): a slot's rank is its key's
+    start, its warp's earlier count and its place among its warp's lanes of the same key
+    (``__match_any_sync``), stored row by row."""
+    src = sources["tables"]
+    assert "if (lpt != 0)" in src
     assert "__match_any_sync" in src and src.count("__popc") == 2 and "atomicAdd" in src.replace("AtomicAdd", "atomicAdd")
 
 
@@ -249,7 +250,7 @@ def test_compile_list_covers_every_program():
     comp = _mod("compile")
     names = {getter.__name__ for _, getter, _, _ in comp.default_kernels(2, 2)}
     assert names == {
-        "get_tables_kernel", "get_lpt_kernel", "get_prep_kernel", "get_fwd_o_kernel", "get_fwd_fused_kernel", "get_seg_state_kernel",
+        "get_tables_kernel", "get_prep_kernel", "get_fwd_o_kernel", "get_fwd_fused_kernel", "get_seg_state_kernel",
         "get_fixup_kernel",
         "get_rfixup_kernel", "get_bwd_h_kernel", "get_bwd_dhu_kernel", "get_bwd_dqkwg_kernel",
         "get_bwd_wy_kernel",

@@ -238,9 +238,10 @@ def test_tables_kernel_equals_torch_tables(lens, seg):
     seg_t = seg if split else max(64, (max(T, 1) + 63) // 64 * 64)
     ctab, cu_chunks = common.chunk_table(cu, T, N)
     stab, cu_segs = common.segment_table(cu, cu_chunks, T, N, seg_t, split=split)
-    c2, cc2, s2, cs2 = tables.run_tables(cu, T, N, seg_t, split)
-    l2 = tables.run_lpt(s2)
+    c2, cc2, s2, cs2, l2 = tables.run_tables(cu, T, N, seg_t, split, lpt=True)
+    c3, cc3, s3, cs3, l3 = tables.run_tables(cu, T, N, seg_t, split)  # no order: stab_lpt is stab
     torch.cuda.synchronize()
+    assert l3 is s3 and torch.equal(s3, stab) and torch.equal(c3, ctab)
     assert torch.equal(ctab, c2)
     assert torch.equal(stab, s2)
     assert torch.equal(common.lpt_order(stab), l2)  # the rows longest first, ties in slot order

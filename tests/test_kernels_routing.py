@@ -21,15 +21,13 @@ def fwd(monkeypatch):
     common = importlib.import_module("qlabench_kernels._common")
     calls, plans, lpts, final_stab = [], [], [], []
 
-    def tables(cu, T, N, seg, split, target=None):
+    def tables(cu, T, N, seg, split, lpt=False, target=None):
         calls.append("tables")
         ctab, cu_chunks = common.chunk_table(cu, T, N)
         stab, cu_segs = common.segment_table(cu, cu_chunks, T, N, seg, split)
-        return ctab, cu_chunks.int(), stab, cu_segs.int()
-
-    def lpt(stab, target=None):
-        lpts.append(True)
-        return common.lpt_order(stab)
+        if lpt:
+            lpts.append(True)
+        return ctab, cu_chunks.int(), stab, cu_segs.int(), common.lpt_order(stab) if lpt else stab
 
     def prep(q, k, g, beta, ctab, scale, target=None):
         calls.append("prep")
@@ -53,7 +51,6 @@ def fwd(monkeypatch):
         return (blocks[0], 0)
 
     monkeypatch.setattr(mod, "run_tables", tables)
-    monkeypatch.setattr(mod, "run_lpt", lpt)
     monkeypatch.setattr(mod, "run_prep", prep)
     for name in ("seg_state", "fixup", "fwd_fused", "fwd_o"):
         monkeypatch.setattr(mod, f"run_{name}", record(name))

@@ -141,11 +141,7 @@ def stage_times_ms(pkg, x, split_tokens, block_v, reps=10):
     fused = r["block_v"] == 128
     # the final kernel's table: stab's rows longest first where the forward ordered them
     fstab = r.get("stab_lpt", r["stab"])
-    stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp))}
-    if fstab is not r["stab"]:
-        from qlabench_kernels.tables import run_lpt
-
-        stages["lpt"] = lambda: run_lpt(r["stab"])
+    stages = {"tables": lambda: run_tables(cu, T, N, seg, bool(sp), fstab is not r["stab"])}
     if sp or not fused:
         stages["prep"] = lambda: run_prep(x["q"], x["k"], x["g"], x["beta"], r["ctab"], scale, p_all=r["p_all"])
     if sp:
