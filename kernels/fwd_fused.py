@@ -158,6 +158,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             r16 = T.alloc_fragment((C, C), "float16")  # Rₖ, the A operand of the inverse's rounds
             fac = T.alloc_var("float32")
             x16 = T.alloc_local((B,), "float32")
+            lrow = T.alloc_local((B,), "float16")
             acc1 = T.alloc_var("float32")
             lsub = T.alloc_var("int32")  # aux's thread index, re-read per chunk for the substitution
             # producer warp 13
@@ -303,11 +304,11 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         for i in T.unroll(B):
                             x16[i] = T.float32(0)
                         for i in T.unroll(B):
+                            for j in T.vectorized(B):  # the block's row i by two 16-byte loads
+                                lrow[j] = lo_sh[(lsub // B) * B + i, (lsub // B) * B + j]
                             acc1 = T.if_then_else(lsub % B == i, T.float32(1), T.float32(0))
                             for j in T.unroll(i):
-                                acc1 = (
-                                    acc1 - T.cast(lo_sh[(lsub // B) * B + i, (lsub // B) * B + j], "float32") * x16[j]
-                                )
+                                acc1 = acc1 - T.cast(lrow[j], "float32") * x16[j]
                             x16[i] = acc1
                         for i in T.vectorized(B):  # @trace a_sstore
                             d_sh[lsub, (lsub // B) * B + i] = T.cast(-x16[i], "float16")

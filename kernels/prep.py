@@ -89,6 +89,7 @@ def prep_program(h_qk: int, h_v: int):
             cj = T.alloc_fragment((C,), "float32")
             fac = T.alloc_var("float32")
             x16 = T.alloc_local((B,), "float32")
+            lrow = T.alloc_local((B,), "float16")
             acc1 = T.alloc_var("float32")
             gv = T.alloc_local((2,), "float32")
             bv2 = T.alloc_local((2,), "float32")
@@ -199,9 +200,11 @@ def prep_program(h_qk: int, h_v: int):
                     for i in T.unroll(B):
                         x16[i] = T.float32(0)
                     for i in T.unroll(B):
+                        for j in T.vectorized(B):
+                            lrow[j] = lo_sh[(tx // B) * B + i, (tx // B) * B + j]
                         acc1 = T.if_then_else(tx % B == i, T.float32(1), T.float32(0))
                         for j in T.unroll(i):
-                            acc1 = acc1 - T.cast(lo_sh[(tx // B) * B + i, (tx // B) * B + j], "float32") * x16[j]
+                            acc1 = acc1 - T.cast(lrow[j], "float32") * x16[j]
                         x16[i] = acc1
                     for i in T.vectorized(B):
                         dn_sh[tx, (tx // B) * B + i] = T.cast(-x16[i], "float16")
