@@ -13,34 +13,31 @@ last valid value)
     Oᵀ   = scale · e^g ⊙ (Sᵀ Qᵀ) + Vdᵀ Pᵀ
     Sᵀ  ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
-The inverse on tensor cores, in fp16 (docs/kernels.md): D = blockdiag((I + L_bb)⁻¹) over the 16x16
-diagonal blocks by substitution in fp32 (64 threads, a column each, stored as a row of (−D)ᵀ and of
-(Dβ)ᵀ by vector stores); −N = −D L off the diagonal blocks (strictly block-lower, N⁴ = 0), then
-R₁ = I − N, Rₖ₊₁ = I + Rₖ(−N) in registers (fp16 A operands; the diagonal a select of 1) and
-A_β = R₃ Dβ = (I + L)⁻¹ diag β: four 64x64x64 wgmmas reading (−D)ᵀ and (Dβ)ᵀ transposed. fp16 (not
-bf16) keeps A_β's error below its own bf16 rounding. L, −N, P and A_β go to shared memory by
-stmatrix (each ring slot a buffer of its own: ``T.copy`` emits stmatrix only at a buffer's offset 0).
+The inverse in fp16 on tensor cores (docs/kernels.md): D = blockdiag((I + L_bb)⁻¹) of the 16x16
+diagonal blocks by substitution in fp32 (64 threads, a column each, stored as rows of (−D)ᵀ, (Dβ)ᵀ);
+−N = −D L off the blocks (N⁴ = 0), R₁ = I − N, Rₖ₊₁ = I + Rₖ(−N) in registers, A_β = R₃ Dβ = (I + L)⁻¹
+diag β: four 64x64x64 wgmmas (fp16, not bf16: A_β's error stays below its own bf16 rounding). L, −N,
+P and A_β go to shared memory by stmatrix (``T.copy`` emits it only at a buffer's offset 0: each
+ring slot is a buffer).
 
-Gating by factors (docs/kernels.md has the bounds). With m = (g_0 + g_l) / 2, Γ_ij = e^{g_i − m} ·
-e^{m − g_j}: under the producer's flag (no positive gate, range below ``FACTOR_RANGE``) aux gates an
-element by (row_i · col_j) · acc and drops the masked ones by a select; otherwise per element by
-e^{min(g_i − g_j, 0)}.
+Gating by factors (docs/kernels.md): Γ_ij = e^{g_i − m} · e^{m − g_j}, m = (g_0 + g_l) / 2, under the
+producer's flag (no positive gate, range below ``FACTOR_RANGE``); otherwise e^{min(g_i − g_j, 0)}.
 
 Roles:
 
     WG0-1 (tx   0..255, setmaxnreg 192)  the state Sᵀ [128 V, 128 K] fp32 in registers (64 V rows
             per warpgroup); every GEMM but the V term takes its A operand from registers (the
             accumulator cast to bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vdᵀ Pᵀ,
-            Sᵀ += Vd'ᵀ K; o (bf16) into q_sh[c % 3] (Q is dead once both warpgroups' O GEMMs
-            are done); a sequence's partial last chunk's rows stored from there; a proxy fence,
-            the arrives on o_staged and empty
+            Sᵀ += Vd'ᵀ K; o (bf16) into q_sh[c % 3] by stmatrix .trans (``O_STAGE_SRC``)
+            between two syncs of the 256 threads (named barrier ``O_SYNC_BAR``: the other's O GEMM
+            reads that Q; a partial last chunk's rows, stored from there, read both halves); a
+            proxy fence, the arrives on o_staged and empty
     WG2   (tx 256..383, setmaxnreg 104)  aux, up to two chunks ahead: K Kᵀ and L, Q Kᵀ and P, the
             inverse → P and A_β (bf16) into the two-stage ring t (pp0/pp1_sh, ta0/ta1_sh)
-    WG3   (tx 384..511, setmaxnreg  24)  producer: warp 12's elected lane TMA-loads Q, K, V of chunk c
-            into stage c % 3; warp 13 loads g and β (zero past the sequence end), takes the
-            chunk-local cumsum with warp shuffles and writes g, β, e^g, mask · e^{g_l − g}, the
-            gating factors and the factored-gating flag (a warp vote) into the same stage;
-            warp 14 TMA-stores a full chunk's o from q_sh[c % 3]; warp 15 exits
+    WG3   (tx 384..511, setmaxnreg  24)  warp 12 TMA-loads Q, K, V of chunk c into stage c % 3;
+            warp 13 g and β (zero past the end), their chunk-local cumsum by shuffles, e^g, mask ·
+            e^{g_l − g}, the gating factors and flag (a warp vote) into the same stage; warp 14
+            TMA-stores a full chunk's o from q_sh[c % 3]; warp 15 exits
 
 mbarriers (c = chunk, js = c % 3, pj = (c // 3) % 2, jt = c % 2, pt = (c // 2) % 2; a "free" wait
 uses the other parity, which passes at once on a fresh barrier):
@@ -51,18 +48,12 @@ uses the other parity, which passes at once on a fresh barrier):
     t_ready[jt] count 128 aux after writing ta/pp[jt] (+fence) state waits pt
     t_free[jt]  count 256 state after its last GEMM of chunk c aux waits 1 − pt
 
-and syncs of the state's 256 threads around o's staging (its writes overwrite the other's Q; a
-partial chunk's row stores read both halves).
+No barrier gets two phases ahead of its waiter: aux arrives on t_ready[jt] for chunk c + 2 after its
+wait on t_free[jt] for c; the producers on full[js] for c + 3 after empty[js] for c (every consumer).
 
-No barrier gets two phases ahead of its waiter: aux's arrive on t_ready[jt] for chunk c + 2 sits
-behind its wait on t_free[jt] for chunk c; the producers' arrive on full[js] for c + 3 behind their
-wait on empty[js] for c, which needs every consumer past chunk c.
+Rows past the sequence end: β, g zeroed (L, A_β, Vd 0), e^{g_l − g} masked, o not stored; loads past it meet those 0s.
 
-Rows past the sequence end: β and g are zeroed (L and A_β zero there, Vd too), e^{g_l − g} masked, o
-not stored; TMA loads of q/k/v past the end (the next sequence's rows) only meet those zeros.
-
-Lines marked ``# @trace NAME`` are where ``tools/kernels/trace_fused.py`` stamps the SM clock, per
-role, chunk and CTA, in a copy of this program (the program here carries only the comments).
+``# @trace NAME`` lines: where ``tools/kernels/trace_fused.py`` stamps the SM clock in a copy.
 
 Inputs:  q, k [1,T,Hqk,128] bf16; v [1,T,Hv,128] bf16; g, beta [1,T,Hv] fp32; stab int32 [NS,8];
          h_init [R,Hv,128,128] fp32 (row stab[s,4], read when ``has_init``); scale fp32.
@@ -74,6 +65,7 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
+from .fwd_o import O_STAGE_SRC, O_SYNC_BAR, acc_layout
 
 #: setmaxnreg budgets (registers / thread) of the state warpgroups (WG0 and WG1), aux (WG2) and
 #: producer (WG3): they sum to 512 per thread slot, what the launch's 512 x 128 registers hold.
@@ -119,6 +111,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     ):
         # v-head fastest: the G v-heads of a q/k head start together and share its rows in L2
         with T.Kernel(NS * h_v, threads=512) as sh:
+            T.import_source(O_STAGE_SRC)
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
@@ -149,6 +142,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             w_bf = T.alloc_fragment((D, C), "bfloat16")
             vd_bf = T.alloc_fragment((D, C), "bfloat16")
             vp_bf = T.alloc_fragment((D, C), "bfloat16")
+            o_bf = T.alloc_fragment((D, C), "bfloat16")
+            T.annotate_layout({o_bf: acc_layout((D, C))})  # o_acc's, read by qlb_stage_o_trans
             # aux
             a_acc = T.alloc_fragment((C, C), "float32")
             p_acc = T.alloc_fragment((C, C), "float32")
@@ -226,7 +221,10 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)  # @trace s_s
                     T.barrier_arrive(t_free[jt])  # @trace s_store
                     for i, j in T.Parallel(D, C):
-                        q_sh[js, j, i] = T.cast(o_acc[i, j], "bfloat16")
+                        o_bf[i, j] = T.cast(o_acc[i, j], "bfloat16")
+                    T.sync_threads(O_SYNC_BAR, 256)  # the other warpgroup's O GEMM has read Q
+                    T.call_extern("handle", "qlb_stage_o_trans", T.access_ptr(q_sh[js, 0, 0], "w"), T.access_ptr(o_bf[0, 0], "r"))
+                    T.sync_threads(O_SYNC_BAR, 256)  # both halves staged (a partial chunk's rows read them)
                     if ln < C:  # a partial (last) chunk's rows from here, full ones by warp 14
                         for j, i in T.Parallel(C, D):
                             if j < ln:
@@ -252,11 +250,9 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     pt = (ci // 2) % 2
                     T.barrier_wait(full[js], pj)  # @trace a_wait_full
                     fac = gt_sh[js, 7, 0]
-                    # L = StrictLower(diag β · Γ ⊙ K Kᵀ), then P = scale · Γ ⊙ Q Kᵀ (causal, into stage
-                    # jt once the state is done with it), gated in registers, one accumulator live at
-                    # a time: Γ_ij = e^{g_i − m} · e^{m − g_j} from the producer's row and column
-                    # tables where its flag allows it (the masked products may be inf: dropped by the
-                    # select), else per element e^{min(g_i − g_j, 0)}
+                    # L = StrictLower(diag β · Γ ⊙ K Kᵀ), then P = scale · Γ ⊙ Q Kᵀ (causal, into ring slot
+                    # jt once the state is done with it), gated in registers by factors under the flag
+                    # (masked products may be inf: dropped by the select), else per element
                     T.gemm(k_sh[js, :, :], k_sh[js, :, :], a_acc, transpose_B=True, clear_accum=True)  # @trace a_kk
                     if fac != T.float32(0):  # @trace a_lgate
                         for i in T.Parallel(C):
@@ -294,11 +290,9 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         T.copy(p_acc, pp0_sh)
                     else:
                         T.copy(p_acc, pp1_sh)
-                    # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D and
-                    # Dβ = D diag β outside the diagonal blocks stay zero from before the loop). Its
-                    # thread index comes from a shuffle (the identity) each chunk: with li itself the
-                    # compiler hoists the 16 unit-vector selects and the row addresses out of the chunk
-                    # loop, and ptxas spills them (aux holds 104 registers)
+                    # D_b = (I + L_bb)⁻¹: thread li < 64 solves column li % 16 of block li // 16 (D, Dβ zero
+                    # off the blocks from before the loop); li re-read by a shuffle each chunk: with li the
+                    # compiler hoists the unit-vector selects and row addresses out of the loop (spills)
                     lsub = T.shfl_sync(li, li % 32)
                     if lsub < C:  # @trace a_subst
                         for i in T.unroll(B):
@@ -320,11 +314,9 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     for i, j in T.Parallel(C, C):
                         a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
                     T.copy(a_acc, n_sh)  # @trace a_nstore
-                    # (I + N)⁻¹ = I − N + N² − N³ = R₃ by R₁ = I − N, Rₖ₊₁ = I − Rₖ N = I + Rₖ (−N), then
-                    # A_β = R₃ Dβ: Rₖ is the A operand from registers (fp16), −N and Dβ the B operands
-                    # from shared memory. The diagonals of N and of Rₖ N are exactly 0 (each product has
-                    # a structural zero factor), so I + acc is a select of 1 or acc (a select of the
-                    # constants 1 / 0 is loop-invariant: hoisted out of the chunk loop, it spills)
+                    # (I + N)⁻¹ = I − N + N² − N³ = R₃, Rₖ₊₁ = I + Rₖ (−N), A_β = R₃ Dβ (Rₖ from registers,
+                    # fp16). The diagonals of N and Rₖ N are exactly 0, so I + acc is a select of 1 or acc
+                    # (not of constants 1 / 0: loop-invariant, hoisted out of the chunk loop, it spills)
                     for i, j in T.Parallel(C, C):
                         r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
                     T.fence_proxy_async()

@@ -14,16 +14,14 @@ FLA's gated A times diag β and P = scale·Γ⊙QKᵀ, causal incl. the diagonal
     Oᵀ  = scale · e^g ⊙ Oᵀ + Vdᵀ Pᵀ
     Sᵀ ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
-Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to what two
-warpgroups hold):
+Roles (128 registers a thread at launch; the setmaxnreg budgets sum to what two warpgroups hold):
 
     WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the five GEMMs and the V term; o
-            staged in the stage's P buffer after the last GEMM (a partial last chunk's rows stored
-            from there)
-    WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block, A_β and P into stage
-            c % NST, and of Q into its one buffer once the state is done with the previous Q;
-            warp 5: the chunk's gcs rows and the per-token tables e^g, mask · e^{g_l − g},
-            e^{g_l} into the stage; warp 6: a full chunk's o out of the P buffer by TMA; warp 7 exits
+            staged in the stage's P buffer after the last GEMM by stmatrix .trans between two syncs
+            (``O_STAGE_SRC``; a partial last chunk's rows stored from there)
+    WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block, A_β, P into stage
+            c % NST, and of Q into its one buffer once the state is done with the last; warp 5: gcs
+            rows → e^g, mask · e^{g_l − g}, e^{g_l} into the stage; warp 6: full chunks' o by TMA; 7 exits
 
 mbarriers (c = chunk; "free" waits use the other parity, which passes at once on a fresh barrier):
 
@@ -33,12 +31,10 @@ mbarriers (c = chunk; "free" waits use the other parity, which passes at once on
     q_full    count 32  warp 4 (+ tx bytes)               the state waits c % 2
     q_empty   count 128 the state after its Q GEMM        warp 4 waits 1 − c % 2
 
-Q has one buffer (two CTAs per SM must fit in shared memory): the state takes its Q GEMM first,
-and warp 4 loads the next chunk's Q while the rest of the chunk runs.
+Q has one buffer (two CTAs per SM must fit): the state takes its Q GEMM first, warp 4 loads the next.
 
-Rows past the sequence end: their A_β and P rows and columns are 0 (prep), so Vd is 0 there; the
-rows fed into the state update are masked and their o rows are not stored. TMA loads of q/k/v may
-read the next sequence's rows (zero-filled past T), which only meet those zeros.
+Rows past the sequence end: A_β and P are 0 there (prep), the state update's rows masked, o not
+stored; TMA loads of q/k/v past the end (the next sequence's rows) only meet those zeros.
 
 Inputs:  q, k [1,T,Hqk,128] bf16; v [1,T,Hv,128] bf16; gcs [Hv,NCS*64] fp32; a_beta, p_all
          [Hv,NCS*64,64] bf16 (prep); stab int32 [NS,8]; h_init [R,Hv,128,128] fp32 (row stab[s,4],
@@ -64,6 +60,31 @@ assert NREG[0] + NREG[1] == 2 * NREG_LAUNCH
 NST = 2
 #: the V block of a CTA (one warpgroup's wgmma M)
 BLOCK_V = 64
+
+
+O_SYNC_BAR = 12  #: the named barrier around o's staging in fwd_o and the fused kernel (TileLang's start at 1)
+#: o (bf16, ``acc_layout``: thread t holds V row 16 (t/32 % 4) + t % 32 / 4 + 8h of its warpgroup's 64,
+#: tokens 8n + 2 (t % 4) + {0, 1}, as pair 2n + h) into [64 tokens, 64 V] per warpgroup (TileLang's
+#: 128-byte swizzle: 16-byte chunk c of row r at c ^ (r % 8)) by four stmatrix .x4.trans per thread
+O_STAGE_SRC = r"""
+__device__ __forceinline__ void qlb_stage_o_trans(void* stage, const void* frag) {
+  const int t = threadIdx.x, q = (t & 31) >> 3, r = t & 7;
+  const unsigned* v = static_cast<const unsigned*>(frag);
+  unsigned short* half = static_cast<unsigned short*>(stage) + ((t >> 7) & 1) * 4096;
+  #pragma unroll
+  for (int m = 0; m < 4; ++m) asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::
+    "r"(static_cast<unsigned>(__cvta_generic_to_shared(half + (16 * m + 8 * (q >> 1) + r) * 64 + ((2 * ((t >> 5) & 3) + (q & 1)) ^ r) * 8))),
+    "r"(v[4 * m]), "r"(v[4 * m + 1]), "r"(v[4 * m + 2]), "r"(v[4 * m + 3]) : "memory");
+}
+"""
+
+
+def acc_layout(shape):
+    """TileLang's layout of a [rows, 64] wgmma accumulator, 128 threads per 64 rows (``O_STAGE_SRC``)."""
+    import tilelang.language as T
+
+    return T.Fragment(shape, forward_thread_fn=lambda i, j: i // 16 * 32 + i % 8 * 4 + j % 8 // 2,
+                      forward_index_fn=lambda i, j: j // 8 * 4 + i % 16 // 8 * 2 + j % 2)
 
 
 def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
@@ -96,6 +117,7 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
         ht: T.Tensor((N, h_v, D, D), "float32"),
     ):
         with T.Kernel(D // BV, NS * h_v, threads=256) as (bv, sh):
+            T.import_source(O_STAGE_SRC)
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             s = sh // h_v
             hv = sh % h_v
@@ -117,6 +139,8 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             w_bf = T.alloc_fragment((BV, C), "bfloat16")
             vd_bf = T.alloc_fragment((BV, C), "bfloat16")
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
+            o_bf = T.alloc_fragment((BV, C), "bfloat16")
+            T.annotate_layout({o_bf: acc_layout((BV, C))})  # o_acc's, read by qlb_stage_o_trans
             egl = T.alloc_var("float32")
             gv = T.alloc_local((2,), "float32")
 
@@ -165,7 +189,10 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
                     T.gemm(vd_bf, pp_sh[js, :, :], o_acc, transpose_B=True, policy=FR)
                     for i, j in T.Parallel(BV, C):  # o through the P buffer (BV = C), read for the last time above
-                        pp_sh[js, j, i] = T.cast(o_acc[i, j], "bfloat16")
+                        o_bf[i, j] = T.cast(o_acc[i, j], "bfloat16")
+                    T.sync_threads(O_SYNC_BAR, 128)
+                    T.call_extern("handle", "qlb_stage_o_trans", T.access_ptr(pp_sh[js, 0, 0], "w"), T.access_ptr(o_bf[0, 0], "r"))
+                    T.sync_threads(O_SYNC_BAR, 128)  # a partial chunk's rows read the others' stores
                     ln = T.min(eos - bos - ci * C, C)
                     if ln < C:  # a partial (last) chunk's rows from here, full ones by warp 6
                         for j, i in T.Parallel(C, BV):

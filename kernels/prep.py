@@ -10,16 +10,12 @@ nv are launch arguments, ``plan.prep_slices`` picks them), for each:
     L     = StrictLower(diag(β) · (Γ ⊙ K Kᵀ))                                      [64, 64]
     A_β   = (I + L)⁻¹ diag(β)                  (FLA's gated A times diag β)
 
-The fused kernel's aux algorithm (``fwd_fused``) per (chunk, v-head): warps 0..3 first take the
-cumsum by warp shuffles and write the per-token gate table of one v-head each (g_cs, β, the row
-factors β e^{g − m} and scale e^{g − m}, the column factors e^{m − g}, the factored-gating flag).
-Then two loops over the v-heads: P for each (Q Kᵀ on wgmma once for the CTA, kept in registers,
-gated by that v-head's factors where its flag allows it, else per element;
-stmatrix, TMA store), after which q is dead; then L and A_β for each: K Kᵀ gated alike into L
-(fp16) and the fused kernel's fp16 inverse (its docstring: the 16x16 blocks' substitution into
-(−D)ᵀ and (Dβ)ᵀ, −N, three rounds in registers, A_β = R₃ Dβ), A_β by stmatrix and TMA store. Rows
-past the sequence end get q = k = 0 and β = 0 (their rows and columns of A_β and P are 0). Fast
-math; ptxas held to ``MIN_BLOCKS`` CTAs per SM (``__launch_bounds__``: 128 registers, no stack).
+The fused kernel's aux algorithm (``fwd_fused``) per (chunk, v-head): warps 0..3 take the cumsum by
+shuffles and write one v-head's gate table each (g_cs, β, the row factors β e^{g − m}, scale e^{g − m},
+the column factors e^{m − g}, the flag). Then P for each v-head (Q Kᵀ once for the CTA, in registers,
+gated by that v-head's factors or per element; stmatrix, TMA store), q dead after; then L and A_β for
+each (K Kᵀ gated alike into L, fp16; the fused kernel's inverse; stmatrix, TMA store). Rows past the
+sequence end get q = k = 0, β = 0. Fast math; ``__launch_bounds__``: ``MIN_BLOCKS`` CTAs per SM.
 
 Layouts (chunk-slot space, see ``_common.chunk_table``; slot c covers rows c*64 .. c*64+63):
     q, k  [1, T, Hqk, 128] bf16    g, beta [1, T, Hv] fp32     ctab [NCS, 4] int32
@@ -210,15 +206,12 @@ def prep_program(h_qk: int, h_v: int):
                         dn_sh[tx, (tx // B) * B + i] = T.cast(-x16[i], "float16")
                         db_sh[tx, (tx // B) * B + i] = T.cast(x16[i] * gt_sh[v, 1, tx], "float16")
                 T.fence_proxy_async()
-                # −N = −D L_off: −D L with its diagonal blocks dropped (there D L_bb = I − D); D is
-                # stored negated, so that no pass below negates an accumulator; −N then over −D
+                # −N = −D L off the diagonal blocks (D stored negated, as in fwd_fused); −N then over −D
                 T.gemm(dn_sh, lo_sh, a_acc, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     a_acc[i, j] = T.if_then_else(i // B > j // B, a_acc[i, j], T.float32(0))
                 T.copy(a_acc, dn_sh)
-                # (I + N)⁻¹ = R₃ by R₁ = I − N, Rₖ₊₁ = I + Rₖ (−N) (Rₖ the A operand from registers,
-                # fp16), then A_β = R₃ Dβ; the diagonals of N and Rₖ N are exactly 0, so I + acc is a
-                # select of 1 or acc
+                # (I + N)⁻¹ = R₃, then A_β = R₃ Dβ (fwd_fused's rounds: Rₖ from registers, fp16)
                 for i, j in T.Parallel(C, C):
                     r16[i, j] = T.cast(T.if_then_else(i == j, T.float32(1), a_acc[i, j]), "float16")
                 T.fence_proxy_async()

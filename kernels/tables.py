@@ -10,8 +10,7 @@ One CTA of ``NT`` threads walks the sequences in blocks of NT:
                 binary search (over the block's NT first-slot values, in shared memory) for its sequence
     finally:    cu_chunks[N], cu_segs[N]; unused slots get (0, 0, −1, 0[, 0 …]) rows.
 
-Output rows equal the torch builders exactly (see ``_common``), incl. empty sequences (0 chunks,
-one empty segment) and the unsplit case (seg = T rounded up to 64, init_row = sequence).
+Output rows equal the torch builders' (``_common``), incl. empty sequences and the unsplit case.
 
 Then, when ``lpt`` (where ``plan.plan_lpt`` orders the final kernel's CTAs), in the same launch once
 stab is written: stab_lpt = stab's rows longest first (``_common.lpt_order``): a histogram of the keys

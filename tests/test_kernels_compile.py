@@ -125,27 +125,42 @@ def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     nreg = _mod("fwd_fused").NREG
     state = src[src.index(f"warpgroup_reg_alloc<{nreg[0]}>") : src.index(f"warpgroup_reg_dealloc<{nreg[1]}>")]
     assert state.count("v_sh)[") == state.count("(bfloat16_t*)v_sh)[0]") == 2
-    syncs = [i for i in range(len(state)) if state.startswith(", 256);", i)]
-    o_write = state.rindex("((bfloat16_t*)q_sh)[")
-    order = [max(i for i in syncs if i < o_write), o_write, state.index("*(uint4*)(o + "),
+    bar = f"__sync_thread_partial({_mod('fwd_o').O_SYNC_BAR}, 256);"
+    syncs = [i for i in range(len(state)) if state.startswith(bar, i)]
+    o_write = state.index("qlb_stage_o_trans(")
+    order = [syncs[0], o_write, syncs[1], state.index("*(uint4*)(o + "),
              state.rindex("fence_proxy_async"), state.rindex("o_staged["), state.rindex("empty[")]  # fmt: skip
-    assert len(syncs) <= 2 and order == sorted(order)  # sync, o into q_sh, partial rows, fence, arrives
-    assert "tma_store(o_desc" in src
+    assert len(syncs) == 2 and order == sorted(order)  # sync, o into q_sh, sync, partial rows, fence, arrives
+    assert state.count("qlb_stage_o_trans(") == 1 and "tma_store(o_desc" in src
+    _one_count_per_barrier(src)
+
+
+def _one_count_per_barrier(src):
+    """Each named barrier id is synced with one thread count (the explicit ones of o's staging and
+    those TileLang inserts must not share an id)."""
+    ids = {}
+    for bid, n in re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src):
+        ids.setdefault(bid, set()).add(n)
+    assert all(len(v) == 1 for v in ids.values()), ids
 
 
 def test_fwd_o_keeps_its_state_in_registers(sources):
     """fwd_o's state warpgroup takes the A operand of its Q, K, A_β, P and state-update GEMMs from
-    registers (five wgmma_rs), only the V term from shared memory (no stmatrix); o is staged in the
-    stage's P buffer, a partial chunk's rows stored from there, then a proxy fence and the arrives
-    on o_staged and empty; warp 6 stores full chunks by TMA; two CTAs per SM at 128 registers."""
+    registers (five wgmma_rs), only the V term from shared memory (no operand by stmatrix); o is
+    staged in the stage's P buffer by stmatrix .trans between two syncs, a partial chunk's rows
+    stored from there, then a proxy fence and the arrives on o_staged and empty; warp 6 stores full
+    chunks by TMA; two CTAs per SM at 128 registers."""
     src, m = sources["fwd_o"], _mod("fwd_o")
     assert f"__launch_bounds__(256, {m.MIN_BLOCKS})" in src and m.NREG_LAUNCH * 256 * m.MIN_BLOCKS == 65536
     assert src.count("wgmma_rs<") == 5 and src.count("wgmma_ss<") == 1
-    assert "stmatrix" not in src
+    assert "tl::ptx_stmatrix" not in src and src.count("stmatrix.sync.aligned.x4.trans") == 1
     state = src[src.index(f"warpgroup_reg_alloc<{m.NREG[0]}>") : src.index(f"warpgroup_reg_dealloc<{m.NREG[1]}>")]
-    order = [state.index("((bfloat16_t*)pp_sh)["), state.index("*(uint4*)(o + "), state.rindex("fence_proxy_async"),
-             state.rindex("o_staged["), state.rindex("empty[")]  # fmt: skip
-    assert order == sorted(order) and "tma_store(o_desc" in src
+    bar = f"__sync_thread_partial({_mod('fwd_o').O_SYNC_BAR}, 128);"
+    syncs = [i for i in range(len(state)) if state.startswith(bar, i)]
+    order = [syncs[0], state.index("qlb_stage_o_trans("), syncs[1], state.index("*(uint4*)(o + "),
+             state.rindex("fence_proxy_async"), state.rindex("o_staged["), state.rindex("empty[")]  # fmt: skip
+    assert len(syncs) == 2 and order == sorted(order) and "tma_store(o_desc" in src
+    _one_count_per_barrier(src)
 
 
 def test_seg_state_keeps_its_state_in_registers(sources):
