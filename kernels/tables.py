@@ -79,6 +79,8 @@ def tables_program(nt: int = NT):
             hist = T.alloc_shared((K,), "int32")  # lpt: per key, the rank of its next slot
             wcnt = T.alloc_shared((nt,), "int32")  # lpt: [warp, key]: the warp's slots of the key, then their first rank
             key = T.alloc_var("int32")
+            run = T.alloc_var("int32")
+            cnt = T.alloc_var("int32")
 
             n_seq = N1 - 1
             carry_c = 0
@@ -188,11 +190,11 @@ def tables_program(nt: int = NT):
                         T.atomic_add(hist[key_of(stab, it * nt + tx)], 1)
                 T.sync_threads()
                 if tx == 0:  # descending keys
-                    a_c = 0
+                    run = 0
                     for b in T.serial(K):
-                        a_s = hist[K - 1 - b]
-                        hist[K - 1 - b] = a_c
-                        a_c = a_c + a_s
+                        cnt = hist[K - 1 - b]
+                        hist[K - 1 - b] = run
+                        run = run + cnt
                 for it in T.serial(T.ceildiv(NS, nt)):
                     sl = it * nt + tx
                     key = K  # past NS: a key of its own, never written
@@ -206,12 +208,12 @@ def tables_program(nt: int = NT):
                         wcnt[(tx // 32) * K + key] = T.call_extern("int32", "__popc", m)
                     T.sync_threads()
                     if tx < K:
-                        a_c = hist[tx]
+                        run = hist[tx]
                         for w in T.serial(nt // 32):
-                            a_s = wcnt[w * K + tx]
-                            wcnt[w * K + tx] = a_c
-                            a_c = a_c + a_s
-                        hist[tx] = a_c
+                            cnt = wcnt[w * K + tx]
+                            wcnt[w * K + tx] = run
+                            run = run + cnt
+                        hist[tx] = run
                     T.sync_threads()
                     if sl < NS:
                         for j in T.serial(SEG_COLS):

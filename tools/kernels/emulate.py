@@ -407,7 +407,7 @@ def rel_l2(a, b):
 
 def emu_tables_tl(cu, T, N, seg_tokens, split, nt=512):
     """Mirror of tables.py (block scan + per-slot binary search, blocks of ``nt`` sequences).
-    Returns (ctab, cu_chunks, stab, cu_segs) as int32 tensors like run_tables."""
+    Returns (ctab, cu_chunks, stab, cu_segs) as int32 tensors, the first four of run_tables' outputs."""
     cu = [int(x) for x in cu.tolist()]
     ncs, ns = T // C + N, T // seg_tokens + N
     ctab = [[0, 0, -1, 0] for _ in range(ncs)]
