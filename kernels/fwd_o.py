@@ -188,9 +188,9 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         s_acc[i, j] = s_acc[i, j] * egl
                     T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
                     T.gemm(vd_bf, pp_sh[js, :, :], o_acc, transpose_B=True, policy=FR)
-                    for i, j in T.Parallel(BV, C):  # o through the P buffer (BV = C), read for the last time above
+                    for i, j in T.Parallel(BV, C):
                         o_bf[i, j] = T.cast(o_acc[i, j], "bfloat16")
-                    T.sync_threads(O_SYNC_BAR, 128)
+                    T.sync_threads(O_SYNC_BAR, 128)  # o into the P buffer (BV = C): every warp's last GEMM has read P
                     T.call_extern("handle", "qlb_stage_o_trans", T.access_ptr(pp_sh[js, 0, 0], "w"), T.access_ptr(o_bf[0, 0], "r"))
                     T.sync_threads(O_SYNC_BAR, 128)  # a partial chunk's rows read the others' stores
                     ln = T.min(eos - bos - ci * C, C)
