@@ -54,6 +54,8 @@
 #   bwd_splits   the backward planner's candidates side by side (configs/h200_bwd_splits.yaml);
 #   fwd_recipes  the forward sweep's points under the strong-decay and model recipes (tilelang);
 #   suite_kernels the in-repo kernels' GPU tests only (tests/test_kernels_gpu.py, test_kernels_bwd_gpu.py);
+#   suite_fwd    the forward kernels' GPU tests only (tests/test_kernels_gpu.py: a cache of the forward's
+#                kernels alone, `qlabench precompile` of the forward configs, is enough);
 #   suite_first  the GPU test suite in one job (its first run on this machine);
 #   bwd          the backward campaign, configs/h200_bwd.yaml (fla, flashqla, tilelang) into runs/h200_bwd
 #                (no cap but the deadline: a campaign step after it gets what is left);
@@ -177,8 +179,9 @@ job)
     timeout --signal=INT --kill-after=20 "$b" "$@" > "$J/$name.log" 2>&1; local rc=$?
     tail -3 "$J/$name.log"; log "end $name: exit $rc, $(( $(date +%s) - t )) s"; return $rc; }
   suite() { echo env QLABENCH_TEST_TIMEOUT_S=240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
-    --durations=25 --junitxml="$J/$1.xml" tests/test_kernels_gpu.py tests/test_kernels_bwd_gpu.py \
-    $([ "$1" = suite_kernels ] || echo tests/test_poison_gpu.py tests/test_backends_gpu.py); }
+    --durations=25 --junitxml="$J/$1.xml" tests/test_kernels_gpu.py \
+    $([ "$1" = suite_fwd ] || echo tests/test_kernels_bwd_gpu.py) \
+    $([ "$1" = suite_kernels ] || [ "$1" = suite_fwd ] || echo tests/test_poison_gpu.py tests/test_backends_gpu.py); }
   # FlashInfer 0.6.13 on the head shapes of the sweeps and tests (GVA or not, with and without h0)
   fi_calls="
 import torch; from flashinfer.gdn_prefill import chunk_gated_delta_rule as f
@@ -227,6 +230,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
         --table results/dispatch/h200_fwd.json --heads "$1" --seqlens "$2" || rc=1
     done; exit $rc'
   step suite_kernels 120 300 $(suite suite_kernels)
+  step suite_fwd 120 300 $(suite suite_fwd)
   step bwd_prev 120 360 qlabench run configs/h200_bwd_kernels_prev.yaml --resume
   step bwd_splits 120 420 qlabench run configs/h200_bwd_splits.yaml --resume
   step fwd_recipes 120 360 qlabench run configs/h200_fwd_recipes.yaml --resume
