@@ -64,7 +64,8 @@
 #   campaign_nofla the forward sweep without FLA (never the fastest library there: the best-library
 #                ratio in one run at two thirds of the time; FLA's ratio then pairs another run's
 #                rows) into runs/h200_fwd_nofla, once /tmp/fisite is ready, after fwd_heldout: shard 0
-#                of 2 (half the points, balanced over head configs and layouts), then the rest;
+#                of 2 (half the points, balanced over head configs and layouts), then the rest; both
+#                with --resume, so a cut campaign carried back (RESUME_TGZ) is finished, not re-measured;
 #   suite_warm   the GPU test suite again, every cache warm, when the session's deadline allows;
 #   correctness_tests   the correctness check's GPU tests (the fp32 reference against the fp64 recurrence, poisoning);
 #   correctness_accept  scripts/airgapped/correctness_acceptance.py on FLA: every broken variant must be `incorrect`
@@ -260,7 +261,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step fwd_heldout_resume 90 0 $heldout
   # shard 0 of 2 first (half the points, balanced by work over every head config and layout), then the rest
   step campaign_nofla 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd_nofla \
-    --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --shard 0/2
+    --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --shard 0/2 --resume
   step campaign_nofla_resume 90 0 qlabench run configs/h200_fwd.yaml \
     --out runs/h200_fwd_nofla --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --resume
   heldout_b="qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD} ${BWD_HELDOUT_BACKENDS:+--backends $BWD_HELDOUT_BACKENDS}"
