@@ -28,10 +28,10 @@ Roles:
     WG0-1 (tx   0..255, setmaxnreg 192)  the state Sᵀ [128 V, 128 K] fp32 in registers (64 V rows
             per warpgroup); every GEMM but the V term takes its A operand from registers (the
             accumulator cast to bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vdᵀ Pᵀ,
-            Sᵀ += Vd'ᵀ K; o (bf16) into q_sh[c % 3] by stmatrix .trans (``O_STAGE_SRC``)
-            between two syncs of the 256 threads (named barrier ``O_SYNC_BAR``: the other's O GEMM
-            reads that Q; a partial last chunk's rows, stored from there, read both halves); a
-            proxy fence, the arrives on o_staged and empty
+            Sᵀ += Vd'ᵀ K, the two warpgroups' GEMMs in turns (``TURN_SRC``); o (bf16) into q_sh[c % 3]
+            by stmatrix .trans (``O_STAGE_SRC``; the other's O GEMM read that Q in its first turn; a
+            partial last chunk's rows, stored from there after a sync of the 256 threads on
+            ``O_SYNC_BAR``, read both halves); a proxy fence, the arrives on o_staged and empty
     WG2   (tx 256..383, setmaxnreg 104)  aux, up to two chunks ahead: K Kᵀ and L, Q Kᵀ and P, the
             inverse → P and A_β (bf16) into the two-stage ring t (pp0/pp1_sh, ta0/ta1_sh)
     WG3   (tx 384..511, setmaxnreg  24)  warp 12 TMA-loads Q, K, V of chunk c into stage c % 3;
@@ -81,6 +81,12 @@ GT_ROWS = 8
 #: and no gate is positive: every factor then lies within e^{±70}, finite and normal in fp32 (a row
 #: factor β e^{g − m} is flushed only where β < 2.9e-8: its row of L is then 0 in fp16 anyway)
 FACTOR_RANGE = 140.0
+#: the state warpgroups' GEMMs in turns, four a chunk: warpgroup w syncs on named barrier 13 + w before
+#: a turn and arrives on the other's after it, so that its element passes run under the other's GEMMs
+TURN_SRC = r"""
+__device__ __forceinline__ void qlb_turn_begin(int w) { asm volatile("bar.sync %0, 256;" :: "r"(13 + w) : "memory"); }
+__device__ __forceinline__ void qlb_turn_end(int w) { asm volatile("bar.arrive %0, 256;" :: "r"(14 - w) : "memory"); }
+"""
 
 
 def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
@@ -111,7 +117,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     ):
         # v-head fastest: the G v-heads of a q/k head start together and share its rows in L2
         with T.Kernel(NS * h_v, threads=512) as sh:
-            T.import_source(O_STAGE_SRC)
+            T.import_source(O_STAGE_SRC + TURN_SRC)
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
@@ -187,6 +193,9 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         s_acc[i, j] = h_init[irow, hv, j, i]
                 else:
                     T.clear(s_acc)
+                wg = tx // 128
+                if T.And(wg == 1, nchunks > 0):
+                    T.call_extern("handle", "qlb_turn_end", 1)  # warpgroup 0 takes the first turn
                 for ci in T.serial(nchunks):
                     js = ci % NST
                     pj = (ci // NST) % 2
@@ -197,35 +206,44 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.barrier_wait(full[js], pj)  # @trace s_wait_full
                     T.barrier_wait(t_ready[jt], pt)  # @trace s_wait_ready
                     T.copy(s_acc, s_bf)  # @trace s_xo
+                    T.call_extern("handle", "qlb_turn_begin", wg)
                     T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
                     T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    T.call_extern("handle", "qlb_turn_end", wg)
                     for i, j in T.Parallel(D, C):  # @trace s_w
                         w_bf[i, j] = T.cast(-gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
-                    if jt == 0:  # @trace s_vd
+                    T.call_extern("handle", "qlb_turn_begin", wg)  # @trace s_vd
+                    if jt == 0:
                         T.gemm(w_bf, ta0_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
                         T.gemm(v_sh[js, :, :], ta0_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
                     else:
                         T.gemm(w_bf, ta1_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
                         T.gemm(v_sh[js, :, :], ta1_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
+                    T.call_extern("handle", "qlb_turn_end", wg)
                     for i, j in T.Parallel(D, C):  # @trace s_vdpass
                         vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
                         vp_bf[i, j] = T.cast(gt_sh[js, 3, j] * x_acc[i, j], "bfloat16")
                         o_acc[i, j] = o_acc[i, j] * (scale * gt_sh[js, 2, j])
-                    if jt == 0:  # @trace s_o
+                    T.call_extern("handle", "qlb_turn_begin", wg)  # @trace s_o
+                    if jt == 0:
                         T.gemm(vd_bf, pp0_sh, o_acc, transpose_B=True, policy=FR)
                     else:
                         T.gemm(vd_bf, pp1_sh, o_acc, transpose_B=True, policy=FR)
+                    T.call_extern("handle", "qlb_turn_end", wg)
                     egl = gt_sh[js, 2, ln - 1]  # @trace s_decay
                     for i, j in T.Parallel(D, D):
                         s_acc[i, j] = s_acc[i, j] * egl
-                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)  # @trace s_s
+                    T.call_extern("handle", "qlb_turn_begin", wg)  # @trace s_s
+                    T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
+                    if T.Or(wg == 0, ci < nchunks - 1):  # no turn of warpgroup 0 follows warpgroup 1's last
+                        T.call_extern("handle", "qlb_turn_end", wg)
                     T.barrier_arrive(t_free[jt])  # @trace s_store
                     for i, j in T.Parallel(D, C):
                         o_bf[i, j] = T.cast(o_acc[i, j], "bfloat16")
-                    T.sync_threads(O_SYNC_BAR, 256)  # the other warpgroup's O GEMM has read Q
-                    T.call_extern("handle", "qlb_stage_o_trans", T.access_ptr(q_sh[js, 0, 0], "w"), T.access_ptr(o_bf[0, 0], "r"))
-                    T.sync_threads(O_SYNC_BAR, 256)  # both halves staged (a partial chunk's rows read them)
+                    # the other's O GEMM read this Q in its first turn: no sync (Q's slot passed as read: TileLang inserts none)
+                    T.call_extern("handle", "qlb_stage_o_trans", T.access_ptr(q_sh[js, 0, 0], "r"), T.access_ptr(o_bf[0, 0], "r"))
                     if ln < C:  # a partial (last) chunk's rows from here, full ones by warp 14
+                        T.sync_threads(O_SYNC_BAR, 256)  # both halves staged
                         for j, i in T.Parallel(C, D):
                             if j < ln:
                                 o[0, t0 + j, hv, i] = q_sh[js, j, i]

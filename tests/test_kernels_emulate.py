@@ -162,10 +162,10 @@ def test_fwd_fused_barrier_protocol():
     """The fused forward's protocol (modelled in tools/kernels/fused_protocol.py with the kernel's
     stage count and barrier counts) never deadlocks, never passes a parity wait at the wrong phase and
     never lets a read see another chunk's stage or ring slot, for 1..7 chunks; dropping any one wait of
-    any role is caught (the state warpgroups' syncs around o's staging in q_sh included), except the
-    state warpgroups' wait on full: the t_ready they wait on next is
-    arrived by aux only after its own wait on the same full phase, so it implies it (kept in the
-    kernel: one passing try_wait)."""
+    any role is caught (the state warpgroups' turns included), except the state warpgroups' waits on
+    full and t_ready: aux arrives on t_ready only after its own wait on the same full phase, and a
+    warpgroup's turns that read the stage and the ring follow a turn of the other warpgroup, which
+    waited on both (kept in the kernel: passing try_waits)."""
     fused = importlib.import_module("qlabench_kernels.fwd_fused")
     fp = fused_protocol
     src = open(fused.__file__).read()
@@ -173,16 +173,26 @@ def test_fwd_fused_barrier_protocol():
     assert fp.check(seeds=100)
     assert len(fp.waits()) == 12
     for role, bar in fp.waits():
-        if role in ("wg0", "wg1") and bar == "full":
+        if role in ("wg0", "wg1") and bar in ("full", "t_ready"):
             assert fp.check(seeds=30, mutate=fp.drop_wait(role, bar))
         else:
             with pytest.raises(AssertionError):
                 fp.check(seeds=100, mutate=fp.drop_wait(role, bar))
-    # the o sync of even or odd chunks alone (o overwrites the Q the other warpgroup still reads),
-    # and warp 14's arrive on empty before its read of o (the next Q load lands on the staged o)
-    for parity in (0, 1):
+    # without the turns one warpgroup's o overwrites the Q the other still reads; both warpgroups'
+    # full and t_ready waits dropped together; warp 14's arrive on empty before its read of o (the
+    # next Q load lands on the staged o)
+    def no_turns(progs):
+        for wg in ("wg0", "wg1"):
+            progs[wg] = [op for op in progs[wg] if op[1] != "turn"]
+
+    def no_state_waits(progs):
+        for wg in ("wg0", "wg1"):
+            fp.drop_wait(wg, "t_ready")(progs)
+            fp.drop_wait(wg, "full")(progs)
+
+    for mutate in (no_turns, no_state_waits):
         with pytest.raises(AssertionError):
-            fp.check(seeds=100, mutate=fp.drop_wait("wg0", "o_sync", parity))
+            fp.check(seeds=100, mutate=mutate)
 
     def empty_first(progs):
         ops = progs["w14"]

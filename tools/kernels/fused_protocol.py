@@ -7,8 +7,10 @@ TMA loads of Q, K, V) and its other lanes w12 (31), warp 13 (32: the gate tables
 chunk, a partial last chunk's rows being stored by the state warpgroups themselves).
 Each actor runs the kernel's sequence of waits / arrives / buffer reads and writes; the barriers
 have the kernel's counts, in threads (``COUNTS``), and ``ws_protocol.Bar``'s PTX parity semantics;
-the state warpgroups' named-barrier sync before o's staging in q_sh (inserted by TileLang: the
-writes overwrite the Q both warpgroups' O GEMMs read) is a barrier of 256 threads (``NAMED``).
+the state warpgroups' turns (named barriers 13 and 14, ``NAMED["turn"]``: warpgroup w's sync on its
+own = an arrive and a wait, its arrive after a turn on the other's; warpgroup 1 arrives on warpgroup
+0's once before its first turn and skips its arrive after its last) order warpgroup 1's O GEMM
+(its read of Q) before warpgroup 0's staging of o over Q's slot, and the other way round.
 Each TMA load (three per chunk) lands at a random later time; role speeds are skewed up to 250x.
 
 Checked on every interleaving: no deadlock; every parity wait passes exactly at its intended phase
@@ -23,7 +25,7 @@ import random
 from qlabench_tools.kernels.ws_protocol import Bar, run_programs
 
 COUNTS = {"full": 64, "empty": 416, "t_ready": 128, "t_free": 256, "o_staged": 256}
-NAMED = {"o_sync": 256}
+NAMED = {"turn": 256}  # index w: the barrier warpgroup w syncs on
 NST = 3  # input stages; the aux -> state ring has 2
 THREADS = {"wg0": 128, "wg1": 128, "aux": 128, "w12e": 1, "w12": 31, "w13": 32, "w14": 32}
 
@@ -32,18 +34,27 @@ def programs(nchunks):
     """Per actor: ("wait", bar, idx, parity, intended phases done) / ("arrive", bar, idx) /
     ("read" | "write", buf, slot, chunk) / ("tma", slot, chunk, (buf,))."""
     p = {r: [] for r in THREADS}
+    p["wg1"] += [("arrive", "turn", 0)] if nchunks else []  # warpgroup 0 takes the first turn
     for c in range(nchunks):
         js, pj, jt, pt = c % NST, (c // NST) % 2, c % 2, (c // 2) % 2
         full, empty = ("wait", "full", js, pj, c // NST + 1), ("wait", "empty", js, 1 - pj, c // NST)
         slot = {"ta": jt, "pp": jt}
-        # state: X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vd = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vd P, the mask / e^{g_l} gates, S += Vd' K
-        state = [full, ("wait", "t_ready", jt, pt, c // 2 + 1)]
-        state += [("read", b, slot.get(b, js), c) for b in ("k", "q", "v", "gt", "ta", "gt", "pp", "gt", "k")]
-        state += [("arrive", "t_free", jt), ("arrive", "o_sync", 0), ("wait", "o_sync", 0, c % 2, c + 1)]
+        # state, four turns: {X = Sᵀ Kᵀ, O = Sᵀ Qᵀ}, Vd = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vd P, S += Vd' K;
+        # the element passes between them read the gate tables
+        turns = (("k", "q"), ("ta", "v"), ("pp",), ("k",))
         for h, wg in enumerate(("wg0", "wg1")):
+            ops = [full, ("wait", "t_ready", jt, pt, c // 2 + 1)]
+            for t, reads in enumerate(turns):
+                n = 4 * c + t  # this warpgroup's turns before this one
+                ops += [("arrive", "turn", h), ("wait", "turn", h, n % 2, n + 1)]
+                ops += [("read", b, slot.get(b, js), c) for b in reads]
+                if h == 0 or n < 4 * nchunks - 1:
+                    ops.append(("arrive", "turn", 1 - h))
+                ops += [("read", "gt", js, c)] if t < 3 else []
             # its half of o into q's slot js (q no longer holds chunk c's Q), staged for warp 14
-            o = [("write", "q", js, ("o", c)), ("write", f"o{h}", js, ("o", c)), ("arrive", "o_staged", js)]
-            p[wg] += state + o + [("arrive", "empty", js)]
+            ops += [("arrive", "t_free", jt), ("write", "q", js, ("o", c)), ("write", f"o{h}", js, ("o", c)),
+                    ("arrive", "o_staged", js), ("arrive", "empty", js)]  # fmt: skip
+            p[wg] += ops
         p["w14"] += [("wait", "o_staged", js, pj, c // NST + 1), ("read", "o0", js, ("o", c)),
                      ("read", "o1", js, ("o", c)), ("arrive", "empty", js)]
         p["aux"] += [full, ("read", "k", js, c), ("read", "gt", js, c), ("wait", "t_free", jt, 1 - pt, c // 2),
@@ -60,7 +71,7 @@ def simulate(nchunks, seed, mutate=None):
     rng = random.Random(seed)
     speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in (*THREADS, "tma")}
     bars = {name: [Bar(n) for _ in range(NST if name in ("full", "empty", "o_staged") else 2)] for name, n in COUNTS.items()}
-    bars.update({name: [Bar(n)] for name, n in NAMED.items()})
+    bars.update({name: [Bar(n), Bar(n)] for name, n in NAMED.items()})
     progs = programs(nchunks)
     if mutate is not None:
         mutate(progs)
