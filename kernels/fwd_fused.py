@@ -207,18 +207,20 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.barrier_wait(t_ready[jt], pt)  # @trace s_wait_ready
                     T.copy(s_acc, s_bf)  # @trace s_xo
                     T.call_extern("handle", "qlb_turn_begin", wg)
-                    T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    T.gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    T.wgmma_gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    T.wgmma_gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
+                    T.wait_wgmma(0)
                     T.call_extern("handle", "qlb_turn_end", wg)
                     for i, j in T.Parallel(D, C):  # @trace s_w
                         w_bf[i, j] = T.cast(-gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
                     T.call_extern("handle", "qlb_turn_begin", wg)  # @trace s_vd
                     if jt == 0:
-                        T.gemm(w_bf, ta0_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                        T.gemm(v_sh[js, :, :], ta0_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
+                        T.wgmma_gemm(w_bf, ta0_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                        T.wgmma_gemm(v_sh[js, :, :], ta0_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
                     else:
-                        T.gemm(w_bf, ta1_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                        T.gemm(v_sh[js, :, :], ta1_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
+                        T.wgmma_gemm(w_bf, ta1_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
+                        T.wgmma_gemm(v_sh[js, :, :], ta1_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
+                    T.wait_wgmma(0)
                     T.call_extern("handle", "qlb_turn_end", wg)
                     for i, j in T.Parallel(D, C):  # @trace s_vdpass
                         vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
