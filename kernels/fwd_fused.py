@@ -13,12 +13,9 @@ last valid value)
     Oᵀ   = scale · e^g ⊙ (Sᵀ Qᵀ) + Vdᵀ Pᵀ
     Sᵀ  ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
-The inverse in fp16 on tensor cores (docs/kernels.md): D = blockdiag((I + L_bb)⁻¹) of the 16x16
-diagonal blocks by substitution in fp32 (64 threads, a column each, stored as rows of (−D)ᵀ, (Dβ)ᵀ);
-−N = −D L off the blocks (N⁴ = 0), R₁ = I − N, Rₖ₊₁ = I + Rₖ(−N) in registers, A_β = R₃ Dβ = (I + L)⁻¹
-diag β: four 64x64x64 wgmmas (fp16, not bf16: A_β's error stays below its own bf16 rounding). L, −N,
-P and A_β go to shared memory by stmatrix (``T.copy`` emits it only at a buffer's offset 0: each
-ring slot is a buffer).
+The inverse in fp16 on tensor cores (docs/kernels.md; aux's comments below): the 16x16 diagonal blocks
+by substitution, then a series in their off-block remainder (N⁴ = 0), four 64x64x64 wgmmas. L, −N, P and
+A_β go to shared memory by stmatrix (``T.copy`` emits it only at a buffer's offset 0: each ring slot is a buffer).
 
 Gating by factors (docs/kernels.md): Γ_ij = e^{g_i − m} · e^{m − g_j}, m = (g_0 + g_l) / 2, under the
 producer's flag (no positive gate, range below ``FACTOR_RANGE``); otherwise e^{min(g_i − g_j, 0)}.
@@ -67,10 +64,9 @@ import torch
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
 from .fwd_o import O_STAGE_SRC, O_SYNC_BAR, acc_layout
 
-#: setmaxnreg budgets (registers / thread) of the state warpgroups (WG0 and WG1), aux (WG2) and
-#: producer (WG3): they sum to 512 per thread slot, what the launch's 512 x 128 registers hold.
-#: From the launch's 128, the state warpgroups increase (.inc) and the others decrease (.dec: an
-#: .inc below the current count is an illegal instruction).
+#: setmaxnreg budgets (registers / thread) of the state warpgroups (WG0 and WG1), aux (WG2) and producer
+#: (WG3): they sum to 512 per thread slot, what the launch's 512 x 128 registers hold. From the launch's
+#: 128, the state warpgroups increase (.inc), the others decrease (.dec: an .inc below it is illegal).
 NREG = (192, 104, 24)
 assert 2 * NREG[0] + NREG[1] + NREG[2] == 512 and all(r % 8 == 0 and 24 <= r <= 256 for r in NREG)
 #: input ring depth (Q, K, V, the gate tables); aux runs up to two chunks ahead of the state
@@ -85,7 +81,9 @@ FACTOR_RANGE = 140.0
 #: a turn and arrives on the other's after it, so that its element passes run under the other's GEMMs
 TURN_SRC = r"""
 __device__ __forceinline__ void qlb_turn_begin(int w) { asm volatile("bar.sync %0, 256;" :: "r"(13 + w) : "memory"); }
-__device__ __forceinline__ void qlb_turn_end(int w) { asm volatile("bar.arrive %0, 256;" :: "r"(14 - w) : "memory"); }
+__device__ __forceinline__ void qlb_turn_end(int w, bool on = true) {
+  if (on) asm volatile("bar.arrive %0, 256;" :: "r"(14 - w) : "memory");
+}
 """
 
 
@@ -194,17 +192,14 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                 else:
                     T.clear(s_acc)
                 wg = tx // 128
-                if T.And(wg == 1, nchunks > 0):
-                    T.call_extern("handle", "qlb_turn_end", 1)  # warpgroup 0 takes the first turn
+                T.call_extern("handle", "qlb_turn_end", 1, T.And(wg == 1, nchunks > 0))  # warpgroup 0 goes first
                 for ci in T.serial(nchunks):
                     js = ci % NST
-                    pj = (ci // NST) % 2
                     jt = ci % 2
-                    pt = (ci // 2) % 2
                     t0 = bos + ci * C
                     ln = T.min(eos - t0, C)
-                    T.barrier_wait(full[js], pj)  # @trace s_wait_full
-                    T.barrier_wait(t_ready[jt], pt)  # @trace s_wait_ready
+                    T.barrier_wait(full[js], (ci // NST) % 2)  # @trace s_wait_full
+                    T.barrier_wait(t_ready[jt], (ci // 2) % 2)  # @trace s_wait_ready
                     T.copy(s_acc, s_bf)  # @trace s_xo
                     T.call_extern("handle", "qlb_turn_begin", wg)
                     T.wgmma_gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
@@ -237,12 +232,11 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                         s_acc[i, j] = s_acc[i, j] * egl
                     T.call_extern("handle", "qlb_turn_begin", wg)  # @trace s_s
                     T.gemm(vp_bf, k_sh[js, :, :], s_acc, policy=FR)
-                    if T.Or(wg == 0, ci < nchunks - 1):  # no turn of warpgroup 0 follows warpgroup 1's last
-                        T.call_extern("handle", "qlb_turn_end", wg)
+                    T.call_extern("handle", "qlb_turn_end", wg, T.Or(wg == 0, ci < nchunks - 1))  # none after 1's last
                     T.barrier_arrive(t_free[jt])  # @trace s_store
                     for i, j in T.Parallel(D, C):
                         o_bf[i, j] = T.cast(o_acc[i, j], "bfloat16")
-                    # the other's O GEMM read this Q in its first turn: no sync (Q's slot passed as read: TileLang inserts none)
+                    # the other's O GEMM read this Q in its first turn: no sync (the slot passed as "r": none inserted)
                     T.call_extern("handle", "qlb_stage_o_trans", T.access_ptr(q_sh[js, 0, 0], "r"), T.access_ptr(o_bf[0, 0], "r"))
                     if ln < C:  # a partial (last) chunk's rows from here, full ones by warp 14
                         T.sync_threads(O_SYNC_BAR, 256)  # both halves staged
@@ -265,10 +259,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     db_sh[i, j] = T.float16(0)
                 for ci in T.serial(nchunks):
                     js = ci % NST
-                    pj = (ci // NST) % 2
                     jt = ci % 2
-                    pt = (ci // 2) % 2
-                    T.barrier_wait(full[js], pj)  # @trace a_wait_full
+                    T.barrier_wait(full[js], (ci // NST) % 2)  # @trace a_wait_full
                     fac = gt_sh[js, 7, 0]
                     # L = StrictLower(diag β · Γ ⊙ K Kᵀ), then P = scale · Γ ⊙ Q Kᵀ (causal, into ring slot
                     # jt once the state is done with it), gated in registers by factors under the flag
@@ -290,7 +282,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                                 i > j, bi[i] * T.exp(T.min(gi[i] - gt_sh[js, 0, j], T.float32(0))) * a_acc[i, j], T.float32(0)
                             )
                     T.copy(a_acc, lo_sh)  # @trace a_lstore
-                    T.barrier_wait(t_free[jt], 1 - pt)  # @trace a_wait_free
+                    T.barrier_wait(t_free[jt], 1 - (ci // 2) % 2)  # @trace a_wait_free
                     T.gemm(q_sh[js, :, :], k_sh[js, :, :], p_acc, transpose_B=True, clear_accum=True)  # @trace a_qk
                     if fac != T.float32(0):  # @trace a_pgate
                         for i in T.Parallel(C):
@@ -363,9 +355,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     # warp 12: TMA loads of Q, K, V (one elected lane issues them)
                     for ci in T.serial(nchunks):
                         js = ci % NST
-                        pj = (ci // NST) % 2
                         t0 = bos + ci * C
-                        T.barrier_wait(empty[js], 1 - pj)  # @trace p_wait_empty
+                        T.barrier_wait(empty[js], 1 - (ci // NST) % 2)  # @trace p_wait_empty
                         T.tma_copy(q[0, t0 : t0 + C, hk, 0:D], q_sh[js, :, :], barrier=full[js])  # @trace p_tma
                         T.tma_copy(k[0, t0 : t0 + C, hk, 0:D], k_sh[js, :, :], barrier=full[js])
                         T.tma_copy(v[0, t0 : t0 + C, hv, 0:D], v_sh[js, :, :], barrier=full[js])
@@ -375,10 +366,9 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     lane = tx - 416
                     for ci in T.serial(nchunks):
                         js = ci % NST
-                        pj = (ci // NST) % 2
                         t0 = bos + ci * C
                         ln = T.min(eos - t0, C)
-                        T.barrier_wait(empty[js], 1 - pj)
+                        T.barrier_wait(empty[js], 1 - (ci // NST) % 2)
                         for r in T.unroll(2):
                             gv[r] = T.if_then_else(2 * lane + r < ln, g[0, t0 + 2 * lane + r, hv], T.float32(0))
                             bv2[r] = T.if_then_else(2 * lane + r < ln, beta[0, t0 + 2 * lane + r, hv], T.float32(0))
@@ -390,9 +380,8 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                             acc1 = T.shfl_up(run, 1 << d)
                             if lane >= (1 << d):
                                 run = run + acc1
-                        acc1 = gv[1]
+                        gv[0] = run - gv[1]
                         gv[1] = run
-                        gv[0] = run - acc1
                         # g_l: the cumsum at row ln − 1, from the lane that holds it (rows past it repeat it)
                         egl = T.shfl_sync(T.if_then_else((ln - 1) % 2 == 0, gv[0], gv[1]), (ln - 1) // 2)
                         # factored gating: m = (g_0 + g_l) / 2, each factor within e^{±FACTOR_RANGE / 2}
