@@ -117,22 +117,37 @@ def test_prep_solves_on_tensor_cores_as_the_fused_aux(sources):
 
 def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     """The state warpgroups take W's V term as a wgmma with A = Vᵀ by descriptor (one per ring
-    slot's branch), no element loads of V; o is staged in q_sh after a sync of their 256 threads
-    (the other warpgroup's O GEMM reads that Q; at most two syncs per chunk), a partial chunk's rows
-    stored from there, then a proxy fence and the arrives on o_staged and empty; warp 14 stores
-    full chunks by TMA."""
+    slot's branch), no element loads of V; they issue every wgmma inside one of their four turns a
+    chunk (a named-barrier sync before, an arrive after; one more arrive before the loop), and
+    TileLang inserts no sync of its own on their path; o is staged in q_sh with no sync before it
+    (the turns order the other warpgroup's read of Q), then one sync of the 256 threads for a
+    partial chunk's rows stored from there, then a proxy fence and the arrives on o_staged and empty;
+    warp 14 stores full chunks by TMA."""
     src = sources["fwd_fused"]
     nreg = _mod("fwd_fused").NREG
     state = src[src.index(f"warpgroup_reg_alloc<{nreg[0]}>") : src.index(f"warpgroup_reg_dealloc<{nreg[1]}>")]
     assert state.count("v_sh)[") == state.count("(bfloat16_t*)v_sh)[0]") == 2
+    assert state.count("qlb_turn_begin(") == 4 and state.count("qlb_turn_end(") == 5
+    marks = sorted((i, m) for m in ("qlb_turn_begin(", "qlb_turn_end(", "tl::wgmma_") for i in _find_all(state, m))
+    last = None
+    for _, m in marks:  # every wgmma after a turn's sync and before its arrive
+        assert m != "tl::wgmma_" or last == "qlb_turn_begin(", marks
+        last = m if m != "tl::wgmma_" else last
     bar = f"__sync_thread_partial({_mod('fwd_o').O_SYNC_BAR}, 256);"
-    syncs = [i for i in range(len(state)) if state.startswith(bar, i)]
-    o_write = state.index("qlb_stage_o_trans(")
-    order = [syncs[0], o_write, syncs[1], state.index("*(uint4*)(o + "),
+    assert state.count("__sync_thread_partial") == state.count(bar) == 1
+    order = [state.index("qlb_stage_o_trans("), state.index(bar), state.index("*(uint4*)(o + "),
              state.rindex("fence_proxy_async"), state.rindex("o_staged["), state.rindex("empty[")]  # fmt: skip
-    assert len(syncs) == 2 and order == sorted(order)  # sync, o into q_sh, sync, partial rows, fence, arrives
+    assert order == sorted(order)  # o into q_sh, sync, partial rows, fence, arrives
     assert state.count("qlb_stage_o_trans(") == 1 and "tma_store(o_desc" in src
+    assert not re.search(r"__sync_thread_partial\((13|14),", src)  # the turns' barriers are theirs alone
     _one_count_per_barrier(src)
+
+
+def _find_all(text, sub):
+    i = text.find(sub)
+    while i >= 0:
+        yield i
+        i = text.find(sub, i + 1)
 
 
 def _one_count_per_barrier(src):
