@@ -128,11 +128,10 @@ def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     state = src[src.index(f"warpgroup_reg_alloc<{nreg[0]}>") : src.index(f"warpgroup_reg_dealloc<{nreg[1]}>")]
     assert state.count("v_sh)[") == state.count("(bfloat16_t*)v_sh)[0]") == 2
     assert state.count("qlb_turn_begin(") == 4 and state.count("qlb_turn_end(") == 5
-    marks = sorted((i, m) for m in ("qlb_turn_begin(", "qlb_turn_end(", "tl::wgmma_") for i in _find_all(state, m))
-    last = None
-    for _, m in marks:  # every wgmma after a turn's sync and before its arrive
-        assert m != "tl::wgmma_" or last == "qlb_turn_begin(", marks
-        last = m if m != "tl::wgmma_" else last
+    turn = None
+    for m in re.finditer(r"qlb_turn_(begin|end)\(|tl::wgmma_", state):  # every wgmma after a turn's sync, before its arrive
+        turn = m.group(1) or turn
+        assert m.group(1) or turn == "begin", m.start()
     bar = f"__sync_thread_partial({_mod('fwd_o').O_SYNC_BAR}, 256);"
     assert state.count("__sync_thread_partial") == state.count(bar) == 1
     order = [state.index("qlb_stage_o_trans("), state.index(bar), state.index("*(uint4*)(o + "),
@@ -141,13 +140,6 @@ def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     assert state.count("qlb_stage_o_trans(") == 1 and "tma_store(o_desc" in src
     assert not re.search(r"__sync_thread_partial\((13|14),", src)  # the turns' barriers are theirs alone
     _one_count_per_barrier(src)
-
-
-def _find_all(text, sub):
-    i = text.find(sub)
-    while i >= 0:
-        yield i
-        i = text.find(sub, i + 1)
 
 
 def _one_count_per_barrier(src):
