@@ -197,8 +197,10 @@ FIELDS: dict[str, tuple[str, str]] = {
                          "(seed `check_seed`) against their reference"),
     "check_seed": ("", "seed of the fresh inputs the timed path was checked on"),
     "rerun_ms": ("ms per call", "the timed path's rerun on the fresh inputs, one more sample timed "
-                 "as the samples were; the gate fails it above `RERUN_FACTOR` x `p90_ms` + "
-                 "`RERUN_FLOOR_MS` per rerun (`qlabench/measure.py`, docs/correctness.md)"),
+                 "as the samples were; the gate fails it above `RERUN_FACTOR` x the larger of "
+                 "`p90_ms` and a rerun on the point's own inputs just before it (named in "
+                 "`reason` where it decides) + `RERUN_FLOOR_MS` per rerun "
+                 "(`qlabench/measure.py`, docs/correctness.md)"),
     "refresh_ms": ("ms", "the backend's `Prepared.refresh` after the fresh inputs were written "
                    "(one eager call, timed with the timing mode's clock; null: no refresh); "
                    "recorded, not judged (docs/correctness.md)"),
