@@ -113,11 +113,13 @@ def timed_path_costs(chk, p90_ms: float, own_ms: float | None = None) -> str:
     lim = RERUN_FACTOR * base + RERUN_FLOOR_MS / chk.calls
     if chk.rerun_ms <= lim:
         return ""
-    own = "" if own_ms is None else f" and of the rerun on its own inputs just before ({own_ms:.3g} ms)"
+    over = f"the timed p90 ({p90_ms:.3g} ms)" if own_ms is None else (
+        f"the larger of the timed p90 ({p90_ms:.3g} ms) and the rerun on the point's own inputs "
+        f"just before ({own_ms:.3g} ms)")
     return (f"the timed path's rerun on fresh inputs took {chk.rerun_ms:.3g} ms per call, above "
-            f"{RERUN_FACTOR:g}x the larger of the timed p90 ({p90_ms:.3g} ms){own} + "
-            f"{RERUN_FLOOR_MS:g} ms / {chk.calls} calls = {lim:.3g} ms: the timed calls skipped "
-            "work a call on inputs it has not seen does (an answer cached against the inputs?)")
+            f"{RERUN_FACTOR:g}x {over} + {RERUN_FLOOR_MS:g} ms / {chk.calls} calls = {lim:.3g} ms: "
+            "the timed calls skipped work a call on inputs it has not seen does (an answer cached "
+            "against the inputs?)")
 
 
 def fresh_inputs(p: Point, direction: str, device: str, seed: int) -> Inputs:

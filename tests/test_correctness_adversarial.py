@@ -136,7 +136,7 @@ def test_a_host_slowed_after_each_fresh_set_is_not_called_lazy(tmp_path, monkeyp
             def fn():
                 if slow["calls"]:
                     slow["calls"] -= 1
-                    time.sleep(0.05)
+                    time.sleep(0.2)
                 return inner()
             prep.fn = fn
             return prep
