@@ -263,6 +263,10 @@ def run(
                                       "GPU or timing method (refused otherwise, exit 2; a "
                                       "--resume over rows of another input recipe or timing "
                                       "method stays refused)"),
+    row_timeout_s: float | None = typer.Option(None, "--row-timeout-s", min=1, help="a row taking "
+                                               "longer is killed and written as `timeout` (default: "
+                                               "the config's row_timeout_s); a job with a deadline "
+                                               "sets it below what is left"),
 ):
     """Run a sweep: every backend checked against the reference, then timed; one Parquet row each.
     An --out holding rows of another sweep, input recipe, GPU or timing method (timing mode,
@@ -274,6 +278,8 @@ def run(
                       highlight=False, markup=False)
             raise typer.Exit(2)
         s = s.model_copy(update={"directions": [direction]})
+    if row_timeout_s is not None:
+        s = s.model_copy(update={"row_timeout_s": row_timeout_s})
     from . import runner
     try:
         runner.early_rows(1)

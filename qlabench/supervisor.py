@@ -380,7 +380,11 @@ class Supervisor:
             deadline = time.monotonic() + self.sweep.row_timeout_s
             failure = None
             while True:
-                msg = self._receive()
+                try:
+                    msg = self._receive()
+                except KeyboardInterrupt:  # the run is stopped: say what was in flight, and where
+                    self._report_interrupted(task, current, deadline)
+                    raise
                 if msg is not None:
                     kind, payload = msg
                     if kind == "closed":
@@ -439,6 +443,20 @@ class Supervisor:
             on_row(row)
             if current in remaining:
                 remaining.remove(current)
+
+    def _report_interrupted(self, task, current, deadline: float) -> None:
+        """A stopped run's last word on the row in flight: the backend, the point, how long it
+        had run and the worker's innermost frames (its faulthandler dump, as for a timeout)."""
+        proc = self.proc
+        if current is None or proc is None or not proc.is_alive():
+            return
+        ran_s = self.sweep.row_timeout_s - (deadline - time.monotonic())
+        with contextlib.suppress(Exception):
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+        self.log(f"interrupted with {current} in flight on {task.point.describe()} {task.direction} "
+                 f"for {ran_s:.0f} s (row_timeout_s={self.sweep.row_timeout_s:g}) | stack: "
+                 f"{_stack(self.log_path) or 'none dumped'}")
 
     def close(self) -> None:
         proc, conn = self.proc, self.conn

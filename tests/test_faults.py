@@ -98,6 +98,53 @@ def test_sigint_sigterm_exit_cleanly_and_keep_rows(tmp_path, sig):
     assert not list((out / "parts").glob(".*.tmp"))
 
 
+def test_an_interrupt_names_the_row_in_flight_and_where_it_stands(tmp_path):
+    """A run stopped while a backend has given no row (a hang short of row_timeout_s, cut by a
+    job's deadline) says which backend, on which point, for how long, and its worker's stack."""
+    cfg = {**BASE, "seqlens": [[5], [6]], "row_timeout_s": 120}
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    env = {**os.environ, "QLABENCH_FAULTS": "hang@1"}
+    proc = subprocess.Popen([sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out),
+                             "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    t0 = time.time()
+    while time.time() - t0 < 120:  # point 0's two rows are in: point 1's faulty row hangs
+        if (out / "parts").exists() and len(list((out / "parts").glob("*.parquet"))) >= 2:
+            break
+        time.sleep(0.2)
+    time.sleep(3.0)
+    proc.send_signal(signal.SIGINT)
+    so, se = proc.communicate(timeout=60)
+    assert proc.returncode == 130, se[-1500:]
+    line = next((ln for ln in so.splitlines() if ln.startswith("interrupted with")), "")
+    assert line.startswith("interrupted with faulty in flight on "), so[-1500:]
+    ran_s = float(line.split(" for ")[1].split(" s ")[0])
+    assert 3 <= ran_s < 60, line
+    assert "faulty_backend.py" in line.split("| stack:")[1], line
+    assert len(results.load(out)) == 2
+
+
+def test_row_timeout_from_the_command_line(tmp_path):
+    """--row-timeout-s overrides the config's: a hang past it is a `timeout` row that names it, and
+    the run goes on; a value below 1 s is refused with exit 2."""
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({**BASE, "seqlens": [[5], [6], [7]], "row_timeout_s": 600}))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out), "--no-plot"]
+    env = {**os.environ, "QLABENCH_FAULTS": "hang@1"}
+    r = subprocess.run(cmd + ["--row-timeout-s", "0"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "--row-timeout-s" in r.stderr and not out.exists()
+    r = subprocess.run(cmd + ["--row-timeout-s", "5"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-1500:]
+    df = results.load(out)
+    f = df[df.backend == "faulty"].set_index("point_index")
+    assert f["status"].to_dict() == {0: "ok", 1: "timeout", 2: "ok"}
+    assert "row_timeout_s=5" in f.loc[1, "reason"]
+
+
 def test_a_crash_reason_names_where_in_whole_frames():
     """The reason of a crashed row: the exception, then whole ``file:line function`` frames,
     innermost first — never a traceback cut mid-line."""

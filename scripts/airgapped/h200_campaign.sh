@@ -85,6 +85,9 @@
 #                BWD_HELDOUT_BACKENDS, set at setup, e.g. flashqla,tilelang: those labels only);
 # then the comparisons of the runs it made.
 # JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
+# ROW_TIMEOUT_S (set at setup, default 300): the sweeps' --row-timeout-s, so that one row that
+# stands does not take the rest of the call; a step cut by the deadline prints the row in flight
+# and its worker's stack, and the last 20 kB of every worker log come back in job.tgz (worker_logs/).
 # JOB_STEPS (set at setup; default "bwd_prev suite_first campaign suite_warm") names the steps to run,
 # e.g. JOB_STEPS="campaign suite_warm" for the forward campaign and one GPU suite after it.
 set -uo pipefail
@@ -93,11 +96,15 @@ T0=$(date +%s); log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*";
 J=/tmp/job; ENVF=$J/env.sh
 
 snapshot() {  # what the job has so far, into $OUT as two files (a call brings back at most 8
-  # files); small: no kernel caches
+  # files); small: no kernel caches, and of the worker logs (runs/*/_logs) the last 20 kB each
   tar czf "$OUT/runs.tgz" -C /tmp/repo --exclude=_logs runs 2>/dev/null
+  rm -rf "$J/worker_logs"; mkdir -p "$J/worker_logs"
+  for f in /tmp/repo/runs/*/_logs/*; do
+    [ -f "$f" ] && tail -c 20000 "$f" > "$J/worker_logs/$(basename "$(dirname "$(dirname "$f")")")__$(basename "$f")"
+  done
   (cd /tmp/triton_cache 2>/dev/null && find . -name '*.autotune.json' -print0 \
     | tar czf "$J/triton_autotune.tgz" --null -T - 2>/dev/null)  # to carry next time (setup)
-  (cd "$J" && shopt -s nullglob && f=(*.log *.xml *.csv *.tgz) && { [ ! -d checks ] || f+=(checks); } \
+  (cd "$J" && shopt -s nullglob && f=(*.log *.xml *.csv *.tgz worker_logs) && { [ ! -d checks ] || f+=(checks); } \
     && tar czf "$OUT/job.tgz" "${f[@]}")
   ls -la "$OUT"; }
 
@@ -139,6 +146,7 @@ export TABLES_S="${TABLES_S:-1000}"
 export HELDOUT_SHARD="${HELDOUT_SHARD:-}"
 export BWD_HELDOUT_BACKENDS="${BWD_HELDOUT_BACKENDS:-}"
 export HELDOUT_BACKENDS="${HELDOUT_BACKENDS:-}"
+export ROW_TIMEOUT_S="${ROW_TIMEOUT_S:-300}"
 EOF
   source "$ENVF"
   (cd /tmp/repo && python3 -m pip install -q --no-deps --no-build-isolation -e . > "$J/install.log" 2>&1) \
@@ -194,6 +202,9 @@ for hq, hv in ((2, 8), (2, 2)):
           cu_seqlens=torch.tensor([0,T],device=dev,dtype=torch.int64),output_final_state=True)
 torch.cuda.synchronize(); print('flashinfer ready')"
   wants() { [[ " $JOB_STEPS " == *" $1 "* ]]; }
+  # the campaigns' rows: every kernel is compiled offline, so a row that gives nothing for
+  # ROW_TIMEOUT_S (set at setup, default 300) is a `timeout` row and the sweep goes on
+  RT="--row-timeout-s ${ROW_TIMEOUT_S:-300}"
   AOT=/tmp/site312/flashinfer/data/aot/gdn_prefill_sm90/gdn_prefill_sm90.so
   if wants campaign || wants suite_first || wants suite_warm || wants fwd_quick || wants serving || wants fwd_heldout; then
     if [ -f "$AOT" ] && ! timeout 120 python3 -c "$fi_calls" > "$J/fi_aot.log" 2>&1; then
@@ -241,8 +252,8 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
     tail -1 "$J/fi_jit.log" 2>/dev/null
     log "waiting for /tmp/fisite"; while [ ! -f /tmp/fisite.ready ] && [ "$(left)" -gt 300 ]; do sleep 5; done
-    step campaign 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd
-    [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_resume 90 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd --resume
+    step campaign 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd $RT
+    [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step campaign_resume 90 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd --resume $RT
   fi
   step correctness_tests 60 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs \
     --junitxml="$J/correctness_tests.xml" tests/test_reference.py tests/test_poison_gpu.py
@@ -256,15 +267,15 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step fwd_quick 120 420 qlabench run configs/h200_fwd_quick.yaml --out runs/h200_fwd_quick --resume
   step serving 300 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step serving_resume 90 0 qlabench run configs/h200_serving.yaml --out runs/h200_serving --resume
-  heldout="qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD} ${HELDOUT_BACKENDS:+--backends $HELDOUT_BACKENDS}"
+  heldout="qlabench run configs/h200_fwd_heldout.yaml --out runs/h200_fwd_heldout --resume $RT ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD} ${HELDOUT_BACKENDS:+--backends $HELDOUT_BACKENDS}"
   step fwd_heldout "$([ -n "$HELDOUT_SHARD" ] && echo 120 || echo 300)" 0 $heldout
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step fwd_heldout_resume 90 0 $heldout
   # shard 0 of 2 first (half the points, balanced by work over every head config and layout), then the rest
   step campaign_nofla 300 0 qlabench run configs/h200_fwd.yaml --out runs/h200_fwd_nofla \
-    --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --shard 0/2 --resume
+    --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --shard 0/2 --resume $RT
   step campaign_nofla_resume 90 0 qlabench run configs/h200_fwd.yaml \
-    --out runs/h200_fwd_nofla --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --resume
-  heldout_b="qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD} ${BWD_HELDOUT_BACKENDS:+--backends $BWD_HELDOUT_BACKENDS}"
+    --out runs/h200_fwd_nofla --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --resume $RT
+  heldout_b="qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume $RT ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD} ${BWD_HELDOUT_BACKENDS:+--backends $BWD_HELDOUT_BACKENDS}"
   step bwd_heldout "$([ -n "$HELDOUT_SHARD" ] && echo 120 || echo 300)" 0 $heldout_b
   [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 $heldout_b
   step suite_warm 240 480 $(suite suite_warm)
