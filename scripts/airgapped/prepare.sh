@@ -12,6 +12,8 @@
 #   (only when named) ours_fwd  .tlcache/all.tar.xz of the forward sweep's and the held-out forward
 #            config's kernels alone: what fits the 64 MiB of STEP=setup's carry beside .devsite and FlashQLA's
 #   (only when named) fqla_heldout  .tlcache/fqla_heldout.tar.xz: FlashQLA's for the held-out forward config
+#   (only when named) fqla_fwd  .tlcache/fqla_fwd.tar.xz: FlashQLA's for the forward sweep alone (beside
+#            ours_fwd and fqla_heldout: the forward campaign's carry)
 #   (only when named) bwd_heldout, fqla_bwd_heldout  .tlcache/bwd_heldout.tar.xz, .tlcache/fqla_bwd_heldout.tar.xz:
 #            ours and FlashQLA's kernels for the held-out backward config (beside a slim all.tar.xz)
 #   repo     .run/repo.tar.gz     the commit to run (HEAD, results/ left out); with PREV=<git ref>
@@ -64,6 +66,10 @@ for part in $PARTS; do
       have .tlcache/fqla_heldout.tar.xz "$part" || {
         TILELANG_CACHE_DIR=$PWD/.tlcache/fqla_heldout python3 scripts/airgapped/precompile_flashqla.py \
           --config configs/h200_fwd_heldout.yaml && pack fqla_heldout; } || rc=1 ;;
+    fqla_fwd)
+      have .tlcache/fqla_fwd.tar.xz "$part" || {
+        TILELANG_CACHE_DIR=$PWD/.tlcache/fqla_fwd python3 scripts/airgapped/precompile_flashqla.py \
+          --config configs/h200_fwd.yaml && pack fqla_fwd; } || rc=1 ;;
     fqla)
       have .tlcache/fqla.tar.xz "$part" || {
         args=(); for c in $CONFIGS; do args+=(--config "$c"); done
@@ -94,7 +100,7 @@ for part in $PARTS; do
           && log "ab: pkg_$name = kernels/ and tools/ of $(git rev-parse --short=12 "$ref")" || rc=1
       done
       pack fused || rc=1 ;;
-    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab ours_fwd fqla_heldout bwd_heldout fqla_bwd_heldout)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab ours_fwd fqla_fwd fqla_heldout bwd_heldout fqla_bwd_heldout)" >&2; exit 2 ;;
   esac
 done
 mib() { du -smc "$@" 2>/dev/null | tail -1 | cut -f1; }
