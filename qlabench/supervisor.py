@@ -418,9 +418,7 @@ class Supervisor:
             if failure == "crashed" and proc is not None:
                 proc.join(timeout=5)
             if failure == "timeout" and proc is not None and proc.is_alive():
-                with contextlib.suppress(Exception):
-                    os.kill(proc.pid, signal.SIGUSR1)  # where was it stuck? -> its log
-                    time.sleep(1.0)
+                self._dump_stack(proc)  # where was it stuck? -> its log
             code = proc.exitcode if proc is not None else None
             self._kill()
             if current is None:  # died between backends (e.g. during cleanup): no row to blame
@@ -444,6 +442,14 @@ class Supervisor:
             if current in remaining:
                 remaining.remove(current)
 
+    @staticmethod
+    def _dump_stack(proc) -> None:
+        """Have the live worker ``proc`` write every thread's stack into its log (its SIGUSR1
+        faulthandler), and give it a second to."""
+        with contextlib.suppress(Exception):
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+
     def _report_interrupted(self, task, current, deadline: float) -> None:
         """A stopped run's last word on the row in flight: the backend, the point, how long it
         had run and the worker's innermost frames (its faulthandler dump, as for a timeout)."""
@@ -451,9 +457,7 @@ class Supervisor:
         if current is None or proc is None or not proc.is_alive():
             return
         ran_s = self.sweep.row_timeout_s - (deadline - time.monotonic())
-        with contextlib.suppress(Exception):
-            os.kill(proc.pid, signal.SIGUSR1)
-            time.sleep(1.0)
+        self._dump_stack(proc)
         self.log(f"interrupted with {current} in flight on {task.point.describe()} {task.direction} "
                  f"for {ran_s:.0f} s (row_timeout_s={self.sweep.row_timeout_s:g}) | stack: "
                  f"{_stack(self.log_path) or 'none dumped'}")

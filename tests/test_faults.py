@@ -57,12 +57,7 @@ def test_kill_9_then_resume_completes_without_duplicates(tmp_path):
     cmd = [sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out), "--no-plot"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    t0 = time.time()
-    while time.time() - t0 < 120:
-        n = len(list((out / "parts").glob("*.parquet"))) if (out / "parts").exists() else 0
-        if n >= 3:
-            break
-        time.sleep(0.2)
+    _wait_for_rows(out, 3)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     first = len(results.load(out))
@@ -72,6 +67,15 @@ def test_kill_9_then_resume_completes_without_duplicates(tmp_path):
     df = results.load(out)
     assert len(df) == 12 and not df.duplicated(["point_key", "backend", "direction"]).any()
     assert set(df["status"]) == {"ok"}
+
+
+def _wait_for_rows(out, n: int, within_s: float = 120) -> None:
+    """Until ``out`` holds ``n`` row files (or ``within_s`` passed)."""
+    t0 = time.time()
+    while time.time() - t0 < within_s:
+        if (out / "parts").exists() and len(list((out / "parts").glob("*.parquet"))) >= n:
+            return
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -84,11 +88,7 @@ def test_sigint_sigterm_exit_cleanly_and_keep_rows(tmp_path, sig):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out),
                              "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    t0 = time.time()
-    while time.time() - t0 < 120:
-        if (out / "parts").exists() and len(list((out / "parts").glob("*.parquet"))) >= 2:
-            break
-        time.sleep(0.2)
+    _wait_for_rows(out, 2)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-1500:]
@@ -109,11 +109,7 @@ def test_an_interrupt_names_the_row_in_flight_and_where_it_stands(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out),
                              "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
-    t0 = time.time()
-    while time.time() - t0 < 120:  # point 0's two rows are in: point 1's faulty row hangs
-        if (out / "parts").exists() and len(list((out / "parts").glob("*.parquet"))) >= 2:
-            break
-        time.sleep(0.2)
+    _wait_for_rows(out, 2)  # point 0's two rows are in: point 1's faulty row hangs
     time.sleep(3.0)
     proc.send_signal(signal.SIGINT)
     so, se = proc.communicate(timeout=60)
