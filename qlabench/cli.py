@@ -267,6 +267,10 @@ def run(
                                                "longer is killed and written as `timeout` (default: "
                                                "the config's row_timeout_s); a job with a deadline "
                                                "sets it below what is left"),
+    max_timeouts: int | None = typer.Option(None, "--max-timeouts", min=0, help="a backend whose "
+                                            "last N rows were all `timeout` is skipped for the "
+                                            "rest of the run (default: the config's "
+                                            "max_timeouts, 2; 0: never)"),
 ):
     """Run a sweep: every backend checked against the reference, then timed; one Parquet row each.
     An --out holding rows of another sweep, input recipe, GPU or timing method (timing mode,
@@ -280,6 +284,8 @@ def run(
         s = s.model_copy(update={"directions": [direction]})
     if row_timeout_s is not None:
         s = s.model_copy(update={"row_timeout_s": row_timeout_s})
+    if max_timeouts is not None:
+        s = s.model_copy(update={"max_timeouts": max_timeouts})
     from . import runner
     try:
         runner.early_rows(1)

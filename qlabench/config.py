@@ -401,6 +401,9 @@ class Sweep(_Strict):
     isolate: bool = True
     #: a row (inputs + reference + compile + check + timing) taking longer is killed: ``timeout``
     row_timeout_s: Annotated[float, Field(gt=0)] = 900.0
+    #: a backend whose last ``max_timeouts`` rows of the run were all ``timeout`` is not run again
+    #: in this run: its remaining rows are ``skipped``, naming why (0: never skipped)
+    max_timeouts: Annotated[int, Field(ge=0)] = 2
 
     @field_validator("gate", mode="before")
     @classmethod

@@ -45,8 +45,9 @@ from .paths import FIGURES_DIR, LOGS_DIR, PARTS_DIR, RUNS_DIR, SHARDS_DIR, RowsE
 
 STATUSES = ("ok", "unavailable", "unsupported", "incorrect", "oom", "crashed", "timeout",
             "skipped")
-#: statuses a resume re-tries (the library or device may be there now)
-RETRY_STATUSES = ("unavailable",)
+#: statuses a resume re-tries (the library or device may be there now; a backend skipped after
+#: its timeouts never ran those rows)
+RETRY_STATUSES = ("unavailable", "skipped")
 #: statuses ``--retry-failed`` runs again (a fixed kernel, a longer timeout, a bigger GPU)
 FAILED_STATUSES = ("crashed", "timeout", "oom")
 OUTPUTS = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -155,7 +156,9 @@ FIELDS: dict[str, tuple[str, str]] = {
                "`unsupported` (the backend cannot run this point, or the library refused it "
                "for its version or platform: the library's message in `reason`), `incorrect` "
                "(checked against "
-               "the reference and wrong), `oom`, `crashed`, `timeout`, `skipped`"),
+               "the reference and wrong), `oom`, `crashed`, `timeout`, `skipped` (not run: the "
+               "backend's previous `max_timeouts` rows of the run all timed out; a resume "
+               "runs it)"),
     "reason": ("", "why the status, in words (empty for a clean `ok`)"),
     "latency_ms": ("ms per call", "median of `samples_ms`"),
     "p10_ms": ("ms per call", "10th percentile of `samples_ms` (inclusive method)"),

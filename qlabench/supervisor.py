@@ -588,6 +588,7 @@ class Lane:
     version: str | None = None
     report: dict | None = None  # the worker's
     resolved_at: float | None = None  # epoch seconds
+    timeouts: int = 0  # its `timeout` rows in a row (Sweep.max_timeouts)
 
 
 class Lanes:
@@ -722,11 +723,19 @@ class Lanes:
         """``task`` (of ``label`` alone) in the label's worker; an unavailable label's rows are
         made here, with the reason its check gave."""
         lane = self.lanes[label]
-        if lane.avail[0]:
-            (lane.sup or self.here).run_task(task, on_row)
+        cap = self.sweep.max_timeouts
+        if lane.avail[0] and not (cap and lane.timeouts >= cap):
+            def counted(row: dict) -> None:
+                lane.timeouts = lane.timeouts + 1 if row["status"] == "timeout" else 0
+                on_row(row)
+            (lane.sup or self.here).run_task(task, counted)
             return
+        why = lane.avail[1] if not lane.avail[0] else (
+            f"{label} timed out on its last {lane.timeouts} rows of this run (row_timeout_s="
+            f"{self.sweep.row_timeout_s:g}): not run again in it; `--resume` runs these rows")
+        status = "unavailable" if not lane.avail[0] else "skipped"
         for n in task.backends:
-            on_row(merge(pinned_row(task, n, self.env), outcome("unavailable", lane.avail[1])))
+            on_row(merge(pinned_row(task, n, self.env), outcome(status, why)))
 
     def close(self) -> None:
         """End every worker (each one, whatever the others raise)."""

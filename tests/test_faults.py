@@ -141,6 +141,32 @@ def test_row_timeout_from_the_command_line(tmp_path):
     assert "row_timeout_s=5" in f.loc[1, "reason"]
 
 
+def test_a_backend_that_keeps_timing_out_is_skipped_for_the_rest_of_the_run(tmp_path):
+    """Two `timeout` rows in a row (the default max_timeouts) and the backend's remaining rows are
+    `skipped`, naming why, while the other backends go on; a row that ends otherwise resets the
+    count; `--resume` measures the skipped rows."""
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({**BASE, "seqlens": [[5 + i] for i in range(7)]}))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out), "--no-plot",
+           "--row-timeout-s", "6"]
+    env = {**os.environ, "QLABENCH_FAULTS": "hang@1,hang@3,hang@4"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-1500:]
+    df = results.load(out)
+    f = df[df.backend == "faulty"].set_index("point_index")
+    assert f["status"].to_dict() == {0: "ok", 1: "timeout", 2: "ok", 3: "timeout", 4: "timeout",
+                                     5: "skipped", 6: "skipped"}
+    assert "faulty timed out on its last 2 rows" in f.loc[5, "reason"]
+    assert set(df[df.backend == "reference"]["status"]) == {"ok"}
+    r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "QLABENCH_FAULTS": ""})
+    assert r.returncode == 0, r.stderr[-1500:]
+    f = results.load(out, latest=True)
+    f = f[f.backend == "faulty"].set_index("point_index")["status"].to_dict()
+    assert f == {0: "ok", 1: "timeout", 2: "ok", 3: "timeout", 4: "timeout", 5: "ok", 6: "ok"}
+
+
 def test_a_crash_reason_names_where_in_whole_frames():
     """The reason of a crashed row: the exception, then whole ``file:line function`` frames,
     innermost first — never a traceback cut mid-line."""
