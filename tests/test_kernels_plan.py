@@ -111,7 +111,7 @@ def test_plan_bwd_split_cuts_only_few_long_chains():
 
 def test_plan_fwd_picks_the_faster_final_kernel():
     """plan_fwd between the fused kernel and fwd_o on layouts the H200 timed in one run
-    (results/h200_kernels_prev/fwd_o_rs and fwd_o_rs_batch: the fused kernel's rows are the
+    (results/h200_kernels_prev/fwd_o_rs, in git at bdcfcb2, and fwd_o_rs_batch: the fused kernel's rows are the
     tilelang@prev label, the same kernel): the fused kernel where it measured faster, fwd_o where it did."""
     pkg = qlabench_kernels
     assert pkg.plan_fwd(4 * 8192, 4, 64, h_qk=16)[0] == 128  # fused 1.059 ms, fwd_o 1.200
