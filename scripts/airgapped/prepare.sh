@@ -16,6 +16,9 @@
 #            ours_fwd and fqla_heldout: the forward campaign's carry)
 #   (only when named) bwd_heldout, fqla_bwd_heldout  .tlcache/bwd_heldout.tar.xz, .tlcache/fqla_bwd_heldout.tar.xz:
 #            ours and FlashQLA's kernels for the held-out backward config (beside a slim all.tar.xz)
+#   (only when named) fwd_campaign  the forward campaign's whole carry, as two chains side by side (the
+#            packages: devsite fi07 fi0613; the kernels: ours_fwd fqla_heldout fqla_fwd; ~33 min on 2
+#            cores, each chain's log in .run/prepare_*.log), then repo
 #   repo     .run/repo.tar.gz     the commit to run (HEAD, results/ left out); with PREV=<git ref>
 #                                 also .run/prevkernels/qlabench_kernels (the `tilelang@prev` label)
 #   ab       (only when named, with AB="NAME=REF ...") the kernel variants of an A/B
@@ -42,6 +45,12 @@ rc=0
 for part in $PARTS; do
   log "== $part"
   case $part in
+    fwd_campaign)
+      bash "$0" devsite fi07 fi0613 > .run/prepare_packages.log 2>&1 & a=$!
+      bash "$0" ours_fwd fqla_heldout fqla_fwd > .run/prepare_kernels.log 2>&1 & b=$!
+      wait $a || { rc=1; tail -5 .run/prepare_packages.log; }
+      wait $b || { rc=1; tail -5 .run/prepare_kernels.log; }
+      bash "$0" repo || rc=1 ;;
     devsite) have .devsite/setup.sh "$part" || bash "$SHARED/device/bundle.sh" .devsite || rc=1 ;;
     fi07) have .fi07b/setup_flashinfer07.sh "$part" || bash "$SHARED/device/bundle_flashinfer07.sh" || rc=1 ;;
     tileops) have .tileops/setup.sh "$part" || bash scripts/airgapped/bundle_tileops.sh || rc=1 ;;
@@ -100,7 +109,7 @@ for part in $PARTS; do
           && log "ab: pkg_$name = kernels/ and tools/ of $(git rev-parse --short=12 "$ref")" || rc=1
       done
       pack fused || rc=1 ;;
-    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab ours_fwd fqla_fwd fqla_heldout bwd_heldout fqla_bwd_heldout)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab ours_fwd fqla_fwd fqla_heldout fwd_campaign bwd_heldout fqla_bwd_heldout)" >&2; exit 2 ;;
   esac
 done
 mib() { du -smc "$@" 2>/dev/null | tail -1 | cut -f1; }
