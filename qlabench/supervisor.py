@@ -721,7 +721,8 @@ class Lanes:
 
     def run(self, label: str, task, on_row) -> None:
         """``task`` (of ``label`` alone) in the label's worker; an unavailable label's rows are
-        made here, with the reason its check gave."""
+        made here, with the reason its check gave, and so are a label's rows once its last
+        ``Sweep.max_timeouts`` rows were all ``timeout`` (``skipped``, saying so)."""
         lane = self.lanes[label]
         cap = self.sweep.max_timeouts
         if lane.avail[0] and not (cap and lane.timeouts >= cap):

@@ -87,8 +87,9 @@
 # JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
 # ROW_TIMEOUT_S (set at setup, default 300): the sweeps' --row-timeout-s, so that one row that
 # stands does not take the rest of the call (a backend whose last two rows timed out is
-# `skipped` for the rest of that run; a step's resume tries it once more); a step cut by the deadline prints the row in flight
-# and its worker's stack, and the last 20 kB of every worker log come back in job.tgz (worker_logs/).
+# `skipped` for the rest of that run; a step's resume tries it once more); a step cut by the
+# deadline prints the row in flight and its worker's stack, and the last 20 kB of every worker log
+# come back in job.tgz (worker_logs/).
 # JOB_STEPS (set at setup; default "bwd_prev suite_first campaign suite_warm") names the steps to run,
 # e.g. JOB_STEPS="campaign suite_warm" for the forward campaign and one GPU suite after it.
 set -uo pipefail
