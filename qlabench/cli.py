@@ -282,10 +282,8 @@ def run(
                       highlight=False, markup=False)
             raise typer.Exit(2)
         s = s.model_copy(update={"directions": [direction]})
-    if row_timeout_s is not None:
-        s = s.model_copy(update={"row_timeout_s": row_timeout_s})
-    if max_timeouts is not None:
-        s = s.model_copy(update={"max_timeouts": max_timeouts})
+    limits = {"row_timeout_s": row_timeout_s, "max_timeouts": max_timeouts}
+    s = s.model_copy(update={k: v for k, v in limits.items() if v is not None})
     from . import runner
     try:
         runner.early_rows(1)

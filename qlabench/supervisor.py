@@ -731,10 +731,12 @@ class Lanes:
                 on_row(row)
             (lane.sup or self.here).run_task(task, counted)
             return
-        why = lane.avail[1] if not lane.avail[0] else (
-            f"{label} timed out on its last {lane.timeouts} rows of this run (row_timeout_s="
-            f"{self.sweep.row_timeout_s:g}): not run again in it; `--resume` runs these rows")
-        status = "unavailable" if not lane.avail[0] else "skipped"
+        if not lane.avail[0]:
+            status, why = "unavailable", lane.avail[1]
+        else:
+            status, why = "skipped", (
+                f"{label} timed out on its last {lane.timeouts} rows of this run (row_timeout_s="
+                f"{self.sweep.row_timeout_s:g}): not run again in it; `--resume` runs these rows")
         for n in task.backends:
             on_row(merge(pinned_row(task, n, self.env), outcome(status, why)))
 

@@ -54,19 +54,24 @@ def test_kill_9_then_resume_completes_without_duplicates(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out), "--no-plot"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(_run_cmd(p, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     _wait_for_rows(out, 3)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     first = len(results.load(out))
     assert 3 <= first < 12, first
-    r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(_run_cmd(p, out, "--resume"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     df = results.load(out)
     assert len(df) == 12 and not df.duplicated(["point_key", "backend", "direction"]).any()
     assert set(df["status"]) == {"ok"}
+
+
+def _run_cmd(config, out, *extra: str) -> list[str]:
+    """``qlabench run CONFIG --out OUT --no-plot EXTRA...`` as a subprocess's argv."""
+    return [sys.executable, "-m", "qlabench.cli", "run", str(config), "--out", str(out), "--no-plot",
+            *extra]
 
 
 def _wait_for_rows(out, n: int, within_s: float = 120) -> None:
@@ -86,8 +91,8 @@ def test_sigint_sigterm_exit_cleanly_and_keep_rows(tmp_path, sig):
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out),
-                             "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_run_cmd(p, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     _wait_for_rows(out, 2)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -106,9 +111,8 @@ def test_an_interrupt_names_the_row_in_flight_and_where_it_stands(tmp_path):
     p.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
     env = {**os.environ, "QLABENCH_FAULTS": "hang@1"}
-    proc = subprocess.Popen([sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out),
-                             "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen(_run_cmd(p, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
     _wait_for_rows(out, 2)  # point 0's two rows are in: point 1's faulty row hangs
     time.sleep(3.0)
     proc.send_signal(signal.SIGINT)
@@ -128,7 +132,7 @@ def test_row_timeout_from_the_command_line(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump({**BASE, "seqlens": [[5], [6], [7]], "row_timeout_s": 600}))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out), "--no-plot"]
+    cmd = _run_cmd(p, out)
     env = {**os.environ, "QLABENCH_FAULTS": "hang@1"}
     r = subprocess.run(cmd + ["--row-timeout-s", "0"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "--row-timeout-s" in r.stderr and not out.exists()
@@ -148,8 +152,7 @@ def test_a_backend_that_keeps_timing_out_is_skipped_for_the_rest_of_the_run(tmp_
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump({**BASE, "seqlens": [[5 + i] for i in range(7)]}))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "qlabench.cli", "run", str(p), "--out", str(out), "--no-plot",
-           "--row-timeout-s", "6"]
+    cmd = _run_cmd(p, out, "--row-timeout-s", "6")
     env = {**os.environ, "QLABENCH_FAULTS": "hang@1,hang@3,hang@4"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-1500:]
