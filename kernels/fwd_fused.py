@@ -62,7 +62,7 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
-from .fwd_o import O_STAGE_SRC, O_SYNC_BAR, acc_layout
+from .fwd_o import O_STAGE_SRC, O_SYNC_BAR, V_LOAD_SRC, acc_layout
 
 #: setmaxnreg budgets (registers / thread) of the state warpgroups (WG0 and WG1), aux (WG2) and producer
 #: (WG3): they sum to 512 per thread slot, what the launch's 512 x 128 registers hold. From the launch's
@@ -90,6 +90,7 @@ __device__ __forceinline__ void qlb_turn_end(int w, bool on = true) {
 def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     """The prim_func ``gdn_fwd_fused`` for one head config and state flags."""
     import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
 
     G = check_heads(h_qk, h_v)
     C, D, B = CHUNK, HEAD_DIM, 16
@@ -115,7 +116,7 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     ):
         # v-head fastest: the G v-heads of a q/k head start together and share its rows in L2
         with T.Kernel(NS * h_v, threads=512) as sh:
-            T.import_source(O_STAGE_SRC + TURN_SRC)
+            T.import_source(O_STAGE_SRC + V_LOAD_SRC + TURN_SRC)
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
@@ -144,10 +145,12 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             x_acc = T.alloc_fragment((D, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
             o_acc = T.alloc_fragment((D, C), "float32")
             w_bf = T.alloc_fragment((D, C), "bfloat16")
+            vt_bf = T.alloc_fragment((D, C), "bfloat16")  # Vᵀ of the stage
             vd_bf = T.alloc_fragment((D, C), "bfloat16")
             vp_bf = T.alloc_fragment((D, C), "bfloat16")
             o_bf = T.alloc_fragment((D, C), "bfloat16")
-            T.annotate_layout({o_bf: acc_layout((D, C))})  # o_acc's, read by qlb_stage_o_trans
+            T.annotate_layout({o_bf: acc_layout((D, C)), vt_bf: acc_layout((D, C))})  # x_acc's and o_acc's
+            T.annotate_layout({v_sh: make_swizzled_layout(v_sh)})  # 128-byte swizzle (qlb_load_vt)
             # aux
             a_acc = T.alloc_fragment((C, C), "float32")
             p_acc = T.alloc_fragment((C, C), "float32")
@@ -206,15 +209,14 @@ def fwd_fused_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.wgmma_gemm(s_bf, q_sh[js, :, :], o_acc, transpose_B=True, clear_accum=True, policy=FR)
                     T.wait_wgmma(0)
                     T.call_extern("handle", "qlb_turn_end", wg)
-                    for i, j in T.Parallel(D, C):  # @trace s_w
-                        w_bf[i, j] = T.cast(-gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
+                    T.call_extern("handle", "qlb_load_vt", T.access_ptr(vt_bf[0, 0], "w"), T.access_ptr(v_sh[js, 0, 0], "r"))  # @trace s_w
+                    for i, j in T.Parallel(D, C):
+                        w_bf[i, j] = T.cast(T.cast(vt_bf[i, j], "float32") - gt_sh[js, 2, j] * x_acc[i, j], "bfloat16")
                     T.call_extern("handle", "qlb_turn_begin", wg)  # @trace s_vd
                     if jt == 0:
                         T.wgmma_gemm(w_bf, ta0_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                        T.wgmma_gemm(v_sh[js, :, :], ta0_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
                     else:
                         T.wgmma_gemm(w_bf, ta1_sh, x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                        T.wgmma_gemm(v_sh[js, :, :], ta1_sh, x_acc, transpose_A=True, transpose_B=True, policy=FR)
                     T.wait_wgmma(0)
                     T.call_extern("handle", "qlb_turn_end", wg)
                     for i, j in T.Parallel(D, C):  # @trace s_vdpass

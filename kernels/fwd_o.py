@@ -77,6 +77,20 @@ __device__ __forceinline__ void qlb_stage_o_trans(void* stage, const void* frag)
     "r"(v[4 * m]), "r"(v[4 * m + 1]), "r"(v[4 * m + 2]), "r"(v[4 * m + 3]) : "memory");
 }
 """
+#: the inverse of ``O_STAGE_SRC``: a [64 tokens, 64 V] bf16 tile per warpgroup in that swizzled layout
+#: (a TMA-loaded V block) into a ``acc_layout`` fragment of its transpose Vᵀ [64 V, 64 tokens], by four
+#: ldmatrix .x4.trans per thread at the same addresses and registers
+V_LOAD_SRC = r"""
+__device__ __forceinline__ void qlb_load_vt(void* frag, const void* stage) {
+  const int t = threadIdx.x, q = (t & 31) >> 3, r = t & 7;
+  unsigned* v = static_cast<unsigned*>(frag);
+  const unsigned short* half = static_cast<const unsigned short*>(stage) + ((t >> 7) & 1) * 4096;
+  #pragma unroll
+  for (int m = 0; m < 4; ++m) asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n" :
+    "=r"(v[4 * m]), "=r"(v[4 * m + 1]), "=r"(v[4 * m + 2]), "=r"(v[4 * m + 3]) :
+    "r"(static_cast<unsigned>(__cvta_generic_to_shared(half + (16 * m + 8 * (q >> 1) + r) * 64 + ((2 * ((t >> 5) & 3) + (q & 1)) ^ r) * 8))) : "memory");
+}
+"""
 
 
 def acc_layout(shape):
@@ -90,6 +104,7 @@ def acc_layout(shape):
 def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     """The prim_func ``gdn_fwd_o`` for one head config and state flags."""
     import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
 
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, BLOCK_V
@@ -117,7 +132,7 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
         ht: T.Tensor((N, h_v, D, D), "float32"),
     ):
         with T.Kernel(D // BV, NS * h_v, threads=256) as (bv, sh):
-            T.import_source(O_STAGE_SRC)
+            T.import_source(O_STAGE_SRC + V_LOAD_SRC)
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             s = sh // h_v
             hv = sh % h_v
@@ -137,10 +152,12 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
             x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ, then Vdᵀ
             o_acc = T.alloc_fragment((BV, C), "float32")
             w_bf = T.alloc_fragment((BV, C), "bfloat16")
+            vt_bf = T.alloc_fragment((BV, C), "bfloat16")  # Vᵀ of the stage's V block
             vd_bf = T.alloc_fragment((BV, C), "bfloat16")
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
             o_bf = T.alloc_fragment((BV, C), "bfloat16")
-            T.annotate_layout({o_bf: acc_layout((BV, C))})  # o_acc's, read by qlb_stage_o_trans
+            T.annotate_layout({o_bf: acc_layout((BV, C)), vt_bf: acc_layout((BV, C))})  # x_acc's and o_acc's
+            T.annotate_layout({v_sh: make_swizzled_layout(v_sh)})  # 128-byte swizzle (qlb_load_vt)
             egl = T.alloc_var("float32")
             gv = T.alloc_local((2,), "float32")
 
@@ -174,11 +191,11 @@ def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
                     T.copy(s_acc, s_bf)
                     T.gemm(s_bf, q_sh, o_acc, transpose_B=True, clear_accum=True, policy=FR)
                     T.barrier_arrive(q_empty[0])
+                    T.call_extern("handle", "qlb_load_vt", T.access_ptr(vt_bf[0, 0], "w"), T.access_ptr(v_sh[js, 0, 0], "r"))
                     T.gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
                     for i, j in T.Parallel(BV, C):
-                        w_bf[i, j] = T.cast(-gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
+                        w_bf[i, j] = T.cast(T.cast(vt_bf[i, j], "float32") - gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
                     T.gemm(w_bf, a_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
-                    T.gemm(v_sh[js, :, :], a_sh[js, :, :], x_acc, transpose_A=True, transpose_B=True, policy=FR)
                     for i, j in T.Parallel(BV, C):
                         vd_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
                         vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * x_acc[i, j], "bfloat16")
