@@ -115,9 +115,10 @@ def test_prep_solves_on_tensor_cores_as_the_fused_aux(sources):
     assert f"__launch_bounds__(128, {_mod('prep').MIN_BLOCKS})" in src
 
 
-def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
-    """The state warpgroups take W's V term as a wgmma with A = Vᵀ by descriptor (one per ring
-    slot's branch), no element loads of V; they issue every wgmma inside one of their four turns a
+def test_fused_state_reads_v_by_ldmatrix(sources):
+    """The state warpgroups read V once a chunk, into registers by ldmatrix .trans (``qlb_load_vt``),
+    no element loads of V, and take every GEMM's A operand from registers (Vdᵀ = (Vᵀ − e^g ⊙ Xᵀ) A_βᵀ
+    is one GEMM per ring slot's branch); they issue every wgmma inside one of their four turns a
     chunk (a named-barrier sync before, an arrive after; one more arrive before the loop), and
     TileLang inserts no sync of its own on their path; o is staged in q_sh with no sync before it
     (the turns order the other warpgroup's read of Q), then one sync of the 256 threads for a
@@ -126,7 +127,8 @@ def test_fused_state_reads_v_only_as_a_gemm_operand(sources):
     src = sources["fwd_fused"]
     nreg = _mod("fwd_fused").NREG
     state = src[src.index(f"warpgroup_reg_alloc<{nreg[0]}>") : src.index(f"warpgroup_reg_dealloc<{nreg[1]}>")]
-    assert state.count("v_sh)[") == state.count("(bfloat16_t*)v_sh)[0]") == 2
+    assert state.count("v_sh)[") == state.count("qlb_load_vt(") == 1 and "wgmma_ss<" not in state
+    assert src.count("ldmatrix.sync.aligned.x4.trans") == 1
     assert state.count("qlb_turn_begin(") == 4 and state.count("qlb_turn_end(") == 5
     turn = None
     for m in re.finditer(r"qlb_turn_(begin|end)\(|tl::wgmma_", state):  # every wgmma after a turn's sync, before its arrive
@@ -152,15 +154,17 @@ def _one_count_per_barrier(src):
 
 
 def test_fwd_o_keeps_its_state_in_registers(sources):
-    """fwd_o's state warpgroup takes the A operand of its Q, K, A_β, P and state-update GEMMs from
-    registers (five wgmma_rs), only the V term from shared memory (no operand by stmatrix); o is
+    """fwd_o's state warpgroup takes the A operand of each of its five GEMMs (Q, K, A_β with V folded
+    in, P, the state update) from registers (five wgmma_rs, no wgmma_ss), V read into registers by
+    ldmatrix .trans (``qlb_load_vt``; no operand by stmatrix); o is
     staged in the stage's P buffer by stmatrix .trans between two syncs, a partial chunk's rows
     stored from there, then a proxy fence and the arrives on o_staged and empty; warp 6 stores full
     chunks by TMA; two CTAs per SM at 128 registers."""
     src, m = sources["fwd_o"], _mod("fwd_o")
     assert f"__launch_bounds__(256, {m.MIN_BLOCKS})" in src and m.NREG_LAUNCH * 256 * m.MIN_BLOCKS == 65536
-    assert src.count("wgmma_rs<") == 5 and src.count("wgmma_ss<") == 1
+    assert src.count("wgmma_rs<") == 5 and src.count("wgmma_ss<") == 0
     assert "tl::ptx_stmatrix" not in src and src.count("stmatrix.sync.aligned.x4.trans") == 1
+    assert src.count("ldmatrix.sync.aligned.x4.trans") == 1 and src.count("qlb_load_vt(") == 2  # defined, called
     state = src[src.index(f"warpgroup_reg_alloc<{m.NREG[0]}>") : src.index(f"warpgroup_reg_dealloc<{m.NREG[1]}>")]
     bar = f"__sync_thread_partial({_mod('fwd_o').O_SYNC_BAR}, 128);"
     syncs = [i for i in range(len(state)) if state.startswith(bar, i)]

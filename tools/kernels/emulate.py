@@ -94,14 +94,15 @@ def emu_prep(k, g, beta, ctab, q=None, scale=None):
 
 
 def _chunk_step(S, qc, kc, vc, gch, ab, ln, scale, want_o):
-    """One chunk of fwd_o / seg_state for all heads, with the kernels' algebra and bf16 roundings.
-    S [H,K,W] fp32; qc,kc [H,64,K]; vc [H,64,W]; gch [H,64]; ab [H,64,64] (bf16 values):
-    U = K S from S in bf16, Vd = A_β bf16(−e^g ⊙ U) + A_β V, V' = bf16(mask · e^{g_l − g} ⊙ Vd),
-    O = scale · e^g ⊙ (Q S) + P bf16(Vd). Returns (S_new, o [H,64,W] or None)."""
+    """One chunk of fwd_o (``want_o``) / seg_state for all heads, with the kernels' algebra and bf16
+    roundings. S [H,K,W] fp32; qc,kc [H,64,K]; vc [H,64,W]; gch [H,64]; ab [H,64,64] (bf16 values):
+    U = K S from S in bf16; Vd = A_β bf16(V − e^g ⊙ U) in fwd_o (V in registers), A_β bf16(−e^g ⊙ U)
+    + A_β V in seg_state; V' = bf16(mask · e^{g_l − g} ⊙ Vd), O = scale · e^g ⊙ (Q S) + P bf16(Vd).
+    Returns (S_new, o [H,64,W] or None)."""
     s_sh = _r(S)
     eg = torch.exp(gch)[..., None]
     ab = ab.float()
-    vd = ab @ _r(-eg * (kc @ s_sh)) + ab @ vc
+    vd = ab @ _r(vc - eg * (kc @ s_sh)) if want_o else ab @ _r(-eg * (kc @ s_sh)) + ab @ vc
     glast = gch[:, ln - 1]
     mask = (torch.arange(C, device=S.device) < ln)[None, :, None]
     vp = _r(torch.where(mask, torch.exp(glast[:, None, None] - gch[..., None]) * vd, torch.zeros((), device=S.device)))
@@ -273,8 +274,8 @@ def emu_fwd_fused(q, k, v, g, beta, stab, h_init, scale, N, want_ht=True, factor
             sb = _r(St)
             x = sb @ kc.transpose(-1, -2)  # [Hv, V, 64]
             oc = sb @ qc.transpose(-1, -2)
-            # Vdᵀ = (−e^g⊙X) A_βᵀ (A from registers, bf16) + Vᵀ A_βᵀ (V as loaded, bf16)
-            vd = _r(-eg[:, None, :] * x) @ ab.transpose(-1, -2) + vc.transpose(-1, -2) @ ab.transpose(-1, -2)
+            # Vdᵀ = (Vᵀ − e^g⊙X) A_βᵀ (A from registers, bf16)
+            vd = _r(vc.transpose(-1, -2) - eg[:, None, :] * x) @ ab.transpose(-1, -2)
             oc = oc * (scale * eg[:, None, :]) + _r(vd) @ pp.transpose(-1, -2)
             St = St * eg[:, ln - 1, None, None] + _r(el[:, None, :] * vd) @ kc
             o[0, t0 : t0 + ln] = oc[:, :, :ln].permute(2, 0, 1)
