@@ -8,8 +8,8 @@ last valid value)
     L    = StrictLower(diag β · Γ ⊙ K Kᵀ),  Γ_ij = e^{g_i − g_j}
     A_β  = (I + L)⁻¹ diag β
     P    = scale · Γ ⊙ Q Kᵀ (causal incl. the diagonal)
-    Vdᵀ  = (Vᵀ − e^g ⊙ (Sᵀ Kᵀ)) A_βᵀ    (columns are tokens; = FLA's v_newᵀ), as two GEMMs:
-           (−e^g ⊙ Sᵀ Kᵀ) A_βᵀ with A from registers, + Vᵀ A_βᵀ with A read transposed from shared
+    Vdᵀ  = (Vᵀ − e^g ⊙ (Sᵀ Kᵀ)) A_βᵀ    (columns are tokens; = FLA's v_newᵀ), one GEMM with A from
+           registers: Vᵀ by ldmatrix .trans (``V_LOAD_SRC``), the difference in fp32, cast to bf16
     Oᵀ   = scale · e^g ⊙ (Sᵀ Qᵀ) + Vdᵀ Pᵀ
     Sᵀ  ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
@@ -23,8 +23,8 @@ producer's flag (no positive gate, range below ``FACTOR_RANGE``); otherwise e^{m
 Roles:
 
     WG0-1 (tx   0..255, setmaxnreg 192)  the state Sᵀ [128 V, 128 K] fp32 in registers (64 V rows
-            per warpgroup); every GEMM but the V term takes its A operand from registers (the
-            accumulator cast to bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vdᵀ Pᵀ,
+            per warpgroup); every GEMM takes its A operand from registers (the accumulator cast to
+            bf16): X = Sᵀ Kᵀ, O = Sᵀ Qᵀ, Vdᵀ = (Vᵀ − e^g⊙X) A_βᵀ, O += Vdᵀ Pᵀ,
             Sᵀ += Vd'ᵀ K, the two warpgroups' GEMMs in turns (``TURN_SRC``); o (bf16) into q_sh[c % 3]
             by stmatrix .trans (``O_STAGE_SRC``; the other's O GEMM read that Q in its first turn; a
             partial last chunk's rows, stored from there after a sync of the 256 threads on

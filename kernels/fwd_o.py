@@ -4,19 +4,19 @@ in registers.
 One CTA of 256 threads per (64-column V block, segment, v-head), two CTAs per SM; a segment is
 a run of whole chunks of one sequence (the whole sequence unless split, ``_common.segment_table``).
 The block's transposed state Sᵀ [64 V, 128 K] is fp32 in the registers of one warpgroup, and
-every GEMM but the V term takes its A operand from registers (the accumulator cast to bf16;
-wgmma M = 64). Per chunk (C = 64 rows; g = chunk-local cumsum, g_l its last valid value; A_β
+every GEMM takes its A operand from registers (the accumulator cast to bf16, or Vᵀ loaded by
+ldmatrix .trans, ``V_LOAD_SRC``; wgmma M = 64). Per chunk (C = 64 rows; g = chunk-local cumsum, g_l its last valid value; A_β
 FLA's gated A times diag β and P = scale·Γ⊙QKᵀ, causal incl. the diagonal, both from prep):
 
     Oᵀ  = Sᵀ Qᵀ
     Xᵀ  = Sᵀ Kᵀ
-    Vdᵀ = (−e^g ⊙ Xᵀ) A_βᵀ + Vᵀ A_βᵀ      (= FLA's v_newᵀ; the V term with A = Vᵀ read transposed)
+    Vdᵀ = (Vᵀ − e^g ⊙ Xᵀ) A_βᵀ            (= FLA's v_newᵀ; the difference in fp32, cast to bf16)
     Oᵀ  = scale · e^g ⊙ Oᵀ + Vdᵀ Pᵀ
     Sᵀ ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
 Roles (128 registers a thread at launch; the setmaxnreg budgets sum to what two warpgroups hold):
 
-    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the five GEMMs and the V term; o
+    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the five GEMMs; o
             staged in the stage's P buffer after the last GEMM by stmatrix .trans between two syncs
             (``O_STAGE_SRC``; a partial last chunk's rows stored from there)
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block, A_β, P into stage

@@ -39,7 +39,7 @@ def programs(nchunks):
         js, pj, jt, pt = c % NST, (c // NST) % 2, c % 2, (c // 2) % 2
         full, empty = ("wait", "full", js, pj, c // NST + 1), ("wait", "empty", js, 1 - pj, c // NST)
         slot = {"ta": jt, "pp": jt}
-        # state, four turns: {X = Sᵀ Kᵀ, O = Sᵀ Qᵀ}, Vd = (−e^g⊙X) A_βᵀ + Vᵀ A_βᵀ, O += Vd P, S += Vd' K;
+        # state, four turns: {X = Sᵀ Kᵀ, O = Sᵀ Qᵀ}, Vd = (Vᵀ − e^g⊙X) A_βᵀ (V read just before), O += Vd P, S += Vd' K;
         # the element passes between them read the gate tables
         turns = (("k", "q"), ("ta", "v"), ("pp",), ("k",))
         for h, wg in enumerate(("wg0", "wg1")):
