@@ -143,16 +143,13 @@ def chunk_gdn_bwd(
                 main.wait_event(m_ready)
             run_rfixup(m_tr, f_start, cu_segs, dht, d_end, target=target)
             dh_all, dvnew, dh0 = run_bwd_dhu(
-                q, k, gcs, a_beta, do, d_end, stab, scale, dh0, dh_all, dvnew, target=target,
-                split="carry",
+                q, k, gcs, a_beta, do, d_end, stab, scale, dh0, dh_all, dvnew, target=target, split="carry",
             )  # fmt: skip
             split_out = dict(cu_segs=cu_segs, h_start=h_start, f_start=f_start, d_end=d_end)
         else:
             with on_side:
                 run_bwd_h(k, v, gcs, a_beta, stab, h0, h_all, vnew, target=target)
-            dh_all, dvnew, dh0 = run_bwd_dhu(
-                q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all, dvnew, target=target
-            )
+            dh_all, dvnew, dh0 = run_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, dh0, dh_all, dvnew, target=target)
     finally:
         if side is not None:
             main.wait_stream(side)
@@ -165,6 +162,5 @@ def chunk_gdn_bwd(
     return dict(
         dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dh0=dh0,
         ctab=ctab, stab=stab, gcs=gcs, a_beta=a_beta, h_all=h_all, vnew=vnew, dh_all=dh_all, dvnew=dvnew,
-        dq_v=dq_v, dk_part=dk_part, dw=dw, dg_part=dg_part, dk_v=dk_v,
-        split_tokens=split_tokens, **split_out,
+        dq_v=dq_v, dk_part=dk_part, dw=dw, dg_part=dg_part, dk_v=dk_v, split_tokens=split_tokens, **split_out,
     )  # fmt: skip

@@ -188,9 +188,7 @@ def _for_name(name: str) -> CostTable:
     except FileNotFoundError:
         warnings.warn(
             f"no cost table for {name!r}: the planners price with the {DEFAULT_GPU}'s "
-            f"(measure one: python -m qlabench_tools.kernels.calibrate --out {table_path(name)})",
-            stacklevel=3,
-        )
+            f"(measure one: python -m qlabench_tools.kernels.calibrate --out {table_path(name)})", stacklevel=3)
         return default_table()
 
 

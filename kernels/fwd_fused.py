@@ -49,7 +49,6 @@ No barrier gets two phases ahead of its waiter: aux arrives on t_ready[jt] for c
 wait on t_free[jt] for c; the producers on full[js] for c + 3 after empty[js] for c (every consumer).
 
 Rows past the sequence end: β, g zeroed (L, A_β, Vd 0), e^{g_l − g} masked, o not stored; loads past it meet those 0s.
-
 ``# @trace NAME`` lines: where ``tools/kernels/trace_fused.py`` stamps the SM clock in a copy.
 
 Inputs:  q, k [1,T,Hqk,128] bf16; v [1,T,Hv,128] bf16; g, beta [1,T,Hv] fp32; stab int32 [NS,8];

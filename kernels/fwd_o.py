@@ -1,12 +1,11 @@
-"""Forward kernel 3: the chunk recurrence fused with the output from prep's A_β and P, the state
-in registers.
+"""Forward kernel 3: the chunk recurrence fused with the output from prep's A_β and P, the state in registers.
 
 One CTA of 256 threads per (64-column V block, segment, v-head), two CTAs per SM; a segment is
 a run of whole chunks of one sequence (the whole sequence unless split, ``_common.segment_table``).
 The block's transposed state Sᵀ [64 V, 128 K] is fp32 in the registers of one warpgroup, and
 every GEMM takes its A operand from registers (the accumulator cast to bf16, or Vᵀ loaded by
-ldmatrix .trans, ``V_LOAD_SRC``; wgmma M = 64). Per chunk (C = 64 rows; g = chunk-local cumsum, g_l its last valid value; A_β
-FLA's gated A times diag β and P = scale·Γ⊙QKᵀ, causal incl. the diagonal, both from prep):
+ldmatrix .trans, ``V_LOAD_SRC``; wgmma M = 64). Per chunk (C = 64 rows; g = chunk-local cumsum,
+g_l its last valid value; A_β and P = scale·Γ⊙QKᵀ, causal incl. the diagonal, from prep):
 
     Oᵀ  = Sᵀ Qᵀ
     Xᵀ  = Sᵀ Kᵀ
@@ -23,15 +22,8 @@ Roles (128 registers a thread at launch; the setmaxnreg budgets sum to what two 
             c % NST, and of Q into its one buffer once the state is done with the last; warp 5: gcs
             rows → e^g, mask · e^{g_l − g}, e^{g_l} into the stage; warp 6: full chunks' o by TMA; 7 exits
 
-mbarriers (c = chunk; "free" waits use the other parity, which passes at once on a fresh barrier):
-
-    full[js]  count 64  warps 4 and 5 (+ TMA tx bytes)   the state waits (c // NST) % 2
-    empty[js] count 160 the state, warp 6 (o out)         the producers wait 1 − (c // NST) % 2
-    o_staged[js] count 128 the state, o staged (fenced)   warp 6 waits (c // NST) % 2
-    q_full    count 32  warp 4 (+ tx bytes)               the state waits c % 2
-    q_empty   count 128 the state after its Q GEMM        warp 4 waits 1 − c % 2
-
-Q has one buffer (two CTAs per SM must fit): the state takes its Q GEMM first, warp 4 loads the next.
+mbarriers full[js], empty[js], o_staged[js], q_full, q_empty (counts and parities: docs/kernels.md,
+fwd_o). Q has one buffer (two CTAs per SM must fit): the state takes its Q GEMM first, warp 4 loads the next.
 
 Rows past the sequence end: A_β and P are 0 there (prep), the state update's rows masked, o not
 stored; TMA loads of q/k/v past the end (the next sequence's rows) only meet those zeros.
@@ -77,9 +69,8 @@ __device__ __forceinline__ void qlb_stage_o_trans(void* stage, const void* frag)
     "r"(v[4 * m]), "r"(v[4 * m + 1]), "r"(v[4 * m + 2]), "r"(v[4 * m + 3]) : "memory");
 }
 """
-#: the inverse of ``O_STAGE_SRC``: a [64 tokens, 64 V] bf16 tile per warpgroup in that swizzled layout
-#: (a TMA-loaded V block) into a ``acc_layout`` fragment of its transpose Vᵀ [64 V, 64 tokens], by four
-#: ldmatrix .x4.trans per thread at the same addresses and registers
+#: the inverse of ``O_STAGE_SRC`` (a TMA-loaded V tile in that layout into an ``acc_layout`` fragment of
+#: Vᵀ [64 V, 64 tokens] per warpgroup): four ldmatrix .x4.trans per thread, the same addresses and registers
 V_LOAD_SRC = r"""
 __device__ __forceinline__ void qlb_load_vt(void* frag, const void* stage) {
   const int t = threadIdx.x, q = (t & 31) >> 3, r = t & 7;
