@@ -12,7 +12,6 @@ at the accumulator layout's pair 2n + h (``fwd_o.acc_layout``: V row 16·warp + 
 import re
 
 import pytest
-
 from qlabench_kernels import fwd_o
 
 ADDR = re.compile(r"__cvta_generic_to_shared\(half \+ (.+?)\)\)\)")
