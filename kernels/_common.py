@@ -72,12 +72,7 @@ def compile_program(func, target=None, pass_configs=None):
 
     if target is None:
         target = default_target()
-    return tilelang.compile(
-        func,
-        target=target,
-        execution_backend="tvm_ffi",
-        pass_configs=pass_configs or {},
-    )
+    return tilelang.compile(func, target=target, execution_backend="tvm_ffi", pass_configs=pass_configs or {})
 
 
 def check_heads(h_qk: int, h_v: int) -> int:

@@ -28,7 +28,8 @@ class ChunkGDNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, seqlens=None):
-        r = chunk_gdn_fwd_lowlevel(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        r = chunk_gdn_fwd_lowlevel(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, seqlens=seqlens, save_prep=True,
         )  # fmt: skip
         ctx.seqlens = seqlens

@@ -132,7 +132,8 @@ def chunk_gdn_fwd_lowlevel(
     ht = final_state if output_final_state else None
     if output_final_state and ht is None:
         ht = torch.empty(N, h_v, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32)
-    out = dict(gcs=gcs, a_beta=a_beta, p_all=p_all, ctab=ctab, cu_chunks=cu_chunks, stab=stab,
+    out = dict(
+        gcs=gcs, a_beta=a_beta, p_all=p_all, ctab=ctab, cu_chunks=cu_chunks, stab=stab,
         split_tokens=int(split_tokens or 0), block_v=block_v,
     )  # fmt: skip
 
