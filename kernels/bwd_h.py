@@ -2,23 +2,22 @@
 
 One CTA of 256 threads per (64-column V block, segment, v-head), two CTAs per SM; seg_state's chain
 (``seg_state.chain_step_macro``, its loads ``seg_state.kva_loads_macro``) plus the stores. The block's transposed state Sᵀ [64 V, 128 K]
-is fp32 in the registers of one warpgroup and every GEMM but the V term takes its A operand from
-registers (the accumulator cast to bf16; wgmma M = 64). Per chunk (C = 64 rows; g = chunk-local
-cumsum, g_l its last valid value; A_β from prep):
+is fp32 in the registers of one warpgroup and every GEMM takes its A operand from registers (the
+accumulator cast to bf16, or Vᵀ by ldmatrix .trans; wgmma M = 64). Per chunk (C = 64 rows; g =
+chunk-local cumsum, g_l its last valid value; A_β from prep):
 
     h    = bf16(Sᵀ)ᵀ                       (stored as h_all[chunk slot], [K, V])
     Xᵀ   = Sᵀ Kᵀ
-    Vdᵀ  = (−e^g ⊙ Xᵀ) A_βᵀ + Vᵀ A_βᵀ     (the V term with A = Vᵀ read transposed, issued with Xᵀ)
+    Vdᵀ  = (Vᵀ − e^g ⊙ Xᵀ) A_βᵀ            (the difference in fp32, cast to bf16 once)
     v_new = bf16(Vd)                        (stored as vnew rows of the chunk slot)
     Sᵀ ← e^{g_l} Sᵀ + (mask · e^{g_l − g} ⊙ Vd)ᵀ K
 
 Roles (the launch gives each thread 128 registers; the setmaxnreg budgets sum to what two
 warpgroups hold):
 
-    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the four GEMMs (issued
-            asynchronously: h is staged while Sᵀ Kᵀ and Vᵀ A_βᵀ run, v_new while the state update
-            runs), h and v_new written transposed from the registers into staging tiles in shared
-            memory (swizzled)
+    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state, the three GEMMs (issued
+            asynchronously: h is staged while Sᵀ Kᵀ runs, v_new while the state update runs), h and
+            v_new written transposed from the registers into staging tiles in shared memory (swizzled)
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block and A_β into stage
             c % NST; warp 5: the chunk's gcs rows and the per-token tables e^g,
             mask · e^{g_l − g}, e^{g_l} into the stage (``seg_state.gate_tables_macro``); warp 6:
@@ -43,7 +42,7 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
-from .seg_state import chain_step_macro, gate_tables_macro, kva_loads_macro
+from .seg_state import V_LOAD_SRC, acc_layout, chain_step_macro, gate_tables_macro, kva_loads_macro
 
 #: CTAs per SM that ptxas must fit (``__launch_bounds__``): 256 threads at 128 registers each
 MIN_BLOCKS = 2
@@ -86,6 +85,7 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
         vnew: T.Tensor((h_v, NCS * C, D), "bfloat16"),
     ):
         with T.Kernel(D // BV, NS * h_v, threads=256) as (bv, sh):
+            T.import_source(V_LOAD_SRC)
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             s = sh // h_v
             hv = sh % h_v
@@ -101,15 +101,16 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
             # registers (transposed), stored by warp 6's TMA
             hs_sh = T.alloc_shared((D, BV), "bfloat16")
             vs_sh = T.alloc_shared((C, BV), "bfloat16")
-            T.annotate_layout({hs_sh: make_swizzled_layout(hs_sh), vs_sh: make_swizzled_layout(vs_sh)})
 
             s_acc = T.alloc_fragment((BV, D), "float32")  # Sᵀ [V, K]
             s_bf = T.alloc_fragment((BV, D), "bfloat16")
             x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ
-            vd_acc = T.alloc_fragment((BV, C), "float32")  # Vdᵀ
+            vt_bf = T.alloc_fragment((BV, C), "bfloat16")  # Vᵀ of the stage's V block
             w_bf = T.alloc_fragment((BV, C), "bfloat16")
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
             gv = T.alloc_local((2,), "float32")
+            T.annotate_layout({hs_sh: make_swizzled_layout(hs_sh), vs_sh: make_swizzled_layout(vs_sh),
+                               v_sh: make_swizzled_layout(v_sh), vt_bf: acc_layout((BV, C))})  # v_sh, vt_bf: qlb_load_vt's
 
             full = T.alloc_barrier([64] * NST)
             empty = T.alloc_barrier([128] * NST)
@@ -139,13 +140,13 @@ def bwd_h_program(h_qk: int, h_v: int, has_init: bool):
                     pj = (ci // NST) % 2
                     T.barrier_wait(full[js], pj)
                     T.copy(s_acc, s_bf)
-                    chain_issue(s_bf, x_acc, vd_acc, k_sh, v_sh, a_sh, js, True)
+                    chain_issue(s_bf, x_acc, vt_bf, k_sh, v_sh, js, True)
                     T.barrier_wait(h_free[0], 1 - ci % 2)
-                    for i, j in T.Parallel(BV, D):  # h staged while Sᵀ Kᵀ and Vᵀ A_βᵀ run
+                    for i, j in T.Parallel(BV, D):  # h staged while Sᵀ Kᵀ runs
                         hs_sh[j, i] = T.cast(s_acc[i, j], "bfloat16")
                     T.fence_proxy_async()
                     T.barrier_arrive(h_staged[0])
-                    chain_update(s_acc, x_acc, vd_acc, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, True, True)
+                    chain_update(s_acc, x_acc, vt_bf, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, True)
                     T.barrier_wait(v_free[0], 1 - ci % 2)
                     for i, j in T.Parallel(BV, C):  # v_new staged while the state update runs
                         vs_sh[j, i] = w_bf[i, j]

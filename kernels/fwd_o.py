@@ -39,7 +39,7 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
-from .seg_state import gate_tables_macro
+from .seg_state import V_LOAD_SRC, acc_layout, gate_tables_macro
 
 #: CTAs per SM that ptxas must fit (``__launch_bounds__``): 256 threads at 128 registers each
 MIN_BLOCKS = 2
@@ -69,29 +69,6 @@ __device__ __forceinline__ void qlb_stage_o_trans(void* stage, const void* frag)
     "r"(v[4 * m]), "r"(v[4 * m + 1]), "r"(v[4 * m + 2]), "r"(v[4 * m + 3]) : "memory");
 }
 """
-#: the inverse of ``O_STAGE_SRC`` (a TMA-loaded V tile in that layout into an ``acc_layout`` fragment of
-#: Vᵀ [64 V, 64 tokens] per warpgroup): four ldmatrix .x4.trans per thread, the same addresses and registers
-V_LOAD_SRC = r"""
-__device__ __forceinline__ void qlb_load_vt(void* frag, const void* stage) {
-  const int t = threadIdx.x, q = (t & 31) >> 3, r = t & 7;
-  unsigned* v = static_cast<unsigned*>(frag);
-  const unsigned short* half = static_cast<const unsigned short*>(stage) + ((t >> 7) & 1) * 4096;
-  #pragma unroll
-  for (int m = 0; m < 4; ++m) asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n" :
-    "=r"(v[4 * m]), "=r"(v[4 * m + 1]), "=r"(v[4 * m + 2]), "=r"(v[4 * m + 3]) :
-    "r"(static_cast<unsigned>(__cvta_generic_to_shared(half + (16 * m + 8 * (q >> 1) + r) * 64 + ((2 * ((t >> 5) & 3) + (q & 1)) ^ r) * 8))) : "memory");
-}
-"""
-
-
-def acc_layout(shape):
-    """TileLang's layout of a [rows, 64] wgmma accumulator, 128 threads per 64 rows (``O_STAGE_SRC``)."""
-    import tilelang.language as T
-
-    return T.Fragment(shape, forward_thread_fn=lambda i, j: i // 16 * 32 + i % 8 * 4 + j % 8 // 2,
-                      forward_index_fn=lambda i, j: j // 8 * 4 + i % 16 // 8 * 2 + j % 2)
-
-
 def fwd_o_program(h_qk: int, h_v: int, has_init: bool, has_ht: bool):
     """The prim_func ``gdn_fwd_o`` for one head config and state flags."""
     import tilelang.language as T

@@ -1,26 +1,26 @@
 """Sequence splitting, pass 1: each segment's local end state and its state transition.
 
-A segment's chunks map its start state S₀ affinely: S_end = M · S₀ + E, where
-E = the end state reached from S₀ = 0 and M [128, 128] = the product of the per-chunk maps
-S ↦ e^{g_last} S − Kᵀ diag(e^{g_last − g}) A_β diag(e^g) K S. Both come out of one
-recurrence over an augmented state [S | M] of width 256 started from [0 | I], with the
-value input [V | 0] (the recurrence is linear in (S₀, V)). This is exact: no warm-up cut-off.
+A segment's chunks map its start state S₀ affinely: S_end = M · S₀ + E, where E = the end state
+reached from S₀ = 0 and M [128, 128] = the product of the per-chunk maps S ↦ e^{g_last} S − Kᵀ
+diag(e^{g_last − g}) A_β diag(e^g) K S. Both come out of one recurrence over an augmented state
+[S | M] of width 256 started from [0 | I], with the value input [V | 0] (the recurrence is linear in
+(S₀, V)). This is exact: no warm-up cut-off.
 
 One CTA of 256 threads per (64-column block of the augmented state, segment, v-head) for the
 segments that are not the last of their sequence (whose transition is never needed): the grid
 walks those alone, non-last segment w at slot w + n for n the last sequence with cu_segs[n] − n ≤
 w (a binary search), a segment's v-heads adjacent, so the CTAs that work are the first the SMs
 take. The block's transposed state Sᵀ [64 columns, 128 K] is fp32 in the registers of one
-warpgroup and every GEMM but the V term takes A from registers (bf16; wgmma M = 64), per chunk
+warpgroup and every GEMM takes A from registers (bf16; wgmma M = 64), per chunk
 
     Xᵀ  = Sᵀ Kᵀ
-    Vdᵀ = (−e^g ⊙ Xᵀ) A_βᵀ + Vᵀ A_βᵀ     (the V term only in the V half, A = Vᵀ read transposed)
+    Vdᵀ = (Vᵀ − e^g ⊙ Xᵀ) A_βᵀ           (Vᵀ by ldmatrix .trans, ``V_LOAD_SRC``; 0 in the M half)
     Sᵀ ← e^{g_last} Sᵀ + (mask · e^{g_last − g} ⊙ Vd)ᵀ K
 
 Roles (two CTAs per SM: the launch gives each thread 128 registers, and the setmaxnreg budgets
 sum to what two warpgroups hold):
 
-    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state and the three or four GEMMs
+    WG0 (tx   0..127, setmaxnreg ``NREG[0]`` .inc)  the state and the three GEMMs
     WG1 (tx 128..255, ``NREG[1]`` .dec)  warp 4: TMA loads of K, the V block (V half) and A_β into
             stage c % NST; warp 5: the chunk's gcs rows and the per-token tables e^g,
             mask · e^{g_last − g} and e^{g_last} into the same stage; warps 6-7 exit
@@ -46,6 +46,30 @@ NREG = (208, 48)
 assert NREG[0] + NREG[1] == 2 * NREG_LAUNCH
 #: input ring depth
 NST = 2
+
+
+#: the inverse of ``fwd_o.O_STAGE_SRC`` (a TMA-loaded V tile in that layout into an ``acc_layout`` fragment of
+#: Vᵀ [64 V, 64 tokens] per warpgroup): four ldmatrix .x4.trans per thread, the same addresses and registers
+V_LOAD_SRC = r"""
+__device__ __forceinline__ void qlb_load_vt(void* frag, const void* stage) {
+  const int t = threadIdx.x, q = (t & 31) >> 3, r = t & 7;
+  unsigned* v = static_cast<unsigned*>(frag);
+  const unsigned short* half = static_cast<const unsigned short*>(stage) + ((t >> 7) & 1) * 4096;
+  #pragma unroll
+  for (int m = 0; m < 4; ++m) asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n" :
+    "=r"(v[4 * m]), "=r"(v[4 * m + 1]), "=r"(v[4 * m + 2]), "=r"(v[4 * m + 3]) :
+    "r"(static_cast<unsigned>(__cvta_generic_to_shared(half + (16 * m + 8 * (q >> 1) + r) * 64 + ((2 * ((t >> 5) & 3) + (q & 1)) ^ r) * 8))) : "memory");
+}
+"""
+
+
+def acc_layout(shape):
+    """TileLang's layout of a [rows, 64] wgmma accumulator, 128 threads per 64 rows (``O_STAGE_SRC``)."""
+    import tilelang.language as T
+
+    return T.Fragment(shape, forward_thread_fn=lambda i, j: i // 16 * 32 + i % 8 * 4 + j % 8 // 2,
+                      forward_index_fn=lambda i, j: j // 8 * 4 + i % 16 // 8 * 2 + j % 2)
+
 
 
 def gate_tables_macro(nst: int, reverse: bool = False, raw: bool = False):
@@ -121,40 +145,36 @@ def kva_loads_macro(nst: int, bv: int):
 
 def chain_step_macro(bv: int):
     """One chunk of the recurrence on ``bv`` columns of Sᵀ in one warpgroup's registers (seg_state,
-    bwd_h), as two macros issuing asynchronously: ``chain_issue`` Xᵀ = bf16(Sᵀ) Kᵀ (``s_bf`` =
-    bf16(Sᵀ)) and, ``with_v``, Vᵀ A_βᵀ into ``vd_acc``; ``chain_update`` waits for them, forms
-    Vdᵀ = bf16(−e^g ⊙ Xᵀ) A_βᵀ (+ the V term) and issues Sᵀ ← e^{g_l} Sᵀ + bf16(mask e^{g_l − g} ⊙
-    Vd)ᵀ K, which the caller waits for (wait_wgmma(0), a fence of ``s_acc``) before reading Sᵀ or
-    freeing the stage; ``keep_vd`` leaves bf16(Vdᵀ) in ``w_bf``."""
+    bwd_h), as two macros: ``chain_issue`` issues Xᵀ = bf16(Sᵀ) Kᵀ (``s_bf`` = bf16(Sᵀ)) and, ``with_v``,
+    reads the stage's Vᵀ into ``vt_bf`` while it runs (ldmatrix .trans; without V the caller clears
+    ``vt_bf`` once); ``chain_update`` waits, forms Vdᵀ = bf16(Vᵀ − e^g ⊙ Xᵀ) A_βᵀ (one GEMM, into
+    ``x_acc``) and issues Sᵀ ← e^{g_l} Sᵀ + bf16(mask e^{g_l − g} ⊙ Vd)ᵀ K, which the caller waits for
+    (wait_wgmma(0), a fence of ``s_acc``) before reading Sᵀ or freeing the stage; ``keep_vd`` leaves
+    bf16(Vdᵀ) in ``w_bf``."""
     import tilelang.language as T
 
     C = CHUNK
     FR = T.GemmWarpPolicy.FullRow
 
     @T.macro
-    def chain_issue(s_bf, x_acc, vd_acc, k_sh, v_sh, a_sh, js, with_v):
+    def chain_issue(s_bf, x_acc, vt_bf, k_sh, v_sh, js, with_v):
         T.wgmma_gemm(s_bf, k_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
         if with_v:
-            T.wgmma_gemm(v_sh[js, :, :], a_sh[js, :, :], vd_acc, transpose_A=True, transpose_B=True, clear_accum=True,
-                         policy=FR)  # fmt: skip
+            T.call_extern("handle", "qlb_load_vt", T.access_ptr(vt_bf[0, 0], "w"), T.access_ptr(v_sh[js, 0, 0], "r"))
 
     @T.macro
-    def chain_update(s_acc, x_acc, vd_acc, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, with_v, keep_vd):
-        if with_v:
-            T.wait_wgmma(1)
-        else:
-            T.wait_wgmma(0)
-            T.clear(vd_acc)
+    def chain_update(s_acc, x_acc, vt_bf, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, keep_vd):
+        T.wait_wgmma(0)
         T.warpgroup_fence_operand(x_acc, num_regs=bv * C // 128)
         for i, j in T.Parallel(bv, C):
-            w_bf[i, j] = T.cast(-gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
-        T.wgmma_gemm(w_bf, a_sh[js, :, :], vd_acc, transpose_B=True, policy=FR)
+            w_bf[i, j] = T.cast(T.cast(vt_bf[i, j], "float32") - gt_sh[js, 0, j] * x_acc[i, j], "bfloat16")
+        T.wgmma_gemm(w_bf, a_sh[js, :, :], x_acc, transpose_B=True, clear_accum=True, policy=FR)
         T.wait_wgmma(0)
-        T.warpgroup_fence_operand(vd_acc, num_regs=bv * C // 128)
+        T.warpgroup_fence_operand(x_acc, num_regs=bv * C // 128)
         for i, j in T.Parallel(bv, C):
             if keep_vd:
-                w_bf[i, j] = T.cast(vd_acc[i, j], "bfloat16")
-            vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * vd_acc[i, j], "bfloat16")
+                w_bf[i, j] = T.cast(x_acc[i, j], "bfloat16")
+            vp_bf[i, j] = T.cast(gt_sh[js, 1, j] * x_acc[i, j], "bfloat16")
         egl = gt_sh[js, 2, 0]
         for i, j in T.Parallel(bv, HEAD_DIM):
             s_acc[i, j] = s_acc[i, j] * egl
@@ -166,6 +186,7 @@ def chain_step_macro(bv: int):
 def seg_state_program(h_qk: int, h_v: int):
     """The prim_func ``gdn_seg_state`` for one head config."""
     import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
 
     G = check_heads(h_qk, h_v)
     C, D, BV = CHUNK, HEAD_DIM, 64
@@ -191,6 +212,7 @@ def seg_state_program(h_qk: int, h_v: int):
         m_tr: T.Tensor((NS, h_v, D, D), "bfloat16"),
     ):
         with T.Kernel(W2 // BV, T.max(NS - N1 + 1, 1) * h_v, threads=256) as (bv, wh):
+            T.import_source(V_LOAD_SRC)
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             w = wh // h_v
             hv = wh % h_v
@@ -218,10 +240,11 @@ def seg_state_program(h_qk: int, h_v: int):
             s_acc = T.alloc_fragment((BV, D), "float32")  # Sᵀ [columns, K]
             s_bf = T.alloc_fragment((BV, D), "bfloat16")
             x_acc = T.alloc_fragment((BV, C), "float32")  # Sᵀ Kᵀ
-            vd_acc = T.alloc_fragment((BV, C), "float32")  # Vdᵀ
+            vt_bf = T.alloc_fragment((BV, C), "bfloat16")  # Vᵀ of the stage's V block (0 in the M half)
             w_bf = T.alloc_fragment((BV, C), "bfloat16")
             vp_bf = T.alloc_fragment((BV, C), "bfloat16")
             gv = T.alloc_local((2,), "float32")
+            T.annotate_layout({vt_bf: acc_layout((BV, C)), v_sh: make_swizzled_layout(v_sh)})  # qlb_load_vt's
 
             full = T.alloc_barrier([64] * NST)
             empty = T.alloc_barrier([128] * NST)
@@ -240,13 +263,15 @@ def seg_state_program(h_qk: int, h_v: int):
                 # [0 | I] start: row i of the block is column c0 + i, e_{c0 + i − D} in the M half
                 for i, j in T.Parallel(BV, D):
                     s_acc[i, j] = T.if_then_else(c0 + i - D == j, T.float32(1), T.float32(0))
+                if c0 >= D:
+                    T.clear(vt_bf)
                 for ci in T.serial(nchunks):
                     js = ci % NST
                     pj = (ci // NST) % 2
                     T.barrier_wait(full[js], pj)
                     T.copy(s_acc, s_bf)
-                    chain_issue(s_bf, x_acc, vd_acc, k_sh, v_sh, a_sh, js, c0 < D)
-                    chain_update(s_acc, x_acc, vd_acc, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, c0 < D, False)
+                    chain_issue(s_bf, x_acc, vt_bf, k_sh, v_sh, js, c0 < D)
+                    chain_update(s_acc, x_acc, vt_bf, w_bf, vp_bf, k_sh, a_sh, gt_sh, js, False)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(s_acc, num_regs=BV * D // 128)
                     T.barrier_arrive(empty[js])

@@ -174,25 +174,31 @@ def test_fwd_o_keeps_its_state_in_registers(sources):
     _one_count_per_barrier(src)
 
 
+def _chain_reads_v_by_ldmatrix(src):
+    """seg_state's chain (``chain_step_macro``): three GEMMs, each A operand from registers (Sᵀ Kᵀ,
+    (Vᵀ − e^g ⊙ Xᵀ) A_βᵀ, the state update), V read once a chunk by ldmatrix .trans after the first
+    GEMM's issue and before its wait; no operand by descriptor on both sides, no stmatrix."""
+    assert src.count("wgmma_rs<") == 3 and src.count("wgmma_ss<") == 0 and "stmatrix" not in src
+    assert src.count("ldmatrix.sync.aligned.x4.trans") == 1 and src.count("qlb_load_vt(") == 2  # defined, called
+    call = src.index("qlb_load_vt((")
+    assert src.rindex("warpgroup_commit_batch", 0, call) > src.index("wgmma_rs<") and src.index("wait_wgmma", call) > call
+
+
 def test_seg_state_keeps_its_state_in_registers(sources):
-    """seg_state's state warpgroup takes every GEMM's A operand from registers (Sᵀ Kᵀ, the gated
-    −e^g ⊙ X times A_βᵀ, the state update) but the V term's (Vᵀ by descriptor, the V half only);
-    two CTAs per SM at 128 registers, the producer's .dec paying for the state's .inc."""
+    """seg_state's state warpgroup runs the chain above (V in the V half only); two CTAs per SM at 128
+    registers, the producer's .dec paying for the state's .inc."""
     src, m = sources["seg_state"], _mod("seg_state")
     assert f"__launch_bounds__(256, {m.MIN_BLOCKS})" in src and m.NREG_LAUNCH * 256 * m.MIN_BLOCKS == 65536
-    assert src.count("wgmma_rs<") == 3 and src.count("wgmma_ss<") == 1
-    assert "stmatrix" not in src  # no state round trip through shared memory
+    _chain_reads_v_by_ldmatrix(src)
 
 
 def test_bwd_h_keeps_its_state_in_registers(sources):
-    """bwd_h's state warpgroup runs seg_state's chain (Sᵀ Kᵀ, the gated −e^g ⊙ X times A_βᵀ, the state
-    update with A from registers; the V term by descriptor); h and v_new leave through a staging
-    tile in shared memory by TMA stores (warp 6): the state stores nothing to HBM itself; two CTAs
-    per SM at 128 registers, the producer's .dec paying for the state's .inc."""
+    """bwd_h's state warpgroup runs seg_state's chain; h and v_new leave through a staging tile in
+    shared memory by TMA stores (warp 6): the state stores nothing to HBM itself; two CTAs per SM at
+    128 registers, the producer's .dec paying for the state's .inc."""
     src, m = sources["bwd_h"], _mod("bwd_h")
     assert f"__launch_bounds__(256, {m.MIN_BLOCKS})" in src and m.NREG_LAUNCH * 256 * m.MIN_BLOCKS == 65536
-    assert src.count("wgmma_rs<") == 3 and src.count("wgmma_ss<") == 1
-    assert "stmatrix" not in src
+    _chain_reads_v_by_ldmatrix(src)
     for buf in ("h_all", "vnew"):
         assert f"tma_store({buf}_desc" in src and f"{buf}[" not in src and f"({buf} + " not in src, buf
 

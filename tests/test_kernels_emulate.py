@@ -206,7 +206,7 @@ def test_fwd_fused_barrier_protocol():
 
 @pytest.mark.parametrize("split_tokens", [0, 512])
 def test_fwd_o_algebra_matches_reference(split_tokens):
-    """fwd_o's and seg_state's Vd = A_β bf16(−e^g ⊙ K S) + A_β V (the V term a GEMM of its own) and
+    """fwd_o's and seg_state's Vd = A_β bf16(V − e^g ⊙ K S) (V folded in before the cast) and
     O = scale e^g ⊙ Q S + P bf16(Vd): the emulated forward stays at the bf16 operands' error from the
     fp64 token recurrence, on mixed lengths with g = 0 heads, an initial state, split or unsplit, and
     a sign error in the V term is caught."""

@@ -96,13 +96,13 @@ def emu_prep(k, g, beta, ctab, q=None, scale=None):
 def _chunk_step(S, qc, kc, vc, gch, ab, ln, scale, want_o):
     """One chunk of fwd_o (``want_o``) / seg_state for all heads, with the kernels' algebra and bf16
     roundings. S [H,K,W] fp32; qc,kc [H,64,K]; vc [H,64,W]; gch [H,64]; ab [H,64,64] (bf16 values):
-    U = K S from S in bf16; Vd = A_β bf16(V − e^g ⊙ U) in fwd_o (V in registers), A_β bf16(−e^g ⊙ U)
-    + A_β V in seg_state; V' = bf16(mask · e^{g_l − g} ⊙ Vd), O = scale · e^g ⊙ (Q S) + P bf16(Vd).
+    U = K S from S in bf16; Vd = A_β bf16(V − e^g ⊙ U) (V in registers; seg_state's M half has V = 0);
+    V' = bf16(mask · e^{g_l − g} ⊙ Vd), O = scale · e^g ⊙ (Q S) + P bf16(Vd).
     Returns (S_new, o [H,64,W] or None)."""
     s_sh = _r(S)
     eg = torch.exp(gch)[..., None]
     ab = ab.float()
-    vd = ab @ _r(vc - eg * (kc @ s_sh)) if want_o else ab @ _r(-eg * (kc @ s_sh)) + ab @ vc
+    vd = ab @ _r(vc - eg * (kc @ s_sh))
     glast = gch[:, ln - 1]
     mask = (torch.arange(C, device=S.device) < ln)[None, :, None]
     vp = _r(torch.where(mask, torch.exp(glast[:, None, None] - gch[..., None]) * vd, torch.zeros((), device=S.device)))

@@ -95,7 +95,7 @@ def emu_bwd_h(k, v, gcs, a_beta, stab, h_init, ncs):
             ab = a_beta[:, r0 : r0 + C].float()
             s_sh = _r(S)
             h_all[:, cslot + ci] = s_sh
-            vd = ab @ _r(-torch.exp(gch)[..., None] * (kc @ s_sh)) + ab @ vc
+            vd = ab @ _r(vc - torch.exp(gch)[..., None] * (kc @ s_sh))
             vnew[:, r0 : r0 + C] = _r(vd)
             gl = gch[:, ln - 1]
             vp = _r(m * torch.exp(gl[:, None, None] - gch[..., None]) * vd)
