@@ -64,12 +64,11 @@ __device__ __forceinline__ void qlb_load_vt(void* frag, const void* stage) {
 
 
 def acc_layout(shape):
-    """TileLang's layout of a [rows, 64] wgmma accumulator, 128 threads per 64 rows (``O_STAGE_SRC``)."""
+    """TileLang's layout of a [rows, 64] wgmma accumulator, 128 threads per 64 rows (``fwd_o.O_STAGE_SRC``)."""
     import tilelang.language as T
 
     return T.Fragment(shape, forward_thread_fn=lambda i, j: i // 16 * 32 + i % 8 * 4 + j % 8 // 2,
                       forward_index_fn=lambda i, j: j // 8 * 4 + i % 16 // 8 * 2 + j % 2)
-
 
 
 def gate_tables_macro(nst: int, reverse: bool = False, raw: bool = False):
