@@ -1,20 +1,25 @@
 #!/bin/bash
-# One device call: base (HEAD's kernels, .run/sf/pkg_base) vs new (the tree: V folded into seg_state's chain, so
-# seg_state and bwd_h). Correctness of new (check_fwd on split cases, check_bwd on split cases), then timings
-# base, new, base2, new2: check_fwd on two split shapes (stage times, whole forward), check_bwd --bwd-only.
-# Carry: .devsite .tlcache/sfold.tar.xz .run/sf
+# A/B of the in-repo kernels, forward and backward, in one device call: base (a copy of kernels/ as
+# BASE_PKG/qlabench_kernels, e.g. `git archive REF kernels`, default .run/ab/pkg_base) against new (the
+# tree). Correctness of new (check_fwd on split cases, check_bwd on split cases; SKIPCHECK=1 skips it),
+# then timings base, new, base2, new2: check_fwd --quick on FC (stage times, whole forward) and
+# check_bwd --no-check --bwd-only on BC. Everything into $OUT/ab.tgz.
+# Cache: both arms' kernels compiled offline into .tlcache/$CACHE (default ab), packed as
+# .tlcache/$CACHE.tar.xz without cuda-binaries. Carry: .devsite .tlcache/$CACHE.tar.xz and BASE_PKG's folder.
+#   FC=8_24_1x32768,16_16_1x32768 BC=16_32_1x32768 bash scripts/airgapped/h200_kernels_ab.sh
 set -uo pipefail
-FINAL=${OUT:-/tmp/out}; O=/tmp/sfo; rm -rf $O; mkdir -p $O $FINAL; T0=$(date +%s)
+FINAL=${OUT:-/tmp/out}; O=/tmp/abo; rm -rf $O; mkdir -p $O $FINAL; T0=$(date +%s)
 log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a $O/ab.log; }
 source .devsite/setup.sh || exit 1
-mkdir -p /tmp/tlc && { [ -d /tmp/tlc/sfold ] || tar -xJf .tlcache/sfold.tar.xz -C /tmp/tlc; } || exit 1
-rm -rf /tmp/sfpkg && cp -r .run/sf /tmp/sfpkg
-export TILELANG_CACHE_DIR=/tmp/tlc/sfold PYTHONUNBUFFERED=1
+CACHE=${CACHE:-ab}; BASE_PKG=${BASE_PKG:-.run/ab/pkg_base}
+mkdir -p /tmp/tlc && { [ -d /tmp/tlc/$CACHE ] || tar -xJf .tlcache/$CACHE.tar.xz -C /tmp/tlc; } || exit 1
+rm -rf /tmp/abpkg && cp -r "$BASE_PKG" /tmp/abpkg  # a carried folder may be gone by the next call
+export TILELANG_CACHE_DIR=/tmp/tlc/$CACHE PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $O/install.log 2>&1 || { tail $O/install.log; exit 1; }
-python3 -c "import qlabench_kernels as k; print(k.__file__)"; PYTHONPATH=/tmp/sfpkg/pkg_base:$PYTHONPATH python3 -c "import qlabench_kernels as k; print(k.__file__)"
+python3 -c "import qlabench_kernels as k; print(k.__file__)"; PYTHONPATH=/tmp/abpkg:$PYTHONPATH python3 -c "import qlabench_kernels as k; print(k.__file__)"
 log "cache: $(find $TILELANG_CACHE_DIR -name executable.so | wc -l) kernels"
 nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee $O/gpu.csv
-pk() { case $1 in *base*) echo /tmp/sfpkg/pkg_base;; *) echo "";; esac; }
+pk() { case $1 in *base*) echo /tmp/abpkg;; *) echo "";; esac; }
 run() { local name=$1 tool=$2; shift 2; mkdir -p $O/$name; local p; p=$(pk $name)
   PYTHONPATH=${p:+$p:}$PYTHONPATH OUT=$O/$name timeout --kill-after=10 ${CHECK_S:-170} python3 -m qlabench_tools.kernels.$tool "$@" > $O/$name/log 2>&1
   log "$name: exit $?"; sed -n '/=== summary/,$p' $O/$name/log | grep -E "PASS|FAIL|CRASH|split=|^TIME|ms" | cut -c1-300 | tee -a $O/ab.log
