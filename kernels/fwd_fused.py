@@ -61,7 +61,8 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
-from .fwd_o import O_STAGE_SRC, O_SYNC_BAR, V_LOAD_SRC, acc_layout
+from .fwd_o import O_STAGE_SRC, O_SYNC_BAR
+from .seg_state import V_LOAD_SRC, acc_layout
 
 #: setmaxnreg budgets (registers / thread) of the state warpgroups (WG0 and WG1), aux (WG2) and producer
 #: (WG3): they sum to 512 per thread slot, what the launch's 512 x 128 registers hold. From the launch's
