@@ -24,7 +24,7 @@ from .bwd_dqkwg import run_bwd_dqkwg
 from .bwd_h import run_bwd_h
 from .bwd_wy import run_bwd_wy
 from .calibration import for_device
-from .fixup import run_fixup, run_rfixup
+from .fixup import run_fixup
 from .plan import plan_bwd_split, sm_count
 from .prep import run_prep
 from .seg_state import run_seg_state
@@ -141,7 +141,7 @@ def chunk_gdn_bwd(
                         target=target, split="seg")  # fmt: skip
             if m_ready is not None:
                 main.wait_event(m_ready)
-            run_rfixup(m_tr, f_start, cu_segs, dht, d_end, target=target)
+            run_fixup(m_tr, f_start, cu_segs, dht, d_end, reverse=True, target=target)
             dh_all, dvnew, dh0 = run_bwd_dhu(
                 q, k, gcs, a_beta, do, d_end, stab, scale, dh0, dh_all, dvnew, target=target, split="carry",
             )  # fmt: skip

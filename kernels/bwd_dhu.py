@@ -48,9 +48,10 @@ waits r % 2), dh_free / dv_free (32: warp 10, its TMA store has read the tile; t
 
 Split modes: "" walks whole sequences (dht by sequence, dh0 by sequence); "seg" (pass 1 over a split
 stab) walks every segment but the first of its sequence from dH_end = 0 (the last one from d(final
-state)) and writes F (the gradient at its start) into dh0 [NS,...] by segment, no dh / dv_new;
+state)), or only its first chunks from 0 where they decay the rest below e^``WARMUP_LOG_DECAY``
+(seg_state.py's warm-up), and writes F (the gradient at its start) into dh0 [NS,...] by segment, no dh / dv_new;
 "carry" (pass 2) walks every segment from its true dH_end (dht = d_end [NS,...] by segment, from
-``fixup.run_rfixup``) and stores dh, dv_new and dh0 by sequence.
+``fixup.run_fixup(reverse=True)``) and stores dh, dv_new and dh0 by sequence.
 
 Inputs:  q, k [1,T,Hqk,128] bf16, gcs, a_beta (prep), do [1,T,Hv,128] bf16, dht fp32 (read when
          ``has_dht``), stab int32 [NS,8], scale.
@@ -62,7 +63,7 @@ import functools
 import torch
 
 from ._common import CHUNK, FAST_MATH, HEAD_DIM, check_heads, compile_program, parse_target, target_key
-from .seg_state import gate_tables_macro
+from .seg_state import WARMUP_LOG_DECAY, WARMUP_SRC, gate_tables_macro
 
 #: registers per thread at launch (384 threads, one CTA per SM)
 NREG_LAUNCH = 65536 // 384 // 8 * 8
@@ -158,6 +159,8 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
         dh0: T.Tensor((N0, h_v, D, D), "float32"),
     ):
         with T.Kernel(NS * h_v, threads=384) as sh:
+            if split == "seg":
+                T.import_source(WARMUP_SRC)
             s = sh // h_v
             hv = sh % h_v
             hk = hv // G
@@ -201,15 +204,20 @@ def bwd_dhu_program(h_qk: int, h_v: int, has_dht: bool, has_dh0: bool, split: st
             if split:
                 is_last = stab[s, 5]
                 is_first = T.if_then_else(s == 0, 1, T.if_then_else(stab[T.max(s - 1, 0), 2] != seq, 1, 0))
-            if split == "seg":
-                nchunks = T.if_then_else(seq >= 0 and is_first == 0, T.ceildiv(eos - bos, C), 0)
+            if split == "seg":  # F needs only the first chunks where they decay what lies after them (seg_state.py)
+                n_seg = T.if_then_else(seq >= 0 and is_first == 0, T.ceildiv(eos - bos, C), 0)
+                nchunks = T.alloc_var("int32")
+                nchunks = T.call_extern("int32", "qlb_warmup_len", T.access_ptr(gcs[hv, cslot * C], "r"), n_seg,
+                                        T.float32(WARMUP_LOG_DECAY), True)  # fmt: skip
             else:
                 nchunks = T.if_then_else(seq >= 0, T.ceildiv(eos - bos, C), 0)
 
             tx = T.get_thread_binding()
             if tx < 256:
                 T.set_max_nreg(RS, 1)
-                if split:
+                if split == "seg":  # past a warm-up dH starts from 0
+                    dh_start(dh_acc, dht, s, seq, hv, T.if_then_else(nchunks < n_seg, 0, is_last))
+                elif split:
                     dh_start(dh_acc, dht, s, seq, hv, is_last)
                 else:
                     dh_start(dh_acc, dht, s, seq, hv, 0)

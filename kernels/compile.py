@@ -27,7 +27,7 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
     from .bwd_dqkwg import get_bwd_dqkwg_kernel
     from .bwd_h import get_bwd_h_kernel
     from .bwd_wy import get_bwd_wy_kernel
-    from .fixup import get_fixup_kernel, get_rfixup_kernel
+    from .fixup import get_fixup_kernel
     from .fwd_fused import get_fwd_fused_kernel
     from .fwd_o import get_fwd_o_kernel
     from .prep import get_prep_kernel
@@ -52,7 +52,7 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
             out.append(("bwd_h[init=1]", get_bwd_h_kernel, (h_qk, h_v, True), {}))
             out.append((f"bwd_dhu[seg,dht={dht}]", get_bwd_dhu_kernel, (h_qk, h_v, bool(dht), True), {"split": "seg"}))
             out.append((f"bwd_dhu[carry,dh0={h0}]", get_bwd_dhu_kernel, (h_qk, h_v, True, bool(h0)), {"split": "carry"}))
-            out.append((f"rfixup[dht={dht}]", get_rfixup_kernel, (h_v, bool(dht), 32), {}))
+            out.append((f"rfixup[dht={dht}]", get_fixup_kernel, (h_v, bool(dht), 32), {"reverse": True}))
     if bwd_flags:
         out.append(("bwd_dqkwg", get_bwd_dqkwg_kernel, (h_qk, h_v), {}))
         out.append(("bwd_wy", get_bwd_wy_kernel, (h_qk, h_v), {}))

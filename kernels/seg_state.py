@@ -4,7 +4,11 @@ A segment's chunks map its start state S₀ affinely: S_end = M · S₀ + E, whe
 reached from S₀ = 0 and M [128, 128] = the product of the per-chunk maps S ↦ e^{g_last} S − Kᵀ
 diag(e^{g_last − g}) A_β diag(e^g) K S. Both come out of one recurrence over an augmented state
 [S | M] of width 256 started from [0 | I], with the value input [V | 0] (the recurrence is linear in
-(S₀, V)). This is exact: no warm-up cut-off.
+(S₀, V)). Each chunk's map has norm ≤ e^{g_last} (‖I − β k kᵀ‖ ≤ 1 for L2-normalised keys and 0 ≤ β ≤
+2, the kernels' input contract): where a segment's chunks from c on decay by e^{Σ g_last} below
+e^``WARMUP_LOG_DECAY``, E is walked from 0 from chunk c alone and M stored as 0, both within that
+bound (for the forward's fix-up and the backward's reverse one; ``qlb_warmup_len`` finds c); heads
+that do not decay (g = 0) walk the whole segment, exactly.
 
 One CTA of 256 threads per (64-column block of the augmented state, segment, v-head) for the
 segments that are not the last of their sequence (whose transition is never needed): the grid
@@ -46,6 +50,33 @@ NREG = (208, 48)
 assert NREG[0] + NREG[1] == 2 * NREG_LAUNCH
 #: input ring depth
 NST = 2
+#: a walk starts past a warm-up where the chunks it skips are decayed by less than e^this (< 2^-28)
+WARMUP_LOG_DECAY = -20.0
+#: the fewest chunks at one end of a segment's n (its last, or its first with from_first) whose total
+#: log-decay is below thr, n if none; gl = the segment's gcs row (row 64 c + 63 = chunk c's total). A
+#: warp's prefix scan over 32 chunks at a time, four loads in flight; every lane returns the same count
+WARMUP_SRC = r"""
+__device__ __forceinline__ int qlb_warmup_len(const float* gl, int n, float thr, bool from_first) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f, x[4];
+  for (int b = 0; b < n; b += 128) {
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = b + 32 * u + lane;
+      x[u] = i < n ? gl[64 * (from_first ? i : n - 1 - i) + 63] : 0.f;
+    }
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      #pragma unroll
+      for (int o = 1; o < 32; o <<= 1) { const float y = __shfl_up_sync(~0u, x[u], o); x[u] += lane >= o ? y : 0.f; }
+      const unsigned hit = __ballot_sync(~0u, (x[u] += acc) < thr);
+      if (hit) return b + 32 * u + __ffs(hit);
+      acc = __shfl_sync(~0u, x[u], 31);
+    }
+  }
+  return n;
+}
+"""
 
 
 #: the inverse of ``fwd_o.O_STAGE_SRC`` (a TMA-loaded V tile in that layout into an ``acc_layout`` fragment of
@@ -211,7 +242,7 @@ def seg_state_program(h_qk: int, h_v: int):
         m_tr: T.Tensor((NS, h_v, D, D), "bfloat16"),
     ):
         with T.Kernel(W2 // BV, T.max(NS - N1 + 1, 1) * h_v, threads=256) as (bv, wh):
-            T.import_source(V_LOAD_SRC)
+            T.import_source(V_LOAD_SRC + WARMUP_SRC)
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             w = wh // h_v
             hv = wh % h_v
@@ -255,16 +286,23 @@ def seg_state_program(h_qk: int, h_v: int):
             is_last = stab[s, 5]
             works = live and seq >= 0 and is_last == 0
             nchunks = T.if_then_else(works, T.ceildiv(eos - bos, C), 0)
+            # the first chunk walked: E's from its warm-up; M's 0, or past the end (M = 0) after a warm-up
+            wl = T.alloc_var("int32")
+            wl = T.call_extern("int32", "qlb_warmup_len", T.access_ptr(gcs[hv, cslot * C], "r"), nchunks,
+                               T.float32(WARMUP_LOG_DECAY), False)  # fmt: skip
+            c1 = T.alloc_var("int32")  # a variable, not an expression: the indices below stay simple to prove
+            c1 = T.if_then_else(c0 < D, nchunks - wl, T.if_then_else(wl < nchunks, nchunks, 0))
+            nwalk = nchunks - c1
 
             tx = T.get_thread_binding()
             if tx < 128:
                 T.set_max_nreg(RS, 1)
                 # [0 | I] start: row i of the block is column c0 + i, e_{c0 + i − D} in the M half
                 for i, j in T.Parallel(BV, D):
-                    s_acc[i, j] = T.if_then_else(c0 + i - D == j, T.float32(1), T.float32(0))
+                    s_acc[i, j] = T.if_then_else(T.And(c0 + i - D == j, c1 == 0), T.float32(1), T.float32(0))
                 if c0 >= D:
                     T.clear(vt_bf)
-                for ci in T.serial(nchunks):
+                for ci in T.serial(nwalk):
                     js = ci % NST
                     pj = (ci // NST) % 2
                     T.barrier_wait(full[js], pj)
@@ -284,9 +322,9 @@ def seg_state_program(h_qk: int, h_v: int):
             else:
                 T.set_max_nreg(RP, 0)
                 if tx < 160:  # warp 4: TMA loads (one elected lane issues them)
-                    kva_loads(k, v, a_beta, k_sh, v_sh, a_sh, empty, full, hk, hv, c0, bos, cslot, nchunks, c0 < D)
+                    kva_loads(k, v, a_beta, k_sh, v_sh, a_sh, empty, full, hk, hv, c0, bos + c1 * C, cslot + c1, nwalk, c0 < D)
                 elif tx < 192:
-                    gate_tables(gcs, gt_sh, empty, full, gv, hv, bos, eos, cslot, nchunks, tx - 160)
+                    gate_tables(gcs, gt_sh, empty, full, gv, hv, bos + c1 * C, eos, cslot + c1, nwalk, tx - 160)
 
     return gdn_seg_state
 

@@ -99,13 +99,9 @@ def _patch_kernels(monkeypatch):
         m_tr.copy_(m.to(m_tr.dtype))
         return e_end, m_tr
 
-    def fake_fixup(m_tr, e_end, cu_segs, h0, h_start, **kw):
-        h_start.copy_(emu.emu_fixup(m_tr, e_end, cu_segs, h0))
-        return h_start
-
-    def fake_rfixup(m_tr, f_start, cu_segs, dht, d_end, **kw):
-        d_end.copy_(eb.emu_rfixup(m_tr, f_start, cu_segs, dht))
-        return d_end
+    def fake_fixup(m_tr, add, cu_segs, init, out, reverse=False, **kw):
+        out.copy_((eb.emu_rfixup if reverse else emu.emu_fixup)(m_tr, add, cu_segs, init))
+        return out
 
     def fake_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None):
         dq_v, dk_v, dw, dg_p = eb.emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
@@ -120,7 +116,7 @@ def _patch_kernels(monkeypatch):
 
     for name, fn in [("run_bwd_h", fake_h), ("run_bwd_dhu", fake_dhu), ("run_bwd_dqkwg", fake_dqkwg),
                      ("run_bwd_wy", fake_wy), ("run_seg_state", fake_seg_state),
-                     ("run_fixup", fake_fixup), ("run_rfixup", fake_rfixup)]:  # fmt: skip
+                     ("run_fixup", fake_fixup)]:  # fmt: skip
         monkeypatch.setattr(bw, name, fn)
 
     def fake_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, cu_seqlens=None, **kw):
@@ -176,6 +172,34 @@ def test_split_backward_with_emulated_kernels(monkeypatch, seqlens, split, with_
     assert r["split_tokens"] == split and r["d_end"].shape[0] == r["stab"].shape[0]
     assert int(r["stab"][:, 2].ge(0).sum()) > N  # some sequence really was cut
     _check({n: r[n] for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0")}, _ref(x), with_h0)
+
+
+def test_split_backward_warm_ups(monkeypatch):
+    """The split backward where the gates decay (about -1.9 nats a chunk, segments of 16 chunks; one
+    g = 0 head): seg_state's warm-ups (M = 0) and pass 1's (F from each segment's first chunks alone)
+    keep every segment-end gradient within rounding of the exact walks' and the gradients at the
+    reference's error; a warm-up cut at e^-2 is caught (kernels replaced by emulations)."""
+    pkg = _patch_kernels(monkeypatch)
+    seg_state = importlib.import_module("qlabench_kernels.seg_state")
+    common = importlib.import_module("qlabench_kernels._common")
+    x = _inputs((3000, 200), 1, 4, True, True, seed=13)
+    ctab, _ = common.chunk_table(x["cu"].long(), 3200, 2)
+    gcs, a_beta = emulate.emu_prep(x["k"], x["g"], x["beta"], ctab)
+
+    def run(thr):
+        monkeypatch.setattr(seg_state, "WARMUP_LOG_DECAY", thr)
+        return pkg.chunk_gdn_bwd(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
+            cu_seqlens=x["cu"], gcs=gcs, a_beta=a_beta, ctab=ctab, split_tokens=1024, return_intermediates=True,
+        )  # fmt: skip
+
+    r, exact, cut = run(seg_state.WARMUP_LOG_DECAY), run(float("-inf")), run(-2.0)
+    s1 = int(r["stab"][1, 3])  # the second segment's chunk slot: 16 chunks, warmed up on the 3 decaying heads
+    assert bool((emulate.warmup_len(gcs, s1, 16, from_first=True)[:3] < 16).all())
+    used = exact["d_end"].isfinite().flatten(1).all(1)
+    assert emulate.rel_l2(r["d_end"][used], exact["d_end"][used]) < 1e-3
+    assert emulate.rel_l2(cut["d_end"][used], exact["d_end"][used]) > 1e-2
+    _check({n: r[n] for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0")}, _ref(x), True)
 
 
 def test_split_tokens_bad_value():
@@ -309,7 +333,7 @@ def _on_two_streams(monkeypatch, sim):
 
     pkg = _patch_kernels(monkeypatch)
     bw = importlib.import_module("qlabench_kernels.backward")
-    for name in ("run_bwd_h", "run_seg_state", "run_fixup", "run_rfixup"):  # dqkwg, wy: after the join
+    for name in ("run_bwd_h", "run_seg_state", "run_fixup"):  # dqkwg, wy: after the join
         fn = getattr(bw, name)
         monkeypatch.setattr(bw, name, lambda *a, _fn=fn, **kw: sim.launch(lambda: _fn(*a, **kw)))
     fake_dhu = bw.run_bwd_dhu

@@ -29,7 +29,7 @@ def sources():
         "fwd_fused": ("fwd_fused", "get_fwd_fused_kernel", (2, 8, True, True), {}),
         "seg_state": ("seg_state", "get_seg_state_kernel", (2, 8), {}),
         "fixup": ("fixup", "get_fixup_kernel", (8, True, 32), {}),
-        "rfixup": ("fixup", "get_rfixup_kernel", (8, True, 32), {}),
+        "rfixup": ("fixup", "get_fixup_kernel", (8, True, 32), {"reverse": True}),
         "bwd_h": ("bwd_h", "get_bwd_h_kernel", (2, 8, True), {}),
         "bwd_dhu": ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), {}),
         "bwd_dhu_seg": ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), {"split": "seg"}),
@@ -185,11 +185,13 @@ def _chain_reads_v_by_ldmatrix(src):
 
 
 def test_seg_state_keeps_its_state_in_registers(sources):
-    """seg_state's state warpgroup runs the chain above (V in the V half only); two CTAs per SM at 128
-    registers, the producer's .dec paying for the state's .inc."""
+    """seg_state's state warpgroup runs the chain above (V in the V half only) from the warm-up start
+    every thread finds; two CTAs per SM at 128 registers, the producer's .dec paying for the state's .inc."""
     src, m = sources["seg_state"], _mod("seg_state")
     assert f"__launch_bounds__(256, {m.MIN_BLOCKS})" in src and m.NREG_LAUNCH * 256 * m.MIN_BLOCKS == 65536
     _chain_reads_v_by_ldmatrix(src)
+    # the warm-up start: found once by all 256 threads, before the roles part (its shuffles take full warps)
+    assert src.count("qlb_warmup_len(") == 2 and src.index("= qlb_warmup_len(") < src.index("warpgroup_reg_alloc")
 
 
 def test_bwd_h_keeps_its_state_in_registers(sources):
@@ -283,8 +285,7 @@ def test_compile_list_covers_every_program():
     names = {getter.__name__ for _, getter, _, _ in comp.default_kernels(2, 2)}
     assert names == {
         "get_tables_kernel", "get_prep_kernel", "get_fwd_o_kernel", "get_fwd_fused_kernel", "get_seg_state_kernel",
-        "get_fixup_kernel",
-        "get_rfixup_kernel", "get_bwd_h_kernel", "get_bwd_dhu_kernel", "get_bwd_dqkwg_kernel",
+        "get_fixup_kernel", "get_bwd_h_kernel", "get_bwd_dhu_kernel", "get_bwd_dqkwg_kernel",
         "get_bwd_wy_kernel",
     }  # fmt: skip
     fwd = comp.default_kernels(2, 8, fwd_flags=((1, 1),), bwd_flags=())

@@ -221,6 +221,32 @@ def test_fwd_o_algebra_matches_reference(split_tokens):
     assert emu.rel_l2(bad["o"], ref_o) > 0.5
 
 
+def test_seg_state_warm_up_starts_where_the_gates_decay(monkeypatch):
+    """seg_state's warm-up (emulated): on segments of 16 chunks with mild decay (about -1.9 nats a
+    chunk) every decaying v-head starts E past the segment's first chunk and stores M = 0, the g = 0
+    head walks it all with its exact M; the segments' start states stay within rounding of the
+    exact walk's (every warm-up start off) and the output at the bf16 operands' error from the fp64
+    recurrence; a warm-up cut at e^-2 instead is caught."""
+    from qlabench_kernels import seg_state
+
+    emu = emulate
+    x = emu.make_inputs([4096, 1000], 1, 4, seed=5)
+    ref_o, ref_h = emu.reference(x["q"], x["k"], x["v"], x["g"], x["beta"], h0=x["h0"], cu=x["cu"])
+
+    def run(thr):
+        monkeypatch.setattr(seg_state, "WARMUP_LOG_DECAY", thr)
+        return emu.emu_pipeline(x["q"], x["k"], x["v"], x["g"], x["beta"], h0=x["h0"], cu=x["cu"], split_tokens=1024)
+
+    r, exact, cut = run(seg_state.WARMUP_LOG_DECAY), run(float("-inf")), run(-2.0)
+    lens = torch.stack([emu.warmup_len(r["gcs"], int(row[3]), 16) for row in r["stab"][:3]])
+    assert bool((lens[:, :3] < 16).all()) and bool((lens[:, 3] == 16).all()), lens
+    assert float(r["m_tr"][:3, :3].abs().max()) == 0 and float(r["m_tr"][:3, 3].norm(dim=(-2, -1)).min()) > 0.1
+    used = exact["h_start"].isfinite().flatten(1).all(1)
+    assert emu.rel_l2(r["h_start"][used], exact["h_start"][used]) < 1e-3
+    assert max(emu.rel_l2(r["o"], ref_o), emu.rel_l2(r["final_state"], ref_h)) < 8e-3
+    assert emu.rel_l2(cut["h_start"][used], exact["h_start"][used]) > 1e-2
+
+
 def test_seqlens_hint_is_checked():
     pkg = qlabench_kernels
     T, h = 192, 2

@@ -249,6 +249,9 @@ def _graph_us(fn, reps: int) -> float:
 
 
 def _inputs(h_qk, h_v, seqlens, device, seed=0):
+    """Random inputs with g = 0: no warm-up shortens seg_state's walk, so the table prices the
+    exact walk that heads whose gates do not decay pay (the planners never see g); no other kernel's
+    time depends on g's values."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -260,7 +263,7 @@ def _inputs(h_qk, h_v, seqlens, device, seed=0):
     q = torch.nn.functional.normalize(rn(1, T, h_qk, 128), dim=-1).to(torch.bfloat16)
     k = torch.nn.functional.normalize(rn(1, T, h_qk, 128), dim=-1).to(torch.bfloat16)
     v = rn(1, T, h_v, 128).to(torch.bfloat16)
-    g = torch.nn.functional.logsigmoid(rn(1, T, h_v) + 3.0) * 0.5
+    g = torch.zeros(1, T, h_v, device=device)
     beta = torch.sigmoid(rn(1, T, h_v))
     h0 = rn(len(seqlens), h_v, 128, 128) * 0.1
     cu = torch.tensor([0, *torch.cumsum(torch.tensor(seqlens), 0).tolist()], dtype=torch.int32, device=device)

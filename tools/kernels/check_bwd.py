@@ -144,7 +144,7 @@ def stage_times_ms(x, r, g, reps=10):
     from qlabench_kernels.bwd_dqkwg import run_bwd_dqkwg
     from qlabench_kernels.bwd_h import run_bwd_h
     from qlabench_kernels.bwd_wy import run_bwd_wy
-    from qlabench_kernels.fixup import run_fixup, run_rfixup
+    from qlabench_kernels.fixup import run_fixup
     from qlabench_kernels.seg_state import run_seg_state
 
     sc = 128**-0.5
@@ -161,7 +161,7 @@ def stage_times_ms(x, r, g, reps=10):
                 x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], x["dht"], g["stab"], sc, torch.empty_like(e_end),
                 g["dh_all"], g["dvnew"], split="seg",
             ),
-            "rfixup": lambda: run_rfixup(m_tr, g["f_start"], g["cu_segs"], x["dht"], torch.empty_like(e_end)),
+            "rfixup": lambda: run_fixup(m_tr, g["f_start"], g["cu_segs"], x["dht"], torch.empty_like(e_end), reverse=True),
             "dhu_carry": lambda: run_bwd_dhu(
                 x["q"], x["k"], g["gcs"], g["a_beta"], x["do"], g["d_end"], g["stab"], sc, g["dh0"],
                 g["dh_all"], g["dvnew"], split="carry",

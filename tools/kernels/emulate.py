@@ -303,9 +303,24 @@ def seg_state_slots(cu_segs, ns: int) -> list:
     return out
 
 
+def warmup_len(gcs, cslot: int, n: int, from_first: bool = False):
+    """Mirror of seg_state's ``qlb_warmup_len`` for every v-head [Hv]: the fewest chunks at one end of
+    a segment's ``n`` (from slot ``cslot``; its last, or its first with ``from_first``) whose total
+    log-decay is below ``WARMUP_LOG_DECAY``, n where none are (the same count but for sums within
+    rounding of it)."""
+    from qlabench_kernels.seg_state import WARMUP_LOG_DECAY
+
+    if n == 0:
+        return torch.zeros(gcs.shape[0], dtype=torch.long)
+    tot = gcs[:, cslot * C : (cslot + n) * C][:, C - 1 :: C].float().cpu()  # [Hv, n] chunk totals
+    hit = (tot if from_first else tot.flip(1)).cumsum(1) < WARMUP_LOG_DECAY
+    return torch.where(hit, torch.arange(1, n + 1), n).amin(1)
+
+
 def emu_seg_state(k, v, gcs, a_beta, stab, cu_segs):
-    """Mirror of seg_state.py, over its grid (:func:`seg_state_slots`). Returns e_end [NS,Hv,K,V]
-    fp32 and m_tr [NS,Hv,K,K] fp32 (bf16 values); rows of unused / last segments are NaN."""
+    """Mirror of seg_state.py, over its grid (:func:`seg_state_slots`), its warm-ups included
+    (:func:`warmup_len`: E from 0 past one, M = 0). Returns e_end [NS,Hv,K,V] fp32
+    and m_tr [NS,Hv,K,K] fp32 (bf16 values); rows of unused / last segments are NaN."""
     h_qk, h_v = k.shape[2], v.shape[2]
     G = h_v // h_qk
     ns = stab.shape[0]
@@ -320,14 +335,17 @@ def emu_seg_state(k, v, gcs, a_beta, stab, cu_segs):
         if seq < 0 or is_last == 1:
             continue
         S = torch.cat([torch.zeros(h_v, D, D, device=k.device), eye.expand(h_v, D, D)], dim=2)
-        for ci in range((eos - bos + C - 1) // C):
+        n = (eos - bos + C - 1) // C
+        wst = (n - warmup_len(gcs, cslot, n)).to(k.device)  # E's first chunk
+        for ci in range(n):
+            S[..., :D][wst == ci] = 0.0
             t0 = bos + ci * C
             ln = min(eos - t0, C)
             _, kc, vc, gch, ab = _load_chunk(None, k, v, gcs, a_beta, G, t0, ln, (cslot + ci) * C)
             vc = torch.cat([vc, torch.zeros_like(vc)], dim=2)
             S, _ = _chunk_step(S, None, kc, vc, gch, ab, ln, 1.0, False)
         e_end[s] = S[..., :D]
-        m_tr[s] = _r(S[..., D:])
+        m_tr[s] = _r(S[..., D:]) * (wst == 0)[:, None, None]
     return e_end, m_tr
 
 

@@ -25,7 +25,7 @@ Never imported by the kernels; imports nothing from ``qlabench``.
 """
 
 import torch
-from qlabench_tools.kernels.emulate import _r
+from qlabench_tools.kernels.emulate import _r, warmup_len
 
 C, D = 64, 128
 bf16 = torch.bfloat16
@@ -108,7 +108,8 @@ def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split="", uw=Fa
     dvnew [Hv, NCS*64, V] (bf16 values) and dh0 [N, Hv, K, V] fp32.
 
     split="seg": segments that are not the first of their sequence, from dht[seq] (last segment)
-    or 0; returns F [NS, Hv, K, V] as the third value (NaN rows elsewhere), dh_all / dvnew NaN.
+    or 0, each v-head from 0 past its warm-up (:func:`emulate.warmup_len`, its first chunks);
+    returns F [NS, Hv, K, V] as the third value (NaN rows elsewhere), dh_all / dvnew NaN.
     split="carry": every segment from dht[s] (row = segment); dh0 from first segments only.
 
     uw=True: the algebra of bwd_dhu.py (the dH-independent parts first, Pᵀ and W' included):
@@ -139,7 +140,10 @@ def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split="", uw=Fa
         else:
             dH = dht[seq].float().clone()
         nch = (eos - bos + C - 1) // C
+        # pass 1 walks a segment's first chunks alone where they decay what lies after them (its warm-up)
+        wl = warmup_len(gcs, cslot, nch, from_first=True).to(dev) if split == "seg" else torch.full((h_v,), nch)
         for ci in reversed(range(nch)):
+            dH[(wl < nch) & (wl == ci + 1)] = 0.0
             t0 = bos + ci * C
             ln = min(eos - t0, C)
             r0 = (cslot + ci) * C
@@ -177,7 +181,7 @@ def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split="", uw=Fa
 
 
 def emu_rfixup(m_tr, f_start, cu_segs, dht):
-    """Mirror of fixup.rfixup_program. Returns d_end [NS, Hv, K, V] fp32 (unused rows NaN)."""
+    """Mirror of fixup.fixup_program(reverse=True). Returns d_end [NS, Hv, K, V] fp32 (unused rows NaN)."""
     ns, h_v = f_start.shape[0], f_start.shape[1]
     d_end = torch.full((ns, h_v, D, D), float("nan"), device=f_start.device)
     cs = [int(x) for x in cu_segs.tolist()]
