@@ -2,7 +2,7 @@
 # A/B of the in-repo kernels, forward and backward, in one device call: base (a copy of kernels/ as
 # BASE_PKG/qlabench_kernels, e.g. `git archive REF kernels`, default .run/ab/pkg_base) against new (the
 # tree). Correctness of new (check_fwd on split cases, check_bwd on split cases; SKIPCHECK=1 skips it),
-# then timings base, new, base2, new2: check_fwd --quick on FC (stage times, whole forward) and
+# then timings base, new, base2, new2 (REPS=1: base, new): check_fwd --quick on FC (stage times, whole forward) and
 # check_bwd --no-check --bwd-only on BC. Everything into $OUT/ab.tgz.
 # Cache: both arms' kernels compiled offline into .tlcache/$CACHE (default ab), packed as
 # .tlcache/$CACHE.tar.xz without cuda-binaries. Carry: .devsite .tlcache/$CACHE.tar.xz and BASE_PKG's folder.
@@ -27,7 +27,7 @@ run() { local name=$1 tool=$2; shift 2; mkdir -p $O/$name; local p; p=$(pk $name
 [ "${SKIPCHECK:-0}" = 1 ] || run checkf_new check_fwd --quick --no-time --cases mixed_1_3_split512,mixed_2_8_split1024
 [ "${SKIPCHECK:-0}" = 1 ] || run checkb_new check_bwd --quick --no-time --cases split_2_4,split_1_3_noh0,split_2_8_h0only,16_32_1x32768
 FC=${FC:-8_24_1x32768,16_16_1x32768}; BC=${BC:-16_32_1x32768,16_64_8way32768,8_16_4x8192}
-for r in "" 2; do
+for r in "" $([ "${REPS:-2}" -ge 2 ] && echo 2); do  # REPS=1: base and new once
   for a in base new; do
     run fwd_$a$r check_fwd --quick --cases $FC
     run bwd_$a$r check_bwd --no-check --bwd-only --cases $BC
