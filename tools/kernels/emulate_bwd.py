@@ -141,9 +141,10 @@ def emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, split="", uw=Fa
             dH = dht[seq].float().clone()
         nch = (eos - bos + C - 1) // C
         # pass 1 walks a segment's first chunks alone where they decay what lies after them (its warm-up)
-        wl = warmup_len(gcs, cslot, nch, from_first=True).to(dev) if split == "seg" else torch.full((h_v,), nch)
+        wl = warmup_len(gcs, cslot, nch, from_first=True).to(dev) if split == "seg" else None
         for ci in reversed(range(nch)):
-            dH[(wl < nch) & (wl == ci + 1)] = 0.0
+            if wl is not None:
+                dH[(wl < nch) & (wl == ci + 1)] = 0.0
             t0 = bos + ci * C
             ln = min(eos - t0, C)
             r0 = (cslot + ci) * C
