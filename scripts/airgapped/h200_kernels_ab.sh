@@ -3,7 +3,8 @@
 # BASE_PKG/qlabench_kernels, e.g. `git archive REF kernels`, default .run/ab/pkg_base) against new (the
 # tree). Correctness of new (check_fwd on split cases, check_bwd on split cases; SKIPCHECK=1 skips it),
 # then timings base, new, base2, new2 (REPS=1: base, new): check_fwd --quick on FC (stage times, whole forward) and
-# check_bwd --no-check --bwd-only on BC. Everything into $OUT/ab.tgz.
+# check_bwd --no-check --bwd-only on BC. CHECKF / CHECKB name the correctness cases; an empty FC, BC,
+# CHECKF or CHECKB skips that part. Everything into $OUT/ab.tgz.
 # Cache: both arms' kernels compiled offline into .tlcache/$CACHE (default ab), packed as
 # .tlcache/$CACHE.tar.xz without cuda-binaries. Carry: .devsite .tlcache/$CACHE.tar.xz and BASE_PKG's folder.
 #   FC=8_24_1x32768,16_16_1x32768 BC=16_32_1x32768 bash scripts/airgapped/h200_kernels_ab.sh
@@ -24,13 +25,14 @@ run() { local name=$1 tool=$2; shift 2; mkdir -p $O/$name; local p; p=$(pk $name
   PYTHONPATH=${p:+$p:}$PYTHONPATH OUT=$O/$name timeout --kill-after=10 ${CHECK_S:-170} python3 -m qlabench_tools.kernels.$tool "$@" > $O/$name/log 2>&1
   log "$name: exit $?"; sed -n '/=== summary/,$p' $O/$name/log | grep -E "PASS|FAIL|CRASH|split=|^TIME|ms" | cut -c1-300 | tee -a $O/ab.log
   grep -E "^TIME|CRASH|rror" $O/$name/log | cut -c1-300 | tee -a $O/ab.log; }
-[ "${SKIPCHECK:-0}" = 1 ] || run checkf_new check_fwd --quick --no-time --cases mixed_1_3_split512,mixed_2_8_split1024
-[ "${SKIPCHECK:-0}" = 1 ] || run checkb_new check_bwd --quick --no-time --cases split_2_4,split_1_3_noh0,split_2_8_h0only,16_32_1x32768
-FC=${FC:-8_24_1x32768,16_16_1x32768}; BC=${BC:-16_32_1x32768,16_64_8way32768,8_16_4x8192}
+FC=${FC-8_24_1x32768,16_16_1x32768}; BC=${BC-16_32_1x32768,16_64_8way32768,8_16_4x8192}
+CHECKF=${CHECKF-mixed_1_3_split512,mixed_2_8_split1024}; CHECKB=${CHECKB-split_2_4,split_1_3_noh0,split_2_8_h0only,16_32_1x32768}
+[ "${SKIPCHECK:-0}" = 1 ] || [ -z "$CHECKF" ] || run checkf_new check_fwd --quick --no-time --cases $CHECKF
+[ "${SKIPCHECK:-0}" = 1 ] || [ -z "$CHECKB" ] || run checkb_new check_bwd --quick --no-time --cases $CHECKB
 for r in "" $([ "${REPS:-2}" -ge 2 ] && echo 2); do  # REPS=1: base and new once
   for a in base new; do
-    run fwd_$a$r check_fwd --quick --cases $FC
-    run bwd_$a$r check_bwd --no-check --bwd-only --cases $BC
+    [ -z "$FC" ] || run fwd_$a$r check_fwd --quick --cases $FC
+    [ -z "$BC" ] || run bwd_$a$r check_bwd --no-check --bwd-only --cases $BC
   done
   tar czf $FINAL/ab.tgz -C $O .
 done
