@@ -4,7 +4,7 @@
 #   STEP=setup  carry .devsite .tlcache/all.tar.xz .run/prevkernels .run/repo.tar.gz (all of them built by
 #               scripts/airgapped/prepare.sh) [.tlcache/fqla.tar.xz .tlcache/fqla_fwd.tar.xz .tlcache/fqla_bwd.tar.xz .tlcache/fqla_tests.tar.xz .tlcache/fi0613_jit.tar.xz
 #               (scripts/airgapped/build_flashinfer06_aot.sh) .tlcache/calib.tar.xz .tlcache/{,fqla_}heldout.tar.xz
-#               .tlcache/{,fqla_}bwd_heldout.tar.xz .tlcache/triton_autotune.tgz (FLA's Triton autotuning
+#               .tlcache/{,fqla_}bwd_heldout.tar.xz .tlcache/{,fqla_}bwd.tar.xz .tlcache/triton_autotune.tgz (FLA's Triton autotuning
 #               results, a former job.tgz's triton_autotune.tgz)]:
 #               /tmp/site312, the caches, the commit to run in /tmp/repo (.run/repo.tar.gz, made
 #               here with `git archive HEAD -- . ':!results' | gzip`, plus the carried tree's
@@ -59,6 +59,8 @@
 #   suite_first  the GPU test suite in one job (its first run on this machine);
 #   bwd          the backward campaign, configs/h200_bwd.yaml (fla, flashqla, tilelang) into runs/h200_bwd
 #                (no cap but the deadline: a campaign step after it gets what is left);
+#   bwd_nofla    the backward sweep without FLA (flashqla, tilelang: the ratio the backward's bar is
+#                set on, in a few minutes without FLA's autotuning) into runs/h200_bwd_nofla;
 #   campaign     the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4,
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
 #   campaign_nofla the forward sweep without FLA (never the fastest library there: the best-library
@@ -117,7 +119,7 @@ setup)
   tar -xJf .tlcache/all.tar.xz -C /tmp/tlc || exit 1
   # FlashQLA's kernels (the sweeps, tests, held-out heads) and ours for the calibration and the held-out
   # heads, compiled offline
-  for f in fqla fqla_fwd fqla_bwd fqla_tests fqla_heldout fqla_bwd_heldout calib heldout bwd_heldout; do
+  for f in fqla fqla_fwd fqla_bwd fqla_tests fqla_heldout fqla_bwd_heldout calib heldout bwd_heldout bwd; do
     [ -f .tlcache/$f.tar.xz ] && tar -xJf .tlcache/$f.tar.xz -C /tmp/tlc && cp -rn /tmp/tlc/$f/. /tmp/tlc/all/
   done
   if [ -d .run/prevkernels ]; then cp -r .run/prevkernels /tmp/prevkernels || exit 1; fi
@@ -250,6 +252,7 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step fwd_recipes 120 360 qlabench run configs/h200_fwd_recipes.yaml --resume
   step suite_first 200 420 $(suite suite_first)
   step bwd 300 0 qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume
+  step bwd_nofla 300 0 qlabench run configs/h200_bwd.yaml --out runs/h200_bwd_nofla --backends flashqla,tilelang --resume $RT
   if wants campaign; then
     while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
     tail -1 "$J/fi_jit.log" 2>/dev/null

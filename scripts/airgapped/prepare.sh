@@ -16,6 +16,8 @@
 #            ours_fwd and fqla_heldout: the forward campaign's carry)
 #   (only when named) bwd_heldout, fqla_bwd_heldout  .tlcache/bwd_heldout.tar.xz, .tlcache/fqla_bwd_heldout.tar.xz:
 #            ours and FlashQLA's kernels for the held-out backward config (beside a slim all.tar.xz)
+#   (only when named) bwd, fqla_bwd  .tlcache/bwd.tar.xz, .tlcache/fqla_bwd.tar.xz: the same for the backward
+#            sweep (configs/h200_bwd.yaml; the job's steps bwd and bwd_nofla)
 #   (only when named) fwd_campaign  the forward campaign's whole carry, as two chains side by side (the
 #            packages: devsite fi07 fi0613; the kernels: ours_fwd fqla_heldout fqla_fwd; ~33 min on 2
 #            cores, each chain's log in .run/prepare_*.log), then repo
@@ -67,6 +69,13 @@ for part in $PARTS; do
       have .tlcache/bwd_heldout.tar.xz "$part" || {
         TILELANG_CACHE_DIR=$PWD/.tlcache/bwd_heldout qlabench precompile configs/h200_bwd_heldout.yaml --jobs "$JOBS" \
           && pack bwd_heldout; } || rc=1 ;;
+    bwd)
+      have .tlcache/bwd.tar.xz "$part" || {
+        TILELANG_CACHE_DIR=$PWD/.tlcache/bwd qlabench precompile configs/h200_bwd.yaml --jobs "$JOBS" && pack bwd; } || rc=1 ;;
+    fqla_bwd)
+      have .tlcache/fqla_bwd.tar.xz "$part" || {
+        TILELANG_CACHE_DIR=$PWD/.tlcache/fqla_bwd python3 scripts/airgapped/precompile_flashqla.py \
+          --config configs/h200_bwd.yaml && pack fqla_bwd; } || rc=1 ;;
     fqla_bwd_heldout)
       have .tlcache/fqla_bwd_heldout.tar.xz "$part" || {
         TILELANG_CACHE_DIR=$PWD/.tlcache/fqla_bwd_heldout python3 scripts/airgapped/precompile_flashqla.py \
@@ -109,7 +118,7 @@ for part in $PARTS; do
           && log "ab: pkg_$name = kernels/ and tools/ of $(git rev-parse --short=12 "$ref")" || rc=1
       done
       pack fused || rc=1 ;;
-    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab ours_fwd fqla_fwd fqla_heldout fwd_campaign bwd_heldout fqla_bwd_heldout)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (devsite fi07 tileops fi0613 ours fqla repo ab ours_fwd fqla_fwd fqla_heldout fwd_campaign bwd_heldout fqla_bwd_heldout bwd fqla_bwd)" >&2; exit 2 ;;
   esac
 done
 mib() { du -smc "$@" 2>/dev/null | tail -1 | cut -f1; }
