@@ -330,7 +330,7 @@ def emu_bwd_pipeline(q, k, v, g, beta, do, dht=None, scale=None, h0=None, cu=Non
     from qlabench_kernels._common import chunk_table, default_cu_seqlens, segment_table
     from qlabench_tools.kernels.emulate import emu_prep
 
-    T, h_qk = q.shape[1], q.shape[2]
+    T = q.shape[1]
     scale = D**-0.5 if scale is None else scale
     cu = default_cu_seqlens(T, q.device) if cu is None else cu.to(device=q.device, dtype=torch.int64)
     N = cu.numel() - 1
