@@ -30,7 +30,8 @@ b, b + P, b + 2P, … (P = the grid, at most one CTA per SM); tile t is v-head t
 
 Every buffer but g, β and the row table has one slot; the next tile's copy is loaded as soon as the
 consumers are done with it: group A after phase A, dv_new after phase B's first group, q and k
-after the item's last GEMM, group V once the tile is done and its dv stored.
+after the item's last GEMM, group V once the tile is done and its dv stored. 220 KB of shared memory
+(the block limit is 227 KB): dS, A and dM ⊙ Γ share one buffer.
 
 Rows past a chunk's valid length: the TMA loads of q, k, v, dO are not masked (the next sequence's
 rows, or zeros past T); dS, M and the dk state part are masked to the valid rows, dv_new and A_β are
@@ -108,9 +109,8 @@ def bwd_dqkwy_program(h_qk: int, h_v: int):
             k_sh = T.alloc_shared((C, D), "bfloat16")
             # the consumers' own
             dw_sh = T.alloc_shared((C, D), "bfloat16")
-            ds_sh = T.alloc_shared((C, C), "bfloat16")  # dS, then dM ⊙ Γ
+            ds_sh = T.alloc_shared((C, C), "bfloat16")  # dS, then A, then dM ⊙ Γ
             m_sh = T.alloc_shared((C, C), "bfloat16")  # M, then X
-            aa_sh = T.alloc_shared((C, C), "bfloat16")
             dab_sh = T.alloc_shared((C, C), "bfloat16")
             diag_sh = T.alloc_shared((C,), "float32")
             r1_sh = T.alloc_shared((C,), "float32")
@@ -244,7 +244,7 @@ def bwd_dqkwy_program(h_qk: int, h_v: int):
                         T.wait_wgmma(2)
                         T.warpgroup_fence_operand(fa, num_regs=C * C // 256)  # A = I − A_β M
                         for i, jj in T.Parallel(C, C):
-                            aa_sh[i, jj] = T.cast(
+                            ds_sh[i, jj] = T.cast(
                                 T.if_then_else(i >= jj, T.if_then_else(i == jj, T.float32(1), f0) - fa[i, jj], f0), "bfloat16"
                             )
                         T.wait_wgmma(0)
@@ -260,7 +260,7 @@ def bwd_dqkwy_program(h_qk: int, h_v: int):
                         T.barrier_arrive(dv_ready)
 
                         # issued together: X = Aᵀ dA_β, A_βᵀ dw
-                        T.wgmma_gemm(aa_sh, dab_sh, f64, transpose_A=True, clear_accum=True)
+                        T.wgmma_gemm(ds_sh, dab_sh, f64, transpose_A=True, clear_accum=True)
                         T.wgmma_gemm(a_sh, dw_sh, acc1, transpose_A=True, clear_accum=True)
                         T.wait_wgmma(1)
                         T.warpgroup_fence_operand(f64, num_regs=C * C // 256)  # X: dβ_j += X_jj

@@ -42,6 +42,34 @@ def sources():
     }
 
 
+#: the most shared memory one block may use on sm_90 (H100, H200), static and dynamic together
+SMEM_MAX = 232448
+
+
+def _launch_smem(host_src: str, threads: int) -> int:
+    """The dynamic shared memory of the launch in TileLang's host stub: the integer argument right
+    after its block dimensions (threads, 1, 1)."""
+    vals = [int(v) for v in re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);", host_src)]
+    found = [vals[i + 3] for i in range(len(vals) - 3) if vals[i : i + 3] == [threads, 1, 1]]
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.parametrize(
+    "mod,getter,args,threads",
+    [("fwd_fused", "get_fwd_fused_kernel", (2, 8, True, True), 512), ("fwd_o", "get_fwd_o_kernel", (2, 8, True, True), 256),
+     ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), 384), ("bwd_dqkwy", "get_bwd_dqkwy_kernel", (2, 8), 384),
+     ("seg_state", "get_seg_state_kernel", (2, 8), 256), ("bwd_h", "get_bwd_h_kernel", (2, 8, True), 256)],
+)  # fmt: skip
+def test_shared_memory_fits_the_block_limit(sources, mod, getter, args, threads):
+    """TileLang compiles a program whose shared memory exceeds the block limit without complaint and
+    the launch fails on the GPU: each launch's dynamic shared memory (its reduction workspaces
+    included) stays under 227 KB with 1 KB left for the static mbarriers."""
+    host = getattr(_mod(mod), getter)(*args, target_k=TARGET_K).get_host_source()
+    smem = _launch_smem(host, threads)
+    assert 0 < smem <= SMEM_MAX - 1024, (mod, smem)
+
+
 def test_every_kernel_compiles_and_all_but_tables_use_wgmma(sources):
     for name, src in sources.items():
         assert "__global__" in src, name

@@ -38,7 +38,8 @@ def programs(ntiles, G, drop=None):
                  ("wait", "full", V, p, t + 1), ("read", "v", V, t), ("read", "a", V, t), ("read", "du", U, t),
                  ("read", f"g{j}", A, t), ("read", f"b{j}", A, t), ("arrive", "empty_u", 0),
                  ("write", "v", V, ("dv", t)), ("arrive", "dv_ready", 0), ("read", "a", V, t),
-                 ("read", f"b{j}", A, t), ("arrive", "empty_v", 0), ("read", "k", Q, it), ("read", f"g{j}", A, t)]  # fmt: skip
+                 ("read", f"b{j}", A, t), ("arrive", "empty_v", 0), ("read", "k", Q, it), ("read", f"g{j}", A, t),
+                 ("read", f"b{j}", A, t)]  # fmt: skip
         if vi == G - 1:
             cons += [("arrive", "empty_q", 0), ("read", f"info{j}", A, t)]
         # store warp: dv out of v's buffer
