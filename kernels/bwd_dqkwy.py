@@ -24,13 +24,15 @@ b, b + P, b + 2P, … (P = the grid, at most one CTA per SM); tile t is v-head t
                              dL = X A_βᵀ, each wait on the oldest). dq and dk of an item stored from
                              the registers after its last tile (valid rows), dg and dβ by row.
     WG2       (tx 256..383)  warp 8, the producer: TMA loads per tile in the order they are freed:
-                             group A (dO, v_new, h, dH, g and β into slot t % 2), dv_new, q and k
+                             group A (dO, v_new, h, dH, g and β into slot t % 2), dv_new, q, k
                              (per item), group V (v, A_β). warp 9, the store warp: dv (staged in v's
                              buffer after its last read) by TMA when the chunk is full, else by rows.
 
 Every buffer but g, β and the row table has one slot; the next tile's copy is loaded as soon as the
-consumers are done with it: group A after phase A, dv_new after phase B's first group, q and k
-after the item's last GEMM, group V once the tile is done and its dv stored. 220 KB of shared memory
+consumers are done with it: group A after phase A, dv_new after phase B's first group, q after the
+item's last phase A (the next item's q lands during its phase B), k after the item's last GEMM (the
+next item's first tile waits for it only after three GEMMs), group V once the tile is done and its dv
+stored. 220 KB of shared memory
 (the block limit is 227 KB): dS, A and dM ⊙ Γ share one buffer.
 
 Rows past a chunk's valid length: the TMA loads of q, k, v, dO are not masked (the next sequence's
@@ -38,8 +40,9 @@ rows, or zeros past T); dS, M and the dk state part are masked to the valid rows
 zero there, and dq, dk, dv, dg, dβ are stored on valid rows only.
 
 mbarriers (parity t % 2 unless named): full_a / empty_a, full_u / empty_u, full_v / empty_v (288: the
-consumers and the store warp), full_q / empty_q (parity (t // G) % 2), dv_ready (the consumers, dv
-staged). full_* count 32 (the producer warp) + tx bytes, empty_* the 256 consumer threads.
+consumers and the store warp), full_q / empty_q and full_k / empty_k (parity (t // G) % 2), dv_ready
+(the consumers, dv staged). full_* count 32 (the producer warp) + tx bytes, empty_* the 256
+consumer threads.
 ``tools/kernels/dqkwy_protocol.py`` models them over random interleavings.
 """
 
@@ -144,6 +147,8 @@ def bwd_dqkwy_program(h_qk: int, h_v: int):
             empty_u = T.alloc_barrier(256)
             full_q = T.alloc_barrier(32)
             empty_q = T.alloc_barrier(256)
+            full_k = T.alloc_barrier(32)
+            empty_k = T.alloc_barrier(256)
             full_v = T.alloc_barrier(32)
             empty_v = T.alloc_barrier(288)  # the consumers and the store warp
             dv_ready = T.alloc_barrier(256)
@@ -192,6 +197,8 @@ def bwd_dqkwy_program(h_qk: int, h_v: int):
                         T.reduce_sum(acc2, red, dim=1)
                         T.reduce_sum(red, hdt, dim=0)
                         T.gemm(vn_sh, dh_sh, acc2, transpose_B=True, clear_accum=True)
+                        if vi == 0:
+                            T.barrier_wait(full_k, (t // G) % 2)
                         for i, jj in T.Parallel(C, D):
                             acc2[i, jj] = T.if_then_else(i < ln, T.exp(glast - g_sh[j, i]) * acc2[i, jj], f0)
                             dk_acc[i, jj] = dk_acc[i, jj] + acc2[i, jj]
@@ -215,6 +222,8 @@ def bwd_dqkwy_program(h_qk: int, h_v: int):
                         T.copy(zc, zc_sh)
                         T.gemm(ds_sh, k_sh, dq_acc)
                         T.gemm(ds_sh, q_sh, dk_acc, transpose_A=True)
+                        if vi == G - 1:  # the item's last read of q
+                            T.barrier_arrive(empty_q)
                         if tx < C:  # dg's state part of row tx
                             dga = T.if_then_else(
                                 tx < ln,
@@ -310,7 +319,7 @@ def bwd_dqkwy_program(h_qk: int, h_v: int):
                         if tx < ln:
                             dg[0, bos + tx, hv] = sacc
                     # the item's dq and dk, summed over its v-heads: valid rows from the registers
-                    T.barrier_arrive(empty_q)
+                    T.barrier_arrive(empty_k)
                     bos = info_sh[(it * G + G - 1) % 2, 0]
                     ln = info_sh[(it * G + G - 1) % 2, 1]
                     for i, jj in T.Parallel(C, D):
@@ -351,8 +360,10 @@ def bwd_dqkwy_program(h_qk: int, h_v: int):
                         if gi == 0:
                             T.barrier_wait(empty_q, 1 - (t // G) % 2)
                             T.tma_copy(q[0, bos : bos + C, hk, 0:D], q_sh, barrier=full_q)
-                            T.tma_copy(k[0, bos : bos + C, hk, 0:D], k_sh, barrier=full_q)
                             T.barrier_arrive(full_q)
+                            T.barrier_wait(empty_k, 1 - (t // G) % 2)
+                            T.tma_copy(k[0, bos : bos + C, hk, 0:D], k_sh, barrier=full_k)
+                            T.barrier_arrive(full_k)
                         T.barrier_wait(empty_v, 1 - p)
                         T.tma_copy(v[0, bos : bos + C, hv, 0:D], v_sh[0, :, :], barrier=full_v)
                         T.tma_copy(a_beta[hv, r0 : r0 + C, 0:C], a_sh, barrier=full_v)

@@ -3,8 +3,8 @@
 The consumers (WG0 + WG1, one actor: their 256 arrivals count as one), the producer warp and the
 store warp run the kernel's sequence of waits / arrives / buffer reads and writes over the tiles of
 one CTA (tile t = v-head t % G of item t // G). mbarriers as in ``ws_protocol`` (PTX parity
-semantics, TMA landing at a random later time, 50x skewed role speeds); the four loads' full
-barriers are ``full[0..3]`` = group A, dv_new, q and k, group V. Checked on every interleaving: no
+semantics, TMA landing at a random later time, 50x skewed role speeds); the five loads' full
+barriers are ``full[0..4]`` = group A, dv_new, q, group V, k. Checked on every interleaving: no
 deadlock, every parity wait passes at its intended phase, every read sees the tile (or item) it is
 meant for: the one-slot buffers, g / β / the row table in slot t % 2, and the dv staged in v's buffer.
 """
@@ -13,7 +13,7 @@ import random
 
 from qlabench_tools.kernels.ws_protocol import Bar, run_programs
 
-A, U, Q, V = 0, 1, 2, 3  # full[] indices (the TMA loads' barriers)
+A, U, Q, V, K = 0, 1, 2, 3, 4  # full[] indices (the TMA loads' barriers)
 
 
 def programs(ntiles, G, drop=None):
@@ -27,21 +27,23 @@ def programs(ntiles, G, drop=None):
                  ("write", f"b{j}", A, t), ("write", f"info{j}", A, t), ("arrive", "full", A),
                  ("wait", "empty_u", 0, 1 - p, t), ("tma", U, t, ("du",)), ("arrive", "full", U)]  # fmt: skip
         if vi == 0:
-            prod += [("wait", "empty_q", 0, 1 - it % 2, it), ("tma", Q, it, ("q", "k")), ("arrive", "full", Q)]
+            prod += [("wait", "empty_q", 0, 1 - it % 2, it), ("tma", Q, it, ("q",)), ("arrive", "full", Q),
+                     ("wait", "empty_k", 0, 1 - it % 2, it), ("tma", K, it, ("k",)), ("arrive", "full", K)]
         prod += [("wait", "empty_v", 0, 1 - p, t), ("tma", V, t, ("v", "a")), ("arrive", "full", V)]
         # consumers: phase A, then phase B
         cons += [("wait", "full", A, p, t + 1)] + [("read", b, A, t) for b in ("do", "vn", "h", "dh", f"g{j}", f"info{j}")]
-        if vi == 0:
-            cons += [("wait", "full", Q, it % 2, it + 1)]
-        cons += [("read", "q", Q, it), ("read", "k", Q, it), ("wait", "full", U, p, t + 1), ("read", "du", U, t),
-                 ("read", "h", A, t), ("arrive", "empty_a", 0), ("read", "q", Q, it), ("read", "k", Q, it),
-                 ("wait", "full", V, p, t + 1), ("read", "v", V, t), ("read", "a", V, t), ("read", "du", U, t),
+        cons += [("wait", "full", Q, it % 2, it + 1)] if vi == 0 else []
+        cons += [("read", "q", Q, it)] + ([("wait", "full", K, it % 2, it + 1)] if vi == 0 else [])
+        cons += [("read", "k", K, it), ("wait", "full", U, p, t + 1), ("read", "du", U, t), ("read", "h", A, t),
+                 ("arrive", "empty_a", 0), ("read", "q", Q, it), ("read", "k", K, it)]  # fmt: skip
+        cons += [("arrive", "empty_q", 0)] if vi == G - 1 else []
+        cons += [("wait", "full", V, p, t + 1), ("read", "v", V, t), ("read", "a", V, t), ("read", "du", U, t),
                  ("read", f"g{j}", A, t), ("read", f"b{j}", A, t), ("arrive", "empty_u", 0),
                  ("write", "v", V, ("dv", t)), ("arrive", "dv_ready", 0), ("read", "a", V, t),
-                 ("read", f"b{j}", A, t), ("arrive", "empty_v", 0), ("read", "k", Q, it), ("read", f"g{j}", A, t),
+                 ("read", f"b{j}", A, t), ("arrive", "empty_v", 0), ("read", "k", K, it), ("read", f"g{j}", A, t),
                  ("read", f"b{j}", A, t)]  # fmt: skip
         if vi == G - 1:
-            cons += [("arrive", "empty_q", 0), ("read", f"info{j}", A, t)]
+            cons += [("arrive", "empty_k", 0), ("read", f"info{j}", A, t)]
         # store warp: dv out of v's buffer
         store += [("wait", "dv_ready", 0, p, t + 1), ("read", "v", V, ("dv", t)), ("arrive", "empty_v", 0)]
     progs = {"cons": cons, "prod": prod, "store": store}
@@ -54,8 +56,8 @@ def programs(ntiles, G, drop=None):
 def simulate(ntiles, G, seed, drop=None):
     rng = random.Random(seed)
     speed = {r: rng.choice((0.02, 0.2, 1.0, 5.0)) for r in ("cons", "prod", "store", "tma")}
-    bars = {"full": [Bar(1) for _ in range(4)], "empty_a": [Bar(1)], "empty_u": [Bar(1)], "empty_q": [Bar(1)],
-            "empty_v": [Bar(2)], "dv_ready": [Bar(1)]}  # fmt: skip
+    bars = {"full": [Bar(1) for _ in range(5)], "empty_a": [Bar(1)], "empty_u": [Bar(1)], "empty_q": [Bar(1)],
+            "empty_k": [Bar(1)], "empty_v": [Bar(2)], "dv_ready": [Bar(1)]}  # fmt: skip
     return run_programs(programs(ntiles, G, drop), bars, speed, rng, bound=200000, tag=f" (G={G})")
 
 
