@@ -26,8 +26,9 @@
 #   ab       (only when named, with AB="NAME=REF ...") the kernel variants of an A/B
 #            (scripts/airgapped/h200_fused_ab.sh): .run/var/pkg_NAME/qlabench_kernels = kernels/ of
 #            git REF and qlabench_tools = its tools/ (the checks that call the variant's kernels), each compiled with the tree's for AB_HEADS (the kernels AB_KERNELS names, default
-#            fwd_fused prep tables; tools/kernels/res_usage.py, which prints their registers and stack and
-#            needs cuobjdump) into .tlcache/fused.tar.xz
+#            fwd_fused prep tables; AB_BWD=1 adds the backward's, e.g. AB_KERNELS="_ fixup tables prep" for
+#            every kernel of a backward A/B; tools/kernels/res_usage.py, which prints their registers and stack and
+#            needs cuobjdump) into .tlcache/fused.tar.xz (h200_kernels_ab.sh: CACHE=fused BASE_PKG=.run/var/pkg_NAME)
 # $SHARED: the shared folder beside the repository (default ../shared). Caches travel packed without
 # nvcc's cuda-binaries/, which loading does not need. Ends by listing what each device call would
 # carry against its 64 MiB.
@@ -106,7 +107,7 @@ for part in $PARTS; do
       ab_compile() {  # [PYTHONPATH]: the kernels AB_KERNELS name, for AB_HEADS, with their registers and stack
         for k in ${AB_KERNELS:-fwd_fused prep tables}; do
           PYTHONPATH=${1:+$1:}${PYTHONPATH:-} python3 -m qlabench_tools.kernels.res_usage --heads "$heads" \
-            --kernel "$k" --cache "$PWD/.tlcache/fused" || return 1
+            --kernel "$k" ${AB_BWD:+--bwd} --cache "$PWD/.tlcache/fused" || return 1
         done; }
       ab_compile || rc=1
       for v in $AB; do
