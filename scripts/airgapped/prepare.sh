@@ -42,6 +42,14 @@ have() { [ -z "${FORCE:-}" ] && [ -e "$1" ] && { log "$2: $1 is there (FORCE=1 r
 pack() {  # pack .tlcache/NAME (a TileLang cache directory) as .tlcache/NAME.tar.xz
   tar -cf - -C .tlcache --exclude=cuda-binaries "$1" | xz -T0 > ".tlcache/$1.tar.xz" || return 1
   log "$1: $(find ".tlcache/$1" -name executable.so | wc -l) kernels, $(du -h ".tlcache/$1.tar.xz" | cut -f1)"; }
+ours_cache() {  # NAME ARG...: `qlabench precompile ARG...` (our kernels) into .tlcache/NAME, packed
+  local name=$1; shift
+  TILELANG_CACHE_DIR=$PWD/.tlcache/$name qlabench precompile "$@" --jobs "$JOBS" && pack "$name"; }
+fqla_cache() {  # NAME CONFIG...: FlashQLA's kernels for the configs into .tlcache/NAME, packed
+  local name=$1 args=(); shift
+  for c in "$@"; do args+=(--config "$c"); done
+  TILELANG_CACHE_DIR=$PWD/.tlcache/$name python3 scripts/airgapped/precompile_flashqla.py "${args[@]}" && pack "$name"; }
+CONFIGS=$(ls configs/h200_*.yaml)
 CONFIGS=$(ls configs/h200_*.yaml)
 mkdir -p .tlcache .run
 rc=0
@@ -58,41 +66,19 @@ for part in $PARTS; do
     fi07) have .fi07b/setup_flashinfer07.sh "$part" || bash "$SHARED/device/bundle_flashinfer07.sh" || rc=1 ;;
     tileops) have .tileops/setup.sh "$part" || bash scripts/airgapped/bundle_tileops.sh || rc=1 ;;
     fi0613) have .tlcache/fi0613_jit.tar.xz "$part" || bash scripts/airgapped/build_flashinfer06_aot.sh || rc=1 ;;
-    ours)
-      have .tlcache/all.tar.xz "$part" || {
-        # shellcheck disable=SC2086
-        TILELANG_CACHE_DIR=$PWD/.tlcache/all qlabench precompile all $CONFIGS --jobs "$JOBS" && pack all; } || rc=1 ;;
+    # shellcheck disable=SC2086
+    ours) have .tlcache/all.tar.xz "$part" || ours_cache all all $CONFIGS || rc=1 ;;
     ours_fwd)
       have .tlcache/all.tar.xz "$part" || {
-        rm -rf .tlcache/all && TILELANG_CACHE_DIR=$PWD/.tlcache/all qlabench precompile configs/h200_fwd.yaml \
-          configs/h200_fwd_heldout.yaml --jobs "$JOBS" && pack all; } || rc=1 ;;
-    bwd_heldout)
-      have .tlcache/bwd_heldout.tar.xz "$part" || {
-        TILELANG_CACHE_DIR=$PWD/.tlcache/bwd_heldout qlabench precompile configs/h200_bwd_heldout.yaml --jobs "$JOBS" \
-          && pack bwd_heldout; } || rc=1 ;;
-    bwd)
-      have .tlcache/bwd.tar.xz "$part" || {
-        TILELANG_CACHE_DIR=$PWD/.tlcache/bwd qlabench precompile configs/h200_bwd.yaml --jobs "$JOBS" && pack bwd; } || rc=1 ;;
-    fqla_bwd)
-      have .tlcache/fqla_bwd.tar.xz "$part" || {
-        TILELANG_CACHE_DIR=$PWD/.tlcache/fqla_bwd python3 scripts/airgapped/precompile_flashqla.py \
-          --config configs/h200_bwd.yaml && pack fqla_bwd; } || rc=1 ;;
+        rm -rf .tlcache/all && ours_cache all configs/h200_fwd.yaml configs/h200_fwd_heldout.yaml; } || rc=1 ;;
+    bwd_heldout) have .tlcache/bwd_heldout.tar.xz "$part" || ours_cache bwd_heldout configs/h200_bwd_heldout.yaml || rc=1 ;;
+    bwd) have .tlcache/bwd.tar.xz "$part" || ours_cache bwd configs/h200_bwd.yaml || rc=1 ;;
+    fqla_bwd) have .tlcache/fqla_bwd.tar.xz "$part" || fqla_cache fqla_bwd configs/h200_bwd.yaml || rc=1 ;;
     fqla_bwd_heldout)
-      have .tlcache/fqla_bwd_heldout.tar.xz "$part" || {
-        TILELANG_CACHE_DIR=$PWD/.tlcache/fqla_bwd_heldout python3 scripts/airgapped/precompile_flashqla.py \
-          --config configs/h200_bwd_heldout.yaml && pack fqla_bwd_heldout; } || rc=1 ;;
-    fqla_heldout)
-      have .tlcache/fqla_heldout.tar.xz "$part" || {
-        TILELANG_CACHE_DIR=$PWD/.tlcache/fqla_heldout python3 scripts/airgapped/precompile_flashqla.py \
-          --config configs/h200_fwd_heldout.yaml && pack fqla_heldout; } || rc=1 ;;
-    fqla_fwd)
-      have .tlcache/fqla_fwd.tar.xz "$part" || {
-        TILELANG_CACHE_DIR=$PWD/.tlcache/fqla_fwd python3 scripts/airgapped/precompile_flashqla.py \
-          --config configs/h200_fwd.yaml && pack fqla_fwd; } || rc=1 ;;
-    fqla)
-      have .tlcache/fqla.tar.xz "$part" || {
-        args=(); for c in $CONFIGS; do args+=(--config "$c"); done
-        TILELANG_CACHE_DIR=$PWD/.tlcache/fqla python3 scripts/airgapped/precompile_flashqla.py "${args[@]}" && pack fqla; } || rc=1 ;;
+      have .tlcache/fqla_bwd_heldout.tar.xz "$part" || fqla_cache fqla_bwd_heldout configs/h200_bwd_heldout.yaml || rc=1 ;;
+    fqla_heldout) have .tlcache/fqla_heldout.tar.xz "$part" || fqla_cache fqla_heldout configs/h200_fwd_heldout.yaml || rc=1 ;;
+    fqla_fwd) have .tlcache/fqla_fwd.tar.xz "$part" || fqla_cache fqla_fwd configs/h200_fwd.yaml || rc=1 ;;
+    fqla) have .tlcache/fqla.tar.xz "$part" || fqla_cache fqla $CONFIGS || rc=1 ;;
     repo)
       git archive HEAD -- . ':!results' | gzip > .run/repo.tar.gz || rc=1
       log "repo: $(git rev-parse --short=12 HEAD), $(du -h .run/repo.tar.gz | cut -f1)"
