@@ -3,15 +3,14 @@ GEMM on wgmma):
 
     bwd_h     (64-column V block, segment, v-head)  recompute h per chunk (bf16) and v_new   [side stream]
     bwd_dhu   (segment, v-head)           reverse: Pᵀ, W' and dh per chunk, dv_new, dh0
-    bwd_dqkwg persistent                  dq, dk (P and state parts), dw, dg (partial)
-    bwd_wy    persistent                  through w, u, A: dk, dv, dβ, dg (+ in-chunk reverse cumsum)
+    bwd_dqkwy persistent                  dq, dk, dv, dg, dβ: the state terms, then through w, u and A
 
 Long sequences split into segments (:func:`plan.plan_bwd_split`) add seg_state + fixup before
 bwd_h (segment start states) and a first bwd_dhu pass + the reverse fix-up before the second
 (segment-end gradients). The state side (seg_state, fixup, bwd_h) runs on a second CUDA stream,
 concurrent with bwd_dhu, which does not depend on it. dq and dk come out summed over each
 GVA group. The forward's prep outputs (g cumsum and A·diag(β), chunk-slot layout) are reused; A
-itself is rebuilt inside bwd_wy as A = I − A_β M. Per-chunk states are recomputed, never saved.
+itself is rebuilt inside bwd_dqkwy as A = I − A_β M. Per-chunk states are recomputed, never saved.
 """
 
 import contextlib
@@ -20,9 +19,8 @@ import torch
 
 from ._common import CHUNK, HEAD_DIM, check_seqlens, chunk_table, default_cu_seqlens, segment_table
 from .bwd_dhu import run_bwd_dhu
-from .bwd_dqkwg import run_bwd_dqkwg
+from .bwd_dqkwy import run_bwd_dqkwy
 from .bwd_h import run_bwd_h
-from .bwd_wy import run_bwd_wy
 from .calibration import for_device
 from .fixup import run_fixup
 from .plan import plan_bwd_split, sm_count
@@ -64,8 +62,8 @@ def chunk_gdn_bwd(
     Returns:
         dq, dk [1,T,Hqk,128] (q.dtype, summed over each GVA group), dv [1,T,Hv,128] (v.dtype),
         dg [1,T,Hv] fp32 (for the raw g), dbeta [1,T,Hv] fp32, dh0 [N,Hv,128,128] fp32 or None.
-        With ``return_intermediates`` a dict with those and every stage's output (dq_v, dk_part,
-        dk_v [1,T,Hqk,128] bf16, summed over each GVA group).
+        With ``return_intermediates`` a dict with those and the chains' outputs (h_all, vnew,
+        dh_all, dvnew, the tables and prep's outputs; the split's segment states and gradients).
     """
     if q.dim() != 4 or q.shape[0] != 1 or q.shape[3] != HEAD_DIM:
         raise ValueError(f"q must be [1, T, Hqk, {HEAD_DIM}], got {tuple(q.shape)}")
@@ -120,7 +118,7 @@ def chunk_gdn_bwd(
         f_start = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
         d_end = torch.empty(ns, h_v, HEAD_DIM, HEAD_DIM, **f32)
     # bwd_h (state recompute) and bwd_dhu (reverse gradient chain) do not depend on each other:
-    # the state side runs on a second stream (joined before dqkwg)
+    # the state side runs on a second stream (joined before dqkwy)
     side = _side_stream(dev) if streams else None
     main = torch.cuda.current_stream(dev) if side is not None else None
     on_side = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
@@ -153,14 +151,13 @@ def chunk_gdn_bwd(
     finally:
         if side is not None:
             main.wait_stream(side)
-    dq_v, dk_v, dw, dg_part = run_bwd_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=target)
-    dk_part = dk_v.clone() if return_intermediates else None
-    dk_v, dv, dg, dbeta = run_bwd_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=target)
-    dq, dk, dv = dq_v.to(q.dtype), dk_v.to(k.dtype), dv.to(v.dtype)
+    dq, dk, dv, dg, dbeta = run_bwd_dqkwy(q, k, v, beta, do, gcs, a_beta, ctab, h_all, dh_all, vnew, dvnew, scale,
+                                          target=target)  # fmt: skip
+    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     if not return_intermediates:
         return dq, dk, dv, dg, dbeta, dh0
     return dict(
         dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dh0=dh0,
         ctab=ctab, stab=stab, gcs=gcs, a_beta=a_beta, h_all=h_all, vnew=vnew, dh_all=dh_all, dvnew=dvnew,
-        dq_v=dq_v, dk_part=dk_part, dw=dw, dg_part=dg_part, dk_v=dk_v, split_tokens=split_tokens, **split_out,
+        split_tokens=split_tokens, **split_out,
     )  # fmt: skip

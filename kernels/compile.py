@@ -24,9 +24,8 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
     pairs) and the backward (``bwd_flags``: (has_h0, has_dht) pairs; () = no backward) run for
     (h_qk, h_v); ``split`` adds the split path's kernels (seg_state, fixup, the split chains)."""
     from .bwd_dhu import get_bwd_dhu_kernel
-    from .bwd_dqkwg import get_bwd_dqkwg_kernel
+    from .bwd_dqkwy import get_bwd_dqkwy_kernel
     from .bwd_h import get_bwd_h_kernel
-    from .bwd_wy import get_bwd_wy_kernel
     from .fixup import get_fixup_kernel
     from .fwd_fused import get_fwd_fused_kernel
     from .fwd_o import get_fwd_o_kernel
@@ -54,8 +53,7 @@ def default_kernels(h_qk: int, h_v: int, fwd_flags=ALL_FLAGS, bwd_flags=ALL_FLAG
             out.append((f"bwd_dhu[carry,dh0={h0}]", get_bwd_dhu_kernel, (h_qk, h_v, True, bool(h0)), {"split": "carry"}))
             out.append((f"rfixup[dht={dht}]", get_fixup_kernel, (h_v, bool(dht), 32), {"reverse": True}))
     if bwd_flags:
-        out.append(("bwd_dqkwg", get_bwd_dqkwg_kernel, (h_qk, h_v), {}))
-        out.append(("bwd_wy", get_bwd_wy_kernel, (h_qk, h_v), {}))
+        out.append(("bwd_dqkwy", get_bwd_dqkwy_kernel, (h_qk, h_v), {}))
     return out
 
 

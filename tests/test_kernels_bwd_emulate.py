@@ -103,20 +103,12 @@ def _patch_kernels(monkeypatch):
         out.copy_((eb.emu_rfixup if reverse else emu.emu_fixup)(m_tr, add, cu_segs, init))
         return out
 
-    def fake_dqkwg(q, k, do, gcs, ctab, h_all, dh_all, vnew, dvnew, scale, target=None):
-        dq_v, dk_v, dw, dg_p = eb.emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
-        # summed over each GVA group and stored in bf16 by the kernel
-        dq_v, dk_v = eb.group_sum(dq_v, q.shape[2]).to(bf), eb.group_sum(dk_v, q.shape[2]).to(bf)
-        return dq_v, dk_v, dw.to(bf), dg_p
+    def fake_dqkwy(q, k, v, beta, do, gcs, a_beta, ctab, h_all, dh_all, vnew, dvnew, scale, target=None):
+        dq, dk, dv, dg, db = eb.emu_bwd_dqkwy(q, k, v, beta, do, gcs, a_beta, h_all, dh_all, vnew, dvnew, ctab, scale)
+        return dq.to(bf), dk.to(bf), dv.to(bf), dg, db  # dq, dk, dv stored in bf16 by the kernel
 
-    def fake_wy(k, v, beta, gcs, a_beta, ctab, dw, dvnew, dg_part, dk_v, target=None):
-        dk, dv, dg, db = eb.emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_v, dg_part, ctab)
-        dk_v.copy_(dk)
-        return dk_v, dv.to(bf), dg, db
-
-    for name, fn in [("run_bwd_h", fake_h), ("run_bwd_dhu", fake_dhu), ("run_bwd_dqkwg", fake_dqkwg),
-                     ("run_bwd_wy", fake_wy), ("run_seg_state", fake_seg_state),
-                     ("run_fixup", fake_fixup)]:  # fmt: skip
+    for name, fn in [("run_bwd_h", fake_h), ("run_bwd_dhu", fake_dhu), ("run_bwd_dqkwy", fake_dqkwy),
+                     ("run_seg_state", fake_seg_state), ("run_fixup", fake_fixup)]:  # fmt: skip
         monkeypatch.setattr(bw, name, fn)
 
     def fake_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, cu_seqlens=None, **kw):
@@ -237,28 +229,15 @@ def test_autograd_function_with_emulated_kernels(monkeypatch):
     (o2.float() * x["do"].float()).sum().backward()
 
 
-def test_wy_launcher_checks_dk_before_compiling():
-    """The persistent wy launcher refuses a dk partial it cannot complete (fp32, or per v-head) with a
-    message naming the expected shape and dtype, before any compile."""
-    wy = importlib.import_module("qlabench_kernels.bwd_wy")
-    k = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
-    v = torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)
-    ctab = torch.zeros(2, 4, dtype=torch.int32)
-    for dk in (torch.zeros(1, 64, 2, 128), torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)):
-        with pytest.raises(ValueError, match="dk_v must be bf16 \\[1, 64, 2, 128\\]"):
-            wy.run_bwd_wy(k, v, None, None, None, ctab, None, None, None, dk)
-
-
 @pytest.mark.parametrize("h_qk,h_v", [(2, 4), (1, 3), (2, 2)])
 def test_every_group_size_runs_the_persistent_kernels(monkeypatch, h_qk, h_v):
-    """One path for every GVA group size, G = 1 included: each launcher once per call, and the
-    gradients of the reference."""
+    """One path for every GVA group size, G = 1 included: the persistent launcher once per call, and
+    the gradients of the reference."""
     pkg = _patch_kernels(monkeypatch)
     bw = importlib.import_module("qlabench_kernels.backward")
     seen = []
-    for name in ("run_bwd_dqkwg", "run_bwd_wy"):
-        fn = getattr(bw, name)
-        monkeypatch.setattr(bw, name, lambda *a, _fn=fn, _n=name, **kw: (seen.append(_n), _fn(*a, **kw))[1])
+    fn = bw.run_bwd_dqkwy
+    monkeypatch.setattr(bw, "run_bwd_dqkwy", lambda *a, **kw: (seen.append("run_bwd_dqkwy"), fn(*a, **kw))[1])
     emu = emulate
     common = importlib.import_module("qlabench_kernels._common")
     x = _inputs((63, 65, 200), h_qk, h_v, True, True, seed=23)
@@ -268,7 +247,7 @@ def test_every_group_size_runs_the_persistent_kernels(monkeypatch, h_qk, h_v):
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=x["dht"], initial_state=x["h0"],
         cu_seqlens=x["cu"], gcs=gcs, a_beta=a_beta, ctab=ctab,
     )  # fmt: skip
-    assert seen == ["run_bwd_dqkwg", "run_bwd_wy"]
+    assert seen == ["run_bwd_dqkwy"]
     _check(dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db, dh0=dh0), _ref(x), True)
 
 
@@ -333,7 +312,7 @@ def _on_two_streams(monkeypatch, sim):
 
     pkg = _patch_kernels(monkeypatch)
     bw = importlib.import_module("qlabench_kernels.backward")
-    for name in ("run_bwd_h", "run_seg_state", "run_fixup"):  # dqkwg, wy: after the join
+    for name in ("run_bwd_h", "run_seg_state", "run_fixup"):  # dqkwy: after the join
         fn = getattr(bw, name)
         monkeypatch.setattr(bw, name, lambda *a, _fn=fn, **kw: sim.launch(lambda: _fn(*a, **kw)))
     fake_dhu = bw.run_bwd_dhu

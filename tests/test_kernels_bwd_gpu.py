@@ -168,12 +168,12 @@ def test_split_chains_match_reference(split, streams):
         assert rel_l2(got[n][:, valid].float(), base[n][:, valid].float()) < 1e-2, n
 
 
-#: bwd_wy for a GVA group of one v-head (every tile is an item) on many items per CTA, launched
-#: repeatedly: before the per-item barrier pair its dk hand-off could be lapped (a hang)
-_WY_G1 = textwrap.dedent("""
+#: bwd_dqkwy for a GVA group of one v-head (every tile is an item) on many items per CTA, launched
+#: repeatedly: a hand-off that could be lapped would hang or mix tiles
+_DQKWY_G1 = textwrap.dedent("""
     import torch
     import qlabench_kernels as pkg
-    from qlabench_kernels.bwd_wy import run_bwd_wy
+    from qlabench_kernels.bwd_dqkwy import run_bwd_dqkwy
 
     torch.manual_seed(0)
     T, H, D = 32768, 2, 128
@@ -187,27 +187,27 @@ _WY_G1 = textwrap.dedent("""
     r = pkg.chunk_gdn_bwd(q, k, v, g, beta, do, return_intermediates=True)
     first = None
     for _ in range(20):
-        dk = r["dk_part"].clone()
-        out = run_bwd_wy(k, v, beta, r["gcs"], r["a_beta"], r["ctab"], r["dw"], r["dvnew"], r["dg_part"], dk)
+        out = run_bwd_dqkwy(q, k, v, beta, do, r["gcs"], r["a_beta"], r["ctab"], r["h_all"], r["dh_all"], r["vnew"],
+                            r["dvnew"], D**-0.5)
         torch.cuda.synchronize()
         if first is None:
             first = [t.clone() for t in out]
-        assert all(torch.equal(a, b) for a, b in zip(first, out)), "bwd_wy not deterministic"
+        assert all(torch.equal(a, b) for a, b in zip(first, out)), "bwd_dqkwy not deterministic"
     assert all(torch.isfinite(t.float()).all() for t in first)
     print("ok")
 """)
 
 
-def test_wy_group_of_one_completes():
-    """bwd_wy with G = 1 finishes (in a subprocess under a timeout, so that a hang fails this test
+def test_dqkwy_group_of_one_completes():
+    """bwd_dqkwy with G = 1 finishes (in a subprocess under a timeout, so that a hang fails this test
     instead of stalling the job) and gives the same outputs on every launch."""
     env = dict(os.environ)
     # below the per-test watchdog (kernel_helpers.per_test_timeout), which would end the whole run
     watchdog_s = float(env.get("QLABENCH_TEST_TIMEOUT_S", "150")) or float("inf")
-    timeout_s = min(float(env.get("QLABENCH_WY_G1_TIMEOUT_S", "120")), watchdog_s - 20)
+    timeout_s = min(float(env.get("QLABENCH_DQKWY_G1_TIMEOUT_S", "120")), watchdog_s - 20)
     try:
-        p = subprocess.run([sys.executable, "-c", _WY_G1], capture_output=True, text=True, timeout=timeout_s, env=env,
+        p = subprocess.run([sys.executable, "-c", _DQKWY_G1], capture_output=True, text=True, timeout=timeout_s, env=env,
                            cwd=str(pathlib.Path(__file__).resolve().parents[1]))  # fmt: skip
     except subprocess.TimeoutExpired:
-        pytest.fail(f"bwd_wy with G = 1 did not finish in {timeout_s:.0f} s (a hang in its dk hand-off?)")
+        pytest.fail(f"bwd_dqkwy with G = 1 did not finish in {timeout_s:.0f} s (a hang in a hand-off?)")
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), (p.stdout[-2000:], p.stderr[-4000:])

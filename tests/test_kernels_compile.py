@@ -34,8 +34,7 @@ def sources():
         "bwd_dhu": ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), {}),
         "bwd_dhu_seg": ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), {"split": "seg"}),
         "bwd_dhu_carry": ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), {"split": "carry"}),
-        "bwd_dqkwg": ("bwd_dqkwg", "get_bwd_dqkwg_kernel", (2, 8), {}),
-        "bwd_wy": ("bwd_wy", "get_bwd_wy_kernel", (2, 8), {}),
+        "bwd_dqkwy": ("bwd_dqkwy", "get_bwd_dqkwy_kernel", (2, 8), {}),
     }
     return {
         name: getattr(_mod(mod), getter)(*args, target_k=TARGET_K, **kw).get_kernel_source()
@@ -59,9 +58,8 @@ def _launch_smem(host_src: str, threads: int) -> int:
 @pytest.mark.parametrize(
     "mod,getter,args,threads",
     [("fwd_fused", "get_fwd_fused_kernel", (2, 8, True, True), 512), ("fwd_o", "get_fwd_o_kernel", (2, 8, True, True), 256),
-     ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), 384), ("bwd_dqkwg", "get_bwd_dqkwg_kernel", (2, 8), 384),
-     ("bwd_wy", "get_bwd_wy_kernel", (2, 8), 384), ("seg_state", "get_seg_state_kernel", (2, 8), 256),
-     ("bwd_h", "get_bwd_h_kernel", (2, 8, True), 256)],
+     ("bwd_dhu", "get_bwd_dhu_kernel", (2, 8, True, True), 384), ("bwd_dqkwy", "get_bwd_dqkwy_kernel", (2, 8), 384),
+     ("seg_state", "get_seg_state_kernel", (2, 8), 256), ("bwd_h", "get_bwd_h_kernel", (2, 8, True), 256)],
 )  # fmt: skip
 def test_shared_memory_fits_the_block_limit(sources, mod, getter, args, threads):
     """TileLang compiles a program whose shared memory exceeds the block limit without complaint and
@@ -93,8 +91,8 @@ def test_gva_head_index_is_compiled_in(sources):
 @pytest.mark.parametrize(
     "name,mod,threads",
     [("fwd_o", "fwd_o", 256), ("fwd_fused", "fwd_fused", 512), ("bwd_h", "bwd_h", 256), ("bwd_dhu", "bwd_dhu", 384),
-     ("bwd_dhu_seg", "bwd_dhu", 384), ("bwd_dhu_carry", "bwd_dhu", 384), ("bwd_dqkwg", "bwd_wy", 384),
-     ("bwd_wy", "bwd_wy", 384), ("seg_state", "seg_state", 256)],
+     ("bwd_dhu_seg", "bwd_dhu", 384), ("bwd_dhu_carry", "bwd_dhu", 384), ("bwd_dqkwy", "bwd_dqkwy", 384),
+     ("seg_state", "seg_state", 256)],
 )  # fmt: skip
 def test_warp_specialised_kernels(sources, name, mod, threads):
     """TMA loads into rings behind mbarriers; setmaxnreg per role (.inc above the launch count, .dec
@@ -235,8 +233,8 @@ def test_bwd_h_keeps_its_state_in_registers(sources):
 
 
 def test_register_budgets_fit_the_file():
-    wy = _mod("bwd_wy")  # .inc is served by what .dec released
-    assert 2 * wy.NREG[0] + wy.NREG[1] <= 3 * wy.NREG_LAUNCH
+    m = _mod("bwd_dqkwy")  # .inc is served by what .dec released
+    assert 2 * m.NREG[0] + m.NREG[1] <= 3 * m.NREG_LAUNCH
 
 
 def test_bwd_dhu_keeps_its_gradient_in_registers(sources):
@@ -259,7 +257,7 @@ def test_bwd_dhu_keeps_its_gradient_in_registers(sources):
     assert "tma_store" not in seg
     for buf in ("dh_all", "dvnew"):
         assert f"{buf}[" not in seg and f"({buf} + " not in seg, buf
-    assert "tma_store" in sources["bwd_dqkwg"] and "tma_store" in sources["bwd_wy"]
+    assert "tma_store(dv_desc" in sources["bwd_dqkwy"]
 
 
 def test_bwd_dhu_issues_its_p_and_w_gemms_asynchronously(sources):
@@ -274,20 +272,14 @@ def test_bwd_dhu_issues_its_p_and_w_gemms_asynchronously(sources):
         assert "warpgroup_fence_operand(reinterpret_cast<float*>(y_acc + 0), 32)" in src[w0 : w0 + 200], name
 
 
-def test_wy_dk_hand_off_is_a_barrier_pair(sources):
-    """bwd_wy's per-item dk hand-off: two mbarriers (item parity), so that the consumers cannot lap
-    the store warp's wait when every tile is an item (G = 1)."""
-    src = sources["bwd_wy"]
-    assert "uint64_t dk_ready_mem[2];" in src
-    assert "dk_ready[0].arrive()" not in src  # arrived by item parity (for 2/8: (t // 4) % 2)
-
-
-def test_wy_issues_independent_gemms_asynchronously(sources):
-    """bwd_wy issues its tile's GEMMs in asynchronous groups (waits on the oldest, not after each),
+def test_dqkwy_issues_phase_b_gemms_asynchronously(sources):
+    """bwd_dqkwy issues phase B's GEMMs in asynchronous groups (waits on the oldest, not after each),
     fences each accumulator after its wait with the registers one thread holds (a fence over the
     whole fragment's element count would touch registers past the thread's array), and syncs both
-    consumer warpgroups before dv overwrites dv_new's buffer."""
-    src = sources["bwd_wy"]
+    consumer warpgroups before dv overwrites v's buffer; dq and dk accumulate over the item's
+    v-heads in registers cleared once per item (no select on the v-head index: a conditional clear
+    made ptxas spill the accumulators)."""
+    src = sources["bwd_dqkwy"]
     waits = re.findall(r"tl::wait_wgmma<(\d)>\(\);", src)
     assert sorted(waits) == ["0", "0", "1", "1", "2", "2"], waits
     counts = [int(n) for n in re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)]
@@ -298,6 +290,7 @@ def test_wy_issues_independent_gemms_asynchronously(sources):
     for bid, n in re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src):
         ids.setdefault(bid, set()).add(n)
     assert ids.get("3") == {"256"} and all(len(v) == 1 for v in ids.values()), ids
+    assert re.search(r"for \(int vi = 0; vi < 4; \+\+vi\)", src), "the item's v-heads: an inner loop"
 
 
 def test_lpt_ranks_by_warp_match_groups(sources):
@@ -314,8 +307,7 @@ def test_compile_list_covers_every_program():
     names = {getter.__name__ for _, getter, _, _ in comp.default_kernels(2, 2)}
     assert names == {
         "get_tables_kernel", "get_prep_kernel", "get_fwd_o_kernel", "get_fwd_fused_kernel", "get_seg_state_kernel",
-        "get_fixup_kernel", "get_bwd_h_kernel", "get_bwd_dhu_kernel", "get_bwd_dqkwg_kernel",
-        "get_bwd_wy_kernel",
+        "get_fixup_kernel", "get_bwd_h_kernel", "get_bwd_dhu_kernel", "get_bwd_dqkwy_kernel",
     }  # fmt: skip
     fwd = comp.default_kernels(2, 8, fwd_flags=((1, 1),), bwd_flags=())
     assert [a for _, g, a, _ in fwd if g.__name__ == "get_fwd_o_kernel"] == [(2, 8, True, True)]

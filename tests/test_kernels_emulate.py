@@ -14,7 +14,7 @@ import importlib
 import pytest
 import qlabench_kernels
 import torch
-from qlabench_tools.kernels import emulate, fused_protocol, ws_protocol, wy_protocol
+from qlabench_tools.kernels import dqkwy_protocol, emulate, fused_protocol, ws_protocol
 
 
 def _cu(lens):
@@ -146,16 +146,27 @@ def test_fwd_o_ws_barrier_protocol():
         wsp.check(seeds=100, mutate=arrive_before_o)
 
 
-def test_bwd_wy_barrier_protocol():
-    """bwd_wy's protocol (modelled in tools/kernels/wy_protocol.py) never deadlocks, never passes a
-    parity wait at the wrong phase and never lets the store warp read another tile's dv / dk, for GVA
-    groups of 1..4 v-heads; the earlier single dk_ready barrier deadlocks for G = 1 (its hand-off is
-    lapped) and holds for G >= 2."""
-    wyp = wy_protocol
-    assert wyp.check(groups=(1, 2, 3, 4), seeds=60)
-    assert wyp.check(groups=(2, 3, 4), seeds=60, pair=False)
-    with pytest.raises(AssertionError, match="deadlock|phases done"):
-        wyp.check(groups=(1,), seeds=60, pair=False)
+def test_bwd_dqkwy_barrier_protocol():
+    """bwd_dqkwy's protocol (modelled in tools/kernels/dqkwy_protocol.py with the kernel's barriers
+    and counts) never deadlocks, never passes a parity wait at the wrong phase and never lets a read
+    see another tile's or item's buffer (dv staged in v's included), for GVA groups of 1..4 v-heads;
+    dropping any role's waits on any one barrier is caught but one that an earlier wait implies."""
+    dqkwy = importlib.import_module("qlabench_kernels.bwd_dqkwy")
+    dp = dqkwy_protocol
+    src = open(dqkwy.__file__).read()
+    counts = {"full_a": 32, "empty_a": 256, "full_u": 32, "empty_u": 256, "full_q": 32, "empty_q": 256, "full_k": 32,
+              "empty_k": 256, "full_v": 32, "empty_v": 288, "dv_ready": 256}  # fmt: skip
+    assert all(f"{b} = T.alloc_barrier({n})" in src for b, n in counts.items())
+    assert dp.check(groups=(1, 2, 3, 4), seeds=40)
+    assert len(dp.waits()) == 11
+    # the producer's wait on empty_q is implied by its wait on empty_u just before (the consumers arrive
+    # on empty_u after phase A's last read of q): dropping it alone passes; every other drop fails
+    implied = ("prod", "empty_q", 0)
+    dp.check(groups=(1, 2, 3), items=(2, 3, 5), seeds=40, drop=implied)
+    for drop in dp.waits():
+        if drop != implied:
+            with pytest.raises(AssertionError):
+                dp.check(groups=(1, 2, 3), items=(2, 3, 5), seeds=40, drop=drop)
 
 
 def test_fwd_fused_barrier_protocol():

@@ -141,14 +141,12 @@ def check_case(
 
 def stage_times_ms(x, r, g, reps=10):
     from qlabench_kernels.bwd_dhu import run_bwd_dhu
-    from qlabench_kernels.bwd_dqkwg import run_bwd_dqkwg
+    from qlabench_kernels.bwd_dqkwy import run_bwd_dqkwy
     from qlabench_kernels.bwd_h import run_bwd_h
-    from qlabench_kernels.bwd_wy import run_bwd_wy
     from qlabench_kernels.fixup import run_fixup
     from qlabench_kernels.seg_state import run_seg_state
 
     sc = 128**-0.5
-    dk_tmp = g["dk_v"].clone()
     if g["split_tokens"]:
         e_end = torch.empty_like(g["h_start"])
         m_tr = torch.empty_like(g["h_start"], dtype=torch.bfloat16)
@@ -177,11 +175,9 @@ def stage_times_ms(x, r, g, reps=10):
         }  # fmt: skip
     stages = {
         **chains,
-        "bwd_dqkwg": lambda: run_bwd_dqkwg(
-            x["q"], x["k"], x["do"], g["gcs"], g["ctab"], g["h_all"], g["dh_all"], g["vnew"], g["dvnew"], sc
-        ),
-        "bwd_wy": lambda: run_bwd_wy(
-            x["k"], x["v"], x["beta"], g["gcs"], g["a_beta"], g["ctab"], g["dw"], g["dvnew"], g["dg_part"], dk_tmp
+        "bwd_dqkwy": lambda: run_bwd_dqkwy(
+            x["q"], x["k"], x["v"], x["beta"], x["do"], g["gcs"], g["a_beta"], g["ctab"], g["h_all"], g["dh_all"],
+            g["vnew"], g["dvnew"], sc,
         ),
     }  # fmt: skip
     out = {}

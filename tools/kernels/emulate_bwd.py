@@ -1,6 +1,6 @@
 """Pure-torch emulation of each TileLang backward kernel's tile-level algorithm (CPU or GPU).
 
-Mirrors kernels/bwd_h.py, bwd_dhu.py, bwd_dqkwg.py, bwd_wy.py: same tables, chunk-slot
+Mirrors kernels/bwd_h.py, bwd_dhu.py, bwd_dqkwy.py: same tables, chunk-slot
 layouts, masks and rounding points (bf16 where a kernel stages an operand in shared memory
 for wgmma or stores a bf16 intermediate; fp32 accumulation). A check feeds a kernel's real
 inputs to its emulation so that a mismatch points at one stage.
@@ -13,9 +13,9 @@ A_β = A·diag(β) with FLA's gated A, h = state at the chunk start, dH = d(stat
   bwd_h:    recompute h (bf16, per chunk slot) and v_new (bf16)
   bwd_dhu:  reverse: store dH; dv_new = Pᵀ dO + e^{g_l−g}⊙(K dH)
             dH ← e^{g_l} dH + Qᵀ(scale e^g⊙dO) − Kᵀ(e^g⊙(A_βᵀ dv_new));  dh0 = dH at the start
-  bwd_dqkwg: dw = −dv_new hᵀ; dq = scale e^g⊙(dO hᵀ) + dS K; dk = dSᵀ Q + e^{g_l−g}⊙(v_new dHᵀ)
+  bwd_dqkwy, phase A: dw = −dv_new hᵀ; dq = scale e^g⊙(dO hᵀ) + dS K; dk = dSᵀ Q + e^{g_l−g}⊙(v_new dHᵀ)
             with dS = scale Γ⊙(dO v_newᵀ) (i ≥ j); dg (on the cumsum) from e^g, Γ and e^{g_l}
-  bwd_wy:   dA_β = dw (e^g⊙K)ᵀ + dv_new Vᵀ; dv = A_βᵀ dv_new; dk += e^g⊙(A_βᵀ dw);
+  phase B:  dA_β = dw (e^g⊙K)ᵀ + dv_new Vᵀ; dv = A_βᵀ dv_new; dk += e^g⊙(A_βᵀ dw);
             A = I − A_β M (M = StrictLower(Γ⊙KKᵀ), since A(I + diag(β)M) = I);
             X = Aᵀ dA_β: dβ_j += X_jj; dL = −X A_βᵀ (i > j): dβ_i += Σ_j dL_ij M_ij,
             dM = β_i dL: dk += (dM⊙Γ)K + (dM⊙Γ)ᵀK, dg += rowsum − colsum of dM⊙M;
@@ -196,9 +196,10 @@ def emu_rfixup(m_tr, f_start, cu_segs, dht):
     return d_end
 
 
-def emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale):
-    """Mirror of bwd_dqkwg.py (all chunk slots at once). Returns dq_v [1,T,Hv,K] fp32,
-    dk_v [1,T,Hv,K] fp32 (partial), dw [Hv, NCS*64, K] (bf16 values), dg_part [Hv, NCS*64] fp32."""
+def emu_dqkwy_state(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale):
+    """Mirror of bwd_dqkwy.py's phase A, the state terms (all chunk slots at once). Returns dq_v
+    [1,T,Hv,K] fp32, dk_v [1,T,Hv,K] fp32 (partial), dw [Hv, NCS*64, K] (bf16 values) and dg's
+    state part [Hv, NCS*64] fp32, per v-head."""
     T, h_qk, h_v = q.shape[1], q.shape[2], do.shape[2]
     G = h_v // h_qk
     dev = q.device
@@ -250,10 +251,10 @@ def emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale):
     return dq_v, dk_v, _unslots(dw), _unslots(dg)
 
 
-def emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_part, dg_part, ctab):
-    """Mirror of bwd_wy.py. Returns dk_v [1,T,Hv,K] fp32 (complete), dv [1,T,Hv,V] fp32
-    (bf16 values), dg [1,T,Hv] fp32 (raw g) and dbeta [1,T,Hv] fp32. A dk_part of [1,T,Hqk,K]
-    (variant bwd_grp=1: summed over each GVA group) gives dk_v summed likewise."""
+def emu_dqkwy_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_part, dg_part, ctab):
+    """Mirror of bwd_dqkwy.py's phase B, through w, u and A, fed phase A's per-v-head dk_part and
+    dg_part. Returns dk_v [1,T,Hv,K] fp32 (complete), dv [1,T,Hv,V] fp32 (bf16 values), dg
+    [1,T,Hv] fp32 (raw g) and dbeta [1,T,Hv] fp32."""
     T, h_qk, h_v = k.shape[1], k.shape[2], v.shape[2]
     G = h_v // h_qk
     dev = k.device
@@ -299,7 +300,7 @@ def emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_part, dg_part, ctab):
     vr = rows[valid]
     dk_add = torch.zeros(1, T, h_v, D, device=dev)
     dk_add[0, vr] = dk.transpose(1, 2)[valid]
-    dk_v = dk_part.float() + (group_sum(dk_add, h_qk) if dk_part.shape[2] != h_v else dk_add)
+    dk_v = dk_part.float() + dk_add
     dv_out = torch.zeros(1, T, h_v, D, device=dev)
     dv_out[0, vr] = _r(dv).transpose(1, 2)[valid]
     dg_out = torch.zeros(1, T, h_v, device=dev)
@@ -307,6 +308,14 @@ def emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_part, dg_part, ctab):
     dg_out[0, vr] = dgr.transpose(1, 2)[valid]
     db_out[0, vr] = db.transpose(1, 2)[valid]
     return dk_v, dv_out, dg_out, db_out
+
+
+def emu_bwd_dqkwy(q, k, v, beta, do, gcs, a_beta, h_all, dh_all, vnew, dvnew, ctab, scale):
+    """Mirror of bwd_dqkwy.py: phase A then phase B per v-head, dq and dk summed over each GVA group
+    in fp32. Returns dq, dk [1,T,Hqk,K] fp32, dv [1,T,Hv,V] fp32 (bf16 values), dg and dbeta [1,T,Hv]."""
+    dq_v, dk_p, dw, dg_p = emu_dqkwy_state(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
+    dk_v, dv, dg, db = emu_dqkwy_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_p, dg_p, ctab)
+    return group_sum(dq_v, q.shape[2]), group_sum(dk_v, q.shape[2]), dv, dg, db
 
 
 def group_sum(x_v, h_qk):
@@ -317,11 +326,11 @@ def group_sum(x_v, h_qk):
 
 def emu_bwd_pipeline(q, k, v, g, beta, do, dht=None, scale=None, h0=None, cu=None, uw=False):
     """The whole backward, emulated (the forward's prep emulated too). Returns a dict with
-    dq, dk [1,T,Hqk,K], dv [1,T,Hv,V], dg, dbeta [1,T,Hv], dh0 (or None) and each stage's output."""
+    dq, dk [1,T,Hqk,K], dv [1,T,Hv,V], dg, dbeta [1,T,Hv], dh0 (or None) and the chains' outputs."""
     from qlabench_kernels._common import chunk_table, default_cu_seqlens, segment_table
     from qlabench_tools.kernels.emulate import emu_prep
 
-    T, h_qk = q.shape[1], q.shape[2]
+    T = q.shape[1]
     scale = D**-0.5 if scale is None else scale
     cu = default_cu_seqlens(T, q.device) if cu is None else cu.to(device=q.device, dtype=torch.int64)
     N = cu.numel() - 1
@@ -331,12 +340,10 @@ def emu_bwd_pipeline(q, k, v, g, beta, do, dht=None, scale=None, h0=None, cu=Non
     stab, _ = segment_table(cu, cu_chunks, T, N, max(64, (T + 63) // 64 * 64), split=False)
     h_all, vnew = emu_bwd_h(k, v, gcs, a_beta, stab, h0, ncs)
     dh_all, dvnew, dh0 = emu_bwd_dhu(q, k, gcs, a_beta, do, dht, stab, scale, ncs, N, uw=uw)
-    dq_v, dk_p, dw, dg_p = emu_bwd_dqkwg(q, k, do, gcs, h_all, dh_all, vnew, dvnew, ctab, scale)
-    dk_v, dv, dg, db = emu_bwd_wy(k, v, beta, gcs, a_beta, dw, dvnew, dk_p, dg_p, ctab)
+    dq, dk, dv, dg, db = emu_bwd_dqkwy(q, k, v, beta, do, gcs, a_beta, h_all, dh_all, vnew, dvnew, ctab, scale)
     return dict(
         ctab=ctab, stab=stab, gcs=gcs, a_beta=a_beta, h_all=h_all, vnew=vnew, dh_all=dh_all, dvnew=dvnew,
-        dq_v=dq_v, dk_part=dk_p, dw=dw, dg_part=dg_p, dk_v=dk_v,
-        dq=group_sum(dq_v, h_qk), dk=group_sum(dk_v, h_qk), dv=dv, dg=dg, dbeta=db,
+        dq=dq, dk=dk, dv=dv, dg=dg, dbeta=db,
         dh0=dh0 if h0 is not None else None,
     )  # fmt: skip
 
@@ -365,22 +372,10 @@ def stage_errors(r, q, k, v, beta, do, dht, h0, scale):
     out["bwd_dhu.dvnew"] = _rel(r["dvnew"][:, rows].float(), dvn_e[:, rows])
     if r.get("dh0") is not None:
         out["bwd_dhu.dh0"] = _rel(r["dh0"], dh0_e)
-    dq_e, dkp_e, dw_e, dgp_e = emu_bwd_dqkwg(
-        q, k, do, gcs, r["h_all"], r["dh_all"], r["vnew"], r["dvnew"], ctab, scale
+    dq_e, dk_e, dv_e, dg_e, db_e = emu_bwd_dqkwy(
+        q, k, v, beta, do, gcs, a_beta, r["h_all"], r["dh_all"], r["vnew"], r["dvnew"], ctab, scale
     )  # fmt: skip
-    if r["dq_v"].shape[2] != dq_e.shape[2]:  # bwd_grp=1: stored summed over each GVA group
-        dq_e, dkp_e = group_sum(dq_e, q.shape[2]), group_sum(dkp_e, q.shape[2])
-    out["bwd_dqkwg.dq"] = _rel(r["dq_v"], dq_e)
-    if r.get("dk_part") is not None:
-        out["bwd_dqkwg.dk"] = _rel(r["dk_part"], dkp_e)
-    out["bwd_dqkwg.dw"] = _rel(r["dw"][:, rows].float(), dw_e[:, rows])
-    out["bwd_dqkwg.dg"] = _rel(r["dg_part"][:, rows], dgp_e[:, rows])
-    if r.get("dk_part") is not None:
-        dk_e, dv_e, dg_e, db_e = emu_bwd_wy(
-            k, v, beta, gcs, a_beta, r["dw"], r["dvnew"], r["dk_part"], r["dg_part"], ctab
-        )  # fmt: skip
-        out["bwd_wy.dk"] = _rel(r["dk_v"], dk_e)
-        out["bwd_wy.dv"] = _rel(r["dv"].float(), dv_e)
-        out["bwd_wy.dg"] = _rel(r["dg"], dg_e)
-        out["bwd_wy.dbeta"] = _rel(r["dbeta"], db_e)
+    for name, got, want in (("dq", r["dq"], dq_e), ("dk", r["dk"], dk_e), ("dv", r["dv"], dv_e), ("dg", r["dg"], dg_e),
+                            ("dbeta", r["dbeta"], db_e)):  # fmt: skip
+        out[f"bwd_dqkwy.{name}"] = _rel(got.float(), want)
     return out
