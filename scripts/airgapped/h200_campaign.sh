@@ -61,6 +61,9 @@
 #                (no cap but the deadline: a campaign step after it gets what is left);
 #   bwd_nofla    the backward sweep without FLA (flashqla, tilelang: the ratio the backward's bar is
 #                set on, in a few minutes without FLA's autotuning) into runs/h200_bwd_nofla;
+#   bwd_heldout  configs/h200_bwd_heldout.yaml (held-out backward head configs: fla, flashqla,
+#                tilelang) into runs/h200_bwd_heldout (resumed once if cut; HELDOUT_SHARD as for fwd_heldout;
+#                BWD_HELDOUT_BACKENDS, set at setup, e.g. flashqla,tilelang: those labels only);
 #   campaign     the forward campaign, configs/h200_fwd.yaml (fla, FlashInfer 0.6.13 and 0.7.4,
 #                flashqla, tilelang) into runs/h200_fwd, once /tmp/fisite is ready;
 #   campaign_nofla the forward sweep without FLA (never the fastest library there: the best-library
@@ -82,9 +85,6 @@
 #                set at setup, e.g. 0/2: that shard of its points only, the rest by a later --resume;
 #                HELDOUT_BACKENDS, set at setup, e.g. flashinfer,flashinfer@0.7.4,flashqla,tilelang:
 #                those labels only, as `--backends`);
-#   bwd_heldout  configs/h200_bwd_heldout.yaml (held-out backward head configs: fla, flashqla,
-#                tilelang) into runs/h200_bwd_heldout (resumed once if cut; HELDOUT_SHARD as above;
-#                BWD_HELDOUT_BACKENDS, set at setup, e.g. flashqla,tilelang: those labels only);
 # then the comparisons of the runs it made.
 # JOB_DEADLINE (epoch seconds, set at setup from DEVICE_LEFT_S) stops the job's steps in time to pack.
 # ROW_TIMEOUT_S (set at setup, default 300): the sweeps' --row-timeout-s, so that one row that
@@ -253,6 +253,9 @@ torch.cuda.synchronize(); print('flashinfer ready')"
   step suite_first 200 420 $(suite suite_first)
   step bwd 300 0 qlabench run configs/h200_bwd.yaml --out runs/h200_bwd --resume
   step bwd_nofla 300 0 qlabench run configs/h200_bwd.yaml --out runs/h200_bwd_nofla --backends flashqla,tilelang --resume $RT
+  heldout_b="qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume $RT ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD} ${BWD_HELDOUT_BACKENDS:+--backends $BWD_HELDOUT_BACKENDS}"
+  step bwd_heldout "$([ -n "$HELDOUT_SHARD" ] && echo 120 || echo 300)" 0 $heldout_b
+  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 $heldout_b
   if wants campaign; then
     while [ -n "${FI_PID:-}" ] && kill -0 "$FI_PID" 2>/dev/null && [ "$(left)" -gt 400 ]; do sleep 5; done
     tail -1 "$J/fi_jit.log" 2>/dev/null
@@ -280,9 +283,6 @@ torch.cuda.synchronize(); print('flashinfer ready')"
     --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --shard 0/2 --resume $RT
   step campaign_nofla_resume 90 0 qlabench run configs/h200_fwd.yaml \
     --out runs/h200_fwd_nofla --backends flashinfer,flashinfer@0.7.4,flashqla,tilelang --resume $RT
-  heldout_b="qlabench run configs/h200_bwd_heldout.yaml --out runs/h200_bwd_heldout --resume $RT ${HELDOUT_SHARD:+--shard $HELDOUT_SHARD} ${BWD_HELDOUT_BACKENDS:+--backends $BWD_HELDOUT_BACKENDS}"
-  step bwd_heldout "$([ -n "$HELDOUT_SHARD" ] && echo 120 || echo 300)" 0 $heldout_b
-  [ $? -ne 0 ] && [ "$(left)" -gt 150 ] && step bwd_heldout_resume 90 0 $heldout_b
   step suite_warm 240 480 $(suite suite_warm)
   for c in "runs/h200_fwd flashinfer flashinfer@0.7.4" "runs/h200_bwd_kernels_prev tilelang@prev tilelang" \
       "runs/h200_fwd_kernels_prev tilelang@prev tilelang" \
