@@ -23,6 +23,9 @@
 #   STEP=fi07b  carry .fi07b: /tmp/fisite (FlashInfer 0.7.4); the job starts the campaign once it is there.
 #   STEP=wait   until the job ends or the call's deadline: its runs so far ($OUT/runs.tgz) and its
 #               logs, test reports and checks ($OUT/job.tgz) into $OUT (write nothing else there).
+#   STEP=stop   the job ended now (SIGINT to its process session, SIGKILL after 30 s: a sweep cut
+#               this way resumes with --resume), then what STEP=wait brings back; e.g. when the relay's
+#               calls will not come and the job would wait for FlashInfer 0.7.4 until its deadline.
 # The job (STEP=job, in /tmp/repo), each step only when JOB_STEPS names it:
 #   FlashInfer 0.6.13's module checked (the carried one) or JIT-built in the background, when a
 #   step runs it (campaign, suite_*);
@@ -112,7 +115,7 @@ snapshot() {  # what the job has so far, into $OUT as two files (a call brings b
     && tar czf "$OUT/job.tgz" "${f[@]}")
   ls -la "$OUT"; }
 
-case "${STEP:?STEP=setup|tileops|fi07a|fi07b|wait|job}" in
+case "${STEP:?STEP=setup|tileops|fi07a|fi07b|wait|stop|job}" in
 setup)
   case "${JOB:-campaign}" in campaign|none) ;; *) echo "JOB=${JOB}: campaign (default) or none; the steps are JOB_STEPS" >&2; exit 2;; esac
   mkdir -p "$J" /tmp/tlc
@@ -162,6 +165,7 @@ EOF
   # the redirections on the subshell itself: one that kept this call's stdout (`| tee $OUT/log`)
   # would hold the call open until the job ends
   (cd /tmp/repo && exec setsid nohup env STEP=job bash scripts/airgapped/h200_campaign.sh) > "$J/job.log" 2>&1 < /dev/null &
+  echo $! > "$J/job.sid"  # the job's session (setsid in place: its id is this pid), for STEP=stop
   sleep 20; cat "$J/job.log"; log "job started";;
 tileops)
   source .tileops/setup.sh || exit 1
@@ -180,6 +184,13 @@ wait)
     sleep 5; [ $(( ($(date +%s) - T0) % 60 )) -lt 5 ] && snapshot > /dev/null  # the call may be cut
   done
   tail -30 "$J/job.log" 2>/dev/null; snapshot; log "$( [ -f "$J/done" ] && echo 'job done' || echo 'job still running')";;
+stop)
+  sid=$(cat "$J/job.sid" 2>/dev/null)
+  if [ -n "$sid" ] && pgrep -s "$sid" > /dev/null; then  # by session: each step's `timeout` has its own process group
+    pkill -INT -s "$sid"; for _ in $(seq 30); do pgrep -s "$sid" > /dev/null || break; sleep 1; done
+    pkill -KILL -s "$sid"; log "job stopped"
+  fi
+  tail -30 "$J/job.log" 2>/dev/null; snapshot; log stopped;;
 job)
   source "$ENVF"
   left() { echo $(( JOB_DEADLINE - $(date +%s) )); }
