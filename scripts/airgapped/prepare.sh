@@ -50,7 +50,6 @@ fqla_cache() {  # NAME CONFIG...: FlashQLA's kernels for the configs into .tlcac
   for c in "$@"; do args+=(--config "$c"); done
   TILELANG_CACHE_DIR=$PWD/.tlcache/$name python3 scripts/airgapped/precompile_flashqla.py "${args[@]}" && pack "$name"; }
 CONFIGS=$(ls configs/h200_*.yaml)
-CONFIGS=$(ls configs/h200_*.yaml)
 mkdir -p .tlcache .run
 rc=0
 for part in $PARTS; do
