@@ -94,6 +94,48 @@ def test_grads_group_summed_shapes(tiny_point):
     assert gr["dh0"].shape == x.h0.shape and all(torch.isfinite(t).all() for t in gr.values())
 
 
+def test_grads_by_head_blocks_equal_one_pass(tiny_point):
+    """Gradients over GVA-group blocks, one qk-head per pass, are the one-pass gradients (fp64)."""
+    from dataclasses import replace
+    x = make(replace(tiny_point, h_qk=2, h_v=4), with_grads=True)
+    args = (x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens, x.do, x.dht)
+    whole = gdn_chunked_grads(*args, dtype=torch.float64, qk_heads=2)
+    blocks = gdn_chunked_grads(*args, dtype=torch.float64, qk_heads=1)
+    assert whole.keys() == blocks.keys() == {"dq", "dk", "dv", "dg", "dbeta", "dh0"}
+    for n in whole:
+        assert blocks[n].shape == whole[n].shape and _rel(blocks[n], whole[n]) < 1e-12, n
+
+
+def test_grads_halve_head_blocks_on_oom(tiny_point, monkeypatch):
+    """A pass that does not fit the device is retried with half the heads: the same gradients,
+    and the count that fit is kept for the shape; a count the caller fixed is not changed."""
+    from dataclasses import replace
+
+    import qlabench.backends.reference as R
+    x = make(replace(tiny_point, h_qk=4, h_v=8), with_grads=True)
+    args = (x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens, x.do, x.dht)
+    want = gdn_chunked_grads(*args, dtype=torch.float64, qk_heads=1)
+    real, tried = R._grads_pass, []
+
+    def fits_one(q, *a):
+        tried.append(q.shape[2])
+        if q.shape[2] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(q, *a)
+
+    monkeypatch.setattr(R, "_grads_pass", fits_one)
+    monkeypatch.setattr(R, "_FIT", {})
+    got = gdn_chunked_grads(*args, dtype=torch.float64)
+    assert tried == [4, 2, 1, 1, 1, 1]
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    tried.clear()
+    gdn_chunked_grads(*args, dtype=torch.float64)
+    assert tried == [1, 1, 1, 1]  # the fitted count first
+    with pytest.raises(torch.OutOfMemoryError):
+        gdn_chunked_grads(*args, dtype=torch.float64, qk_heads=2)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread: the token-by-token recurrence and its autograd are thousands of small

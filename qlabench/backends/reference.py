@@ -19,6 +19,8 @@ Returns o [1, T, H_v, V] and final state [N, H_v, K, V] in the compute dtype.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from .base import Backend, Prepared
@@ -150,12 +152,7 @@ def gdn_chunked(q, k, v, g, beta, scale=None, h0=None, cu_seqlens=None,
     return torch.cat(os_, 0)[None], torch.stack(hts)
 
 
-def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
-                      dtype=torch.float32, store=_kept, chunk: int = CHUNK) -> dict[str, torch.Tensor]:
-    """Reference gradients by autograd through :func:`gdn_chunked` (``store``, ``chunk``: its own).
-
-    Returns dq, dk [1,T,H_qk,K] (summed over each GVA group), dv [1,T,H_v,V], dg, dbeta
-    [1,T,H_v] (dg for the raw, un-cumsummed g) and dh0 [N,H_v,K,V] (when h0 is given)."""
+def _grads_pass(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht, dtype, store, chunk):
     leaves = {n: t.detach().to(dtype).requires_grad_(True)
               for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("h0", h0))
               if t is not None}
@@ -166,8 +163,56 @@ def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
         loss = loss + (ht * dht.to(dtype)).sum()
     names = list(leaves)
     grads = torch.autograd.grad(loss, [leaves[n] for n in names])
-    out = {"d" + n: gr for n, gr in zip(names, grads)}
-    return out
+    return {"d" + n: gr for n, gr in zip(names, grads)}
+
+
+#: qk-heads per autograd pass that last fit, per (tokens, h_qk, h_v, K, V, dtype, device)
+_FIT: dict[tuple, int] = {}
+
+
+def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
+                      dtype=torch.float32, store=_kept, chunk: int = CHUNK,
+                      qk_heads: int | None = None) -> dict[str, torch.Tensor]:
+    """Reference gradients by autograd through :func:`gdn_chunked` (``store``, ``chunk``: its own).
+
+    Returns dq, dk [1,T,H_qk,K] (summed over each GVA group), dv [1,T,H_v,V], dg, dbeta
+    [1,T,H_v] (dg for the raw, un-cumsummed g) and dh0 [N,H_v,K,V] (when h0 is given).
+
+    A qk-head and its GVA group of v-heads never read another group's inputs, so the gradients
+    are computed group block by block, ``qk_heads`` qk-heads per autograd pass: the same numbers
+    with a graph of 1 / passes the size (a long sequence on many heads does not fit a GPU's
+    memory whole). ``qk_heads=None``: all heads in one pass, and on a device out-of-memory error
+    half as many per pass, down to one; the count that fit is kept for the next call on the
+    same shape."""
+    h_qk, h_v = q.shape[2], v.shape[2]
+    grp = h_v // h_qk
+    key = (q.shape[1], h_qk, h_v, q.shape[3], v.shape[3], dtype, q.device.type)
+    per = max(1, min(h_qk, qk_heads or _FIT.get(key, h_qk)))
+    while True:
+        try:
+            out: dict[str, list] = {}
+            for a in range(0, h_qk, per):
+                b = min(h_qk, a + per)
+                qs, vs = slice(a, b), slice(a * grp, b * grp)
+                part = _grads_pass(
+                    q[:, :, qs], k[:, :, qs], v[:, :, vs], g[:, :, vs], beta[:, :, vs], scale,
+                    None if h0 is None else h0[:, vs], cu_seqlens, do[:, :, vs],
+                    None if dht is None else dht[:, vs], dtype, store, chunk)
+                for n, t in part.items():
+                    out.setdefault(n, []).append(t)
+            break
+        except torch.OutOfMemoryError:
+            if qk_heads is not None or per == 1:
+                raise
+        # past the handler, the failed pass's graph is no longer held by its traceback
+        out = {}
+        gc.collect()
+        torch.cuda.empty_cache()
+        per = -(-per // 2)
+    if qk_heads is None:
+        _FIT[key] = per
+    dims = {"dh0": 1}
+    return {n: ts[0] if len(ts) == 1 else torch.cat(ts, dims.get(n, 2)) for n, ts in out.items()}
 
 
 class ReferenceBackend(Backend):
