@@ -13,6 +13,7 @@ identity (:func:`base_row`) includes the device it was measured on (:func:`devic
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import sys
@@ -379,6 +380,7 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
             row = merge(row, outcome(status, why))
         else:
             parts: list = []  # the fields measured so far: what a backend that raised keeps
+            raised = False
             try:
                 if x is None:
                     t_ref = time.perf_counter()
@@ -403,8 +405,12 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                     row = measure_backend(be, x, direction, ref, sweep, row, out_bytes,
                                           ceilings, fresh, parts, own)
                 finally:  # the next backend starts from the point's own inputs
-                    refill(x, own())
+                    try:
+                        refill(x, own())
+                    except Exception:  # e.g. out of memory: never in place of what was raised
+                        x = ref = None  # the next backend rebuilds them
             except Exception as e:
+                raised = True
                 status = "oom" if _is_oom(e) else "crashed"
                 refused = None if status == "oom" else be.refusal(e)
                 if refused is not None:  # the library's own "not this configuration"
@@ -413,8 +419,9 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                     row = merge(row, *parts, outcome(status, crash_reason(e)))
                 if status == "oom":
                     x = ref = None  # free what we hold; the next backend rebuilds
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            if raised and torch.cuda.is_available():  # past the handler: its traceback's frames gone
+                gc.collect()
+                torch.cuda.empty_cache()
         emit("row", row)
     del x, ref
     if torch.cuda.is_available():

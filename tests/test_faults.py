@@ -47,6 +47,28 @@ def test_in_process_exceptions_without_isolation(tmp_path, monkeypatch):
     assert f == {0: "oom", 1: "crashed", 2: "incorrect"}
 
 
+def test_inputs_rebuilt_after_a_row_never_replace_its_outcome(tmp_path, monkeypatch):
+    """When restoring the point's inputs for the next backend fails (e.g. out of memory), the row
+    keeps what its backend gave (its own error, or its measurement), and the next backend
+    starts from inputs built anew."""
+    import torch
+
+    from qlabench import measure
+
+    def refill(x, fresh):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected into refill)")
+
+    monkeypatch.setattr(measure, "refill", refill)
+    monkeypatch.setenv("QLABENCH_FAULTS", "raise@0")
+    s = C.parse({**BASE, "seqlens": [[5], [6]], "isolate": False})
+    runner.run(s, tmp_path, log=lambda m: None)
+    df = results.load(tmp_path).set_index(["point_index", "backend"])
+    assert df.loc[(0, "faulty"), "status"] == "crashed"
+    assert "refill" not in df.loc[(0, "faulty"), "reason"]
+    assert df.loc[(1, "faulty"), "status"] == "ok"
+    assert (df.xs("reference", level="backend")["status"] == "ok").all()
+
+
 def test_kill_9_then_resume_completes_without_duplicates(tmp_path):
     cfg = {**BASE, "backends": ["reference"], "seqlens": [[200 + i] for i in range(12)],
            "reference": {"impl": "recurrent", "dtype": "fp64"},
