@@ -406,9 +406,15 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                                           ceilings, fresh, parts, own)
                 finally:  # the next backend starts from the point's own inputs
                     try:
-                        refill(x, own())
-                    except Exception:  # e.g. out of memory: never in place of what was raised
-                        x = ref = None  # the next backend rebuilds them
+                        mine = own()
+                        if not torch.equal(x.cu_seqlens, mine.cu_seqlens):  # rewritten by it
+                            raise ValueError("the backend rewrote cu_seqlens")
+                        refill(x, mine)
+                        del mine
+                    except Exception as e:  # never in place of the row's own outcome
+                        print(f"--- the point's inputs not restored ({crash_reason(e, 2)}): "
+                              "rebuilt for the next backend", file=sys.stderr, flush=True)
+                        x = ref = None
             except Exception as e:
                 raised = True
                 status = "oom" if _is_oom(e) else "crashed"
@@ -417,8 +423,8 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                     row = merge(row, *parts, outcome("unsupported", refused))
                 else:
                     row = merge(row, *parts, outcome(status, crash_reason(e)))
-                if status == "oom":
-                    x = ref = None  # free what we hold; the next backend rebuilds
+                if status == "oom" or ref is None:
+                    x = ref = None  # free what we hold (or what has no reference); rebuilt next
             if raised and torch.cuda.is_available():  # past the handler: its traceback's frames gone
                 gc.collect()
                 torch.cuda.empty_cache()

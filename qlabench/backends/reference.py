@@ -187,10 +187,11 @@ def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
     h_qk, h_v = q.shape[2], v.shape[2]
     grp = h_v // h_qk
     key = (q.shape[1], h_qk, h_v, q.shape[3], v.shape[3], dtype, q.device.type)
-    per = max(1, min(h_qk, qk_heads or _FIT.get(key, h_qk)))
+    per = max(1, min(h_qk, _FIT.get(key, h_qk) if qk_heads is None else qk_heads))
     while True:
+        out: dict[str, torch.Tensor] = {}
+        part = None
         try:
-            out: dict[str, list] = {}
             for a in range(0, h_qk, per):
                 b = min(h_qk, a + per)
                 qs, vs = slice(a, b), slice(a * grp, b * grp)
@@ -198,21 +199,30 @@ def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
                     q[:, :, qs], k[:, :, qs], v[:, :, vs], g[:, :, vs], beta[:, :, vs], scale,
                     None if h0 is None else h0[:, vs], cu_seqlens, do[:, :, vs],
                     None if dht is None else dht[:, vs], dtype, store, chunk)
-                for n, t in part.items():
-                    out.setdefault(n, []).append(t)
+                if per == h_qk:
+                    out = part
+                    break
+                for n, t in part.items():  # into whole-size outputs: no second copy at the end
+                    dim, heads = (1, h_v) if n == "dh0" else (2, h_qk if n in ("dq", "dk") else h_v)
+                    if n not in out:
+                        shape = list(t.shape)
+                        shape[dim] = heads
+                        out[n] = t.new_empty(shape)
+                    lo = a if heads == h_qk else a * grp
+                    out[n].narrow(dim, lo, t.shape[dim]).copy_(t)
+                part = None
             break
         except torch.OutOfMemoryError:
             if qk_heads is not None or per == 1:
                 raise
         # past the handler, the failed pass's graph is no longer held by its traceback
-        out = {}
+        out = part = None
         gc.collect()
         torch.cuda.empty_cache()
         per = -(-per // 2)
     if qk_heads is None:
         _FIT[key] = per
-    dims = {"dh0": 1}
-    return {n: ts[0] if len(ts) == 1 else torch.cat(ts, dims.get(n, 2)) for n, ts in out.items()}
+    return out
 
 
 class ReferenceBackend(Backend):
