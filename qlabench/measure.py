@@ -358,11 +358,18 @@ def _log_seconds(what: str, t0: float) -> None:
 
 
 def _same_layout(x: Inputs, own: Inputs) -> bool:
-    """What :func:`refill` does not restore — ``cu_seqlens`` and the fields that are not tensors
-    (``output_final_state``, ...) — is as the point made it."""
-    return torch.equal(x.cu_seqlens, own.cu_seqlens) and all(
-        getattr(x, f.name) == getattr(own, f.name) for f in fields(Inputs)
-        if not isinstance(getattr(own, f.name), torch.Tensor) and getattr(own, f.name) is not None)
+    """What :func:`refill` does not restore is as the point made it: ``cu_seqlens``' values,
+    every other tensor field a tensor of its shape, the fields that are not tensors
+    (``output_final_state``, ...) equal."""
+    for f in fields(Inputs):
+        a, b = getattr(x, f.name), getattr(own, f.name)
+        if isinstance(b, torch.Tensor):
+            if not isinstance(a, torch.Tensor) or a.shape != b.shape \
+                    or (f.name == "cu_seqlens" and not torch.equal(a, b)):
+                return False
+        elif isinstance(a, torch.Tensor) or a != b:
+            return False
+    return True
 
 
 def measure_task(sweep: Sweep, task: Task, emit) -> None:

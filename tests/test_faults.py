@@ -207,3 +207,19 @@ def test_a_crash_reason_names_where_in_whole_frames():
     head, where = r.split(" | at ")
     assert head == "ValueError: " + "x" * 300
     assert where.startswith("test_faults.py:") and where.split(" < ")[0].endswith(" inner")
+
+
+def test_a_rewritten_layout_is_told_from_the_points_own(tiny_point):
+    """What refill does not restore (cu_seqlens' values, a field that is not a tensor, a tensor
+    replaced by None) is compared with the point's own inputs before the next backend."""
+    from qlabench.measure import _same_layout
+    from qlabench.workloads import make
+
+    own = make(tiny_point, with_grads=True)
+    assert _same_layout(make(tiny_point, with_grads=True), own)
+    for rewrite in (lambda x: x.cu_seqlens.__setitem__(slice(1, -1), x.cu_seqlens[-1]),
+                    lambda x: setattr(x, "output_final_state", not x.output_final_state),
+                    lambda x: setattr(x, "h0", None)):
+        x = make(tiny_point, with_grads=True)
+        rewrite(x)
+        assert not _same_layout(x, own)
