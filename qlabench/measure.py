@@ -423,14 +423,15 @@ def measure_task(sweep: Sweep, task: Task, emit) -> None:
                 finally:  # the next backend starts from the point's own inputs
                     try:
                         mine = own()
-                        if not _same_layout(x, mine):
-                            raise ValueError("the backend rewrote the layout")
-                        refill(x, mine)
-                        del mine
+                        if _same_layout(x, mine):
+                            refill(x, mine)
+                        else:  # the backend rewrote the layout: the point's inputs made anew
+                            x = mine
+                        mine = None
                     except Exception as e:  # never in place of the row's own outcome
                         print(f"--- the point's inputs not restored ({crash_reason(e, 2)}): "
                               "rebuilt for the next backend", file=sys.stderr, flush=True)
-                        x = ref = None
+                        x = ref = mine = None
             except Exception as e:
                 raised = True
                 status = "oom" if _is_oom(e) else "crashed"

@@ -208,8 +208,7 @@ def gdn_chunked_grads(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht,
                         shape = list(t.shape)
                         shape[dim] = heads
                         out[n] = t.new_empty(shape)
-                    lo = a if heads == h_qk else a * grp
-                    out[n].narrow(dim, lo, t.shape[dim]).copy_(t)
+                    out[n].narrow(dim, a * (heads // h_qk), t.shape[dim]).copy_(t)
                 part = None
             break
         except torch.OutOfMemoryError:
